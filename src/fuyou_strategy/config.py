@@ -1,0 +1,183 @@
+"""`FuyouConfig`: every knob of the system, validated once.
+
+Each field has one home here. Validation happens in ``__post_init__`` so that a bad value
+fails where it is written, with an error that names the field, the value and the fix.
+Byte sizes accept ints or strings such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["ConfigError", "FuyouConfig", "parse_bytes", "format_bytes"]
+
+PAGE = 4096
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
+    """Turn ``4096``, ``"4KiB"``, ``"1.5GB"`` into a whole number of bytes.
+
+    Raises `ConfigError` naming ``name`` when the value is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: got {value!r}; expected a byte size such as 1073741824 or '1GiB'")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{name}: got {value!r}; expected a byte size such as '512MiB', '8GiB' or '1.5GB' "
+                f"(units: {', '.join(u for u in _UNITS if u)})"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{name}: got {value!r} of type {type(value).__name__}; expected int or str like '8GiB'")
+    nbytes = number * _UNITS[unit]
+    if nbytes < 0 or nbytes != nbytes:
+        raise ConfigError(f"{name}: got {value!r}; a byte size must be >= 0")
+    return int(nbytes)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class FuyouConfig:
+    """Every knob of fuyou-strategy.
+
+    Attributes:
+        swap_dirs: directories of the SSD tier, one per drive; chunks are striped across
+            them. ``None`` (default) makes a fresh temporary directory, removed on close.
+        host_memory_budget: hard cap, in bytes, on the host buffer pool (staging buffers for
+            SSD I/O and swapped activations). Default ``"2GiB"``.
+        device_memory_budget: bytes of device memory fuyou may plan for; ``None`` means
+            "measure free memory" (on the CPU: the host's available memory).
+        io_threads: I/O threads per swap directory. ``os.preadv``/``os.pwritev`` release the
+            GIL, so a handful per NVMe drive reaches its bandwidth. Default 4.
+        io_block_size: the largest single read/write request handed to the kernel; bigger
+            transfers are split into blocks of this size and spread over the threads.
+            A multiple of 4 KiB. Default ``"1MiB"``.
+        chunk_size: the unit in which tensor-store entries are striped, read and written
+            (bytes, a multiple of 4 KiB). Default ``"16MiB"``.
+        direct_io: ``"auto"`` uses ``O_DIRECT`` where the filesystem accepts it and falls
+            back to buffered I/O (announced once) where it does not; ``"on"`` makes a refusal
+            an error; ``"off"`` always uses buffered I/O.
+        preallocate: reserve swap-file space with ``posix_fallocate`` when entries are
+            created, so a full disk is reported at allocation instead of mid-step.
+    """
+
+    swap_dirs: list[str] | None = None
+    host_memory_budget: int | str = "2GiB"
+    device_memory_budget: int | str | None = None
+    io_threads: int = 4
+    io_block_size: int | str = "1MiB"
+    chunk_size: int | str = "16MiB"
+    direct_io: str = "auto"
+    preallocate: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # -- validation -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        if self.swap_dirs is not None:
+            dirs = [self.swap_dirs] if isinstance(self.swap_dirs, (str, os.PathLike)) else list(self.swap_dirs)
+            if not dirs:
+                raise ConfigError("swap_dirs: got []; give at least one directory, or None for a temporary one")
+            for d in dirs:
+                if not isinstance(d, (str, os.PathLike)):
+                    raise ConfigError(f"swap_dirs: got entry {d!r}; expected a path string")
+            resolved = [str(Path(d).expanduser()) for d in dirs]
+            if len(set(map(os.path.realpath, resolved))) != len(resolved):
+                raise ConfigError(f"swap_dirs: got {resolved}; a directory is listed twice, list each drive once")
+            self.swap_dirs = resolved
+        raw_budget = self.host_memory_budget
+        self.host_memory_budget = parse_bytes(raw_budget, name="host_memory_budget")
+        if self.host_memory_budget < PAGE:
+            raise ConfigError(
+                f"host_memory_budget: got {raw_budget!r} ({self.host_memory_budget} bytes); it must hold at "
+                f"least one 4 KiB page, and in practice several chunks, e.g. '2GiB'"
+            )
+        if self.device_memory_budget is not None:
+            self.device_memory_budget = parse_bytes(self.device_memory_budget, name="device_memory_budget")
+        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads: got {self.io_threads!r}; expected an int from 1 to 64 (threads per swap dir)")
+        for name in ("io_block_size", "chunk_size"):
+            nbytes = parse_bytes(getattr(self, name), name=name)
+            if nbytes < PAGE or nbytes % PAGE:
+                raise ConfigError(
+                    f"{name}: got {getattr(self, name)!r} ({nbytes} bytes); it must be a positive multiple of "
+                    f"4 KiB for O_DIRECT, e.g. '{max(1, round(nbytes / 2**20))}MiB'"
+                )
+            setattr(self, name, nbytes)
+        if self.chunk_size > self.host_memory_budget:
+            raise ConfigError(
+                f"chunk_size: got {format_bytes(self.chunk_size)}, larger than host_memory_budget "
+                f"({format_bytes(self.host_memory_budget)}); lower chunk_size or raise host_memory_budget"
+            )
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
+        if not isinstance(self.preallocate, bool):
+            raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "FuyouConfig":
+        """Build from a mapping; an unknown key is an error that suggests the closest field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
+                raise ConfigError(f"{key}: not a FuyouConfig field{hint}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "FuyouConfig":
+        """Load from a ``.json``, ``.yaml`` or ``.yml`` file holding a mapping of fields."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # pyyaml arrives with lightning and transformers
+
+            values = yaml.safe_load(text)
+        elif path.suffix == ".json":
+            values = json.loads(text)
+        else:
+            raise ConfigError(f"config file: got {str(path)!r}; expected a .json, .yaml or .yml file")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config file {str(path)!r}: expected a mapping of field names to values, got {type(values).__name__}")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "FuyouConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,175 @@
+"""`HostBufferPool`: page-aligned (pinned on CUDA) host buffers under a hard byte budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from ..config import PAGE, format_bytes
+from ..device import alloc_host_buffer
+
+__all__ = ["HostBudgetError", "HostBuffer", "HostBufferPool"]
+
+
+class HostBudgetError(MemoryError):
+    """A request can never fit in the pool's budget, or waited past its timeout."""
+
+
+def round_up(nbytes: int, multiple: int = PAGE) -> int:
+    return -(-nbytes // multiple) * multiple
+
+
+class HostBuffer:
+    """A buffer lent by a `HostBufferPool`; return it with `release()` or a ``with`` block.
+
+    ``data`` is a page-aligned ``uint8`` tensor of ``capacity`` bytes (``nbytes`` rounded up
+    to 4 KiB, so it can take an ``O_DIRECT`` transfer of padded length); ``view(dtype)``
+    gives the first ``nbytes`` bytes as another dtype.
+    """
+
+    __slots__ = ("data", "nbytes", "_pool", "_released")
+
+    def __init__(self, data: torch.Tensor, nbytes: int, pool: "HostBufferPool") -> None:
+        self.data = data
+        self.nbytes = nbytes
+        self._pool = pool
+        self._released = False
+
+    @property
+    def capacity(self) -> int:
+        return self.data.numel()
+
+    def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return self.data[: self.nbytes].view(dtype)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._give_back(self)
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class HostBufferPool:
+    """Page-aligned host buffers drawn from a hard byte budget.
+
+    Buffers are cached by capacity and reused, because pinned allocation is slow on CUDA.
+    The bytes held by the pool (lent out plus cached) never exceed ``budget``: when a new
+    buffer would not fit, cached buffers are dropped first, then ``acquire`` waits for a
+    release. A request larger than the whole budget fails at once with `HostBudgetError`.
+
+    Args:
+        budget: the cap in bytes.
+        name: used in error messages (e.g. ``"host_memory_budget"``).
+    """
+
+    def __init__(self, budget: int, *, name: str = "host_memory_budget") -> None:
+        if budget < PAGE:
+            raise HostBudgetError(f"{name}: got {budget} bytes; a pool needs at least one 4 KiB page")
+        self.budget = budget
+        self.name = name
+        self._cond = threading.Condition()
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._held = 0  # bytes allocated by the pool: lent + cached
+        self._lent = 0
+        self._high_water = 0
+        self._closed = False
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def high_water(self) -> int:
+        """The most bytes the pool ever held at once (lent plus cached); always <= budget."""
+        return self._high_water
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @property
+    def lent(self) -> int:
+        """Bytes currently lent out to callers."""
+        return self._lent
+
+    # -- lending ----------------------------------------------------------------------------------
+    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+        """Lend a buffer of at least ``nbytes`` (capacity rounded up to 4 KiB).
+
+        Blocks while the budget is in use by other buffers; raises `HostBudgetError` at once
+        if ``nbytes`` exceeds the whole budget, or after ``timeout`` seconds of waiting.
+        """
+        capacity = round_up(max(nbytes, 1))
+        if capacity > self.budget:
+            raise HostBudgetError(
+                f"{self.name}: a buffer of {format_bytes(capacity)} can never fit in the budget of "
+                f"{format_bytes(self.budget)}; raise {self.name} or lower chunk_size"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("HostBufferPool is closed")
+                cached = self._free.get(capacity)
+                if cached:
+                    data = cached.pop()
+                    self._lent += capacity
+                    return HostBuffer(data, nbytes, self)
+                self._evict_until(self.budget - capacity)
+                if self._held + capacity <= self.budget:
+                    self._held += capacity
+                    self._lent += capacity
+                    self._high_water = max(self._high_water, self._held)
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise HostBudgetError(
+                        f"{self.name}: waited {timeout:.1f} s for {format_bytes(capacity)}; "
+                        f"{format_bytes(self._lent)} of {format_bytes(self.budget)} still lent out"
+                    )
+                self._cond.wait(remaining)
+        try:  # allocate outside the lock: pinned allocation can take milliseconds
+            data = alloc_host_buffer(capacity)
+        except BaseException:
+            with self._cond:
+                self._held -= capacity
+                self._lent -= capacity
+                self._cond.notify_all()
+            raise
+        return HostBuffer(data, nbytes, self)
+
+    def _evict_until(self, limit: int) -> None:
+        """Drop cached buffers (largest first) until at most ``limit`` bytes are held."""
+        for capacity in sorted(self._free, reverse=True):
+            cached = self._free[capacity]
+            while cached and self._held > limit:
+                cached.pop()
+                self._held -= capacity
+        for capacity in [c for c, v in self._free.items() if not v]:
+            del self._free[capacity]
+
+    def _give_back(self, buf: HostBuffer) -> None:
+        with self._cond:
+            self._lent -= buf.capacity
+            if self._closed:
+                self._held -= buf.capacity
+            else:
+                self._free[buf.capacity].append(buf.data)
+            self._cond.notify_all()
+
+    def trim(self) -> None:
+        """Free every cached buffer."""
+        with self._cond:
+            self._evict_until(0)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._evict_until(0)
+            self._cond.notify_all()

@@ -1,0 +1,114 @@
+"""Per-process run directories inside swap directories, and cleaning up after crashes.
+
+Each process that stores tensors makes ``<swap_dir>/fuyou-run-<pid>-<token>/`` (mode 0700)
+with an ``owner.json`` naming the host, the pid and the process start time. The directory
+is removed on close, at interpreter exit and after an uncaught exception. A run killed
+hard (SIGKILL, power loss) leaves its directory behind; `find_stale_runs` recognises it
+because its owner process no longer exists, and ``fuyou clean`` removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir"]
+
+RUN_PREFIX = "fuyou-run-"
+OWNER_FILE = "owner.json"
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (guards against pid reuse), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields after the closing paren are plain.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def make_run_dir(parent: str) -> str:
+    """Create this process's 0700 run directory inside ``parent`` and return its path."""
+    token = secrets.token_hex(4)
+    path = os.path.join(parent, f"{RUN_PREFIX}{os.getpid()}-{token}")
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    owner = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_ticks": _process_start_ticks(os.getpid()),
+        "created": time.time(),
+    }
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+    return path
+
+
+@dataclass
+class StaleRun:
+    path: str
+    pid: int | None
+    nbytes: int
+    reason: str
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def find_stale_runs(parents: Iterable[str]) -> list[StaleRun]:
+    """Run directories under ``parents`` whose owning process on this host is gone.
+
+    Directories owned by another host are never reported: we cannot tell whether they live.
+    """
+    host = socket.gethostname()
+    stale = []
+    for parent in parents:
+        try:
+            children = sorted(Path(parent).iterdir())
+        except FileNotFoundError:
+            continue
+        for child in children:
+            if not child.name.startswith(RUN_PREFIX) or not child.is_dir():
+                continue
+            try:
+                owner = json.loads((child / OWNER_FILE).read_text())
+            except (OSError, ValueError):
+                stale.append(StaleRun(str(child), None, _dir_bytes(str(child)), "no readable owner.json"))
+                continue
+            if owner.get("host") != host:
+                continue
+            pid = owner.get("pid")
+            ticks = _process_start_ticks(pid) if isinstance(pid, int) else None
+            if ticks is None:
+                reason = f"process {pid} is not running"
+            elif owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
+                reason = f"pid {pid} now belongs to another process"
+            else:
+                continue
+            stale.append(StaleRun(str(child), pid, _dir_bytes(str(child)), reason))
+    return stale
+
+
+def remove_run_dir(path: str) -> None:
+    """Remove a run directory; refuses paths that are not fuyou run directories."""
+    if not os.path.basename(os.path.normpath(path)).startswith(RUN_PREFIX):
+        raise ValueError(f"refusing to remove {path!r}: not a fuyou run directory ({RUN_PREFIX}*)")
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,424 @@
+"""`TensorStore`: named, fixed-size tensor entries on the SSD tier, with two slots each.
+
+An entry is split into chunks (``chunk_size`` bytes, the last one shorter) that are striped
+over the swap directories: chunk ``k`` of an entry lives in directory ``(first + k) % D``.
+In each directory an entry owns one contiguous region, ``[slot 0 chunks][slot 1 chunks]``,
+each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``.
+
+Two slots make speculative updates safe: the optimizer reads the *active* slot and writes
+the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollback` throws
+the shadow away. A slot is only readable once all its chunks were written successfully, so
+a failed or partial write is never served as good data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from ..config import PAGE, FuyouConfig, format_bytes
+from .aio import IOEngine, StorageIOError, SwapFile, gather
+from .pool import HostBuffer, HostBufferPool, round_up
+from .rundir import make_run_dir, remove_run_dir
+
+__all__ = ["StorageError", "StorageSpaceError", "Entry", "TensorStore", "ACTIVE", "SHADOW"]
+
+ACTIVE = "active"
+SHADOW = "shadow"
+
+
+class StorageError(RuntimeError):
+    """An entry cannot be used as asked (unknown, never written, a failed write, ...)."""
+
+
+class StorageSpaceError(StorageError, OSError):
+    """A swap directory has too little free space; the message says needed vs available."""
+
+
+@dataclass(eq=False)
+class Entry:
+    """Where an entry's chunks live and which of its two slots is active."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    chunk_bytes: int
+    nchunks: int
+    first_dir: int
+    num_dirs: int
+    base: dict[int, int]  # directory index -> offset of this entry's region in that dir's file
+    count: dict[int, int]  # directory index -> chunks of this entry in that directory
+    active: int = 0
+    written: list[set[int]] = field(default_factory=lambda: [set(), set()])
+    failed: list[str | None] = field(default_factory=lambda: [None, None])
+    inflight: list[int] = field(default_factory=lambda: [0, 0])
+
+    @property
+    def stride(self) -> int:
+        return round_up(self.chunk_bytes)
+
+    def chunk_len(self, k: int) -> int:
+        return min(self.chunk_bytes, self.nbytes - k * self.chunk_bytes)
+
+    def location(self, k: int, slot: int) -> tuple[int, int]:
+        """(directory index, file offset) of chunk ``k`` in physical slot ``slot``."""
+        d = (self.first_dir + k) % self.num_dirs
+        return d, self.base[d] + (slot * self.count[d] + k // self.num_dirs) * self.stride
+
+    def is_complete(self, slot: int) -> bool:
+        return self.failed[slot] is None and self.inflight[slot] == 0 and len(self.written[slot]) == self.nchunks
+
+
+class _Resources:
+    """What must be released even if the store is never closed (run at exit via weakref)."""
+
+    def __init__(self) -> None:
+        self.engine: IOEngine | None = None
+        self.files: list[SwapFile] = []
+        self.run_dirs: list[str] = []
+        self.temp_parent: str | None = None
+        self.pool: HostBufferPool | None = None  # only when the store owns it
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            for f in self.files:
+                self.engine.close_file(f)
+        for path in self.run_dirs:
+            remove_run_dir(path)
+        if self.temp_parent is not None:
+            shutil.rmtree(self.temp_parent, ignore_errors=True)
+        if self.pool is not None:
+            self.pool.close()
+        self.engine, self.files, self.run_dirs, self.temp_parent, self.pool = None, [], [], None, None
+
+
+class TensorStore:
+    """Named tensor entries on the SSD tier; see the module docstring for the layout.
+
+    Args:
+        config: swap directories, I/O threads, chunk size, direct I/O mode, preallocation.
+            ``None`` means a default `FuyouConfig` (a fresh temporary swap directory).
+        pool: host buffer pool to stage transfers through; by default the store makes one
+            of ``config.host_memory_budget`` bytes.
+
+    The store's files live in a 0700 run directory per swap directory and are removed by
+    `close()`, by leaving a ``with`` block, or at interpreter exit.
+    """
+
+    def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None) -> None:
+        self.config = config = config if config is not None else FuyouConfig()
+        res = self._res = _Resources()
+        self._finalizer = weakref.finalize(self, res.release)
+        try:
+            parents = config.swap_dirs
+            if parents is None:
+                res.temp_parent = tempfile.mkdtemp(prefix="fuyou-swap-")
+                parents = [res.temp_parent]
+            for parent in parents:
+                _check_swap_dir(parent)
+                res.run_dirs.append(make_run_dir(parent))
+            res.engine = IOEngine(
+                res.run_dirs,
+                threads_per_dir=config.io_threads,
+                block_size=config.io_block_size,
+                direct_io=config.direct_io,
+            )
+            res.files = [res.engine.open(i, "data.bin") for i in range(len(res.run_dirs))]
+            if pool is None:
+                pool = res.pool = HostBufferPool(config.host_memory_budget)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.pool = pool
+        self.engine = res.engine
+        self._files = res.files
+        self._tail = [0] * len(res.files)  # bump allocator per directory file
+        self._entries: dict[str, Entry] = {}
+        self._next_dir = 0
+        self._lock = threading.Lock()
+
+    # -- entries --------------------------------------------------------------------------------
+    @property
+    def run_dirs(self) -> list[str]:
+        return list(self._res.run_dirs)
+
+    @property
+    def entries(self) -> dict[str, Entry]:
+        return dict(self._entries)
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes reserved in the swap files (both slots, padding included)."""
+        return sum(self._tail)
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise StorageError(f"no entry named {name!r} in the tensor store") from None
+
+    def create(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> Entry:
+        """Reserve space for a tensor of ``shape`` and ``dtype`` (both slots).
+
+        ``chunk_bytes`` (a multiple of 4 KiB; default ``config.chunk_size``) sets the unit
+        of striping and of `read_chunk`/`write_chunk`. Raises `StorageSpaceError` naming the
+        bytes needed and available when a directory is too full.
+        """
+        self._check_open()
+        shape = tuple(int(s) for s in shape)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            raise StorageError(f"entry {name!r}: shape {shape} holds no bytes")
+        chunk_bytes = self.config.chunk_size if chunk_bytes is None else chunk_bytes
+        if chunk_bytes <= 0 or chunk_bytes % PAGE:
+            raise StorageError(f"entry {name!r}: chunk_bytes={chunk_bytes} must be a positive multiple of 4096")
+        chunk_bytes = min(chunk_bytes, round_up(nbytes))
+        nchunks = -(-nbytes // chunk_bytes)
+        num_dirs = len(self._files)
+        with self._lock:
+            if name in self._entries:
+                raise StorageError(f"entry {name!r} exists already")
+            first = self._next_dir
+            self._next_dir = (self._next_dir + 1) % num_dirs
+            count = {d: len(range((d - first) % num_dirs, nchunks, num_dirs)) for d in range(num_dirs)}
+            need = {d: 2 * c * round_up(chunk_bytes) for d, c in count.items() if c}
+            base = {}
+            for d, nb in need.items():
+                base[d] = self._reserve(d, nb, name)
+            entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count)
+            self._entries[name] = entry
+        return entry
+
+    def _reserve(self, d: int, nbytes: int, name: str) -> int:
+        f = self._files[d]
+        where = os.path.dirname(f.path)
+        free = shutil.disk_usage(where).free
+        if not self.config.preallocate and nbytes > free:
+            raise StorageSpaceError(
+                f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free; "
+                "free space there, add swap_dirs, or use a larger drive"
+            )
+        offset = self._tail[d]
+        if self.config.preallocate:
+            try:
+                os.posix_fallocate(f.fd, offset, nbytes)
+            except OSError as exc:
+                raise StorageSpaceError(
+                    f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free "
+                    f"({exc.strerror}); free space there, add swap_dirs, or use a larger drive"
+                ) from exc
+        self._tail[d] = offset + nbytes
+        return offset
+
+    # -- slot bookkeeping ---------------------------------------------------------------------------
+    def _slot(self, entry: Entry, slot: str) -> int:
+        if slot == ACTIVE:
+            return entry.active
+        if slot == SHADOW:
+            return 1 - entry.active
+        raise StorageError(f"slot: got {slot!r}; expected 'active' or 'shadow'")
+
+    def _begin_write(self, entry: Entry, phys: int, k: int) -> None:
+        with self._lock:
+            entry.written[phys].discard(k)
+            entry.inflight[phys] += 1
+
+    def _end_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
+        with self._lock:
+            entry.inflight[phys] -= 1
+            if fut.exception() is None:
+                entry.written[phys].add(k)
+            elif entry.failed[phys] is None:
+                entry.failed[phys] = str(fut.exception())
+
+    def _check_readable(self, entry: Entry, phys: int, k: int | None) -> None:
+        with self._lock:
+            if entry.failed[phys] is not None:
+                raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid: {entry.failed[phys]}")
+            missing = k not in entry.written[phys] if k is not None else len(entry.written[phys]) < entry.nchunks
+            if missing or entry.inflight[phys]:
+                what = f"chunk {k}" if k is not None else "its chunks"
+                raise StorageError(f"entry {entry.name!r}: {what} not written yet (or a write is still in flight)")
+
+    # -- chunk I/O ----------------------------------------------------------------------------------
+    def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
+        """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
+
+        The caller owns the buffer and must `release()` it. ``buf.view(dtype)`` is the chunk.
+        """
+        entry = self.entry(name)
+        phys = self._slot(entry, slot)
+        self._check_readable(entry, phys, k)
+        buf = self.pool.acquire(entry.chunk_len(k), timeout=timeout)
+        d, offset = entry.location(k, phys)
+        try:
+            inner = self.engine.read(self._files[d], offset, buf.data)
+        except BaseException:
+            buf.release()
+            raise
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                buf.release()
+                out.set_exception(f.exception())
+            else:
+                out.set_result(buf)
+
+        inner.add_done_callback(done)
+        return out
+
+    def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = SHADOW, release: bool = True) -> Future:
+        """Write chunk ``k`` from ``buf`` (a pool buffer holding ``chunk_len(k)`` bytes).
+
+        With ``release=True`` the buffer goes back to the pool once the bytes are on disk.
+        """
+        entry = self.entry(name)
+        phys = self._slot(entry, slot)
+        if buf.nbytes != entry.chunk_len(k) or buf.capacity != round_up(entry.chunk_len(k)):
+            raise StorageError(
+                f"entry {name!r} chunk {k}: buffer holds {buf.nbytes} bytes (capacity {buf.capacity}), "
+                f"the chunk is {entry.chunk_len(k)} bytes"
+            )
+        d, offset = entry.location(k, phys)
+        self._begin_write(entry, phys, k)
+        try:
+            fut = self.engine.write(self._files[d], offset, buf.data)
+        except BaseException as exc:
+            failed: Future = Future()
+            failed.set_exception(exc)
+            self._end_write(entry, phys, k, failed)
+            if release:
+                buf.release()
+            raise
+        fut.add_done_callback(lambda f: self._end_write(entry, phys, k, f))
+        if release:
+            fut.add_done_callback(lambda f: buf.release())
+        return fut
+
+    # -- whole entries ------------------------------------------------------------------------------
+    def write(self, name: str, tensor: torch.Tensor, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
+        """Write a whole tensor (any device; copied chunk by chunk through the pool).
+
+        Returns a future that completes when every chunk is on disk. Host memory used is
+        bounded by the pool: the copy of chunk ``k+1`` waits for a buffer if need be.
+        """
+        entry = self.entry(name)
+        if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise StorageError(
+                f"entry {name!r} holds {entry.dtype} {list(entry.shape)}; got {tensor.dtype} {list(tensor.shape)}"
+            )
+        phys = self._slot(entry, slot)
+        with self._lock:
+            entry.failed[phys] = None  # a whole rewrite makes the slot good again if it succeeds
+        flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+        futures = []
+        for k in range(entry.nchunks):
+            start = k * entry.chunk_bytes
+            buf = self.pool.acquire(entry.chunk_len(k), timeout=timeout)
+            buf.view().copy_(flat[start : start + entry.chunk_len(k)])
+            futures.append(self.write_chunk(name, k, buf, slot=slot))
+        return gather(futures)
+
+    def read(self, name: str, out: torch.Tensor | None = None, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
+        """Read a whole entry into ``out`` (default: a new CPU tensor); the future gives ``out``."""
+        entry = self.entry(name)
+        phys = self._slot(entry, slot)
+        self._check_readable(entry, phys, None)
+        if out is None:
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+        elif out.dtype != entry.dtype or tuple(out.shape) != entry.shape or not out.is_contiguous():
+            raise StorageError(f"entry {name!r}: out must be a contiguous {entry.dtype} tensor of shape {list(entry.shape)}")
+        flat = out.view(-1).view(torch.uint8)
+        futures = []
+        for k in range(entry.nchunks):
+            start = k * entry.chunk_bytes
+            inner = self.read_chunk(name, k, slot=slot, timeout=timeout)
+            step: Future = Future()
+
+            def land(f: Future, start: int = start, step: Future = step) -> None:
+                if f.exception() is not None:
+                    step.set_exception(f.exception())
+                    return
+                with f.result() as buf:
+                    flat[start : start + buf.nbytes].copy_(buf.view())
+                step.set_result(None)
+
+            inner.add_done_callback(land)
+            futures.append(step)
+        return gather(futures, result=out)
+
+    # -- commit / rollback ---------------------------------------------------------------------------
+    def commit(self, names: Iterable[str] | None = None) -> int:
+        """Make the shadow slot active for every named entry (default: all) that has one.
+
+        All-or-nothing: if any named entry has a partial, failed or in-flight shadow write,
+        nothing flips and `StorageError` says which. Entries with no shadow writes are left
+        alone. Returns the number of entries flipped.
+        """
+        with self._lock:
+            entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
+            pending = [e for e in entries if e.written[1 - e.active] or e.failed[1 - e.active] or e.inflight[1 - e.active]]
+            bad = [e.name for e in pending if not e.is_complete(1 - e.active)]
+            if bad:
+                raise StorageError(f"cannot commit: shadow slot incomplete, failed or in flight for {bad[:5]}"
+                                   + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+            for e in pending:
+                e.active = 1 - e.active
+                e.written[1 - e.active] = set()  # the old active slot is now a stale shadow
+            return len(pending)
+
+    def rollback(self, names: Iterable[str] | None = None) -> None:
+        """Discard shadow writes of the named entries (default: all). Wait for in-flight writes first."""
+        with self._lock:
+            entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
+            busy = [e.name for e in entries if e.inflight[1 - e.active]]
+            if busy:
+                raise StorageError(f"cannot roll back while shadow writes are in flight for {busy[:5]}")
+            for e in entries:
+                e.written[1 - e.active] = set()
+                e.failed[1 - e.active] = None
+
+    # -- lifetime -----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._res.engine is None:
+            raise StorageError("the tensor store is closed")
+
+    def close(self) -> None:
+        """Wait for in-flight transfers, close files and remove the run directories."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "TensorStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_swap_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise StorageError(f"swap_dirs: {path!r} {what}; create it (mkdir -p) or choose another directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StorageError(f"swap_dirs: {path!r} is not writable by this user; fix its permissions or choose another directory")

@@ -1,0 +1,384 @@
+"""The SSD tier: round trips, striping, slots, errors, fallback, cleanup, permissions."""
+
+import errno
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from fuyou_strategy import FuyouConfig, TensorStore
+from fuyou_strategy.cli import main as fuyou_main
+from fuyou_strategy.storage import StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+# Element counts chosen to straddle pages and the 8 KiB chunk: 1 element, odd sizes, chunk +- 1.
+SIZES = [1, 3, 1023, 2048, 2049, 4097, 10_007]
+
+
+def random_tensor(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(n, generator=g, dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_every_dtype_and_awkward_size(small_config, dtype):
+    with TensorStore(small_config) as store:
+        tensors = {}
+        for i, n in enumerate(SIZES):
+            x = random_tensor(n, dtype, seed=i).reshape(-1, 1) if n % 2 else random_tensor(n, dtype, seed=i)
+            store.create(f"t{i}", x.shape, dtype)
+            store.write(f"t{i}", x).result()
+            tensors[f"t{i}"] = x
+        for name, x in tensors.items():
+            y = store.read(name).result()
+            assert y.dtype == dtype and y.shape == x.shape
+            assert torch.equal(y.view(torch.uint8), x.view(torch.uint8)), "bytes must round-trip exactly"
+
+
+def test_chunk_round_trip(small_config):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)  # 20000 bytes: chunks of 8192, 8192, 3616
+        entry = store.create("x", x.shape, x.dtype)
+        assert entry.nchunks == 3 and entry.chunk_len(2) == 3616
+        store.write("x", x).result()
+        parts = []
+        for k in range(entry.nchunks):
+            with store.read_chunk("x", k).result() as buf:
+                parts.append(buf.view(torch.float32).clone())
+        assert torch.equal(torch.cat(parts), x)
+
+
+def test_many_concurrent_reads_and_writes(small_config):
+    with TensorStore(small_config) as store:
+        xs = {f"e{i}": torch.randn(3000 + 17 * i) for i in range(24)}
+        for name, x in xs.items():
+            store.create(name, x.shape, x.dtype)
+        errors = []
+
+        def writer_reader(names):
+            try:
+                for name in names:
+                    store.write(name, xs[name]).result()
+                for _ in range(3):
+                    futures = {name: store.read(name) for name in names}
+                    for name, fut in futures.items():
+                        assert torch.equal(fut.result(), xs[name])
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+
+        names = list(xs)
+        threads = [threading.Thread(target=writer_reader, args=(names[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert store.pool.high_water <= store.pool.budget
+
+
+def test_striping_over_three_directories(tmp_path):
+    dirs = [tmp_path / f"ssd{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    cfg = FuyouConfig(swap_dirs=[str(d) for d in dirs], chunk_size="8KiB", host_memory_budget="1MiB")
+    with TensorStore(cfg) as store:
+        x = torch.randn(7 * 2048)  # 7 chunks of 8 KiB
+        entry = store.create("x", x.shape, x.dtype)
+        dirs_used = [entry.location(k, 0)[0] for k in range(entry.nchunks)]
+        assert sorted(set(dirs_used)) == [0, 1, 2]
+        assert [dirs_used.count(d) for d in range(3)] in ([3, 2, 2], [2, 3, 2], [2, 2, 3])
+        store.write("x", x).result()
+        assert torch.equal(store.read("x").result(), x)
+        # Every directory's file really holds this entry's chunks.
+        for d, run_dir in enumerate(store.run_dirs):
+            assert run_dir.startswith(str(dirs[d]))
+            assert os.path.getsize(os.path.join(run_dir, "data.bin")) >= 2 * entry.count[d] * 8192
+        # Small single-chunk entries are spread round-robin too.
+        firsts = {store.create(f"s{i}", (10,), torch.float32).first_dir for i in range(3)}
+        assert firsts == {0, 1, 2}
+
+
+def test_shadow_slot_commit_and_rollback(small_config):
+    with TensorStore(small_config) as store:
+        old, new = torch.randn(4000), torch.randn(4000)
+        store.create("w", old.shape, old.dtype)
+        store.write("w", old).result()
+        store.write("w", new, slot="shadow").result()
+        assert torch.equal(store.read("w").result(), old), "shadow writes must not be visible before commit"
+        assert torch.equal(store.read("w", slot="shadow").result(), new)
+        store.rollback()
+        assert torch.equal(store.read("w").result(), old)
+        with pytest.raises(StorageError, match="not written yet"):
+            store.read("w", slot="shadow").result()
+        store.write("w", new, slot="shadow").result()
+        assert store.commit() == 1
+        assert torch.equal(store.read("w").result(), new)
+        assert store.commit() == 0, "nothing pending: commit is a no-op"
+
+
+def test_commit_refuses_a_partial_shadow(small_config):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)
+        store.create("a", x.shape, x.dtype)
+        store.create("b", x.shape, x.dtype)
+        store.write("a", x).result()
+        store.write("b", x).result()
+        store.write("a", x + 1, slot="shadow").result()
+        buf = store.pool.acquire(store.entry("b").chunk_len(0))
+        buf.view().zero_()
+        store.write_chunk("b", 0, buf, slot="shadow").result()  # only 1 of 3 chunks
+        with pytest.raises(StorageError, match=r"shadow slot incomplete.*'b'"):
+            store.commit()
+        # All-or-nothing: 'a' did not flip either.
+        assert torch.equal(store.read("a").result(), x)
+
+
+def test_unknown_entry_and_unwritten_entry(small_config):
+    with TensorStore(small_config) as store:
+        with pytest.raises(StorageError, match="no entry named 'nope'"):
+            store.read("nope")
+        store.create("x", (10,), torch.float32)
+        with pytest.raises(StorageError, match="not written yet"):
+            store.read("x")
+        with pytest.raises(StorageError, match="holds torch.float32 \\[10\\]; got torch.float64"):
+            store.write("x", torch.zeros(10, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("code,words", [(errno.ENOSPC, "No space left"), (errno.EIO, "I/O error")])
+def test_write_error_reaches_the_caller_and_entry_is_not_good(small_config, monkeypatch, code, words):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+        calls = {"n": 0}
+        real = aio._pwritev
+
+        def failing(fd, bufs, offset):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second block of the rewrite fails
+                raise OSError(code, os.strerror(code))
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(aio, "_pwritev", failing)
+        with pytest.raises(StorageIOError) as info:
+            store.write("x", x + 1).result()
+        message = str(info.value)
+        assert info.value.errno == code and words in message
+        assert "data.bin" in message and "at offset" in message and "bytes" in message
+        monkeypatch.setattr(aio, "_pwritev", real)
+        # The half-rewritten entry is never served as good data.
+        with pytest.raises(StorageError, match="last write failed"):
+            store.read("x")
+        # A complete rewrite makes it good again.
+        store.write("x", x).result()
+        assert torch.equal(store.read("x").result(), x)
+
+
+def test_read_error_and_zero_progress_short_read(small_config, monkeypatch):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+        monkeypatch.setattr(aio, "_preadv", lambda fd, bufs, off: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+        with pytest.raises(StorageIOError, match="read of .* bytes at offset .* failed: Input/output error; the drive"):
+            store.read("x").result()
+        monkeypatch.setattr(aio, "_preadv", lambda fd, bufs, off: 0)
+        with pytest.raises(StorageIOError, match="short read: 0 of 4096 bytes, then no progress"):
+            store.read("x").result()
+        assert store.pool.lent == 0, "buffers of failed reads go back to the pool"
+
+
+def test_short_transfers_are_completed(small_config, monkeypatch):
+    """The kernel may move fewer bytes than asked; the engine must loop, not truncate."""
+    real_w, real_r = aio._pwritev, aio._preadv
+
+    def half(real):
+        def call(fd, bufs, offset):
+            view = bufs[0]
+            n = len(view)
+            return real(fd, [view[: max(4096, n // 2 // 4096 * 4096)]], offset)
+        return call
+
+    monkeypatch.setattr(aio, "_pwritev", half(real_w))
+    monkeypatch.setattr(aio, "_preadv", half(real_r))
+    cfg = small_config.replace(io_block_size="16KiB", chunk_size="64KiB")
+    with TensorStore(cfg) as store:
+        x = torch.randn(40_000)
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+        assert torch.equal(store.read("x").result(), x)
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_real_kernel_error_from_a_file_size_limit(tmp_path, direct_io):
+    """No mocks: RLIMIT_FSIZE makes the kernel refuse the write mid-entry.
+
+    Under O_DIRECT the kernel answers EINVAL (the limit trims the count to an unaligned
+    length); the engine must still report the real cause, EFBIG.
+    """
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from fuyou_strategy import FuyouConfig, TensorStore
+        from fuyou_strategy.storage import StorageError, StorageIOError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        cfg = FuyouConfig(swap_dirs=[{str(tmp_path)!r}], chunk_size="64KiB", host_memory_budget="1MiB",
+                          preallocate=False, direct_io={direct_io!r})
+        with TensorStore(cfg) as store:
+            store.create("x", (100_000,), torch.float32)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+            try:
+                store.write("x", torch.randn(100_000)).result()
+            except StorageIOError as exc:
+                print("ERR", exc.errno, exc)
+            try:
+                store.read("x")
+            except StorageError as exc:
+                print("NOTGOOD", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"ERR {errno.EFBIG}" in out.stdout and "File too large" in out.stdout, out.stdout
+    assert "write of 62144 bytes at offset 200000" in out.stdout, "names the offset and the bytes left"
+    assert "NOTGOOD" in out.stdout and "last write failed" in out.stdout
+
+
+def test_not_enough_space_is_reported_at_allocation(small_config, tmp_path):
+    huge = (2**46,)  # 256 TiB of fp32: more than any test machine's disk
+    for preallocate in (True, False):
+        with TensorStore(small_config.replace(preallocate=preallocate)) as store:
+            with pytest.raises(StorageSpaceError, match=r"entry 'huge' needs .* TiB in .* but only .* is free"):
+                store.create("huge", huge, torch.float32)
+            assert "huge" not in store.entries
+            assert store.bytes_on_disk == 0
+
+
+def _force_odirect_refusal(monkeypatch):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+
+
+def test_buffered_fallback_when_odirect_is_refused(small_config, monkeypatch, caplog):
+    _force_odirect_refusal(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="fuyou_strategy.storage"):
+        with TensorStore(small_config) as store:
+            assert not store.engine.is_direct(0)
+            x = torch.randn(9999)
+            store.create("x", x.shape, x.dtype)
+            store.write("x", x).result()
+            assert torch.equal(store.read("x").result(), x)
+    announced = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(announced) == 1, "the fallback is announced once per directory"
+    with pytest.raises(StorageIOError, match="direct_io='on' but .* refuses O_DIRECT"):
+        TensorStore(small_config.replace(direct_io="on"))
+
+
+def test_buffered_io_under_dev_shm():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    cfg = FuyouConfig(swap_dirs=["/dev/shm"], chunk_size="8KiB", host_memory_budget="1MiB", direct_io="off")
+    with TensorStore(cfg) as store:
+        assert not store.engine.is_direct(0)
+        x = torch.randn(12345)
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+        assert torch.equal(store.read("x").result(), x)
+        run_dir = store.run_dirs[0]
+    assert not os.path.exists(run_dir)
+
+
+def test_permissions(small_config):
+    with TensorStore(small_config) as store:
+        store.create("x", (10,), torch.float32)
+        run_dir = store.run_dirs[0]
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        for name in os.listdir(run_dir):
+            assert stat.S_IMODE(os.stat(os.path.join(run_dir, name)).st_mode) == 0o600, name
+
+
+def test_close_removes_files_and_later_use_is_an_error(small_config):
+    store = TensorStore(small_config)
+    store.create("x", (10,), torch.float32)
+    store.write("x", torch.ones(10)).result()
+    run_dir = store.run_dirs[0]
+    store.close()
+    store.close()  # idempotent
+    assert store.closed and not os.path.exists(run_dir)
+    with pytest.raises(StorageError, match="closed"):
+        store.create("y", (10,), torch.float32)
+
+
+def test_default_swap_dir_is_a_temporary_dir_removed_on_close():
+    store = TensorStore(FuyouConfig(chunk_size="8KiB", host_memory_budget="1MiB"))
+    parent = os.path.dirname(store.run_dirs[0])
+    assert os.path.basename(parent).startswith("fuyou-swap-")
+    store.close()
+    assert not os.path.exists(parent)
+
+
+def test_missing_swap_dir_is_a_clear_error_and_leaves_nothing(tmp_path):
+    missing = tmp_path / "nope"
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    with pytest.raises(StorageError, match=r"swap_dirs: '.*nope' does not exist; create it"):
+        TensorStore(FuyouConfig(swap_dirs=[str(ok), str(missing)]))
+    assert list(ok.iterdir()) == [], "the run dir made in the first directory is removed again"
+
+
+_CHILD = """
+import sys, torch
+from fuyou_strategy import FuyouConfig, TensorStore
+store = TensorStore(FuyouConfig(swap_dirs=[sys.argv[1]], chunk_size="8KiB", host_memory_budget="1MiB"))
+store.create("x", (5000,), torch.float32)
+store.write("x", torch.randn(5000)).result()
+print(store.run_dirs[0], flush=True)
+mode = sys.argv[2]
+if mode == "raise":
+    raise RuntimeError("boom")
+if mode == "hang":
+    import time; time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_cleanup_at_exit_and_after_an_exception(tmp_path, mode):
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), mode], capture_output=True, text=True, timeout=120)
+    run_dir = out.stdout.strip()
+    assert run_dir.startswith(str(tmp_path)), out.stderr
+    assert (out.returncode != 0) == (mode == "raise")
+    assert not os.path.exists(run_dir)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crashed_run_is_found_and_cleaned_by_the_command(tmp_path, capsys):
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), "hang"], stdout=subprocess.PIPE, text=True)
+    run_dir = child.stdout.readline().strip()
+    # A live run is never reported as stale.
+    assert find_stale_runs([str(tmp_path)]) == []
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert os.path.isdir(run_dir), "SIGKILL leaves the run directory behind"
+    stale = find_stale_runs([str(tmp_path)])
+    assert [s.path for s in stale] == [run_dir] and "not running" in stale[0].reason
+    assert fuyou_main(["clean", "--dir", str(tmp_path), "--dry-run"]) == 0
+    assert os.path.isdir(run_dir) and "would remove" in capsys.readouterr().out
+    assert fuyou_main(["clean", "--dir", str(tmp_path)]) == 0
+    assert not os.path.exists(run_dir)
