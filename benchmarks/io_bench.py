@@ -60,8 +60,10 @@ MB = 1e6
 def _engine_worker(args: argparse.Namespace) -> None:
     from fuyou_strategy.storage.probe import measure_bandwidth
 
+    before = disk_stat(args.dir)
     bw = measure_bandwidth(args.dir, size=args.size, block_size=args.block_size, threads=args.threads, direct_io="on")
     out = bw.as_dict()
+    out["avg_request_kib"] = request_kib(before, disk_stat(args.dir))
     out["jemalloc_mapped"] = _jemalloc_mapped()
     print(json.dumps(out))
 
@@ -72,6 +74,33 @@ def _jemalloc_mapped() -> bool:
             return "jemalloc" in f.read()
     except OSError:
         return False
+
+
+def disk_stat(directory: str) -> tuple[int, int, int, int] | None:
+    """(reads, read sectors, writes, write sectors) completed by the block device holding ``directory``."""
+    dev = os.stat(directory).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            v = [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+    return v[0], v[2], v[4], v[6]
+
+
+def request_kib(before, after) -> dict[str, float | None]:
+    """Average request size (KiB) the device completed per op between two `disk_stat` snapshots.
+
+    A diagnostic: with O_DIRECT, a block whose user buffer is not physically contiguous
+    needs one segment per page and is split when it exceeds the queue's ``max_segments``,
+    so the same block size can reach the drive as fewer, larger requests for one side.
+    """
+    if before is None or after is None:
+        return {"write": None, "read": None}
+    d = [a - b for a, b in zip(after, before)]
+    return {
+        "read": d[1] * 512 / 1024 / d[0] if d[0] else None,
+        "write": d[3] * 512 / 1024 / d[2] if d[2] else None,
+    }
 
 
 def run_engine(directory: str, size: int, block_size: int, threads: int) -> dict:
@@ -101,9 +130,12 @@ def fio_cmd(path: str, op: str, variant: str, size: int, block_size: int, thread
     return cmd
 
 
-def run_fio(path: str, op: str, variant: str, size: int, block_size: int, threads: int) -> float:
+def run_fio(path: str, op: str, variant: str, size: int, block_size: int, threads: int) -> tuple[float, float | None]:
+    """fio's bandwidth (bytes/s) and the average device request size (KiB) during the run."""
     cmd = fio_cmd(path, op, variant, size, block_size, threads)
+    before = disk_stat(os.path.dirname(path))
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    req = request_kib(before, disk_stat(os.path.dirname(path)))[op]
     if proc.returncode != 0:
         raise SystemExit(f"fio failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}{proc.stdout}")
     # fio may print warnings before the JSON object.
@@ -114,19 +146,19 @@ def run_fio(path: str, op: str, variant: str, size: int, block_size: int, thread
     moved = job[op]["io_bytes"]
     if moved != size:
         raise SystemExit(f"fio moved {moved} bytes, expected {size}: {' '.join(cmd)}")
-    return float(job[op]["bw_bytes"])
+    return float(job[op]["bw_bytes"]), req
 
 
-def run_fio_pair(directory: str, variant: str, size: int, block_size: int, threads: int) -> dict[str, float]:
-    """Write a fresh file with fio, read it back, delete it."""
+def run_fio_pair(directory: str, variant: str, size: int, block_size: int, threads: int) -> tuple[dict, dict]:
+    """Write a fresh file with fio, read it back, delete it: ({op: bytes/s}, {op: avg request KiB})."""
     path = os.path.join(directory, f"fio-{variant}-{os.getpid()}.bin")
     try:
-        write = run_fio(path, "write", variant, size, block_size, threads)
-        read = run_fio(path, "read", variant, size, block_size, threads)
+        write, write_req = run_fio(path, "write", variant, size, block_size, threads)
+        read, read_req = run_fio(path, "read", variant, size, block_size, threads)
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return {"write": write, "read": read}
+    return {"write": write, "read": read}, {"write": write_req, "read": read_req}
 
 
 # -- machine info ----------------------------------------------------------------------------------
@@ -137,19 +169,23 @@ def machine_info(directory: str) -> dict:
     fio_version = subprocess.run([FIO, "--version"], capture_output=True, text=True).stdout.strip()
     dev = os.stat(directory).st_dev
     block = f"{os.major(dev)}:{os.minor(dev)}"
-    scheduler = None
-    try:
-        with open(f"/sys/dev/block/{block}/queue/scheduler") as f:
-            scheduler = f.read().strip()
-    except OSError:
-        pass
+    queue = {}
+    for attr in ("scheduler", "max_segments", "max_sectors_kb", "nr_requests", "rotational"):
+        for q in (f"/sys/dev/block/{block}/queue", f"/sys/dev/block/{block}/../queue"):  # disk, or partition's disk
+            try:
+                with open(os.path.join(q, attr)) as f:
+                    queue[attr] = f.read().strip()
+                break
+            except OSError:
+                pass
     return {
         "nproc": os.cpu_count(),
         "sched_affinity": len(os.sched_getaffinity(0)),
         "filesystem": filesystem_type(directory),
         "directory": directory,
         "block_device": block,
-        "io_scheduler": scheduler,
+        "io_scheduler": queue.get("scheduler"),
+        "queue": queue,
         "allocator": "jemalloc" if "jemalloc" in preload else "glibc malloc",
         "ld_preload": preload,
         "fio_version": fio_version,
@@ -195,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = machine_info(directory)
         print(f"dir={directory}  fs={info['filesystem']}  nproc={info['nproc']}  allocator={info['allocator']}"
-              f"  {info['fio_version']}  scheduler={info['io_scheduler']}")
+              f"  {info['fio_version']}  scheduler={info['io_scheduler']}"
+              f"  max_segments={info['queue'].get('max_segments')}")
         print(f"threads={threads}  repeats={args.repeats}  O_DIRECT  block sizes="
               f"{', '.join(format_bytes(b) for b in block_sizes)}")
 
@@ -207,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             if size != args.size:
                 print(f"note: size rounded to {format_bytes(size)} for block size {format_bytes(bs)}")
             raw = {"engine": {op: [] for op in OPS}, **{v: {op: [] for op in OPS} for v in FIO_VARIANTS}}
+            req = {who: {op: [] for op in OPS} for who in raw}
             engine_meta = None
             for r in range(args.repeats):
                 order = ["engine", *FIO_VARIANTS] if r % 2 == 0 else [*FIO_VARIANTS, "engine"]
@@ -217,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                             raise SystemExit("engine did not use O_DIRECT")
                         engine_meta = res
                         got = {"write": res["write_bps"], "read": res["read_bps"]}
+                        kib = res["avg_request_kib"]
                     else:
-                        got = run_fio_pair(directory, who, size, bs, threads)
+                        got, kib = run_fio_pair(directory, who, size, bs, threads)
                     for op in OPS:
                         raw[who][op].append(got[op])
+                        req[who][op].append(kib[op])
                 print(f"  {format_bytes(bs)} round {r + 1}/{args.repeats}: "
                       + "  ".join(f"{who} w={raw[who]['write'][-1] / MB:.0f} r={raw[who]['read'][-1] / MB:.0f}"
                                   for who in raw), flush=True)
@@ -232,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     "raw_bps": {who: raw[who][op] for who in raw},
                     "median_bps": med,
                     "spread": {who: spread(raw[who][op]) for who in raw},
+                    "avg_request_kib": {who: req[who][op] for who in raw},
                     "best_fio": max(FIO_VARIANTS, key=lambda v: med[v]),
                     "ratio": med["engine"] / best if best else float("nan"),
                 })
@@ -252,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if noisy:
             print("high variance ((max-min)/median > 15%): " + "; ".join(noisy))
+
+        def kib(values: list) -> str:
+            values = [v for v in values if v is not None]
+            return f"{statistics.median(values):.0f}" if values else "?"
+
+        print("median device request size, KiB (engine / psync / libaio) -- smaller than the block size"
+              " means the kernel split blocks:")
+        for r in rows:
+            k = r["avg_request_kib"]
+            print(f"  {format_bytes(r['block_size'])} {r['op']:<5}: " + " / ".join(kib(k[w]) for w in k))
+        print()
 
         summary = {}
         for op in OPS:

@@ -8,3 +8,31 @@ def small_config(tmp_path):
     """A config with small chunks so tiny tensors still span several chunks."""
     return FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_block_size="4KiB",
                        host_memory_budget="256KiB", io_threads=3)
+
+
+def tiny_causal_lm(family: str, seed: int = 0, dtype=None):
+    """A randomly initialised GPT-2 or Llama of a few thousand parameters, dropout off."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=101, n_positions=32,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    elif family == "llama":
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=101, max_position_embeddings=32)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def decay_groups(model, weight_decay=0.1):
+    """The usual split: no weight decay for biases and norm weights."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

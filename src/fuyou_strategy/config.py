@@ -90,6 +90,8 @@ class FuyouConfig:
             an error; ``"off"`` always uses buffered I/O.
         preallocate: reserve swap-file space with ``posix_fallocate`` when entries are
             created, so a full disk is reported at allocation instead of mid-step.
+        optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
+            updated (capped by what the host budget holds). Default 4.
     """
 
     swap_dirs: list[str] | None = None
@@ -100,6 +102,7 @@ class FuyouConfig:
     chunk_size: int | str = "16MiB"
     direct_io: str = "auto"
     preallocate: bool = True
+    optimizer_prefetch_chunks: int = 4
 
     def __post_init__(self) -> None:
         self._validate()
@@ -143,6 +146,10 @@ class FuyouConfig:
             )
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
+        if not isinstance(self.optimizer_prefetch_chunks, int) or self.optimizer_prefetch_chunks < 1:
+            raise ConfigError(
+                f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected an int >= 1"
+            )
         if not isinstance(self.preallocate, bool):
             raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
 

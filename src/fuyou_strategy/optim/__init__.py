@@ -1,0 +1,6 @@
+"""The out-of-core optimizer: `FuyouAdamW` and the chunk pipeline it runs on."""
+
+from .adamw import FuyouAdamW, StepStats
+from .pipeline import ChunkJob, ChunkPipeline
+
+__all__ = ["ChunkJob", "ChunkPipeline", "FuyouAdamW", "StepStats"]

@@ -1,0 +1,383 @@
+"""`FuyouAdamW`: out-of-core AdamW whose updates overlap backward and stay exact.
+
+fp32 master weights and both Adam moments live in the tensor store (on SSD), interleaved per
+chunk — ``[master | exp_avg | exp_avg_sq]`` for each run of elements — so one read fetches
+all three. The model keeps only its compute-precision weights (fp32 or bf16).
+
+How a step runs:
+
+1. During backward, a post-accumulate-grad hook fires as each parameter's gradient becomes
+   final and queues that parameter on a worker thread (`ChunkPipeline`). The worker computes
+   the gradient's norm, reads the parameter's state chunks from the *active* slot (reading
+   ahead), applies the fused AdamW kernel, writes the new state into the *shadow* slot and
+   writes the new weight straight into the parameter. Backward no longer needs a parameter
+   once its gradient is accumulated, so this is safe while backward goes on.
+2. `step()` waits for the worker and every write (futures, not timing), then knows the global
+   gradient norm and whether every gradient is finite:
+
+   - finite and clipping does not bite (the common case): **commit** — the slots flip, no
+     extra I/O;
+   - clipping bites: **redo** — the shadow slot is discarded and every update is computed
+     again from the active slot with the clip coefficient, exactly as
+     ``clip_grad_norm_`` followed by ``AdamW.step`` would;
+   - a non-finite gradient: **skip** — the shadow is discarded, weights are restored from
+     the active master, and state and step counts are untouched.
+
+The result is bitwise equal to ``torch.optim.AdamW(fused=True)`` applied to the same
+gradients after ``clip_grad_norm_`` (tests check it), and within 1e-6 of the default AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from ..config import PAGE, ConfigError, FuyouConfig
+from ..storage import SHADOW, HostBuffer, TensorStore, gather
+from .pipeline import ChunkJob, ChunkPipeline
+
+__all__ = ["FuyouAdamW", "StepStats"]
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+_FLOATS_PER_ELEMENT = 3  # master, exp_avg, exp_avg_sq
+_ELEMENT_BYTES = 4 * _FLOATS_PER_ELEMENT
+
+
+@dataclass
+class StepStats:
+    """What happened to the optimizer steps so far."""
+
+    commits: int = 0  # speculative update kept as is
+    redos: int = 0  # clipping bit: update recomputed with the clip coefficient
+    skips: int = 0  # a gradient was not finite: step skipped
+    last_grad_norm: float = float("nan")  # global L2 norm of the last step's gradients (before clipping)
+
+    @property
+    def steps(self) -> int:
+        return self.commits + self.redos
+
+
+@dataclass(eq=False)
+class _Param:
+    index: int  # position across all param groups; the order of the global norm
+    param: torch.nn.Parameter
+    group: dict
+    entry: str
+    elems_per_chunk: int
+    nchunks: int
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def span(self, k: int) -> tuple[int, int]:
+        start = k * self.elems_per_chunk
+        return start, min(self.elems_per_chunk, self.numel - start)
+
+
+class FuyouAdamW(torch.optim.Optimizer):
+    """AdamW with fp32 master weights and moments on SSD, updated during backward, exactly.
+
+    Use it like ``torch.optim.AdamW`` — ``loss.backward(); opt.step(); opt.zero_grad()`` —
+    with two differences: clip with ``max_grad_norm`` (gradients are consumed during
+    backward, so ``clip_grad_norm_`` after backward comes too late), and wrap micro-batches
+    that must only accumulate in ``with opt.no_update():``. Stock LR schedulers work.
+
+    Args:
+        params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` overrides). Frozen parameters (``requires_grad=False``) are
+            ignored; trainable ones must be fp32 or bf16 and contiguous.
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW`` (decoupled decay;
+            default ``weight_decay=0.01``).
+        max_grad_norm: clip the global L2 gradient norm to this value, exactly (see the
+            module docstring); ``None`` disables clipping.
+        config: `FuyouConfig` (swap directories, host budget, chunk size, I/O threads,
+            read-ahead); ``None`` means defaults with a temporary swap directory.
+        release_grads: drop each gradient as soon as its update is written when no redo can
+            need it (``max_grad_norm is None``); saves a model's worth of gradient memory.
+            Otherwise gradients are kept until ``zero_grad``, as usual.
+
+    Costs: SSD traffic of 12 bytes read + 12 bytes written per parameter per step; host
+    memory of at most ``config.host_memory_budget``. ``amsgrad``, ``maximize``,
+    ``foreach``/``fused``/``capturable``/``differentiable`` and fp16 weights are refused.
+
+    Statistics are in ``opt.stats`` (`StepStats`); call ``close()`` (or use ``with``) to
+    release the swap files.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        config: FuyouConfig | None = None,
+        release_grads: bool = True,
+        **unsupported: Any,
+    ) -> None:
+        for name, value in unsupported.items():
+            if name in ("amsgrad", "maximize", "capturable", "differentiable") and not value:
+                continue
+            if name in ("foreach", "fused") and value in (None, False, True):
+                continue  # the update always uses the fused CPU kernel
+            raise ConfigError(
+                f"FuyouAdamW: {name}={value!r} is not supported; remove it "
+                "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads)"
+            )
+        if not 0.0 <= lr:
+            raise ConfigError(f"lr: got {lr}; expected a learning rate >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ConfigError(f"betas: got {betas}; each must be in [0, 1)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm: got {max_grad_norm}; expected a positive number, or None to disable")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(_trainable(params), defaults)
+        self.max_grad_norm = max_grad_norm
+        self.release_grads = release_grads and max_grad_norm is None
+        self.stats = StepStats()
+        self.config = config = config if config is not None else FuyouConfig()
+
+        self._params: list[_Param] = []
+        self._by_param: dict[torch.nn.Parameter, _Param] = {}
+        elems = max(1024, config.chunk_size // _ELEMENT_BYTES // 1024 * 1024)  # 12*1024 B = 3 pages
+        chunk_capacity = elems * _ELEMENT_BYTES
+        for group in self.param_groups:
+            for p in group["params"]:
+                _check_param(p, len(self._params))
+                n = p.numel()
+                ps = _Param(len(self._params), p, group, f"adamw.{len(self._params)}", elems, -(-n // elems))
+                self._params.append(ps)
+                self._by_param[p] = ps
+        if not self._params:
+            raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
+        # FuyouConfig guarantees chunk_size <= host_memory_budget, so one chunk always fits.
+        largest = min(chunk_capacity, max(-(-ps.numel * _ELEMENT_BYTES // PAGE) * PAGE for ps in self._params))
+        # Keep one buffer free for the chunk being processed, or the worker waits on itself.
+        depth = max(1, min(config.optimizer_prefetch_chunks, config.host_memory_budget // largest - 1))
+
+        self.store = TensorStore(config)
+        try:
+            self._pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
+            self._initialise_state()
+        except BaseException:
+            self.close()
+            raise
+        self._queued: dict[int, torch.Tensor] = {}  # index -> grad norm, for this step
+        self._late_error: BaseException | None = None
+        self._updates_enabled = True
+        self._hooks = [ps.param.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in self._params]
+
+    # -- state on SSD ---------------------------------------------------------------------------
+    def _initialise_state(self) -> None:
+        """Write ``[master = weight in fp32 | 0 | 0]`` into every entry's active slot."""
+        for ps in self._params:
+            self.state[ps.param]["step"] = torch.tensor(0.0)
+            self.store.create(ps.entry, (ps.numel * _FLOATS_PER_ELEMENT,), torch.float32,
+                              chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES)
+            flat = ps.param.detach().reshape(-1)
+            writes = []
+            for k in range(ps.nchunks):
+                start, n = ps.span(k)
+                buf = self.store.pool.acquire(n * _ELEMENT_BYTES)
+                chunk = buf.view(torch.float32)
+                chunk[:n].copy_(flat[start : start + n])
+                chunk[n:].zero_()
+                writes.append(self.store.write_chunk(ps.entry, k, buf, slot="active"))
+            gather(writes).result()  # raises if any write failed
+
+    # -- the hook: queue an update as soon as a gradient is final -------------------------------------
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._updates_enabled:
+            return
+        ps = self._by_param[param]
+        if ps.index in self._queued:
+            # A second accumulation after the update was queued: that update used a partial
+            # gradient. Never silently wrong: step() will roll back and raise.
+            self._late_error = self._late_error or RuntimeError(
+                f"the gradient of parameter {ps.index} {tuple(param.shape)} was accumulated again after its "
+                "update was queued; wrap every micro-batch but the last in `with optimizer.no_update():`"
+            )
+            return
+        self._queue_update(ps)
+
+    def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None) -> None:
+        grad = ps.param.grad
+        if grad.dtype == torch.float32:
+            norm = torch.linalg.vector_norm(grad, 2)  # the same op clip_grad_norm_ uses on CPU
+        else:
+            norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+        if coef is None:
+            self._queued[ps.index] = norm
+        group = ps.group
+        beta1, beta2 = group["betas"]
+        step = self.state[ps.param]["step"] + 1
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                     eps=group["eps"], amsgrad=False, maximize=False)
+        grad_flat = grad.reshape(-1)
+        weight_flat = ps.param.detach().view(-1)
+        last = ps.nchunks - 1
+        release = self.release_grads and coef is None
+
+        def update(k: int, buf: HostBuffer) -> Future:
+            start, n = ps.span(k)
+            state = buf.view(torch.float32)
+            master, exp_avg, exp_avg_sq = state[:n], state[n : 2 * n], state[2 * n :]
+            g = grad_flat[start : start + n].to(device="cpu", dtype=torch.float32)
+            if coef is not None:
+                g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
+            torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step], **hyper)
+            weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
+            if release and k == last:
+                ps.param.grad = None
+            return self.store.write_chunk(ps.entry, k, buf, slot=SHADOW)
+
+        self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, update))
+
+    def _restore_weights(self, params: Iterable[_Param]) -> None:
+        """Copy the active master weights back into the parameters (after a skip or failure)."""
+        for ps in params:
+            weight_flat = ps.param.detach().view(-1)
+
+            def restore(k: int, buf: HostBuffer, ps: _Param = ps, weight_flat: torch.Tensor = weight_flat) -> None:
+                start, n = ps.span(k)
+                with buf:
+                    weight_flat[start : start + n].copy_(buf.view(torch.float32)[:n])
+
+            self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
+        self._pipeline.drain()
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the step whose updates ran during backward: commit, redo with clipping, or skip.
+
+        Parameters whose gradient was set without backward hooks firing (e.g. assigned by
+        hand) are updated here. Returns the closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for ps in self._params:
+            if ps.param.grad is not None and ps.index not in self._queued:
+                self._queue_update(ps)
+        if not self._queued:
+            return loss
+        queued = [ps for ps in self._params if ps.index in self._queued]
+        norms, self._queued = self._queued, {}
+        late, self._late_error = self._late_error, None
+        try:
+            self._pipeline.drain()
+            if late is not None:
+                raise late
+        except BaseException:
+            self.store.rollback()
+            self._restore_weights(queued)
+            raise
+        # The global norm exactly as clip_grad_norm_ computes it: the norm of per-tensor norms.
+        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in queued]), 2)
+        self.stats.last_grad_norm = float(total)
+        if not math.isfinite(self.stats.last_grad_norm):
+            self.store.rollback()
+            self._restore_weights(queued)
+            self.stats.skips += 1
+            return loss
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            if coef < 1.0:
+                self.store.rollback()
+                for ps in queued:
+                    self._queue_update(ps, coef)
+                try:
+                    self._pipeline.drain()
+                except BaseException:
+                    self.store.rollback()
+                    self._restore_weights(queued)
+                    raise
+                self.stats.redos += 1
+                self._commit(queued)
+                return loss
+        self.stats.commits += 1
+        self._commit(queued)
+        return loss
+
+    def _commit(self, queued: list[_Param]) -> None:
+        self.store.commit([ps.entry for ps in queued])
+        for ps in queued:
+            self.state[ps.param]["step"] += 1
+
+    @contextlib.contextmanager
+    def no_update(self) -> Iterator[None]:
+        """Accumulate gradients without updating (every micro-batch but the last), like DDP's ``no_sync``."""
+        previous, self._updates_enabled = self._updates_enabled, False
+        try:
+            yield
+        finally:
+            self._updates_enabled = previous
+
+    # -- reading state back (tests, checkpoints) -----------------------------------------------------
+    def read_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """The committed fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` of one parameter (in RAM)."""
+        ps = self._by_param[param]
+        out = {name: torch.empty(ps.numel, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
+
+        def gather_chunk(k: int, buf: HostBuffer) -> None:
+            start, n = ps.span(k)
+            with buf:
+                state = buf.view(torch.float32)
+                for i, name in enumerate(out):
+                    out[name][start : start + n].copy_(state[i * n : (i + 1) * n])
+
+        self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, gather_chunk))
+        self._pipeline.drain()
+        return {name: t.view(param.shape) for name, t in out.items()}
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks, stop the worker and delete the swap files."""
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+        self._hooks = []
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.close()
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+
+    def __enter__(self) -> "FuyouAdamW":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _trainable(params: Iterable[Any]) -> list[Any]:
+    """Param groups with frozen parameters dropped (empty groups too)."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        groups = []
+        for group in params:
+            kept = [p for p in group["params"] if p.requires_grad]
+            if kept:
+                groups.append({**group, "params": kept})
+        return groups or [{"params": []}]
+    return [p for p in params if p.requires_grad] or [{"params": []}]
+
+
+def _check_param(p: torch.Tensor, index: int) -> None:
+    if p.dtype == torch.float16:
+        raise ConfigError(
+            f"parameter {index} {tuple(p.shape)} is float16: fp16 compute weights need loss scaling, which "
+            "FuyouAdamW does not do; use bfloat16 (or float32) weights"
+        )
+    if p.dtype not in _COMPUTE_DTYPES:
+        raise ConfigError(f"parameter {index} {tuple(p.shape)} is {p.dtype}; FuyouAdamW trains float32 or bfloat16 weights")
+    if not p.is_contiguous():
+        raise ConfigError(f"parameter {index} {tuple(p.shape)} is not contiguous; call .contiguous() on it before training")

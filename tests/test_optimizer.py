@@ -1,0 +1,279 @@
+"""FuyouAdamW against torch.optim.AdamW: exact numerics, accumulation, clipping, skips, errors."""
+
+import copy
+import math
+import time
+
+import pytest
+import torch
+
+from conftest import decay_groups, tiny_causal_lm
+from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig
+from fuyou_strategy.storage import aio
+
+STEPS = 5
+ACCUMULATE = 3
+MAX_NORM = 0.5
+# Loss scale per optimizer step: large-scale steps make clipping bite, small ones do not.
+LOSS_SCALE = [0.01, 1.0, 0.01, 1.0, 1.0]
+
+
+def small_config(tmp_path, **overrides):
+    # 16 KiB chunks: most weights span several chunks, so chunking is exercised.
+    values = dict(swap_dirs=[str(tmp_path)], chunk_size="12KiB", host_memory_budget="1MiB", io_threads=2)
+    values.update(overrides)
+    return FuyouConfig(**values)
+
+
+def batches(step, micro, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step * 10 + micro)
+    return torch.randint(0, 101, (2, 16), generator=g)
+
+
+def warmup(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def train_fuyou(model, opt, steps=STEPS):
+    sched = warmup(opt)
+    for step in range(steps):
+        for micro in range(ACCUMULATE):
+            last = micro == ACCUMULATE - 1
+            with opt.no_update() if not last else torch.enable_grad():
+                (lm_loss(model, batches(step, micro)) * LOSS_SCALE[step] / ACCUMULATE).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def train_reference(model, opt, steps=STEPS, max_norm=MAX_NORM):
+    sched = warmup(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for step in range(steps):
+        for micro in range(ACCUMULATE):
+            (lm_loss(model, batches(step, micro)) * LOSS_SCALE[step] / ACCUMULATE).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def max_rel_diff(a_params, b_params):
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(a_params, b_params))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_path, family):
+    model = tiny_causal_lm(family)
+    fused_ref, loop_ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path))
+    assert any(ps.nchunks > 1 for ps in opt._params), "the test must cover multi-chunk parameters"
+    train_fuyou(model, opt)
+    # Clipping must have bitten on some steps and not on others, or a path went untested.
+    assert opt.stats.redos >= 1 and opt.stats.commits >= 1 and opt.stats.skips == 0, opt.stats
+
+    ref_opt = torch.optim.AdamW(decay_groups(fused_ref), lr=3e-3, fused=True)
+    train_reference(fused_ref, ref_opt)
+    # Bitwise: the same fused kernel on the same gradients, chunk by chunk.
+    for p, r in zip(model.parameters(), fused_ref.parameters()):
+        assert torch.equal(p, r)
+    for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
+        for p, r in zip(group["params"], ref_group["params"]):
+            state = opt.read_state(p)
+            assert torch.equal(state["master"], r)
+            assert torch.equal(state["exp_avg"], ref_opt.state[r]["exp_avg"])
+            assert torch.equal(state["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"])
+            assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item() == STEPS
+
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype,fused,tolerance", [
+    # fp32 against the default (for-loop) AdamW: a different kernel, so not bitwise.
+    (torch.float32, False, 1e-6),
+    # bf16 compute weights: the global norm is accumulated in fp32 from bf16 grads here and
+    # from fp32 copies in the reference, so the clip coefficient may differ in the last bit.
+    (torch.bfloat16, True, 1e-6),
+])
+def test_fp32_masters_match_adamw_on_the_same_gradients(tmp_path, dtype, fused, tolerance):
+    model = tiny_causal_lm("llama", dtype=dtype)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path))
+    ref_opt = torch.optim.AdamW(masters, lr=3e-3, fused=fused)
+    worst = 0.0
+    for step in range(STEPS):
+        (lm_loss(model, batches(step, 0)) * LOSS_SCALE[step]).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()  # the reference sees exactly the gradients we saw
+        opt.step()
+        opt.zero_grad()
+        torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for p, m in zip(model.parameters(), masters):
+            master = opt.read_state(p)["master"]
+            worst = max(worst, ((master - m.detach()).abs().max() / m.detach().abs().max()).item())
+            assert torch.equal(p.detach(), master.to(dtype)), "compute weights are the (rounded) masters"
+    assert opt.stats.redos >= 1 and opt.stats.commits >= 1
+    assert worst <= tolerance, f"max relative difference {worst:.3g} > {tolerance}"
+    print(f"{dtype} fused={fused}: max relative difference {worst:.3g}")
+    opt.close()
+
+
+def test_slow_io_changes_nothing(tmp_path, monkeypatch):
+    """Synchronisation is by futures, not timing: a drive 1000x slower gives the same bits."""
+    model = tiny_causal_lm("gpt2")
+    slow_model = copy.deepcopy(model)
+    fast = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path / "a"))
+    train_fuyou(model, fast, steps=3)
+
+    real_w, real_r = aio._pwritev, aio._preadv
+
+    def slowly(real):
+        def call(*args):
+            time.sleep(0.002)
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(aio, "_pwritev", slowly(real_w))
+    monkeypatch.setattr(aio, "_preadv", slowly(real_r))
+    slow = FuyouAdamW(decay_groups(slow_model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path / "b"))
+    train_fuyou(slow_model, slow, steps=3)
+    for p, q in zip(model.parameters(), slow_model.parameters()):
+        assert torch.equal(p, q)
+    fast.close()
+    slow.close()
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+
+
+def test_non_finite_gradient_skips_the_step_and_touches_nothing(tmp_path):
+    model = tiny_causal_lm("gpt2")
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, config=small_config(tmp_path))
+    lm_loss(model, batches(0, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    states = [opt.read_state(p) for p in model.parameters()]
+    steps = [opt.state[p]["step"].item() for p in model.parameters()]
+
+    (lm_loss(model, batches(1, 0)) * math.inf).backward()
+    opt.step()
+    assert opt.stats.skips == 1 and opt.stats.commits == 1 and not math.isfinite(opt.stats.last_grad_norm)
+    for p, b, s, n in zip(model.parameters(), before, states, steps):
+        assert torch.equal(p.detach(), b), "the speculative update must be undone"
+        after = opt.read_state(p)
+        assert all(torch.equal(after[k], s[k]) for k in s)
+        assert opt.state[p]["step"].item() == n
+    opt.close()
+
+
+def test_accumulating_without_no_update_is_an_error_not_a_wrong_update(tmp_path):
+    # A graph that saves no weight, so the second backward cannot trip autograd's own
+    # version check (which guards the same misuse when weights are saved) before ours.
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    before = w.detach().clone()
+    opt = FuyouAdamW([w], lr=3e-3, config=small_config(tmp_path))
+    (w * 2.0).sum().backward()
+    (w * 3.0).sum().backward()  # the update queued by the first backward used a partial gradient
+    with pytest.raises(RuntimeError, match="accumulated again after its update was queued; wrap .*no_update"):
+        opt.step()
+    assert torch.equal(w.detach(), before), "the speculative update is undone"
+    assert opt.stats.commits == 0
+    opt.close()
+
+
+def test_release_grads_without_clipping(tmp_path):
+    model = tiny_causal_lm("gpt2")
+    ref = copy.deepcopy(model)
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, config=small_config(tmp_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    for step in range(2):
+        lm_loss(model, batches(step, 0)).backward()
+        opt.step()
+        assert all(p.grad is None for p in model.parameters()), "consumed gradients are dropped"
+        lm_loss(ref, batches(step, 0)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))
+    opt.close()
+
+
+def test_frozen_parameters_are_ignored(tmp_path):
+    model = tiny_causal_lm("gpt2")
+    model.transformer.wte.weight.requires_grad_(False)
+    frozen = model.transformer.wte.weight.detach().clone()
+    opt = FuyouAdamW(model.parameters(), lr=1e-2, config=small_config(tmp_path))
+    assert all(p is not model.transformer.wte.weight for g in opt.param_groups for p in g["params"])
+    lm_loss(model, batches(0, 0)).backward()
+    opt.step()
+    assert torch.equal(model.transformer.wte.weight, frozen)
+    opt.close()
+
+
+def test_closure_and_hand_set_gradients(tmp_path):
+    w = torch.nn.Parameter(torch.randn(10, 10))
+    ref = w.detach().clone().requires_grad_()
+    opt = FuyouAdamW([w], lr=0.1, config=small_config(tmp_path))
+    ref_opt = torch.optim.AdamW([ref], lr=0.1, fused=True)
+    grad = torch.randn(10, 10)
+    w.grad, ref.grad = grad.clone(), grad.clone()  # no backward: hooks never fire
+    opt.step()
+    ref_opt.step()
+    assert torch.equal(w, ref)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() > 0 and opt.stats.commits == 2
+    opt.close()
+
+
+def test_works_with_a_stock_scheduler_and_close_removes_files(tmp_path):
+    model = torch.nn.Linear(8, 8)
+    opt = FuyouAdamW(model.parameters(), lr=1.0, config=small_config(tmp_path))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5
+    run_dir = opt.store.run_dirs[0]
+    with opt:
+        pass
+    assert not (tmp_path / run_dir).exists()
+    model(torch.randn(2, 8)).sum().backward()  # hooks are gone: nothing is queued after close
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(amsgrad=True), "amsgrad=True is not supported"),
+    (dict(maximize=True), "maximize=True is not supported"),
+    (dict(momentum=0.9), "momentum=0.9 is not supported"),
+    (dict(max_grad_norm=0.0), "max_grad_norm: got 0.0"),
+    (dict(betas=(0.9, 1.0)), r"betas: got \(0.9, 1.0\)"),
+])
+def test_unsupported_options_are_clear_errors(tmp_path, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        FuyouAdamW(torch.nn.Linear(4, 4).parameters(), config=small_config(tmp_path), **kwargs)
+
+
+def test_bad_models_are_clear_errors(tmp_path):
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameter"):
+        FuyouAdamW(frozen.parameters(), config=small_config(tmp_path))
+    with pytest.raises(ConfigError, match="float16: fp16 compute weights need loss scaling"):
+        FuyouAdamW(torch.nn.Linear(4, 4).half().parameters(), config=small_config(tmp_path))
+    with pytest.raises(ConfigError, match="chunk_size: got 1.00 MiB, larger than host_memory_budget"):
+        FuyouAdamW(torch.nn.Linear(4, 4).parameters(), config=small_config(tmp_path, host_memory_budget="64KiB", chunk_size="1MiB"))
+    assert list(tmp_path.glob("fuyou-run-*")) == [], "a refused optimizer leaves no files"
