@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -39,6 +40,7 @@ import torch
 
 from ..config import PAGE, ConfigError, FuyouConfig
 from ..storage import SHADOW, HostBuffer, TensorStore, gather
+from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
 
 __all__ = ["FuyouAdamW", "StepStats"]
@@ -309,6 +311,18 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._commit(queued)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; between backward and `step()` this also discards the speculative updates."""
+        if self._queued or self._late_error is not None:
+            queued = [ps for ps in self._params if ps.index in self._queued]
+            self._queued, self._late_error = {}, None
+            try:
+                self._pipeline.drain()
+            finally:
+                self.store.rollback()
+                self._restore_weights(queued)
+        super().zero_grad(set_to_none=set_to_none)
+
     def _commit(self, queued: list[_Param]) -> None:
         self.store.commit([ps.entry for ps in queued])
         for ps in queued:
@@ -322,6 +336,48 @@ class FuyouAdamW(torch.optim.Optimizer):
             yield
         finally:
             self._updates_enabled = previous
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self, folder: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Torch's optimizer state dict; with ``folder``, also stream the SSD state there.
+
+        The SSD-resident state (fp32 masters, ``exp_avg``, ``exp_avg_sq``) is written to
+        ``folder`` chunk by chunk with SHA-256 checksums, never whole in RAM, and the returned
+        dict records the folder. Without ``folder`` the dict holds only hyper-parameters and
+        step counts, and `load_state_dict` refuses it once steps were taken.
+        """
+        self._check_idle("state_dict")
+        sd = super().state_dict()
+        sd["fuyou"] = {"folder": None}
+        if folder is not None:
+            checkpoint.save(self, folder)
+            sd["fuyou"]["folder"] = str(folder)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a dict from `state_dict`, streaming the SSD state back from its folder.
+
+        Checksums are verified while streaming; the state is written to the shadow slot and
+        committed only if every one matches, so a bad checkpoint changes nothing.
+        """
+        self._check_idle("load_state_dict")
+        folder = state_dict.get("fuyou", {}).get("folder")
+        steps = [float(s.get("step", 0)) for s in state_dict.get("state", {}).values()]
+        if folder is None and any(steps):
+            raise checkpoint.CheckpointError(
+                "this state dict holds no SSD state (masters and moments): it was made by state_dict() "
+                "without a folder; save with optimizer.state_dict(folder) to resume exactly"
+            )
+        if folder is not None:
+            checkpoint.load(self, folder)
+        else:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
+            for group, saved in zip(self.param_groups, groups):
+                group.update(saved)
+
+    def _check_idle(self, what: str) -> None:
+        if self._queued:
+            raise RuntimeError(f"{what}() between backward and step(): call step() (or zero_grad()) first")
 
     # -- reading state back (tests, checkpoints) -----------------------------------------------------
     def read_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
-__all__ = ["StorageIOError", "SwapFile", "IOEngine", "gather", "filesystem_type"]
+__all__ = ["StorageIOError", "SwapFile", "IOEngine", "byte_view", "gather", "filesystem_type"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
@@ -64,7 +64,7 @@ def filesystem_type(path: str) -> str:
     return fstype
 
 
-def _buffer_of(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous CPU tensor's bytes (no copy)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("I/O buffers must be contiguous CPU tensors")
@@ -212,8 +212,8 @@ class IOEngine:
         try:
             fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
             try:
-                os.pwritev(fd, [_buffer_of(buf)], 0)
-                os.preadv(fd, [_buffer_of(buf)], 0)
+                os.pwritev(fd, [byte_view(buf)], 0)
+                os.preadv(fd, [byte_view(buf)], 0)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -269,7 +269,7 @@ class IOEngine:
     def _submit(self, f: SwapFile, offset: int, buf: torch.Tensor, *, write: bool) -> Future:
         if self._closed:
             raise RuntimeError("IOEngine is closed")
-        view = _buffer_of(buf)
+        view = byte_view(buf)
         nbytes = len(view)
         if f.direct and (offset % PAGE or nbytes % PAGE or buf.data_ptr() % PAGE):
             raise ValueError(

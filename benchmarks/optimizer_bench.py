@@ -1,0 +1,194 @@
+"""FuyouAdamW vs torch.optim.AdamW in memory, on a ~300M-parameter GPT-2, side by side.
+
+Measures, each configuration in a fresh process (so peak RSS is its own):
+
+1. **Optimizer I/O efficiency**: the optimizer alone (gradients set by hand, so the whole
+   update runs inside ``step()`` with nothing to overlap) moves 12 B/param in and 12 B/param
+   out of the SSD tier. Its achieved rate is compared with what ``io-bench`` measures on the
+   same directory for the same mix (time = read bytes / read bw + write bytes / write bw).
+2. **Training step**: forward + backward + step of the full model, median over the timed
+   steps after warm-up, FuyouAdamW (updates overlapped with backward) vs ``torch.optim.AdamW``
+   (``fused=True``, the fastest in-memory CPU AdamW) holding everything in RAM.
+3. **Peak RSS** of each process.
+
+Run (jemalloc steadies step times on these machines; the table says which allocator ran):
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .venv/bin/python benchmarks/optimizer_bench.py
+
+Results are printed as a table and written to ``benchmarks/results/optimizer_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+
+
+def build_model(layers: int, hidden: int, seq: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=hidden // 64, vocab_size=50257, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One configuration, in this (fresh) process."""
+    import torch
+
+    from fuyou_strategy import FuyouAdamW, FuyouConfig
+    from fuyou_strategy.storage.probe import measure_bandwidth
+
+    out: dict = {"config": args.config}
+    if args.config == "io-bench":
+        bw = measure_bandwidth(args.swap_dir, size=args.io_size, block_size=args.io_block, threads=args.io_threads)
+        return {**out, "read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
+
+    model = build_model(args.layers, args.hidden, args.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    out["params"] = n_params
+    cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, io_threads=args.io_threads)
+    if args.config == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    else:
+        clip = 1.0 if args.config == "fuyou-clip" else None
+        opt = FuyouAdamW(model.parameters(), lr=1e-5, max_grad_norm=clip, config=cfg)
+
+    if args.config == "fuyou-io":
+        # Optimizer alone: hand-set gradients, so every update runs inside step().
+        grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+        times = []
+        for i in range(args.warmup + args.steps):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            start = time.perf_counter()
+            opt.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        opt.close()
+        moved = 24 * n_params  # 12 B/param read + 12 B/param written
+        return {**out, "step_s": times, "bytes": moved, "peak_rss": peak_rss_bytes()}
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50257, (args.batch, args.seq), generator=g)
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    out.update(step_s=times, loss=float(loss), peak_rss=peak_rss_bytes())
+    if hasattr(opt, "stats"):
+        out["stats"] = vars(opt.stats).copy()
+        opt.close()
+    return out
+
+
+def run_fresh(config: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", config] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k not in ("worker", "json", "config", "no_jemalloc") and v is not None
+    ]
+    env = dict(os.environ)
+    if not args.no_jemalloc and os.path.exists(JEMALLOC) and "jemalloc" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = JEMALLOC
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{config} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--host-budget", default="512MiB")
+    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-size", default=str(2 * 2**30))
+    parser.add_argument("--io-block", type=int, default=2**20)
+    parser.add_argument("--swap-dir", help="directory on the SSD to use (default: a temporary one)")
+    parser.add_argument("--no-jemalloc", action="store_true")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "optimizer_bench.json"))
+    args = parser.parse_args()
+    if args.worker:
+        args.config = args.worker
+        args.io_size = int(args.io_size)
+        print(json.dumps(worker(args)))
+        return
+
+    tmp = None
+    if args.swap_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="fuyou-optbench-", dir=os.environ.get("TMPDIR", "/tmp"))
+        args.swap_dir = tmp.name
+    results = {}
+    for config in ("io-bench", "fuyou-io", "torch", "fuyou", "fuyou-clip"):
+        print(f"running {config} ...", file=sys.stderr, flush=True)
+        results[config] = run_fresh(config, args)
+
+    io, opt_io = results["io-bench"], results["fuyou-io"]
+    n = opt_io["params"]
+    ideal_s = 12 * n / io["read_bps"] + 12 * n / io["write_bps"]
+    opt_s = statistics.median(opt_io["step_s"])
+    ref_s = statistics.median(results["torch"]["step_s"])
+    ref_rss = results["torch"]["peak_rss"]
+    allocator = "jemalloc" if not args.no_jemalloc and os.path.exists(JEMALLOC) else "glibc malloc"
+
+    lines = [
+        f"model: GPT-2 {args.layers} layers x {args.hidden} hidden = {n / 1e6:.0f}M params; batch {args.batch} x seq {args.seq}; "
+        f"allocator: {allocator}; swap dir {args.swap_dir} (O_DIRECT={io['direct']}); "
+        f"medians of {args.steps} steps after {args.warmup} warm-up; each row a fresh process",
+        "",
+        f"io-bench on that directory: read {io['read_bps'] / 1e6:.0f} MB/s, write {io['write_bps'] / 1e6:.0f} MB/s",
+        f"optimizer alone: {24 * n / 1e9:.2f} GB moved in {opt_s:.2f} s; the drive's floor for that mix is {ideal_s:.2f} s",
+        f"  => optimizer SSD traffic / io-bench bandwidth = {ideal_s / opt_s:.2f}   (target >= 0.85)",
+        "",
+        f"{'configuration':<34} {'step s':>8} {'x torch':>8} {'peak RSS GiB':>13} {'x torch':>8}",
+        "-" * 75,
+    ]
+    for config, label in (("torch", "torch.optim.AdamW(fused) in RAM"), ("fuyou", "FuyouAdamW"),
+                          ("fuyou-clip", "FuyouAdamW max_grad_norm=1.0")):
+        r = results[config]
+        s = statistics.median(r["step_s"])
+        lines.append(f"{label:<34} {s:>8.2f} {s / ref_s:>8.2f} {r['peak_rss'] / 2**30:>13.2f} {r['peak_rss'] / ref_rss:>8.2f}")
+    lines.append("targets: FuyouAdamW step <= 1.15x, peak RSS <= 0.5x")
+    if "stats" in results["fuyou-clip"]:
+        lines.append(f"fuyou-clip step outcomes: {results['fuyou-clip']['stats']}")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "allocator": allocator,
+                   "optimizer_io_fraction": ideal_s / opt_s, "step_ratio": statistics.median(results["fuyou"]["step_s"]) / ref_s,
+                   "rss_ratio": results["fuyou"]["peak_rss"] / ref_rss, "results": results, "table": table}, f, indent=2)
+    print(f"wrote {args.json}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
