@@ -172,7 +172,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         except BaseException:
             self.close()
             raise
-        self._queued: dict[int, torch.Tensor] = {}  # index -> grad norm, for this step
+        self._queued: dict[int, torch.Tensor | None] = {}  # index -> grad norm, for this step
         self._late_error: BaseException | None = None
         self._updates_enabled = True
         self._hooks = [ps.param.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in self._params]
@@ -212,12 +212,9 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None) -> None:
         grad = ps.param.grad
-        if grad.dtype == torch.float32:
-            norm = torch.linalg.vector_norm(grad, 2)  # the same op clip_grad_norm_ uses on CPU
-        else:
-            norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+        norms = self._queued  # filled in by the worker, so the hook itself stays cheap
         if coef is None:
-            self._queued[ps.index] = norm
+            norms[ps.index] = None
         group = ps.group
         beta1, beta2 = group["betas"]
         step = self.state[ps.param]["step"] + 1
@@ -229,6 +226,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         release = self.release_grads and coef is None
 
         def update(k: int, buf: HostBuffer) -> Future:
+            if k == 0 and coef is None:
+                # The same op clip_grad_norm_ uses per tensor on the CPU.
+                norms[ps.index] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
             start, n = ps.span(k)
             state = buf.view(torch.float32)
             master, exp_avg, exp_avg_sq = state[:n], state[n : 2 * n], state[2 * n :]
