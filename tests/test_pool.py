@@ -81,3 +81,15 @@ def test_budget_never_exceeded_under_concurrency():
     assert not errors
     assert max(peak) <= budget and pool.high_water <= budget
     assert pool.lent == 0
+
+
+def test_try_acquire_never_waits_and_keeps_room():
+    pool = HostBufferPool(32 * 1024)
+    held = pool.acquire(16 * 1024)
+    assert pool.try_acquire(8 * 1024, keep_free=16 * 1024) is None, "would leave less than keep_free"
+    buf = pool.try_acquire(8 * 1024, keep_free=8 * 1024)
+    assert buf is not None and buf.capacity == 8192
+    assert pool.try_acquire(16 * 1024) is None, "no room now: returns at once"
+    buf.release()
+    held.release()
+    assert pool.lent == 0

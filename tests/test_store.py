@@ -1,6 +1,7 @@
 """The SSD tier: round trips, striping, slots, errors, fallback, cleanup, permissions."""
 
 import errno
+import re
 import logging
 import os
 import signal
@@ -251,7 +252,8 @@ def test_real_kernel_error_from_a_file_size_limit(tmp_path, direct_io):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"ERR {errno.EFBIG}" in out.stdout and "File too large" in out.stdout, out.stdout
-    assert "write of 62144 bytes at offset 200000" in out.stdout, "names the offset and the bytes left"
+    # Blocks are written concurrently; whichever failed first is reported, with its offset.
+    assert re.search(r"write of \d+ bytes at offset \d+ in .*data\.bin failed", out.stdout), out.stdout
     assert "NOTGOOD" in out.stdout and "last write failed" in out.stdout
 
 
@@ -276,15 +278,19 @@ def _force_odirect_refusal(monkeypatch):
     monkeypatch.setattr(os, "open", refusing_open)
 
 
+def assert_buffered_round_trip(store, numel):
+    assert not store.engine.is_direct(0)
+    x = torch.randn(numel)
+    store.create("x", x.shape, x.dtype)
+    store.write("x", x).result()
+    assert torch.equal(store.read("x").result(), x)
+
+
 def test_buffered_fallback_when_odirect_is_refused(small_config, monkeypatch, caplog):
     _force_odirect_refusal(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="fuyou_strategy.storage"):
         with TensorStore(small_config) as store:
-            assert not store.engine.is_direct(0)
-            x = torch.randn(9999)
-            store.create("x", x.shape, x.dtype)
-            store.write("x", x).result()
-            assert torch.equal(store.read("x").result(), x)
+            assert_buffered_round_trip(store, 9999)
     announced = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
     assert len(announced) == 1, "the fallback is announced once per directory"
     with pytest.raises(StorageIOError, match="direct_io='on' but .* refuses O_DIRECT"):
@@ -296,11 +302,7 @@ def test_buffered_io_under_dev_shm():
         pytest.skip("no /dev/shm")
     cfg = FuyouConfig(swap_dirs=["/dev/shm"], chunk_size="8KiB", host_memory_budget="1MiB", direct_io="off")
     with TensorStore(cfg) as store:
-        assert not store.engine.is_direct(0)
-        x = torch.randn(12345)
-        store.create("x", x.shape, x.dtype)
-        store.write("x", x).result()
-        assert torch.equal(store.read("x").result(), x)
+        assert_buffered_round_trip(store, 12345)
         run_dir = store.run_dirs[0]
     assert not os.path.exists(run_dir)
 
@@ -382,3 +384,35 @@ def test_crashed_run_is_found_and_cleaned_by_the_command(tmp_path, capsys):
     assert os.path.isdir(run_dir) and "would remove" in capsys.readouterr().out
     assert fuyou_main(["clean", "--dir", str(tmp_path)]) == 0
     assert not os.path.exists(run_dir)
+
+
+def test_single_slot_entries_delete_and_space_reuse(small_config):
+    with TensorStore(small_config) as store:
+        x = torch.randn(3000)
+        store.create("a", x.shape, x.dtype, slots=1)
+        used = store.bytes_on_disk
+        assert used == 2 * 8192, "one slot: two 8 KiB chunks"
+        store.write("a", x).result()
+        with pytest.raises(StorageError, match="slots=1: it has no shadow slot"):
+            store.write("a", x, slot="shadow")
+        store.delete("a")
+        assert "a" not in store.entries
+        store.create("b", x.shape, x.dtype, slots=1)  # same size: the freed region is reused
+        assert store.bytes_on_disk == used
+        store.write("b", x + 1).result()
+        assert torch.equal(store.read("b").result(), x + 1)
+
+
+def test_read_into_an_aligned_buffer(small_config):
+    from fuyou_strategy.device import alloc_host_buffer
+
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)  # 20000 bytes over three chunks
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+        dest = alloc_host_buffer(20480)
+        assert store.read_into("x", dest).result() is dest
+        assert torch.equal(dest[:20000].view(torch.float32), x)
+        assert store.pool.lent == 0, "no pool buffer is used"
+        with pytest.raises(StorageError, match="page-aligned uint8 tensor of >= 20480 bytes"):
+            store.read_into("x", alloc_host_buffer(20000))

@@ -1,12 +1,12 @@
 """The storage tier: host buffer pool, async file I/O, and the two-slot tensor store."""
 
 from .aio import IOEngine, StorageIOError, SwapFile, byte_view, filesystem_type, gather
-from .pool import HostBudgetError, HostBuffer, HostBufferPool
+from .pool import HostBudgetError, HostBuffer, HostBufferPool, round_up
 from .rundir import StaleRun, find_stale_runs, remove_run_dir
 from .store import ACTIVE, SHADOW, Entry, StorageError, StorageSpaceError, TensorStore
 
 __all__ = [
     "ACTIVE", "SHADOW", "Entry", "HostBudgetError", "HostBuffer", "HostBufferPool", "IOEngine",
     "StaleRun", "StorageError", "byte_view", "StorageIOError", "StorageSpaceError", "SwapFile", "TensorStore",
-    "filesystem_type", "find_stale_runs", "gather", "remove_run_dir",
+    "filesystem_type", "find_stale_runs", "gather", "remove_run_dir", "round_up",
 ]

@@ -104,28 +104,10 @@ class HostBufferPool:
         Blocks while the budget is in use by other buffers; raises `HostBudgetError` at once
         if ``nbytes`` exceeds the whole budget, or after ``timeout`` seconds of waiting.
         """
-        capacity = round_up(max(nbytes, 1))
-        if capacity > self.budget:
-            raise HostBudgetError(
-                f"{self.name}: a buffer of {format_bytes(capacity)} can never fit in the budget of "
-                f"{format_bytes(self.budget)}; raise {self.name} or lower chunk_size"
-            )
+        capacity = self._capacity(nbytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                if self._closed:
-                    raise RuntimeError("HostBufferPool is closed")
-                cached = self._free.get(capacity)
-                if cached:
-                    data = cached.pop()
-                    self._lent += capacity
-                    return HostBuffer(data, nbytes, self)
-                self._evict_until(self.budget - capacity)
-                if self._held + capacity <= self.budget:
-                    self._held += capacity
-                    self._lent += capacity
-                    self._high_water = max(self._high_water, self._held)
-                    break
+            while (data := self._take(capacity, keep_free=0)) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise HostBudgetError(
@@ -133,14 +115,52 @@ class HostBufferPool:
                         f"{format_bytes(self._lent)} of {format_bytes(self.budget)} still lent out"
                     )
                 self._cond.wait(remaining)
-        try:  # allocate outside the lock: pinned allocation can take milliseconds
-            data = alloc_host_buffer(capacity)
-        except BaseException:
-            with self._cond:
-                self._held -= capacity
-                self._lent -= capacity
-                self._cond.notify_all()
-            raise
+        return self._lend(data, capacity, nbytes)
+
+    def try_acquire(self, nbytes: int, keep_free: int = 0) -> HostBuffer | None:
+        """Lend a buffer only if it fits now with ``keep_free`` bytes of the budget to spare; never waits."""
+        capacity = self._capacity(nbytes)
+        with self._cond:
+            data = self._take(capacity, keep_free)
+        return None if data is None else self._lend(data, capacity, nbytes)
+
+    def _capacity(self, nbytes: int) -> int:
+        capacity = round_up(max(nbytes, 1))
+        if capacity > self.budget:
+            raise HostBudgetError(
+                f"{self.name}: a buffer of {format_bytes(capacity)} can never fit in the budget of "
+                f"{format_bytes(self.budget)}; raise {self.name} or lower chunk_size"
+            )
+        return capacity
+
+    def _take(self, capacity: int, keep_free: int) -> torch.Tensor | bool | None:
+        """Under the lock: a cached buffer, True (room reserved: allocate one), or None (no room)."""
+        if self._closed:
+            raise RuntimeError("HostBufferPool is closed")
+        if self._lent + capacity + keep_free > self.budget:
+            return None
+        cached = self._free.get(capacity)
+        if cached:
+            self._lent += capacity
+            return cached.pop()
+        self._evict_until(self.budget - capacity)
+        if self._held + capacity > self.budget:
+            return None
+        self._held += capacity
+        self._lent += capacity
+        self._high_water = max(self._high_water, self._held)
+        return True
+
+    def _lend(self, data: torch.Tensor | bool, capacity: int, nbytes: int) -> HostBuffer:
+        if data is True:
+            try:  # allocate outside the lock: pinned allocation can take milliseconds
+                data = alloc_host_buffer(capacity)
+            except BaseException:
+                with self._cond:
+                    self._held -= capacity
+                    self._lent -= capacity
+                    self._cond.notify_all()
+                raise
         return HostBuffer(data, nbytes, self)
 
     def _evict_until(self, limit: int) -> None:

@@ -57,6 +57,7 @@ class Entry:
     num_dirs: int
     base: dict[int, int]  # directory index -> offset of this entry's region in that dir's file
     count: dict[int, int]  # directory index -> chunks of this entry in that directory
+    slots: int = 2
     active: int = 0
     written: list[set[int]] = field(default_factory=lambda: [set(), set()])
     failed: list[str | None] = field(default_factory=lambda: [None, None])
@@ -143,6 +144,7 @@ class TensorStore:
         self.engine = res.engine
         self._files = res.files
         self._tail = [0] * len(res.files)  # bump allocator per directory file
+        self._free_regions: dict[tuple[int, int], list[int]] = {}  # (dir, bytes) -> offsets freed by delete()
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
         self._lock = threading.Lock()
@@ -174,12 +176,15 @@ class TensorStore:
         dtype: torch.dtype,
         *,
         chunk_bytes: int | None = None,
+        slots: int = 2,
     ) -> Entry:
-        """Reserve space for a tensor of ``shape`` and ``dtype`` (both slots).
+        """Reserve space for a tensor of ``shape`` and ``dtype``.
 
         ``chunk_bytes`` (a multiple of 4 KiB; default ``config.chunk_size``) sets the unit
-        of striping and of `read_chunk`/`write_chunk`. Raises `StorageSpaceError` naming the
-        bytes needed and available when a directory is too full.
+        of striping and of `read_chunk`/`write_chunk`. ``slots=1`` makes an entry without a
+        shadow slot (scratch data such as activations). Space freed by `delete` is reused.
+        Raises `StorageSpaceError` naming the bytes needed and available when a directory is
+        too full.
         """
         self._check_open()
         shape = tuple(int(s) for s in shape)
@@ -187,6 +192,8 @@ class TensorStore:
         if nbytes == 0:
             raise StorageError(f"entry {name!r}: shape {shape} holds no bytes")
         chunk_bytes = self.config.chunk_size if chunk_bytes is None else chunk_bytes
+        if slots not in (1, 2):
+            raise StorageError(f"entry {name!r}: slots={slots}; expected 1 or 2")
         if chunk_bytes <= 0 or chunk_bytes % PAGE:
             raise StorageError(f"entry {name!r}: chunk_bytes={chunk_bytes} must be a positive multiple of 4096")
         chunk_bytes = min(chunk_bytes, round_up(nbytes))
@@ -198,15 +205,34 @@ class TensorStore:
             first = self._next_dir
             self._next_dir = (self._next_dir + 1) % num_dirs
             count = {d: len(range((d - first) % num_dirs, nchunks, num_dirs)) for d in range(num_dirs)}
-            need = {d: 2 * c * round_up(chunk_bytes) for d, c in count.items() if c}
+            need = {d: slots * c * round_up(chunk_bytes) for d, c in count.items() if c}
             base = {}
-            for d, nb in need.items():
-                base[d] = self._reserve(d, nb, name)
-            entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count)
+            try:
+                for d, nb in need.items():
+                    base[d] = self._reserve(d, nb, name)
+            except BaseException:
+                for d, offset in base.items():
+                    self._free_regions.setdefault((d, need[d]), []).append(offset)
+                raise
+            entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count, slots)
             self._entries[name] = entry
         return entry
 
+    def delete(self, name: str) -> None:
+        """Forget an entry and let a later `create` of the same size reuse its space."""
+        with self._lock:
+            entry = self.entry(name)
+            if any(entry.inflight):
+                raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
+            del self._entries[name]
+            for d, offset in entry.base.items():
+                size = entry.slots * entry.count[d] * entry.stride
+                self._free_regions.setdefault((d, size), []).append(offset)
+
     def _reserve(self, d: int, nbytes: int, name: str) -> int:
+        reusable = self._free_regions.get((d, nbytes))
+        if reusable:
+            return reusable.pop()
         f = self._files[d]
         where = os.path.dirname(f.path)
         free = shutil.disk_usage(where).free
@@ -232,6 +258,8 @@ class TensorStore:
         if slot == ACTIVE:
             return entry.active
         if slot == SHADOW:
+            if entry.slots == 1:
+                raise StorageError(f"entry {entry.name!r} was created with slots=1: it has no shadow slot")
             return 1 - entry.active
         raise StorageError(f"slot: got {slot!r}; expected 'active' or 'shadow'")
 
@@ -365,6 +393,24 @@ class TensorStore:
             futures.append(step)
         return gather(futures, result=out)
 
+    def read_into(self, name: str, dest: torch.Tensor) -> Future:
+        """Read a whole entry straight into ``dest``, with no pool buffer and no copy.
+
+        ``dest`` is a page-aligned ``uint8`` tensor of at least the entry's size rounded up to
+        4 KiB (e.g. from `fuyou_strategy.device.alloc_host_buffer`); the future gives ``dest``.
+        """
+        entry = self.entry(name)
+        phys = entry.active
+        self._check_readable(entry, phys, None)
+        if dest.dtype != torch.uint8 or dest.numel() < round_up(entry.nbytes) or dest.data_ptr() % PAGE:
+            raise StorageError(f"entry {name!r}: dest must be a page-aligned uint8 tensor of >= {round_up(entry.nbytes)} bytes")
+        futures = []
+        for k in range(entry.nchunks):
+            d, offset = entry.location(k, phys)
+            start = k * entry.chunk_bytes
+            futures.append(self.engine.read(self._files[d], offset, dest[start : start + round_up(entry.chunk_len(k))]))
+        return gather(futures, result=dest)
+
     # -- commit / rollback ---------------------------------------------------------------------------
     def commit(self, names: Iterable[str] | None = None) -> int:
         """Make the shadow slot active for every named entry (default: all) that has one.
@@ -375,6 +421,7 @@ class TensorStore:
         """
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
+            entries = [e for e in entries if e.slots == 2]
             pending = [e for e in entries if e.written[1 - e.active] or e.failed[1 - e.active] or e.inflight[1 - e.active]]
             bad = [e.name for e in pending if not e.is_complete(1 - e.active)]
             if bad:
@@ -389,6 +436,7 @@ class TensorStore:
         """Discard shadow writes of the named entries (default: all). Wait for in-flight writes first."""
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
+            entries = [e for e in entries if e.slots == 2]
             busy = [e.name for e in entries if e.inflight[1 - e.active]]
             if busy:
                 raise StorageError(f"cannot roll back while shadow writes are in flight for {busy[:5]}")
