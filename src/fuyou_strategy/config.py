@@ -92,6 +92,15 @@ class FuyouConfig:
             created, so a full disk is reported at allocation instead of mid-step.
         optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
             updated (capped by what the host budget holds). Default 4.
+        activations: what happens to each block's saved activations: one of ``"keep"``,
+            ``"host"``, ``"ssd"``, ``"recompute"`` for every block, or a mapping from block
+            index to policy (unlisted blocks keep). Default ``"keep"``.
+        blocks: the model's repeated blocks, as a dotted path to a ``ModuleList`` or a list of
+            module paths; ``None`` finds them (the largest ``ModuleList`` of one class).
+        activation_min_bytes: saved tensors smaller than this stay where they are (swapping
+            them costs more than it saves). Default ``"64KiB"``.
+        activation_prefetch_blocks: when backward reaches block ``i``, activations of blocks
+            ``i-1 ... i-k`` are already being read back. Default 2.
     """
 
     swap_dirs: list[str] | None = None
@@ -103,6 +112,10 @@ class FuyouConfig:
     direct_io: str = "auto"
     preallocate: bool = True
     optimizer_prefetch_chunks: int = 4
+    activations: str | dict = "keep"
+    blocks: str | list[str] | None = None
+    activation_min_bytes: int | str = "64KiB"
+    activation_prefetch_blocks: int = 2
 
     def __post_init__(self) -> None:
         self._validate()
@@ -134,9 +147,10 @@ class FuyouConfig:
         for name in ("io_block_size", "chunk_size"):
             nbytes = parse_bytes(getattr(self, name), name=name)
             if nbytes < PAGE or nbytes % PAGE:
+                suggestion = max(PAGE, -(-nbytes // PAGE) * PAGE)
                 raise ConfigError(
                     f"{name}: got {getattr(self, name)!r} ({nbytes} bytes); it must be a positive multiple of "
-                    f"4 KiB for O_DIRECT, e.g. '{max(1, round(nbytes / 2**20))}MiB'"
+                    f"4 KiB for O_DIRECT, e.g. {suggestion} ({format_bytes(suggestion)})"
                 )
             setattr(self, name, nbytes)
         if self.chunk_size > self.host_memory_budget:
@@ -150,6 +164,17 @@ class FuyouConfig:
             raise ConfigError(
                 f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected an int >= 1"
             )
+        policies = ("keep", "host", "ssd", "recompute")
+        values = self.activations.values() if isinstance(self.activations, Mapping) else [self.activations]
+        for value in values:
+            if value not in policies:
+                raise ConfigError(f"activations: got {value!r}; expected one of {list(policies)} or a mapping "
+                                  "from block index to one of them")
+        if isinstance(self.activations, Mapping):
+            self.activations = {int(k): v for k, v in self.activations.items()}
+        self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
+        if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
+            raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")
         if not isinstance(self.preallocate, bool):
             raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
 
