@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+sys.path.insert(0, str(Path(__file__).parent))
+from common import allocator, peak_rss_bytes, run_fresh  # noqa: E402
 
 
 def build_model(layers: int, hidden: int, seq: int):
@@ -42,10 +41,6 @@ def build_model(layers: int, hidden: int, seq: int):
     cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=hidden // 64, vocab_size=50257, n_positions=seq,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -108,18 +103,12 @@ def worker(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_fresh(config: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", config] + [
+def run_config(config: str, args: argparse.Namespace) -> dict:
+    argv = ["--worker", config] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "json", "config", "no_jemalloc") and v is not None
+        if k not in ("worker", "json", "config", "no_jemalloc", "rounds") and v is not None
     ]
-    env = dict(os.environ)
-    if not args.no_jemalloc and os.path.exists(JEMALLOC) and "jemalloc" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = JEMALLOC
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{config} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh(__file__, argv, use_jemalloc=not args.no_jemalloc)
 
 
 def main() -> None:
@@ -132,6 +121,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the step configurations this many times, interleaved, each a fresh process")
     parser.add_argument("--host-budget", default="512MiB")
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--io-size", default=str(2 * 2**30))
@@ -150,11 +141,19 @@ def main() -> None:
     if args.swap_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="fuyou-optbench-", dir=os.environ.get("TMPDIR", "/tmp"))
         args.swap_dir = tmp.name
-    results = {}
-    for config in ("io-bench", "fuyou-io", "no-optimizer", "torch", "fuyou", "fuyou-clip"):
+    runs: dict[str, list[dict]] = {}
+    order = ["io-bench", "fuyou-io"] + ["no-optimizer", "torch", "fuyou", "fuyou-clip"] * args.rounds
+    for config in order:
         print(f"running {config} ...", file=sys.stderr, flush=True)
-        results[config] = run_fresh(config, args)
-
+        runs.setdefault(config, []).append(run_config(config, args))
+    # Per configuration: all timed steps of all its rounds, and the median of its processes' peaks.
+    results = {}
+    for config, rs in runs.items():
+        merged = dict(rs[-1])
+        if "step_s" in merged:
+            merged["step_s"] = [t for r in rs for t in r["step_s"]]
+            merged["peak_rss"] = statistics.median(r["peak_rss"] for r in rs)
+        results[config] = merged
     io, opt_io = results["io-bench"], results["fuyou-io"]
     n = opt_io["params"]
     ideal_s = 12 * n / io["read_bps"] + 12 * n / io["write_bps"]
@@ -162,12 +161,13 @@ def main() -> None:
     ref_s = statistics.median(results["torch"]["step_s"])
     ref_rss = results["torch"]["peak_rss"]
     floor_rss = results["no-optimizer"]["peak_rss"]
-    allocator = "jemalloc" if not args.no_jemalloc and os.path.exists(JEMALLOC) else "glibc malloc"
+    used_allocator = allocator(not args.no_jemalloc)
 
     lines = [
         f"model: GPT-2 {args.layers} layers x {args.hidden} hidden = {n / 1e6:.0f}M params; batch {args.batch} x seq {args.seq}; "
-        f"allocator: {allocator}; swap dir {args.swap_dir} (O_DIRECT={io['direct']}); "
-        f"medians of {args.steps} steps after {args.warmup} warm-up; each row a fresh process",
+        f"allocator: {used_allocator}; swap dir {args.swap_dir} (O_DIRECT={io['direct']}); "
+        f"medians of {args.steps} steps x {args.rounds} round(s) after {args.warmup} warm-up; each run a fresh process, "
+        "configurations interleaved",
         "",
         f"io-bench on that directory: read {io['read_bps'] / 1e6:.0f} MB/s, write {io['write_bps'] / 1e6:.0f} MB/s",
         f"optimizer alone: {24 * n / 1e9:.2f} GB moved in {opt_s:.2f} s; the drive's floor for that mix is {ideal_s:.2f} s",
@@ -189,9 +189,9 @@ def main() -> None:
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "allocator": allocator,
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "allocator": used_allocator,
                    "optimizer_io_fraction": ideal_s / opt_s, "step_ratio": statistics.median(results["fuyou"]["step_s"]) / ref_s,
-                   "rss_ratio": results["fuyou"]["peak_rss"] / ref_rss, "results": results, "table": table}, f, indent=2)
+                   "rss_ratio": results["fuyou"]["peak_rss"] / ref_rss, "runs": runs, "table": table}, f, indent=2)
     print(f"wrote {args.json}")
     if tmp is not None:
         tmp.cleanup()
