@@ -58,7 +58,8 @@ def worker(args: argparse.Namespace) -> dict:
     swapper = None
     if policy not in (None, "keep"):
         swapper = ActivationSwapper(model, FuyouConfig(swap_dirs=[args.swap_dir], activations=policy,
-                                                       host_memory_budget=args.host_budget))
+                                                       host_memory_budget=args.host_budget,
+                                                       activation_prefetch_blocks=args.prefetch_blocks))
     times = []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
@@ -94,6 +95,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--host-budget", default="1GiB")
+    parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.activation_prefetch_blocks")
+    parser.add_argument("--configs", default=",".join(list(CONFIGS)[1:]),
+                        help="comma list of configurations besides the baseline (default: all)")
     parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
     parser.add_argument("--no-jemalloc", action="store_true")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "activation_bench.json"))
@@ -106,9 +110,12 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="fuyou-actbench-", dir=os.environ.get("TMPDIR", "/tmp"))
         args.swap_dir = tmp.name
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("worker", "json", "no_jemalloc") and v is not None]
+                   if k not in ("worker", "json", "no_jemalloc", "configs") and v is not None]
+    configs = ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
+    if "no-hooks" not in configs:
+        raise SystemExit("--configs must include no-hooks: the other rows are ratios to it")
     results = {}
-    for config in CONFIGS:
+    for config in configs:
         print(f"running {config} ...", file=sys.stderr, flush=True)
         results[config] = run_fresh(__file__, ["--worker", config, *passthrough], use_jemalloc=not args.no_jemalloc)
     base_rss = results["baseline"]["peak_rss"]
@@ -116,19 +123,21 @@ def main() -> None:
     ref_s, ref_act = statistics.median(ref["step_s"]), ref["peak_rss"] - base_rss
     lines = [
         f"model: GPT-2 {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; "
-        f"allocator: {allocator(not args.no_jemalloc)}; host budget {args.host_budget}; medians of {args.steps} steps "
+        f"allocator: {allocator(not args.no_jemalloc)}; host budget {args.host_budget}; prefetch {args.prefetch_blocks} "
+        f"blocks; medians of {args.steps} steps "
         f"after {args.warmup} warm-up; each row a fresh process",
         f"baseline (one-token sequence) peak RSS: {base_rss / 2**30:.2f} GiB",
         "",
         f"{'configuration':<14} {'step s':>8} {'x no-hooks':>11} {'peak RSS GiB':>13} {'activations GiB':>16} {'x no-hooks':>11}",
         "-" * 78,
     ]
-    for config in list(CONFIGS)[1:]:
+    for config in configs[1:]:
         r = results[config]
         s, act = statistics.median(r["step_s"]), r["peak_rss"] - base_rss
         lines.append(f"{config:<14} {s:>8.2f} {s / ref_s:>11.2f} {r['peak_rss'] / 2**30:>13.2f} {act / 2**30:>16.2f} {act / ref_act:>11.2f}")
     lines.append("targets: ssd resident activations <= 0.25x of no-hooks, step time <= 1.3x")
-    lines.append(f"ssd swapper stats: {results['ssd'].get('stats')}")
+    if "ssd" in results:
+        lines.append(f"ssd swapper stats: {results['ssd'].get('stats')}")
     table = "\n".join(lines)
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -183,6 +183,12 @@ def test_second_backward_is_a_clear_error_for_swapped_policies(tmp_path):
                 loss.backward()
         assert_nothing_held(swapper)
         swapper.close()
+    swapper = ActivationSwapper(model, config(tmp_path, "ssd"))
+    with swapper:
+        loss = model(input_ids=ids(), labels=ids()).loss
+    with pytest.raises(RuntimeError, match="the `with swapper:` block it was saved in has ended"):
+        loss.backward()  # backward outside the block: its activations were released on exit
+    swapper.close()
     swapper = ActivationSwapper(model, config(tmp_path, "recompute"))
     with swapper:  # recompute supports it
         loss = model(input_ids=ids(), labels=ids()).loss

@@ -238,8 +238,9 @@ class ActivationSwapper:
         if saved.released:
             raise RuntimeError(
                 f"an activation of block {saved.block} ({saved.policy.value} policy) was already used by a "
-                "backward pass and released; swapped activations support one backward per forward "
-                "(retain_graph=True needs the 'keep' or 'recompute' policy)"
+                "backward pass and released, or the `with swapper:` block it was saved in has ended; swapped "
+                "activations support one backward per forward, inside the `with` block (retain_graph=True "
+                "needs the 'keep' or 'recompute' policy)"
             )
         self._enter_backward(saved.block)  # normally done already by the block's output hook
         if saved.policy is Policy.HOST:

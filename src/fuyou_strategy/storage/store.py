@@ -160,7 +160,8 @@ class TensorStore:
 
     @property
     def bytes_on_disk(self) -> int:
-        """Bytes reserved in the swap files (both slots, padding included)."""
+        """Bytes reserved in the swap files: every slot and padding, and regions freed by
+        `delete` (kept for reuse by later entries of the same size)."""
         return sum(self._tail)
 
     def entry(self, name: str) -> Entry:
