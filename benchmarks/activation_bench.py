@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_fresh  # noqa: E402
+from common import allocator, peak_rss_bytes, run_interleaved  # noqa: E402
 
 CONFIGS = {
     "baseline": None,  # one-token sequence: everything but activations
@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the configurations this many times, interleaved, each a fresh process")
     parser.add_argument("--host-budget", default="1GiB")
     parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.activation_prefetch_blocks")
     parser.add_argument("--configs", default=",".join(list(CONFIGS)[1:]),
@@ -109,23 +111,21 @@ def main() -> None:
     if args.swap_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="fuyou-actbench-", dir=os.environ.get("TMPDIR", "/tmp"))
         args.swap_dir = tmp.name
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("worker", "json", "no_jemalloc", "configs") and v is not None]
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("worker", "json", "no_jemalloc", "configs", "rounds") and v is not None]
     configs = ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
     if "no-hooks" not in configs:
         raise SystemExit("--configs must include no-hooks: the other rows are ratios to it")
-    results = {}
-    for config in configs:
-        print(f"running {config} ...", file=sys.stderr, flush=True)
-        results[config] = run_fresh(__file__, ["--worker", config, *passthrough], use_jemalloc=not args.no_jemalloc)
+    runs, results = run_interleaved(__file__, ["baseline"], configs[1:], args.rounds, argv,
+                                    use_jemalloc=not args.no_jemalloc)
     base_rss = results["baseline"]["peak_rss"]
     ref = results["no-hooks"]
     ref_s, ref_act = statistics.median(ref["step_s"]), ref["peak_rss"] - base_rss
     lines = [
         f"model: GPT-2 {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; "
         f"allocator: {allocator(not args.no_jemalloc)}; host budget {args.host_budget}; prefetch {args.prefetch_blocks} "
-        f"blocks; medians of {args.steps} steps "
-        f"after {args.warmup} warm-up; each row a fresh process",
+        f"blocks; medians of {args.steps} steps x {args.rounds} round(s) after {args.warmup} warm-up; each run a "
+        "fresh process, configurations interleaved",
         f"baseline (one-token sequence) peak RSS: {base_rss / 2**30:.2f} GiB",
         "",
         f"{'configuration':<14} {'step s':>8} {'x no-hooks':>11} {'peak RSS GiB':>13} {'activations GiB':>16} {'x no-hooks':>11}",
@@ -142,7 +142,7 @@ def main() -> None:
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "results": results, "table": table}, f, indent=2)
+        json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=2)
     print(f"wrote {args.json}")
     if tmp is not None:
         tmp.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 
@@ -31,3 +32,25 @@ def run_fresh(script: str, argv: list[str], use_jemalloc: bool = True) -> dict:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_interleaved(script: str, once: list[str], repeated: list[str], rounds: int, argv: list[str],
+                    use_jemalloc: bool = True) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Run ``once`` configurations once, then ``repeated`` ones ``rounds`` times, interleaved.
+
+    Each run is a fresh process (``script --worker CONFIG argv``). Returns every run, and per
+    configuration one merged result: all timed steps (``step_s``) of all rounds, and the
+    median of the processes' ``peak_rss``.
+    """
+    runs: dict[str, list[dict]] = {}
+    for config in once + repeated * rounds:
+        print(f"running {config} ...", file=sys.stderr, flush=True)
+        runs.setdefault(config, []).append(run_fresh(script, ["--worker", config, *argv], use_jemalloc))
+    merged = {}
+    for config, rs in runs.items():
+        result = dict(rs[-1])
+        if "step_s" in result:
+            result["step_s"] = [t for r in rs for t in r["step_s"]]
+            result["peak_rss"] = statistics.median(r["peak_rss"] for r in rs)
+        merged[config] = result
+    return runs, merged

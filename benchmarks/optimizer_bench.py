@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_fresh  # noqa: E402
+from common import allocator, peak_rss_bytes, run_interleaved  # noqa: E402
 
 
 def build_model(layers: int, hidden: int, seq: int):
@@ -103,14 +103,6 @@ def worker(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_config(config: str, args: argparse.Namespace) -> dict:
-    argv = ["--worker", config] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "json", "config", "no_jemalloc", "rounds") and v is not None
-    ]
-    return run_fresh(__file__, argv, use_jemalloc=not args.no_jemalloc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -141,19 +133,10 @@ def main() -> None:
     if args.swap_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="fuyou-optbench-", dir=os.environ.get("TMPDIR", "/tmp"))
         args.swap_dir = tmp.name
-    runs: dict[str, list[dict]] = {}
-    order = ["io-bench", "fuyou-io"] + ["no-optimizer", "torch", "fuyou", "fuyou-clip"] * args.rounds
-    for config in order:
-        print(f"running {config} ...", file=sys.stderr, flush=True)
-        runs.setdefault(config, []).append(run_config(config, args))
-    # Per configuration: all timed steps of all its rounds, and the median of its processes' peaks.
-    results = {}
-    for config, rs in runs.items():
-        merged = dict(rs[-1])
-        if "step_s" in merged:
-            merged["step_s"] = [t for r in rs for t in r["step_s"]]
-            merged["peak_rss"] = statistics.median(r["peak_rss"] for r in rs)
-        results[config] = merged
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("worker", "json", "config", "no_jemalloc", "rounds") and v is not None]
+    runs, results = run_interleaved(__file__, ["io-bench", "fuyou-io"], ["no-optimizer", "torch", "fuyou", "fuyou-clip"],
+                                    args.rounds, argv, use_jemalloc=not args.no_jemalloc)
     io, opt_io = results["io-bench"], results["fuyou-io"]
     n = opt_io["params"]
     ideal_s = 12 * n / io["read_bps"] + 12 * n / io["write_bps"]
