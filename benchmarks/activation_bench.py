@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved  # noqa: E402
+from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
 
 CONFIGS = {
     "baseline": None,  # one-token sequence: everything but activations
@@ -107,12 +105,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    tmp = None
-    if args.swap_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="fuyou-actbench-", dir=os.environ.get("TMPDIR", "/tmp"))
-        args.swap_dir = tmp.name
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("worker", "json", "no_jemalloc", "configs", "rounds") and v is not None]
+    tmp = temporary_swap_dir(args, "fuyou-actbench-")
+    argv = worker_argv(args, parent_only=("configs",))
     configs = ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
     if "no-hooks" not in configs:
         raise SystemExit("--configs must include no-hooks: the other rows are ratios to it")

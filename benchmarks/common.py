@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
@@ -54,3 +56,18 @@ def run_interleaved(script: str, once: list[str], repeated: list[str], rounds: i
             result["peak_rss"] = statistics.median(r["peak_rss"] for r in rs)
         merged[config] = result
     return runs, merged
+
+
+def worker_argv(args: argparse.Namespace, parent_only: tuple[str, ...]) -> list[str]:
+    """The parent's options, as ``--name=value`` for its workers, less those only the parent uses."""
+    skip = {"worker", "json", "no_jemalloc", "rounds", *parent_only}
+    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+
+
+def temporary_swap_dir(args: argparse.Namespace, prefix: str) -> tempfile.TemporaryDirectory | None:
+    """Set ``args.swap_dir`` to a fresh temporary directory unless one was given; the caller cleans it up."""
+    if args.swap_dir is not None:
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=os.environ.get("TMPDIR", "/tmp"))
+    args.swap_dir = tmp.name
+    return tmp

@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # -- table -----------------------------------------------------------------------------
         print()
-        print(f"| block size | op    | engine MB/s | fio psync MB/s | fio libaio MB/s | ratio engine/best-fio |")
-        print(f"|-----------:|-------|------------:|---------------:|----------------:|----------------------:|")
+        print("| block size | op    | engine MB/s | fio psync MB/s | fio libaio MB/s | ratio engine/best-fio |")
+        print("|-----------:|-------|------------:|---------------:|----------------:|----------------------:|")
         for row in rows:
             m = row["median_bps"]
             print(f"| {format_bytes(row['block_size']):>10} | {row['op']:<5} | {m['engine'] / MB:11.0f} |"

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved  # noqa: E402
+from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
 
 
 def build_model(layers: int, hidden: int, seq: int):
@@ -129,12 +127,8 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
 
-    tmp = None
-    if args.swap_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="fuyou-optbench-", dir=os.environ.get("TMPDIR", "/tmp"))
-        args.swap_dir = tmp.name
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("worker", "json", "config", "no_jemalloc", "rounds") and v is not None]
+    tmp = temporary_swap_dir(args, "fuyou-optbench-")
+    argv = worker_argv(args, parent_only=("config",))
     runs, results = run_interleaved(__file__, ["io-bench", "fuyou-io"], ["no-optimizer", "torch", "fuyou", "fuyou-clip"],
                                     args.rounds, argv, use_jemalloc=not args.no_jemalloc)
     io, opt_io = results["io-bench"], results["fuyou-io"]

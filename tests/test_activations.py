@@ -1,7 +1,6 @@
 """Activation swapping: bitwise gradients for every policy, budgets, cleanup, safe edges."""
 
 import contextlib
-import os
 
 import pytest
 import torch

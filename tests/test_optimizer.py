@@ -70,7 +70,7 @@ def max_rel_diff(a_params, b_params):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_path, family):
     model = tiny_causal_lm(family)
-    fused_ref, loop_ref = copy.deepcopy(model), copy.deepcopy(model)
+    fused_ref = copy.deepcopy(model)
     opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path))
     assert any(ps.nchunks > 1 for ps in opt._params), "the test must cover multi-chunk parameters"
     train_fuyou(model, opt)

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import PAGE, FuyouConfig, format_bytes
-from .aio import IOEngine, StorageIOError, SwapFile, gather
+from .aio import IOEngine, SwapFile, gather
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
