@@ -157,6 +157,19 @@ def test_exception_mid_forward_and_mid_backward_releases_everything(tmp_path):
     assert_nothing_held(swapper)
     assert "forward" not in vars(blocks[0]), "the wrappers are removed"
 
+    # A forward someone else set on the instance survives a step (and is what the step ran).
+    calls = []
+    original = blocks[0].forward
+
+    def theirs(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    blocks[0].forward = theirs
+    grads(model, swapper)
+    assert vars(blocks[0])["forward"] is theirs and calls
+    del blocks[0].forward
+
     def raise_in_backward(module, args, output):
         hidden = output if isinstance(output, torch.Tensor) else output[0]
         hidden.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom in backward")))

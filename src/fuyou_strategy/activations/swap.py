@@ -158,16 +158,22 @@ class ActivationSwapper:
         if self._active:
             raise RuntimeError("ActivationSwapper is already active; it cannot be nested")
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        # A forward set on the instance by someone else (e.g. another library's hooks) is kept aside
+        # and put back on exit; otherwise our instance attribute shadows the class's method.
+        self._instance_forwards = {}
         for i, (block, policy) in enumerate(zip(self.blocks, self.policies)):
             if self._wrapped(policy):
-                block.forward = self._wrap(i, policy, block.forward)  # instance attribute shadows the method
+                self._instance_forwards[i] = vars(block).get("forward")
+                block.forward = self._wrap(i, policy, block.forward)
         self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for block, policy in zip(self.blocks, self.policies):
-            if self._wrapped(policy):
-                del block.forward
+        for i, previous in self._instance_forwards.items():
+            if previous is None:
+                del self.blocks[i].forward
+            else:
+                self.blocks[i].forward = previous
         self._active = False
         self.release()
 
@@ -199,7 +205,7 @@ class ActivationSwapper:
     # -- forward: pack -----------------------------------------------------------------------------
     def _pack(self, block: int, policy: Policy, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if (nbytes < self.config.activation_min_bytes or t.untyped_storage().data_ptr() in self._param_storages
+        if (nbytes == 0 or nbytes < self.config.activation_min_bytes or t.untyped_storage().data_ptr() in self._param_storages
                 or not _is_dense(t) or _is_autocast_weight(t)):
             self.stats.kept_tensors += 1
             return t
