@@ -64,6 +64,12 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         clip = 1.0 if args.config == "fuyou-clip" else None
         opt = FuyouAdamW(model.parameters(), lr=1e-5, max_grad_norm=clip, config=cfg)
+    swapper = None
+    if args.config == "fuyou+act-ssd":
+        # The whole Fuyou recipe: activations of every block to SSD too, through the optimizer's store.
+        from fuyou_strategy import ActivationSwapper
+
+        swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 
     if args.config == "fuyou-io":
         # Optimizer alone: hand-set gradients, so every update runs inside step().
@@ -85,8 +91,13 @@ def worker(args: argparse.Namespace) -> dict:
     times = []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if swapper is not None:
+            with swapper:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -111,6 +122,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--configs", default="no-optimizer,torch,fuyou,fuyou-clip,fuyou+act-ssd",
+                        help="comma list of step configurations (torch is required: rows are ratios to it)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the step configurations this many times, interleaved, each a fresh process")
     parser.add_argument("--host-budget", default="512MiB")
@@ -128,16 +141,19 @@ def main() -> None:
         return
 
     tmp = temporary_swap_dir(args, "fuyou-optbench-")
-    argv = worker_argv(args, parent_only=("config",))
-    runs, results = run_interleaved(__file__, ["io-bench", "fuyou-io"], ["no-optimizer", "torch", "fuyou", "fuyou-clip"],
-                                    args.rounds, argv, use_jemalloc=not args.no_jemalloc)
+    argv = worker_argv(args, parent_only=("config", "configs"))
+    configs = args.configs.split(",")
+    if "torch" not in configs:
+        raise SystemExit("--configs must include torch: the other rows are ratios to it")
+    runs, results = run_interleaved(__file__, ["io-bench", "fuyou-io"], configs, args.rounds, argv,
+                                    use_jemalloc=not args.no_jemalloc)
     io, opt_io = results["io-bench"], results["fuyou-io"]
     n = opt_io["params"]
     ideal_s = 12 * n / io["read_bps"] + 12 * n / io["write_bps"]
     opt_s = statistics.median(opt_io["step_s"])
     ref_s = statistics.median(results["torch"]["step_s"])
     ref_rss = results["torch"]["peak_rss"]
-    floor_rss = results["no-optimizer"]["peak_rss"]
+    floor_rss = results["no-optimizer"]["peak_rss"] if "no-optimizer" in results else float("nan")
     used_allocator = allocator(not args.no_jemalloc)
 
     lines = [
@@ -153,22 +169,24 @@ def main() -> None:
         f"{'configuration':<34} {'step s':>8} {'x torch':>8} {'peak RSS GiB':>13} {'x torch':>8} {'above floor GiB':>16}",
         "-" * 92,
     ]
-    for config, label in (("no-optimizer", "forward+backward only (floor)"), ("torch", "torch.optim.AdamW(fused) in RAM"),
-                          ("fuyou", "FuyouAdamW"), ("fuyou-clip", "FuyouAdamW max_grad_norm=1.0")):
-        r = results[config]
+    labels = {"no-optimizer": "forward+backward only (floor)", "torch": "torch.optim.AdamW(fused) in RAM",
+              "fuyou": "FuyouAdamW", "fuyou-clip": "FuyouAdamW max_grad_norm=1.0",
+              "fuyou+act-ssd": "FuyouAdamW + activations to SSD"}
+    for config in configs:
+        r, label = results[config], labels[config]
         s = statistics.median(r["step_s"])
         lines.append(f"{label:<34} {s:>8.2f} {s / ref_s:>8.2f} {r['peak_rss'] / 2**30:>13.2f} {r['peak_rss'] / ref_rss:>8.2f} "
                      f"{(r['peak_rss'] - floor_rss) / 2**30:>16.2f}")
     lines.append("targets: FuyouAdamW step <= 1.15x, peak RSS <= 0.5x; 'above floor' = peak RSS minus the forward+backward-only run")
-    if "stats" in results["fuyou-clip"]:
+    if "stats" in results.get("fuyou-clip", {}):
         lines.append(f"fuyou-clip step outcomes: {results['fuyou-clip']['stats']}")
     table = "\n".join(lines)
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "allocator": used_allocator,
-                   "optimizer_io_fraction": ideal_s / opt_s, "step_ratio": statistics.median(results["fuyou"]["step_s"]) / ref_s,
-                   "rss_ratio": results["fuyou"]["peak_rss"] / ref_rss, "runs": runs, "table": table}, f, indent=2)
+                   "optimizer_io_fraction": ideal_s / opt_s, "step_ratios": {c: statistics.median(results[c]["step_s"]) / ref_s for c in configs},
+                   "rss_ratios": {c: results[c]["peak_rss"] / ref_rss for c in configs}, "runs": runs, "table": table}, f, indent=2)
     print(f"wrote {args.json}")
     if tmp is not None:
         tmp.cleanup()
