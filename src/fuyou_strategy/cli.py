@@ -8,16 +8,27 @@ import sys
 import tempfile
 from typing import Sequence
 
-from .config import ConfigError, format_bytes, parse_bytes
+from .config import PAGE, ConfigError, format_bytes, parse_bytes
 
 __all__ = ["main"]
 
 
-def _sizes(text: str) -> list[int]:
+def _size(text: str) -> int:
     try:
-        return [parse_bytes(part, name="size") for part in text.split(",")]
+        return parse_bytes(text, name="--size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _block_sizes(text: str) -> list[int]:
+    try:
+        sizes = [parse_bytes(part, name="--block-sizes") for part in text.split(",")]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    for size in sizes:
+        if size < PAGE or size % PAGE:
+            raise argparse.ArgumentTypeError(f"got {size} bytes; each block size must be a positive multiple of 4 KiB (O_DIRECT)")
+    return sizes
 
 
 def _ints(text: str) -> list[int]:
@@ -80,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("io-bench", help="sequential read/write bandwidth of swap directories")
     bench.add_argument("--dir", action="append", help="directory to measure (repeatable; default: a temporary one)")
-    bench.add_argument("--size", type=lambda s: parse_bytes(s, name="--size"), default=parse_bytes("1GiB"),
+    bench.add_argument("--size", type=_size, default=parse_bytes("1GiB"),
                        help="bytes written and read per measurement (default 1GiB)")
-    bench.add_argument("--block-sizes", type=_sizes, default=_sizes("1MiB,4MiB"), help="comma list (default 1MiB,4MiB)")
+    bench.add_argument("--block-sizes", type=_block_sizes, default=_block_sizes("1MiB,4MiB"), help="comma list (default 1MiB,4MiB)")
     bench.add_argument("--threads", type=_ints, default=[1, 4], help="comma list of threads per dir (default 1,4)")
     bench.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
     bench.add_argument("--json", help="also write the rows to this JSON file")
