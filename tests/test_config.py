@@ -75,3 +75,9 @@ def test_from_json_and_yaml(tmp_path):
 
 def test_format_bytes():
     assert format_bytes(3 * 2**30) == "3.00 GiB" and format_bytes(10) == "10 B"
+
+
+def test_to_dict_round_trips_through_from_dict(tmp_path):
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="64MiB", activations={0: "ssd", 2: "recompute"})
+    assert FuyouConfig.from_dict(cfg.to_dict()) == cfg
+    assert json.loads(json.dumps(cfg.to_dict()))["host_memory_budget"] == 64 * 2**20

@@ -190,13 +190,6 @@ class IOEngine:
         ]
         self._closed = False
 
-    @property
-    def num_dirs(self) -> int:
-        return len(self._dirs)
-
-    def dir_path(self, index: int) -> str:
-        return self._dirs[index].path
-
     def is_direct(self, index: int) -> bool:
         return self._dirs[index].direct
 
@@ -322,9 +315,6 @@ class IOEngine:
         elif code == errno.EIO:
             hint = "; the drive reported an I/O error: check it (dmesg, smartctl) or use another swap dir"
         return StorageIOError(code or errno.EIO, f"{op} of {nbytes} bytes at offset {offset} in {f.path} failed: {why}{hint}")
-
-    def sync(self, f: SwapFile) -> None:
-        os.fdatasync(f.fd)
 
     def close(self) -> None:
         """Wait for queued transfers, then stop the threads."""

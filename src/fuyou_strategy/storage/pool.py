@@ -182,12 +182,6 @@ class HostBufferPool:
                 self._free[buf.capacity].append(buf.data)
             self._cond.notify_all()
 
-    def trim(self) -> None:
-        """Free every cached buffer."""
-        with self._cond:
-            self._evict_until(0)
-            self._cond.notify_all()
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
