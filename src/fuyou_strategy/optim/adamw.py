@@ -276,20 +276,12 @@ class FuyouAdamW(torch.optim.Optimizer):
         queued = [ps for ps in self._params if ps.index in self._queued]
         norms, self._queued = self._queued, {}
         late, self._late_error = self._late_error, None
-        try:
-            self._pipeline.drain()
-            if late is not None:
-                raise late
-        except BaseException:
-            self.store.rollback()
-            self._restore_weights(queued)
-            raise
+        self._drain_or_undo(queued, late)
         # The global norm exactly as clip_grad_norm_ computes it: the norm of per-tensor norms.
         total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in queued]), 2)
         self.stats.last_grad_norm = float(total)
         if not math.isfinite(self.stats.last_grad_norm):
-            self.store.rollback()
-            self._restore_weights(queued)
+            self._undo(queued)
             self.stats.skips += 1
             return loss
         if self.max_grad_norm is not None:
@@ -298,12 +290,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self.store.rollback()
                 for ps in queued:
                     self._queue_update(ps, coef)
-                try:
-                    self._pipeline.drain()
-                except BaseException:
-                    self.store.rollback()
-                    self._restore_weights(queued)
-                    raise
+                self._drain_or_undo(queued)
                 self.stats.redos += 1
                 self._commit(queued)
                 return loss
@@ -319,9 +306,23 @@ class FuyouAdamW(torch.optim.Optimizer):
             try:
                 self._pipeline.drain()
             finally:
-                self.store.rollback()
-                self._restore_weights(queued)
+                self._undo(queued)
         super().zero_grad(set_to_none=set_to_none)
+
+    def _undo(self, queued: list[_Param]) -> None:
+        """Discard the shadow writes and put the committed weights back into the parameters."""
+        self.store.rollback()
+        self._restore_weights(queued)
+
+    def _drain_or_undo(self, queued: list[_Param], error: BaseException | None = None) -> None:
+        """Wait for every queued update; on any failure (or ``error``), undo them and raise."""
+        try:
+            self._pipeline.drain()
+            if error is not None:
+                raise error
+        except BaseException:
+            self._undo(queued)
+            raise
 
     def _commit(self, queued: list[_Param]) -> None:
         self.store.commit([ps.entry for ps in queued])
@@ -371,9 +372,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         if folder is not None:
             checkpoint.load(self, folder)
         else:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
-            for group, saved in zip(self.param_groups, groups):
-                group.update(saved)
+            checkpoint.restore_groups(self, state_dict["param_groups"])
 
     def _check_idle(self, what: str) -> None:
         if self._queued:

@@ -148,7 +148,12 @@ def load(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
     opt.store.commit([ps.entry for ps in opt._params])
     for ps, pm in zip(opt._params, meta["params"]):
         opt.state[ps.param]["step"] = torch.tensor(pm["step"])
-    for group, saved in zip(opt.param_groups, meta["param_groups"]):
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+    restore_groups(opt, meta["param_groups"])
     opt._restore_weights(opt._params)
     return meta
+
+
+def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:
+    """Put saved hyper-parameters (lr, betas, ...) back into the optimizer's param groups."""
+    for group, saved in zip(opt.param_groups, saved_groups):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
