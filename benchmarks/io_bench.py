@@ -47,6 +47,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import allocator, run_fresh  # noqa: E402
 from fuyou_strategy.config import format_bytes, parse_bytes  # noqa: E402
 
 FIO = shutil.which("fio") or "/usr/bin/fio"
@@ -104,14 +106,9 @@ def request_kib(before, after) -> dict[str, float | None]:
 
 
 def run_engine(directory: str, size: int, block_size: int, threads: int) -> dict:
-    cmd = [
-        sys.executable, os.path.abspath(__file__), "--_engine-worker",
-        "--dir", directory, "--size", str(size), "--block-size", str(block_size), "--threads", str(threads),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"engine worker failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    argv = ["--_engine-worker", "--dir", directory, "--size", str(size), "--block-size", str(block_size),
+            "--threads", str(threads)]
+    return run_fresh(os.path.abspath(__file__), argv)
 
 
 # -- fio -------------------------------------------------------------------------------------------
@@ -186,7 +183,7 @@ def machine_info(directory: str) -> dict:
         "block_device": block,
         "io_scheduler": queue.get("scheduler"),
         "queue": queue,
-        "allocator": "jemalloc" if "jemalloc" in preload else "glibc malloc",
+        "allocator": allocator(),  # of the engine processes; run_fresh preloads jemalloc when installed
         "ld_preload": preload,
         "fio_version": fio_version,
         "python": platform.python_version(),
