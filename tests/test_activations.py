@@ -83,8 +83,9 @@ def test_autocast_weight_copies_and_parameters_are_never_swapped(tmp_path):
     swapped = []
     pack = swapper._pack
 
-    def recording_pack(block, policy, t):
-        out = pack(block, policy, t)
+    def recording_pack(*args):
+        t = args[-1]
+        out = pack(*args)
         if out is not t:
             swapped.append(t)
         return out
@@ -222,3 +223,36 @@ def test_block_discovery_and_policy_errors():
         resolve_policies({5: "ssd"}, 3)
     with pytest.raises(ConfigError, match="activations: got 'disk'; expected one of"):
         FuyouConfig(activations="disk")
+
+
+def test_installed_for_a_run_with_accumulation_and_two_forwards_before_backward(tmp_path):
+    """install/begin_pass (the engine's mode): each forward is a pass with its own bookkeeping."""
+    model = tiny_causal_lm("gpt2")
+
+    def accumulated(swapper=None):
+        model.zero_grad(set_to_none=True)
+        for seed in (1, 2):  # two micro-batches, each forward then backward
+            if swapper is not None:
+                swapper.begin_pass()
+            model(input_ids=ids(seed), labels=ids(seed)).loss.backward()
+        losses = []
+        for seed in (3, 4):  # two forwards, then one backward through both graphs
+            if swapper is not None:
+                swapper.begin_pass()
+            losses.append(model(input_ids=ids(seed), labels=ids(seed)).loss)
+        (losses[0] + losses[1]).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    reference = accumulated()
+    swapper = ActivationSwapper(model, config(tmp_path, "ssd", activation_prefetch_blocks=1))
+    swapper.install()
+    try:
+        assert_bitwise(accumulated(swapper), reference)
+        assert_nothing_held(swapper)
+        # Backward reached each pass's blocks through that pass's own hooks, so most reads were
+        # issued ahead of their unpack even across passes.
+        assert swapper.stats.prefetched > 0
+    finally:
+        swapper.uninstall()
+        swapper.close()
+    assert "forward" not in vars(swapper.blocks[0]), "uninstall() puts the class's forward back"

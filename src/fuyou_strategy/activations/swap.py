@@ -25,6 +25,11 @@ they are on disk, so the host budget is never exceeded. When backward reaches bl
 reads for blocks ``i-1 … i-k`` are already issued (``activation_prefetch_blocks``); an unpack
 waits only for its own tensor. SSD space and buffers are released as soon as a tensor is used.
 
+Outside a ``with`` block, `install` / `uninstall` keep the wrappers in place for a whole
+training run and `begin_pass` marks the start of each forward (what `FuyouEngine` does for
+Lightning and Hugging Face); each forward and its backward form one *pass* with its own
+bookkeeping, so gradient accumulation and a second forward before a backward both work.
+
 Swapped activations serve one backward per forward: a second backward through the same graph
 (``retain_graph=True``) raises a clear error instead of reading released memory. Leaving the
 ``with`` block — normally or by an exception — releases everything still held.
@@ -63,14 +68,25 @@ class SwapStats:
     per_block_bytes: dict[int, int] = field(default_factory=dict)
 
 
+class _Pass:
+    """One forward and its backward: what it swapped, per block, and where backward has been."""
+
+    __slots__ = ("by_id", "by_block", "entered")
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, _Saved] = {}  # id(tensor) -> saved, to swap a tensor saved twice once
+        self.by_block: dict[int, list[_Saved]] = {}
+        self.entered: set[int] = set()  # blocks backward has reached
+
+
 class _Saved:
     """A swapped-out tensor: where its bytes are and how to rebuild it."""
 
-    __slots__ = ("block", "policy", "size", "stride", "dtype", "device", "nbytes", "refs", "buf", "entry",
+    __slots__ = ("pass_", "block", "policy", "size", "stride", "dtype", "device", "nbytes", "refs", "buf", "entry",
                  "write", "read", "source", "released", "__weakref__")
 
-    def __init__(self, block: int, policy: Policy, t: torch.Tensor) -> None:
-        self.block, self.policy = block, policy
+    def __init__(self, pass_: _Pass, block: int, policy: Policy, t: torch.Tensor) -> None:
+        self.pass_, self.block, self.policy = pass_, block, policy
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
         self.refs = 1
@@ -145,18 +161,27 @@ class ActivationSwapper:
         self.stats = SwapStats()
         self._names = itertools.count()
         self._active = False
-        self._reset_step()
-
-    def _reset_step(self) -> None:
         self._live: list[_Saved] = []
-        self._by_id: dict[int, _Saved] = {}
-        self._by_block: dict[int, list[_Saved]] = {}
-        self._entered: set[int] = set()
+        self._pass = _Pass()
 
-    # -- the context ---------------------------------------------------------------------------
+    # -- installing the wrappers ---------------------------------------------------------------------
     def __enter__(self) -> "ActivationSwapper":
+        self.install()
+        self.begin_pass()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def begin_pass(self) -> None:
+        """A new forward starts: give it fresh bookkeeping (earlier passes keep theirs until used)."""
+        self._live = [s for s in self._live if not s.released]
+        self._pass = _Pass()
+
+    def install(self) -> None:
+        """Put the forward wrappers on the blocks (``with swapper:`` does this and `uninstall`)."""
         if self._active:
-            raise RuntimeError("ActivationSwapper is already active; it cannot be nested")
+            raise RuntimeError("ActivationSwapper is already installed; it cannot be nested")
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         # A forward set on the instance by someone else (e.g. another library's hooks) is kept aside
         # and put back on exit; otherwise our instance attribute shadows the class's method.
@@ -166,9 +191,11 @@ class ActivationSwapper:
                 self._instance_forwards[i] = vars(block).get("forward")
                 block.forward = self._wrap(i, policy, block.forward)
         self._active = True
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def uninstall(self) -> None:
+        """Take the wrappers off and release every activation still held."""
+        if not self._active:
+            return
         for i, previous in self._instance_forwards.items():
             if previous is None:
                 del self.blocks[i].forward
@@ -182,12 +209,14 @@ class ActivationSwapper:
         return policy is not Policy.KEEP or Policy.SSD in self.policies
 
     def _wrap(self, index: int, policy: Policy, forward: Callable) -> Callable:
-        def pack(t: torch.Tensor) -> Any:
-            return self._pack(index, policy, t)
-
         def run(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
+            pass_ = self._pass
+
+            def pack(t: torch.Tensor) -> Any:
+                return self._pack(pass_, index, policy, t)
+
             if policy is Policy.RECOMPUTE:
                 out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
             elif policy is Policy.KEEP:
@@ -198,23 +227,23 @@ class ActivationSwapper:
             first = _first_tensor(out)
             if first is not None and first.requires_grad:
                 # Fires when the gradient of the block's output is ready: backward enters the block.
-                first.register_hook(lambda grad: self._enter_backward(index))
+                first.register_hook(lambda grad: self._enter_backward(pass_, index))
             return out
         return run
 
     # -- forward: pack -----------------------------------------------------------------------------
-    def _pack(self, block: int, policy: Policy, t: torch.Tensor) -> Any:
+    def _pack(self, pass_: _Pass, block: int, policy: Policy, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
         if (nbytes == 0 or nbytes < self.config.activation_min_bytes or t.untyped_storage().data_ptr() in self._param_storages
                 or not _is_dense(t) or _is_autocast_weight(t)):
             self.stats.kept_tensors += 1
             return t
-        seen = self._by_id.get(id(t))
+        seen = pass_.by_id.get(id(t))
         if seen is not None and seen.source() is t and not seen.released:
             seen.refs += 1
             self.stats.deduplicated += 1
             return seen
-        saved = _Saved(block, policy, t)
+        saved = _Saved(pass_, block, policy, t)
         if policy is Policy.HOST:
             # Never wait for the pool here: only backward frees host-held activations, so
             # waiting could wait forever. Keep a few chunks free for SSD staging.
@@ -232,8 +261,8 @@ class ActivationSwapper:
             saved.write = self.store.write(saved.entry, _storage_bytes(t))
             self.stats.ssd_bytes += nbytes
         self.stats.per_block_bytes[block] = self.stats.per_block_bytes.get(block, 0) + nbytes
-        self._by_id[id(t)] = saved
-        self._by_block.setdefault(block, []).append(saved)
+        pass_.by_id[id(t)] = saved
+        pass_.by_block.setdefault(block, []).append(saved)
         self._live.append(saved)
         return saved
 
@@ -248,7 +277,7 @@ class ActivationSwapper:
                 "activations support one backward per forward, inside the `with` block (retain_graph=True "
                 "needs the 'keep' or 'recompute' policy)"
             )
-        self._enter_backward(saved.block)  # normally done already by the block's output hook
+        self._enter_backward(saved.pass_, saved.block)  # normally done already by the block's output hook
         if saved.policy is Policy.HOST:
             out = saved.rebuild(saved.buf.view().clone())
         else:
@@ -258,13 +287,13 @@ class ActivationSwapper:
             self._release(saved)
         return out
 
-    def _enter_backward(self, block: int) -> None:
+    def _enter_backward(self, pass_: _Pass, block: int) -> None:
         """Backward reached ``block``: fetch what it needs now and read ahead for the next blocks."""
-        if block in self._entered:
+        if block in pass_.entered:
             return
-        self._entered.add(block)
+        pass_.entered.add(block)
         for j in range(block, block - self.config.activation_prefetch_blocks - 1, -1):
-            for saved in self._by_block.get(j, ()):
+            for saved in pass_.by_block.get(j, ()):
                 if saved.policy is Policy.SSD and saved.read is None and not saved.released:
                     self._fetch(saved)
                     if j == block:
@@ -296,7 +325,8 @@ class ActivationSwapper:
         for saved in self._live:
             if not saved.released:
                 self._release(saved)
-        self._reset_step()
+        self._live = []
+        self._pass = _Pass()
 
     @property
     def held(self) -> int:
