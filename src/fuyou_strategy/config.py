@@ -210,6 +210,24 @@ class FuyouConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def resolve(cls, config: "FuyouConfig | Mapping[str, Any] | str | os.PathLike | None" = None, **fields: Any) -> "FuyouConfig":
+        """One config from what an adapter was given: a `FuyouConfig`, a mapping, a file path or
+        ``None`` (defaults), with keyword ``fields`` overriding it (unknown names are errors)."""
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, FuyouConfig):
+            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        elif isinstance(config, Mapping):
+            base = dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            base = cls.from_file(config).to_dict()
+        else:
+            raise ConfigError(f"config: got {type(config).__name__}; expected a FuyouConfig, a dict, a .json/.yaml path or None")
+        if isinstance(config, FuyouConfig) and not fields:
+            return config
+        return cls.from_dict({**base, **fields})
+
     def replace(self, **changes: Any) -> "FuyouConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)

@@ -158,6 +158,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 ps = _Param(len(self._params), p, group, f"adamw.{len(self._params)}", elems, -(-n // elems))
                 self._params.append(ps)
                 self._by_param[p] = ps
+        self._norm_order = list(self._params)
         if not self._params:
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
         # FuyouConfig guarantees chunk_size <= host_memory_budget, so one chunk always fits.
@@ -273,7 +274,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self._queue_update(ps)
         if not self._queued:
             return loss
-        queued = [ps for ps in self._params if ps.index in self._queued]
+        queued = [ps for ps in self._norm_order if ps.index in self._queued]
         norms, self._queued = self._queued, {}
         late, self._late_error = self._late_error, None
         self._drain_or_undo(queued, late)
@@ -328,6 +329,26 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.store.commit([ps.entry for ps in queued])
         for ps in queued:
             self.state[ps.param]["step"] += 1
+
+    def set_norm_order(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the global gradient norm over parameters in this order (default: param-group order).
+
+        Float sums depend on order: to clip exactly as ``clip_grad_norm_(model.parameters())``
+        does — the Trainers clip in model order, while their AdamW groups decay / no-decay
+        parameters apart — pass ``model.parameters()``. Parameters not listed come last.
+        """
+        rank = {p: i for i, p in enumerate(params)}
+        self._norm_order = sorted(self._params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
+
+    @property
+    def updates_enabled(self) -> bool:
+        """Whether a backward queues updates; a training loop sets it ``False`` for every micro-batch
+        but the last of an accumulation window (`no_update` does the same as a context manager)."""
+        return self._updates_enabled
+
+    @updates_enabled.setter
+    def updates_enabled(self, enabled: bool) -> None:
+        self._updates_enabled = bool(enabled)
 
     @contextlib.contextmanager
     def no_update(self) -> Iterator[None]:

@@ -1,0 +1,238 @@
+"""`FuyouEngine`: the training-step lifecycle that the Lightning and Hugging Face adapters call.
+
+The engine owns everything Fuyou adds to a training loop, so that each adapter only translates
+its framework's events into four calls:
+
+- **construction** converts the framework's ``torch.optim.AdamW`` / ``Adam`` into a
+  `FuyouAdamW` with the same param groups and hyper-parameters (`optimizer_arguments` says
+  exactly what converts and refuses the rest), and installs the activation swapper on the
+  model's blocks, sharing the optimizer's tensor store and host buffer pool;
+- `begin_micro_batch` (before each forward) says whether this micro-batch ends the
+  accumulation window — only then do the overlapped updates run during backward — and starts
+  a new activation pass;
+- the framework calls ``optimizer.step()`` as usual: the optimizer commits, redoes with the
+  clip coefficient, or skips; the engine's step hook then releases whatever activations a
+  backward left behind and times the step;
+- `save` / `load` stream the SSD-resident state to and from a checkpoint folder; `close`
+  removes the hooks and the swap files.
+
+Lightning and transformers are never imported here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from functools import wraps
+from typing import Any, Iterable
+
+import torch
+
+from .activations import ActivationSwapper
+from .config import ConfigError, FuyouConfig, format_bytes
+from .optim import FuyouAdamW
+
+__all__ = ["FuyouEngine", "optimizer_arguments", "rebind_scheduler"]
+
+# Options of torch's Adam/AdamW that only choose an implementation: dropped on conversion.
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the optimizer") -> tuple[list[dict], dict]:
+    """The param groups and defaults a `FuyouAdamW` needs to stand in for ``optimizer`` exactly.
+
+    ``torch.optim.AdamW`` converts as is; ``torch.optim.Adam`` converts when its weight decay is
+    0 or decoupled (``decoupled_weight_decay=True``), since Adam's coupled (L2) decay is a
+    different update. Anything else — another optimizer class, ``amsgrad``, ``maximize``, a
+    subclass, an optimizer that already holds moments — raises `ConfigError` naming the
+    problem and the fix. Extra group keys (``initial_lr`` from a scheduler, ``name``) are kept.
+    """
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise ConfigError(
+            f"{where}: got {kind.__module__}.{kind.__qualname__}; Fuyou's out-of-core optimizer is AdamW, so it "
+            "converts torch.optim.AdamW or torch.optim.Adam (same hyper-parameters, param groups and schedulers); "
+            "use one of those"
+        )
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ConfigError(f"{where}: param group {i} has {flag}=True, which FuyouAdamW does not support; remove it")
+        if kind is torch.optim.Adam and group.get("weight_decay") and not group.get("decoupled_weight_decay"):
+            raise ConfigError(
+                f"{where}: torch.optim.Adam with weight_decay={group['weight_decay']} (param group {i}) adds L2 decay "
+                "to the gradient, which is not AdamW's decoupled decay; use torch.optim.AdamW (or Adam with "
+                "decoupled_weight_decay=True, or weight_decay=0)"
+            )
+        lr = group["lr"]
+        converted = {k: v for k, v in group.items()
+                     if k not in _IMPLEMENTATION_KEYS + ("amsgrad", "maximize", "decoupled_weight_decay")}
+        converted["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
+        converted["betas"] = tuple(float(b) for b in group["betas"])
+        groups.append(converted)
+    for p, state in optimizer.state.items():
+        if any(k in state for k in ("exp_avg", "exp_avg_sq")):
+            raise ConfigError(
+                f"{where}: already holds Adam moments (it was stepped, or loaded from a checkpoint made without "
+                "Fuyou); FuyouAdamW cannot adopt them: start from a fresh optimizer, or resume from a Fuyou checkpoint"
+            )
+    defaults = {k: optimizer.defaults[k] for k in _HYPER_KEYS}
+    defaults["betas"] = tuple(float(b) for b in defaults["betas"])
+    if isinstance(defaults["lr"], torch.Tensor):
+        defaults["lr"] = float(defaults["lr"])
+    return groups, defaults
+
+
+def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler built for another optimizer at ``optimizer``.
+
+    Torch's schedulers wrap ``optimizer.step`` once, to warn when ``scheduler.step()`` comes
+    first; the same marker is put on ``optimizer`` so the warning stays meaningful.
+    """
+    scheduler.optimizer = optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    step = type(optimizer).step
+
+    @wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
+
+
+class FuyouEngine:
+    """Fuyou's optimizer and activation swapping for one model, driven by a training loop.
+
+    Args:
+        model: the model being trained (its trainable parameters are those of ``optimizer``).
+        optimizer: the ``torch.optim.AdamW`` / ``Adam`` the training loop built; it is
+            converted (see `optimizer_arguments`) and no longer used.
+        config: `FuyouConfig`; ``None`` means defaults (a temporary swap directory).
+        max_grad_norm: clip the global gradient norm exactly, in the optimizer (the framework's
+            own clipping must be turned off: gradients are consumed during backward).
+        release_grads: let the optimizer drop gradients as soon as their update is written
+            (only when no clipping is configured); ``False`` keeps them until ``zero_grad``
+            for a framework that reads them after backward (e.g. to log their norm).
+
+    After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
+    Nothing is left on disk when construction fails.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        config: FuyouConfig | None = None,
+        max_grad_norm: float | None = None,
+        release_grads: bool = True,
+        where: str = "the optimizer",
+    ) -> None:
+        self.config = config = config if config is not None else FuyouConfig()
+        self.model = model
+        groups, defaults = optimizer_arguments(optimizer, where=where)
+        self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
+                                    release_grads=release_grads)
+        self.optimizer.set_norm_order(model.parameters())  # clip exactly as clip_grad_norm_(model.parameters())
+        self.swapper: ActivationSwapper | None = None
+        try:
+            if config.activations != "keep":
+                self.swapper = ActivationSwapper(model, config, store=self.optimizer.store)
+                self.swapper.install()
+        except BaseException:
+            self.optimizer.close()
+            raise
+        self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
+        self._last_step_end: float | None = None
+        self.step_times: list[float] = []  # seconds between consecutive optimizer steps
+        self.micro_batches = 0
+
+    # -- the loop's events -------------------------------------------------------------------------
+    def begin_micro_batch(self, update: bool) -> None:
+        """Before a training forward: ``update`` says whether this micro-batch's backward ends the window."""
+        self.optimizer.updates_enabled = update
+        if self.swapper is not None:
+            self.swapper.begin_pass()
+        self.micro_batches += 1
+        if self._last_step_end is None:
+            self._last_step_end = time.perf_counter()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.swapper is not None:
+            self.swapper.release()  # every backward of the window is done: anything left is garbage
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.step_times.append(now - self._last_step_end)
+        self._last_step_end = now
+
+    def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
+        """Point the framework's LR schedulers at the converted optimizer."""
+        for scheduler in schedulers:
+            rebind_scheduler(scheduler, self.optimizer)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, folder: str) -> dict[str, Any]:
+        """Stream the optimizer's SSD state into ``folder``; returns the torch-style state dict."""
+        return self.optimizer.state_dict(folder)
+
+    def load(self, folder: str) -> None:
+        """Restore optimizer state, fp32 masters and weights from a folder written by `save`."""
+        self.optimizer.load_state_dict({"state": {}, "param_groups": [], "fuyou": {"folder": str(folder)}})
+
+    def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """The fp32 master weight of every trainable parameter kept in lower precision (bf16)."""
+        return {p: self.optimizer.read_state(p)["master"] for group in self.optimizer.param_groups
+                for p in group["params"] if p.dtype != torch.float32}
+
+    # -- reporting ------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """What the run did: steps, clipping outcomes, bytes on SSD, peak host memory, step time."""
+        opt, store = self.optimizer, self.optimizer.store
+        stats = opt.stats
+        swap = self.swapper.stats if self.swapper is not None else None
+        times = self.step_times[1:] or self.step_times  # the first step includes warm-up
+        return {
+            "trainable_parameters": sum(p.numel() for g in opt.param_groups for p in g["params"]),
+            "optimizer_steps": stats.steps,
+            "commits": stats.commits,
+            "redos": stats.redos,
+            "skips": stats.skips,
+            "last_grad_norm": stats.last_grad_norm,
+            "ssd_bytes_optimizer_state": store.bytes_on_disk,
+            "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
+            "activation_bytes_to_host": swap.host_bytes if swap else 0,
+            "host_pool_peak_bytes": store.pool.high_water,
+            "host_pool_budget_bytes": store.pool.budget,
+            "median_step_seconds": statistics.median(times) if times else float("nan"),
+        }
+
+    def format_summary(self) -> str:
+        """`summary` as a few human-readable lines."""
+        s = self.summary()
+        return "\n".join([
+            f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed, {s['redos']} redone for "
+            f"clipping, {s['skips']} skipped), last grad norm {s['last_grad_norm']:.4g}",
+            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])}, activations swapped "
+            f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
+            f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
+            f"median step {s['median_step_seconds']:.3f} s",
+        ])
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Take the hooks off the model and optimizer and delete the swap files."""
+        if getattr(self, "_step_hook", None) is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self.swapper is not None:
+            self.swapper.uninstall()
+            self.swapper.close()
+        self.optimizer.close()

@@ -1,0 +1,1 @@
+"""Adapters for training frameworks: the only modules that import Lightning or transformers."""

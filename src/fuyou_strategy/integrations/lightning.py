@@ -1,0 +1,320 @@
+"""Lightning: ``Trainer(strategy="fuyou")`` and ``Fabric(strategy="fuyou")``.
+
+`FuyouStrategy` is a single-device strategy that hands the training loop's events to a
+`FuyouEngine`:
+
+- ``setup_optimizers`` converts the optimizer from ``configure_optimizers`` (``AdamW`` /
+  ``Adam``, param groups, any LR scheduler) into `FuyouAdamW`, with the Trainer's
+  ``gradient_clip_val`` as its exact ``max_grad_norm``;
+- ``training_step`` tells the engine whether this micro-batch ends the accumulation window:
+  Lightning runs the last micro-batch inside ``optimizer_step`` (as its closure) and the
+  others outside it, which is exactly the signal needed;
+- Lightning's own gradient clipping is replaced by a check: clipping after backward would
+  act on gradients the optimizer has already consumed, so the optimizer clips instead
+  (``"value"`` clipping, or a different value, is refused);
+- checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
+  ``.ckpt`` into ``<ckpt>.fuyou/`` (checksummed), ``ckpt_path=`` streams it back, and
+  ``remove_checkpoint`` (top-k pruning) removes it. Weights kept in bf16 are saved as their
+  fp32 masters.
+
+After ``fit`` the optimizer and its state stay available (e.g. for ``trainer.save_checkpoint``)
+until the strategy is set up again or the process ends; the activation hooks are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Any, Callable, Generator
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+
+from ..config import ConfigError, FuyouConfig
+from ..engine import FuyouEngine
+
+__all__ = ["FuyouStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
+
+SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_PRECISION_FIX = {
+    "16-mixed": "fp16 needs loss scaling, which FuyouAdamW does not do; use precision='bf16-mixed'",
+    "16-true": "fp16 weights need loss scaling, which FuyouAdamW does not do; use precision='bf16-true'",
+    "64-true": "FuyouAdamW trains float32 or bfloat16 weights; use precision='32-true'",
+}
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in _PRECISIONS:
+        fix = _PRECISION_FIX.get(precision, f"use one of {list(_PRECISIONS)}")
+        raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(_PRECISIONS)}: {fix}")
+
+
+def _device(device: Any) -> torch.device | None:
+    return None if device is None else torch.device(device)
+
+
+def sidecar(filepath: str | os.PathLike) -> str:
+    """Where the optimizer state of the checkpoint at ``filepath`` lives."""
+    return os.fspath(filepath) + SIDECAR_SUFFIX
+
+
+class FuyouStrategy(SingleDeviceStrategy):
+    """Train one device's model with Fuyou: SSD-resident AdamW updated during backward, exact
+    clipping, and activation swapping.
+
+    ``Trainer(strategy="fuyou")`` uses the defaults (a temporary swap directory, 2 GiB host
+    budget, no activation swapping); ``Trainer(strategy=FuyouStrategy(swap_dirs=["/nvme0"],
+    activations="ssd"))`` sets any `FuyouConfig` field, and ``config=`` takes a
+    `FuyouConfig`, a dict or a ``.json``/``.yaml`` path (keyword fields override it).
+
+    Supported: automatic optimization with ``torch.optim.AdamW`` / ``Adam`` (+ schedulers),
+    precision ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``accumulate_grad_batches``,
+    ``gradient_clip_val`` with the ``"norm"`` algorithm, one device (CPU or one GPU).
+    Refused with a clear error: fp16 precisions, ``gradient_clip_algorithm="value"``, manual
+    optimization, several optimizers or devices, optimizers other than Adam/AdamW.
+    """
+
+    strategy_name = "fuyou"
+
+    def __init__(
+        self,
+        config: FuyouConfig | dict | str | None = None,
+        *,
+        device: Any = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        **config_fields: Any,
+    ) -> None:
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        # Filled in by Lightning's connector from Trainer(accelerator=..., devices=...) when not given.
+        self.parallel_devices: list[torch.device] | None = [_device(device)] if device is not None else None
+        self.engine: FuyouEngine | None = None
+        self._in_optimizer_step = False
+        self._original_clip: Callable | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_trainer(trainer)  # before anything is created on disk
+        self._close_engine()
+        super().setup(trainer)
+
+    def _check_trainer(self, trainer: Any) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ConfigError(
+                f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one device "
+                "(Trainer(devices=1))"
+            )
+        _check_precision(str(self.precision_plugin.precision))
+        algorithm = trainer.gradient_clip_algorithm
+        if trainer.gradient_clip_val and algorithm is not None and GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.VALUE:
+            raise ConfigError(
+                "gradient_clip_algorithm: got 'value'; the fuyou strategy clips the global gradient norm, exactly, "
+                "inside the optimizer: use gradient_clip_algorithm='norm'"
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise ConfigError(
+                "automatic_optimization: got False; the fuyou strategy drives the optimizer through Lightning's "
+                "automatic optimization (manual optimization with FuyouAdamW: use fuyou_strategy.FuyouAdamW directly)"
+            )
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ConfigError(
+                f"configure_optimizers: returned {len(self.optimizers)} optimizers; the fuyou strategy trains with one "
+                "AdamW (use param groups for different hyper-parameters)"
+            )
+        clip = trainer.gradient_clip_val
+        self.engine = FuyouEngine(self.lightning_module, self.optimizers[0], config=self.fuyou_config,
+                                  max_grad_norm=float(clip) if clip else None, where="configure_optimizers")
+        self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
+        self.optimizers = [self.engine.optimizer]
+        self._original_clip = self.precision_plugin.clip_gradients
+        self.precision_plugin.clip_gradients = self._clip_gradients
+
+    def _clip_gradients(self, optimizer: Any, clip_val: float | int = 0.0,
+                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Stands in for the precision plugin's clipping: FuyouAdamW clips, exactly, in ``step()``."""
+        if not clip_val or clip_val <= 0:
+            return
+        if gradient_clip_algorithm is not GradClipAlgorithmType.NORM:
+            raise ConfigError("gradient clipping by value is not supported by the fuyou strategy; clip by norm")
+        configured = self.engine.optimizer.max_grad_norm if self.engine is not None else None
+        if configured != float(clip_val):
+            raise ConfigError(
+                f"clip_gradients: got gradient_clip_val={clip_val} but the optimizer clips to {configured}; with the "
+                "fuyou strategy set the norm once, with Trainer(gradient_clip_val=...): gradients are consumed "
+                "during backward, so clipping them afterwards is too late"
+            )
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            # The last micro-batch of a window runs as optimizer_step's closure; the others do not.
+            self.engine.begin_micro_batch(update=self._in_optimizer_step)
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self._in_optimizer_step = True
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._in_optimizer_step = False
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        folder = None
+        if self.engine is not None and checkpoint.get("optimizer_states"):
+            folder = sidecar(filepath)
+            os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+            state = self.engine.save(folder)
+            state["fuyou"]["folder"] = os.path.basename(folder)  # relative: the pair can be moved together
+            checkpoint["optimizer_states"] = [state]
+            self._masters_into(checkpoint)
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        except BaseException:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def _masters_into(self, checkpoint: dict[str, Any]) -> None:
+        """Weights kept in bf16 go into the checkpoint as their fp32 masters."""
+        masters = self.engine.master_weights()
+        if not masters:
+            return
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
+        for p, master in masters.items():
+            if names.get(p) in checkpoint.get("state_dict", {}):
+                checkpoint["state_dict"][names[p]] = master
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        for state in checkpoint.get("optimizer_states", []):
+            folder = state.get("fuyou", {}).get("folder")
+            if folder is not None and not os.path.isabs(folder):
+                state["fuyou"]["folder"] = os.path.join(os.path.dirname(os.fspath(checkpoint_path)), folder)
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        shutil.rmtree(sidecar(filepath), ignore_errors=True)
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        if self._original_clip is not None:
+            self.precision_plugin.clip_gradients = self._original_clip
+            self._original_clip = None
+        if self.engine is not None:
+            self.engine.optimizer.updates_enabled = False  # a stray backward after fit queues nothing
+            if self.engine.swapper is not None:
+                self.engine.swapper.uninstall()
+        super().teardown()
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations")
+
+
+class _NoUpdateControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` marks micro-batches that only accumulate."""
+
+    def __init__(self, strategy: "FuyouFabricStrategy") -> None:
+        self.strategy = strategy
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: Any, enabled: bool = True) -> Generator[None, None, None]:
+        previous, self.strategy._accumulating = self.strategy._accumulating, enabled
+        try:
+            yield
+        finally:
+            self.strategy._accumulating = previous
+
+
+class FuyouFabricStrategy(FabricSingleDeviceStrategy):
+    """``Fabric(strategy="fuyou")``: ``fabric.setup(model, optimizer)`` converts the AdamW.
+
+    Mark accumulating micro-batches with ``with fabric.no_backward_sync(model):``; set the
+    clipping norm with ``FuyouFabricStrategy(max_grad_norm=...)`` (``fabric.clip_gradients``
+    with the same value is accepted, anything else refused). Config fields as for `FuyouStrategy`.
+    """
+
+    def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
+                 max_grad_norm: float | None = None, accelerator: Any = None, checkpoint_io: Any = None,
+                 precision: Any = None, **config_fields: Any) -> None:
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision=precision)
+        self.parallel_devices: list[torch.device] | None = [_device(device)] if device is not None else None
+        self.max_grad_norm = max_grad_norm
+        self.engine: FuyouEngine | None = None
+        self._accumulating = False
+        self._backward_sync_control = _NoUpdateControl(self)
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
+        _check_precision(str(self.precision.precision))
+        if len(optimizers) != 1:
+            raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
+        module = self.setup_module(module)
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,
+                                  where="fabric.setup")
+        if scheduler is not None:
+            self.engine.rebind_schedulers([scheduler])
+        module.register_forward_pre_hook(self._before_forward)
+        return module, [self.engine.optimizer], scheduler
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and self.engine is not None:
+            self.engine.begin_micro_batch(update=not self._accumulating)
+
+    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        if self.max_grad_norm != float(max_norm) or norm_type != 2.0:
+            raise ConfigError(
+                f"fabric.clip_gradients: got max_norm={max_norm} (norm_type={norm_type}); with the fuyou strategy the "
+                "optimizer clips the L2 norm exactly, set once with FuyouFabricStrategy(max_grad_norm=...)"
+            )
+        return torch.tensor(float("nan"))  # known only at optimizer.step(): see optimizer.stats.last_grad_norm
+
+    def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError("fabric.clip_gradients(clip_val=...): clipping by value is not supported by the fuyou strategy")
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        super().teardown()
+
+
+def register() -> None:
+    """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
+    if "fuyou" not in StrategyRegistry:
+        FuyouStrategy.register_strategies(StrategyRegistry)
+    if "fuyou" not in FABRIC_REGISTRY:
+        FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")
