@@ -67,19 +67,20 @@ def max_rel_diff(a_params, b_params):
                for a, b in zip(a_params, b_params))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_path, family):
+@pytest.mark.parametrize("family,fused", [("gpt2", True), ("llama", True), ("llama", False)])
+def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_path, family, fused):
     model = tiny_causal_lm(family)
     fused_ref = copy.deepcopy(model)
-    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path))
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path), fused=fused)
     assert any(ps.nchunks > 1 for ps in opt._params), "the test must cover multi-chunk parameters"
     train_fuyou(model, opt)
     # Clipping must have bitten on some steps and not on others, or a path went untested.
     assert opt.stats.redos >= 1 and opt.stats.commits >= 1 and opt.stats.skips == 0, opt.stats
 
-    ref_opt = torch.optim.AdamW(decay_groups(fused_ref), lr=3e-3, fused=True)
+    # fused=None is torch's default: the for-loop kernel on the CPU.
+    ref_opt = torch.optim.AdamW(decay_groups(fused_ref), lr=3e-3, fused=fused or None)
     train_reference(fused_ref, ref_opt)
-    # Bitwise: the same fused kernel on the same gradients, chunk by chunk.
+    # Bitwise: the same kernel on the same gradients, chunk by chunk.
     for p, r in zip(model.parameters(), fused_ref.parameters()):
         assert torch.equal(p, r)
     for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):

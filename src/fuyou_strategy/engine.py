@@ -45,7 +45,8 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
 
     ``torch.optim.AdamW`` converts as is; ``torch.optim.Adam`` converts when its weight decay is
     0 or decoupled (``decoupled_weight_decay=True``), since Adam's coupled (L2) decay is a
-    different update. Anything else — another optimizer class, ``amsgrad``, ``maximize``, a
+    different update. The kernel follows the optimizer's ``fused`` flag, so updates are
+    bitwise those the framework's own optimizer would make. Anything else — another optimizer class, ``amsgrad``, ``maximize``, a
     subclass, an optimizer that already holds moments — raises `ConfigError` naming the
     problem and the fix. Extra group keys (``initial_lr`` from a scheduler, ``name``) are kept.
     """
@@ -80,6 +81,7 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
                 "Fuyou); FuyouAdamW cannot adopt them: start from a fresh optimizer, or resume from a Fuyou checkpoint"
             )
     defaults = {k: optimizer.defaults[k] for k in _HYPER_KEYS}
+    defaults["fused"] = bool(optimizer.defaults.get("fused"))  # the same kernel: bitwise the same update
     defaults["betas"] = tuple(float(b) for b in defaults["betas"])
     if isinstance(defaults["lr"], torch.Tensor):
         defaults["lr"] = float(defaults["lr"])
@@ -121,6 +123,11 @@ class FuyouEngine:
         release_grads: let the optimizer drop gradients as soon as their update is written
             (only when no clipping is configured); ``False`` keeps them until ``zero_grad``
             for a framework that reads them after backward (e.g. to log their norm).
+        norm_order: the order in which the framework's own clipping sums the global norm, so
+            that clipping is bitwise the same: Lightning and Fabric clip the optimizer's
+            parameters in param-group order (the default), the HF Trainer clips
+            ``model.parameters()``.
+        where: how to name the optimizer in error messages.
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -134,6 +141,7 @@ class FuyouEngine:
         config: FuyouConfig | None = None,
         max_grad_norm: float | None = None,
         release_grads: bool = True,
+        norm_order: Iterable[torch.nn.Parameter] | None = None,
         where: str = "the optimizer",
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
@@ -141,7 +149,8 @@ class FuyouEngine:
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads)
-        self.optimizer.set_norm_order(model.parameters())  # clip exactly as clip_grad_norm_(model.parameters())
+        if norm_order is not None:
+            self.optimizer.set_norm_order(norm_order)
         self.swapper: ActivationSwapper | None = None
         try:
             if config.activations != "keep":
@@ -156,9 +165,11 @@ class FuyouEngine:
         self.micro_batches = 0
 
     # -- the loop's events -------------------------------------------------------------------------
-    def begin_micro_batch(self, update: bool) -> None:
-        """Before a training forward: ``update`` says whether this micro-batch's backward ends the window."""
-        self.optimizer.updates_enabled = update
+    def begin_micro_batch(self, update: bool | None = None) -> None:
+        """Before a training forward: ``update`` says whether this micro-batch's backward ends the
+        window (``None``: leave it to ``optimizer.no_update()``)."""
+        if update is not None:
+            self.optimizer.updates_enabled = update
         if self.swapper is not None:
             self.swapper.begin_pass()
         self.micro_batches += 1

@@ -77,7 +77,7 @@ class FuyouCallback(TrainerCallback):
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
         self.engine = FuyouEngine(model, original, config=self.config, max_grad_norm=max_norm, release_grads=False,
-                                  where=f"TrainingArguments(optim={optim_name!r})")
+                                  norm_order=model.parameters(), where=f"TrainingArguments(optim={optim_name!r})")
         try:
             if resume is not None:
                 self.engine.load(resume)

@@ -23,15 +23,13 @@ until the strategy is set up again or the process ends; the activation hooks are
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-from typing import Any, Callable, Generator
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -236,27 +234,14 @@ class FuyouStrategy(SingleDeviceStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations")
 
 
-class _NoUpdateControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)`` marks micro-batches that only accumulate."""
-
-    def __init__(self, strategy: "FuyouFabricStrategy") -> None:
-        self.strategy = strategy
-
-    @contextlib.contextmanager
-    def no_backward_sync(self, module: Any, enabled: bool = True) -> Generator[None, None, None]:
-        previous, self.strategy._accumulating = self.strategy._accumulating, enabled
-        try:
-            yield
-        finally:
-            self.strategy._accumulating = previous
-
-
 class FuyouFabricStrategy(FabricSingleDeviceStrategy):
     """``Fabric(strategy="fuyou")``: ``fabric.setup(model, optimizer)`` converts the AdamW.
 
-    Mark accumulating micro-batches with ``with fabric.no_backward_sync(model):``; set the
-    clipping norm with ``FuyouFabricStrategy(max_grad_norm=...)`` (``fabric.clip_gradients``
-    with the same value is accepted, anything else refused). Config fields as for `FuyouStrategy`.
+    Mark micro-batches that only accumulate with ``with optimizer.no_update():`` (Fabric makes
+    ``no_backward_sync`` a no-op on one device; a second backward without ``no_update`` is a
+    clear error at ``step()``, never a silent partial update). Set the clipping norm with
+    ``FuyouFabricStrategy(max_grad_norm=...)``: ``fabric.clip_gradients`` with the same value
+    is accepted, anything else refused. Config fields as for `FuyouStrategy`.
     """
 
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
@@ -268,8 +253,6 @@ class FuyouFabricStrategy(FabricSingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = [_device(device)] if device is not None else None
         self.max_grad_norm = max_grad_norm
         self.engine: FuyouEngine | None = None
-        self._accumulating = False
-        self._backward_sync_control = _NoUpdateControl(self)
 
     @property
     def root_device(self) -> torch.device:
@@ -291,7 +274,7 @@ class FuyouFabricStrategy(FabricSingleDeviceStrategy):
 
     def _before_forward(self, module: Any, args: Any) -> None:
         if module.training and torch.is_grad_enabled() and self.engine is not None:
-            self.engine.begin_micro_batch(update=not self._accumulating)
+            self.engine.begin_micro_batch()  # updates stay as `optimizer.no_update()` sets them
 
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.optim.adamw import adamw as adamw_for_loop
 
 from ..config import PAGE, ConfigError, FuyouConfig
 from ..storage import SHADOW, HostBuffer, TensorStore, gather
@@ -103,6 +104,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         release_grads: drop each gradient as soon as its update is written when no redo can
             need it (``max_grad_norm is None``); saves a model's worth of gradient memory.
             Otherwise gradients are kept until ``zero_grad``, as usual.
+        fused: the kernel, as in ``torch.optim.AdamW``: ``True`` uses torch's fused CPU kernel
+            (fastest; bitwise equal to ``AdamW(fused=True)``), ``False`` the for-loop kernel
+            (bitwise equal to the default ``AdamW()`` on the CPU). The update is elementwise,
+            so chunking never changes a bit.
 
     Costs: SSD traffic of 12 bytes read + 12 bytes written per parameter per step; host
     memory of at most ``config.host_memory_budget``. ``amsgrad``, ``maximize``,
@@ -123,13 +128,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         config: FuyouConfig | None = None,
         release_grads: bool = True,
+        fused: bool = True,
         **unsupported: Any,
     ) -> None:
         for name, value in unsupported.items():
             if name in ("amsgrad", "maximize", "capturable", "differentiable") and not value:
                 continue
-            if name in ("foreach", "fused") and value in (None, False, True):
-                continue  # the update always uses the fused CPU kernel
+            if name == "foreach" and value in (None, False, True):
+                continue  # chunks are updated one at a time either way
             raise ConfigError(
                 f"FuyouAdamW: {name}={value!r} is not supported; remove it "
                 "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads)"
@@ -144,6 +150,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         super().__init__(_trainable(params), defaults)
         self.max_grad_norm = max_grad_norm
         self.release_grads = release_grads and max_grad_norm is None
+        self.fused = bool(fused)
         self.stats = StepStats()
         self.config = config = config if config is not None else FuyouConfig()
 
@@ -174,8 +181,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             self.close()
             raise
         self._queued: dict[int, torch.Tensor | None] = {}  # index -> grad norm, for this step
-        self._late_error: BaseException | None = None
-        self._updates_enabled = True
+        # Switches that the user-facing methods (zero_grad, no_update) change live in a mutable
+        # holder, mutated in place: a wrapper that borrows this class's methods but has its own
+        # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
+        self._flags: dict[str, Any] = {"updates": True, "late_error": None}
         self._hooks = [ps.param.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in self._params]
 
     # -- state on SSD ---------------------------------------------------------------------------
@@ -198,13 +207,13 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- the hook: queue an update as soon as a gradient is final -------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._updates_enabled:
+        if not self._flags["updates"]:
             return
         ps = self._by_param[param]
         if ps.index in self._queued:
             # A second accumulation after the update was queued: that update used a partial
             # gradient. Never silently wrong: step() will roll back and raise.
-            self._late_error = self._late_error or RuntimeError(
+            self._flags["late_error"] = self._flags["late_error"] or RuntimeError(
                 f"the gradient of parameter {ps.index} {tuple(param.shape)} was accumulated again after its "
                 "update was queued; wrap every micro-batch but the last in `with optimizer.no_update():`"
             )
@@ -218,9 +227,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             norms[ps.index] = None
         group = ps.group
         beta1, beta2 = group["betas"]
-        step = self.state[ps.param]["step"] + 1
+        step = self.state[ps.param]["step"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                      eps=group["eps"], amsgrad=False, maximize=False)
+        fused = self.fused
         grad_flat = grad.reshape(-1)
         weight_flat = ps.param.detach().view(-1)
         last = ps.nchunks - 1
@@ -236,7 +246,11 @@ class FuyouAdamW(torch.optim.Optimizer):
             g = grad_flat[start : start + n].to(device="cpu", dtype=torch.float32)
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
-            torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step], **hyper)
+            if fused:
+                torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step + 1], **hyper)
+            else:  # the for-loop kernel increments its step tensor: give it a copy
+                adamw_for_loop([master], [g], [exp_avg], [exp_avg_sq], [], [step.clone()],
+                                        foreach=False, fused=False, **hyper)
             weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
             if release and k == last:
                 ps.param.grad = None
@@ -276,7 +290,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             return loss
         queued = [ps for ps in self._norm_order if ps.index in self._queued]
         norms, self._queued = self._queued, {}
-        late, self._late_error = self._late_error, None
+        late, self._flags["late_error"] = self._flags["late_error"], None
         self._drain_or_undo(queued, late)
         # The global norm exactly as clip_grad_norm_ computes it: the norm of per-tensor norms.
         total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in queued]), 2)
@@ -301,12 +315,13 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; between backward and `step()` this also discards the speculative updates."""
-        if self._queued or self._late_error is not None:
+        if self._queued or self._flags["late_error"] is not None:
             queued = [ps for ps in self._params if ps.index in self._queued]
-            self._queued, self._late_error = {}, None
             try:
-                self._pipeline.drain()
+                self._pipeline.drain()  # the worker writes into _queued: clear it only afterwards
             finally:
+                self._queued.clear()  # in place (see _flags)
+                self._flags["late_error"] = None
                 self._undo(queued)
         super().zero_grad(set_to_none=set_to_none)
 
@@ -344,20 +359,20 @@ class FuyouAdamW(torch.optim.Optimizer):
     def updates_enabled(self) -> bool:
         """Whether a backward queues updates; a training loop sets it ``False`` for every micro-batch
         but the last of an accumulation window (`no_update` does the same as a context manager)."""
-        return self._updates_enabled
+        return self._flags["updates"]
 
     @updates_enabled.setter
     def updates_enabled(self, enabled: bool) -> None:
-        self._updates_enabled = bool(enabled)
+        self._flags["updates"] = bool(enabled)
 
     @contextlib.contextmanager
     def no_update(self) -> Iterator[None]:
         """Accumulate gradients without updating (every micro-batch but the last), like DDP's ``no_sync``."""
-        previous, self._updates_enabled = self._updates_enabled, False
+        previous, self._flags["updates"] = self._flags["updates"], False
         try:
             yield
         finally:
-            self._updates_enabled = previous
+            self._flags["updates"] = previous
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self, folder: str | os.PathLike | None = None) -> dict[str, Any]:

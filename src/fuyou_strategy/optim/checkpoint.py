@@ -149,6 +149,8 @@ def load(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
     for ps, pm in zip(opt._params, meta["params"]):
         opt.state[ps.param]["step"] = torch.tensor(pm["step"])
     restore_groups(opt, meta["param_groups"])
+    if "stats" in meta:
+        opt.stats = type(opt.stats)(**meta["stats"])  # commit / redo / skip counts carry on
     opt._restore_weights(opt._params)
     return meta
 
