@@ -3,7 +3,6 @@
 import contextlib
 import os
 import subprocess
-import sys
 import warnings
 
 import lightning as L

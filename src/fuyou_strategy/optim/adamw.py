@@ -450,15 +450,11 @@ class FuyouAdamW(torch.optim.Optimizer):
 
 
 def _trainable(params: Iterable[Any]) -> list[Any]:
-    """Param groups with frozen parameters dropped (empty groups too)."""
+    """Param groups with frozen parameters dropped. A group left empty is kept, so that group
+    indices — which LR schedulers rely on (one lambda per group) — do not shift."""
     params = list(params)
     if params and isinstance(params[0], dict):
-        groups = []
-        for group in params:
-            kept = [p for p in group["params"] if p.requires_grad]
-            if kept:
-                groups.append({**group, "params": kept})
-        return groups or [{"params": []}]
+        return [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in params]
     return [p for p in params if p.requires_grad] or [{"params": []}]
 
 

@@ -1,0 +1,128 @@
+"""Hugging Face Trainer with FuyouCallback against the same Trainer without it."""
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainingArguments
+
+from conftest import tiny_causal_lm
+from fuyou_strategy import ConfigError, FuyouCallback
+from fuyou_strategy.integrations.hf import STATE_FOLDER
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+TOLERANCE = 1e-5  # relative, per tensor (measured: bitwise equal)
+
+
+def dataset(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": (t := torch.randint(0, 101, (16,), generator=g)), "labels": t} for _ in range(n)]
+
+
+def train(tmp_path, callback=None, *, model=None, steps=6, resume=None, **overrides):
+    model = model if model is not None else tiny_causal_lm("gpt2")
+    values = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, warmup_steps=2,
+                  weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0,
+                  disable_tqdm=True)
+    values.update(overrides)
+    trainer = Trainer(model=model, args=TrainingArguments(**values), train_dataset=dataset(),
+                      callbacks=[callback] if callback is not None else [])
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer
+
+
+def max_relative_difference(a, b):
+    return max(((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def grad_norms(trainer):
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+def swap_config(tmp_path, **fields):
+    return dict(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
+
+
+@pytest.mark.parametrize("activations", ["keep", "ssd"])
+def test_same_weights_and_logged_grad_norms_as_without_the_callback(tmp_path, activations):
+    reference, ref_trainer = train(tmp_path)
+    callback = FuyouCallback(**swap_config(tmp_path, activations=activations, activation_min_bytes=0))
+    ours, trainer = train(tmp_path, callback)
+    assert max_relative_difference(reference, ours) <= TOLERANCE
+    assert grad_norms(trainer) == pytest.approx(grad_norms(ref_trainer), rel=1e-6) and len(grad_norms(trainer)) == 6
+    summary = callback.summary
+    assert summary["optimizer_steps"] == 6 and summary["redos"] > 0, "clipping bit and was honoured"
+    if activations == "ssd":
+        assert summary["activation_bytes_to_ssd"] > 0
+    assert trainer.args.max_grad_norm == 1.0, "the Trainer's arguments are put back"
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW, "and its own optimizer"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("fuyou-run")], "swap files removed at the end"
+
+
+def test_resume_from_checkpoint_is_exact(tmp_path):
+    """Resume from checkpoint-3 to step 6 == 6 uninterrupted steps (the model starts from other weights)."""
+    uninterrupted, _ = train(tmp_path / "a", FuyouCallback(**swap_config(tmp_path)))
+    train(tmp_path / "b", FuyouCallback(**swap_config(tmp_path)), save_strategy="steps", save_steps=3)
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-3"
+    assert (checkpoint / STATE_FOLDER / "optimizer.json").exists()
+    callback = FuyouCallback(**swap_config(tmp_path))
+    resumed, _ = train(tmp_path / "b", callback, model=tiny_causal_lm("gpt2", seed=1), resume=str(checkpoint))
+    assert callback.summary["optimizer_steps"] == 6, "3 restored + 3 new"
+    for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_checkpoint_rotation_removes_the_optimizer_state_too(tmp_path):
+    train(tmp_path, FuyouCallback(**swap_config(tmp_path)), save_strategy="steps", save_steps=2, save_total_limit=1)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
+    assert (out / "checkpoint-6" / STATE_FOLDER / "master.bin").exists()
+
+
+def test_lora_trains_only_the_adapters_and_matches(tmp_path):
+    def lora_model():
+        return get_peft_model(tiny_causal_lm("gpt2"), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                                   lora_dropout=0.0, fan_in_fan_out=True))
+
+    reference, _ = train(tmp_path, model=lora_model())
+    base = {n: p.detach().clone() for n, p in lora_model().named_parameters() if not p.requires_grad}
+    callback = FuyouCallback(**swap_config(tmp_path, activations="ssd", activation_min_bytes=0))
+    ours, _ = train(tmp_path, callback, model=lora_model())
+    assert max_relative_difference(reference, ours) <= TOLERANCE
+    trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert callback.summary["trainable_parameters"] == trainable < sum(p.numel() for p in ours.parameters()) / 10
+    for name, p in ours.named_parameters():
+        if name in base:
+            assert torch.equal(p, base[name]), f"frozen {name} changed"
+
+
+def test_bf16_trains(tmp_path):
+    callback = FuyouCallback(**swap_config(tmp_path))
+    model, _ = train(tmp_path, callback, bf16=True, steps=3)
+    assert callback.summary["optimizer_steps"] == 3 and callback.summary["skips"] == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# -- refused ---------------------------------------------------------------------------------------------------
+def test_non_adam_optimizer_is_refused_and_leaves_nothing(tmp_path):
+    with pytest.raises(ConfigError, match="optim='sgd'"):
+        train(tmp_path, FuyouCallback(**swap_config(tmp_path)), optim="sgd")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("fuyou-run")]
+
+
+def test_missing_swap_dir_is_refused_and_creates_nothing(tmp_path):
+    missing = tmp_path / "nvme0"
+    with pytest.raises(Exception, match="does not exist"):
+        train(tmp_path, FuyouCallback(swap_dirs=[str(missing)]), steps=1)
+    assert not missing.exists()
+
+
+def test_resume_without_fuyou_state_is_a_clear_error(tmp_path):
+    _, trainer = train(tmp_path, save_strategy="steps", save_steps=3, steps=3)  # no callback: no Fuyou state
+    checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-3")
+    with pytest.raises(ConfigError, match="no FuyouAdamW state was found"):
+        train(tmp_path, FuyouCallback(**swap_config(tmp_path)), resume=checkpoint)
