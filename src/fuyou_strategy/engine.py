@@ -217,7 +217,10 @@ class FuyouEngine:
             "redos": stats.redos,
             "skips": stats.skips,
             "last_grad_norm": stats.last_grad_norm,
-            "ssd_bytes_optimizer_state": store.bytes_on_disk,
+            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
+            "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
+                                             if name.startswith("adamw.")),
+            "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,
             "host_pool_peak_bytes": store.pool.high_water,
@@ -231,7 +234,8 @@ class FuyouEngine:
         return "\n".join([
             f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed, {s['redos']} redone for "
             f"clipping, {s['skips']} skipped), last grad norm {s['last_grad_norm']:.4g}",
-            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])}, activations swapped "
+            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])} (swap files "
+            f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
             f"median step {s['median_step_seconds']:.3f} s",

@@ -1,0 +1,88 @@
+"""What both examples share: the embedded default model, generated data and the closing summary.
+
+The default model is a small GPT-2-style causal LM built from a config (nothing is
+downloaded); ``--model PATH`` loads a local Hugging Face checkpoint instead. The data is
+generated: each sequence counts up from a random start with a random stride, modulo the
+vocabulary, so the next token is predictable from the two before it — a model that learns
+drives token accuracy from ~1/vocab towards 1, which makes progress easy to see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+from typing import Any
+
+import torch
+
+from fuyou_strategy.config import format_bytes
+
+STRIDES = 7  # strides 1..7
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local Hugging Face causal-LM folder (default: a built-in GPT-2 config)")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the built-in model")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the built-in model")
+    parser.add_argument("--vocab", type=int, default=128, help="vocabulary of the built-in model")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--swap-dir", action="append", help="an SSD directory (repeat for several drives); "
+                        "default: a temporary directory")
+    parser.add_argument("--host-budget", default="1GiB", help="host memory for Fuyou's buffers")
+    parser.add_argument("--activations", default="ssd", choices=["keep", "host", "ssd", "recompute"],
+                        help="where every block's activations go")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """FuyouConfig fields from the command line."""
+    return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        args.vocab = model.config.vocab_size
+        return model
+    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                        vocab_size=args.vocab, n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def counting_sequences(n: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
+    """``n`` sequences ``start, start+s, start+2s, ...`` (mod ``vocab``), ``s`` in 1..STRIDES."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, STRIDES + 1, (n, 1), generator=g)
+    return (start + stride * torch.arange(seq_len)) % vocab
+
+
+def token_accuracy_inputs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions and targets for next-token accuracy (shifted as the LM loss is)."""
+    return logits[:, :-1].argmax(-1).reshape(-1), labels[:, 1:].reshape(-1)
+
+
+def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: int, seconds: float) -> None:
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    lines = [
+        f"{title}: {summary['optimizer_steps']} optimizer steps in {seconds:.1f} s "
+        f"({tokens / seconds:,.0f} tokens/s); held-out next-token accuracy {accuracy:.3f}",
+        f"  trainable parameters {summary['trainable_parameters']:,}; median step {summary['median_step_seconds']:.3f} s",
+        f"  gradient clipping: {summary['commits']} steps committed as computed during backward, "
+        f"{summary['redos']} redone with the clip coefficient, {summary['skips']} skipped (non-finite)",
+        f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])}, swap files "
+        f"{format_bytes(summary['ssd_file_bytes'])} at most; activations written "
+        f"{format_bytes(summary['activation_bytes_to_ssd'])} (to host {format_bytes(summary['activation_bytes_to_host'])})",
+        f"  host memory: Fuyou buffers peaked at {format_bytes(summary['host_pool_peak_bytes'])} of "
+        f"{format_bytes(summary['host_pool_budget_bytes'])}; process peak RSS {format_bytes(peak_rss)}",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,78 @@
+"""Fine-tune a causal LM with ``Trainer(strategy="fuyou")``: SSD-resident AdamW and activations.
+
+Runs with no arguments: a built-in GPT-2-style model, generated data (see ``common.py``) and a
+temporary swap directory. ``--model PATH`` loads a local Hugging Face checkpoint; ``--swap-dir``
+points at a real NVMe drive (repeat it for several). ``--help`` lists the rest.
+
+    python examples/lightning_finetune.py
+    python examples/lightning_finetune.py --swap-dir /nvme0 --swap-dir /nvme1 --precision bf16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import lightning as L
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader
+
+import fuyou_strategy  # registers strategy="fuyou"
+from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary, token_accuracy_inputs
+
+
+class CausalLMModule(L.LightningModule):
+    def __init__(self, model: torch.nn.Module, lr: float, warmup: int, vocab: int) -> None:
+        super().__init__()
+        self.model, self.lr, self.warmup = model, lr, warmup
+        self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab, average="micro")
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        out = self.model(input_ids=batch, labels=batch)
+        self.val_accuracy.update(*token_accuracy_inputs(out.logits, batch))
+        self.log("val_loss", out.loss, prog_bar=True)
+        self.log("val_acc", self.val_accuracy, prog_bar=True)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=self.lr, fused=True)  # FuyouAdamW uses the same (fused) kernel
+        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / self.warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser)
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    args = parser.parse_args(argv)
+
+    model = build_model(args)
+    micro_batches = args.steps * args.accumulate
+    train = counting_sequences(micro_batches * args.batch_size, args.seq_len, args.vocab, seed=args.seed)
+    val = counting_sequences(4 * args.batch_size, args.seq_len, args.vocab, seed=args.seed + 1)
+    module = CausalLMModule(model, args.lr, warmup=max(1, args.steps // 10), vocab=args.vocab)
+    strategy = fuyou_strategy.FuyouStrategy(**fuyou_fields(args))
+    trainer = L.Trainer(strategy=strategy, accelerator="auto", devices=1, precision=args.precision,
+                        max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+                        gradient_clip_val=args.max_grad_norm, logger=False, enable_checkpointing=False,
+                        check_val_every_n_epoch=1, log_every_n_steps=1)
+    start = time.perf_counter()
+    trainer.fit(module, DataLoader(train, batch_size=args.batch_size, shuffle=True),
+                DataLoader(val, batch_size=args.batch_size))
+    seconds = time.perf_counter() - start
+    accuracy = float(trainer.callback_metrics["val_acc"])
+    print_summary("Lightning + FuyouStrategy", strategy.engine.summary(), accuracy,
+                  tokens=micro_batches * args.batch_size * args.seq_len, seconds=seconds)
+    strategy.engine.close()
+
+
+if __name__ == "__main__":
+    main()

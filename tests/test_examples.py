@@ -1,0 +1,38 @@
+"""The examples run end to end (tiny settings) and print their closing summary."""
+
+import os
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+TINY = ["--steps", "3", "--layers", "2", "--hidden", "32", "--seq-len", "16", "--batch-size", "2", "--vocab", "64"]
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    yield
+    for name in ("common", "lightning_finetune", "hf_trainer_finetune"):
+        sys.modules.pop(name, None)
+
+
+def test_lightning_example(tmp_path, capsys):
+    import lightning_finetune
+
+    lightning_finetune.main(TINY + ["--swap-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Lightning + FuyouStrategy: 3 optimizer steps" in out and "activations written" in out
+    assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_example(tmp_path, capsys, lora):
+    import hf_trainer_finetune
+
+    hf_trainer_finetune.main(TINY + ["--swap-dir", str(tmp_path)] + (["--lora", "--lora-rank", "2"] if lora else []))
+    out = capsys.readouterr().out
+    assert "HF Trainer + FuyouCallback" in out and "3 optimizer steps" in out
+    assert os.listdir(tmp_path) == []
