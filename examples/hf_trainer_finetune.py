@@ -18,7 +18,7 @@ import torch
 import torchmetrics
 from transformers import Trainer, TrainingArguments
 
-from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary, token_accuracy_inputs
+from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary
 from fuyou_strategy import FuyouCallback
 
 
