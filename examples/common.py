@@ -66,9 +66,9 @@ def counting_sequences(n: int, seq_len: int, vocab: int, seed: int) -> torch.Ten
     return (start + stride * torch.arange(seq_len)) % vocab
 
 
-def token_accuracy_inputs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictions and targets for next-token accuracy (shifted as the LM loss is)."""
-    return logits[:, :-1].argmax(-1).reshape(-1), labels[:, 1:].reshape(-1)
+def next_token_pairs(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predicted ids (argmax of the logits) and targets for next-token accuracy, shifted as the LM loss is."""
+    return predicted[:, :-1].reshape(-1), labels[:, 1:].reshape(-1)
 
 
 def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: int, seconds: float) -> None:

@@ -18,7 +18,7 @@ import torch
 import torchmetrics
 from transformers import Trainer, TrainingArguments
 
-from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary
+from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, next_token_pairs, print_summary
 from fuyou_strategy import FuyouCallback
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     def compute_metrics(prediction) -> dict[str, float]:
         accuracy.reset()
         preds, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
-        accuracy.update(preds[:, :-1].reshape(-1), labels[:, 1:].reshape(-1))
+        accuracy.update(*next_token_pairs(preds, labels))
         return {"token_accuracy": float(accuracy.compute())}
 
     callback = FuyouCallback(**fuyou_fields(args))

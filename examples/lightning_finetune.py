@@ -19,7 +19,7 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 import fuyou_strategy  # registers strategy="fuyou"
-from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary, token_accuracy_inputs
+from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary, next_token_pairs
 
 
 class CausalLMModule(L.LightningModule):
@@ -35,7 +35,7 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         out = self.model(input_ids=batch, labels=batch)
-        self.val_accuracy.update(*token_accuracy_inputs(out.logits, batch))
+        self.val_accuracy.update(*next_token_pairs(out.logits.argmax(-1), batch))
         self.log("val_loss", out.loss, prog_bar=True)
         self.log("val_acc", self.val_accuracy, prog_bar=True)
 
