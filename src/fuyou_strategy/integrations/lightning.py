@@ -54,6 +54,11 @@ def _check_precision(precision: str) -> None:
         raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(_PRECISIONS)}: {fix}")
 
 
+def _check_single_device(devices: list | None) -> None:
+    if devices and len(devices) > 1:
+        raise ConfigError(f"devices: got {len(devices)} devices; the fuyou strategy trains on one device (devices=1)")
+
+
 def _device(device: Any) -> torch.device | None:
     return None if device is None else torch.device(device)
 
@@ -112,11 +117,7 @@ class FuyouStrategy(SingleDeviceStrategy):
         super().setup(trainer)
 
     def _check_trainer(self, trainer: Any) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ConfigError(
-                f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one device "
-                "(Trainer(devices=1))"
-            )
+        _check_single_device(self.parallel_devices)
         _check_precision(str(self.precision_plugin.precision))
         algorithm = trainer.gradient_clip_algorithm
         if trainer.gradient_clip_val and algorithm is not None and GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.VALUE:
@@ -259,6 +260,7 @@ class FuyouFabricStrategy(FabricSingleDeviceStrategy):
         return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
+        _check_single_device(self.parallel_devices)
         _check_precision(str(self.precision.precision))
         if len(optimizers) != 1:
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
