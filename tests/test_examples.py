@@ -36,3 +36,17 @@ def test_hf_example(tmp_path, capsys, lora):
     out = capsys.readouterr().out
     assert "HF Trainer + FuyouCallback" in out and "3 optimizer steps" in out
     assert os.listdir(tmp_path) == []
+
+
+def test_lightning_example_loads_a_local_model(tmp_path, capsys):
+    """--model PATH: a local Hugging Face folder (here a tiny Llama saved by the test)."""
+    from conftest import tiny_causal_lm
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "llama")
+    import lightning_finetune
+
+    lightning_finetune.main(["--model", str(tmp_path / "llama"), "--steps", "2", "--seq-len", "16", "--batch-size", "2",
+                             "--swap-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "2 optimizer steps" in out
+    assert sorted(os.listdir(tmp_path)) == ["llama"]
