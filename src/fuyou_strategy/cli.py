@@ -1,4 +1,4 @@
-"""The ``fuyou`` command: ``fuyou io-bench`` and ``fuyou clean``."""
+"""The ``fuyou`` command: ``fuyou io-bench``, ``fuyou clean`` and ``fuyou plan``."""
 
 from __future__ import annotations
 
@@ -85,6 +85,61 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from .planner import HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, solve
+
+    if args.model in MODEL_PRESETS:
+        model = MODEL_PRESETS[args.model]
+    elif os.path.isfile(args.model):
+        model = ModelSpec.from_hf_config(args.model)
+    else:
+        raise ConfigError(f"model: got {args.model!r}; expected a preset ({', '.join(MODEL_PRESETS)}) or a config.json path")
+    hw = dataclasses.replace(
+        HARDWARE_PRESETS[args.gpu], host_memory=args.host_memory, ssds=args.ssds,
+        **{k: v for k, v in (("ssd_read_gbps", args.ssd_read_gbps), ("ssd_write_gbps", args.ssd_write_gbps),
+                             ("adam_params_per_s", args.adam_params_per_s), ("efficiency", args.efficiency)) if v is not None})
+    profile = analytic_profile(model, hw, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
+                               prefetch_blocks=args.prefetch_blocks)
+    flops = profile.notes["flops_per_step"]
+    print(f"model {model.name}: {model.params / 1e9:.1f}B parameters, {model.layers} blocks; batch {args.batch} x seq "
+          f"{args.seq} x {args.micro_batches} micro-batch(es)")
+    print(f"hardware: {hw.name} ({format_bytes(hw.device_memory) if hw.device_memory else 'no accelerator'}, "
+          f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {format_bytes(hw.host_memory)}, {hw.ssds} SSD(s) "
+          f"{hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s read/write, CPU AdamW "
+          f"{hw.adam_params_per_s / 1e9:g}G params/s; weights: {profile.notes['weights']}")
+    results = {}
+    for name, kwargs in (("fuyou", {}),
+                         ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
+        print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
+                                 if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
+        try:
+            plan = solve(profile, **kwargs)
+        except PlanError as exc:
+            print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
+            results[name] = {"fits": False, "error": str(exc)}
+            continue
+        print(plan.table(compact=True) if not args.full_table else plan.table())
+        print(f"predicted step {plan.predicted_step_s:.2f} s, {flops / plan.predicted_step_s / 1e12:.1f} TFLOPS "
+              f"({args.batch * args.seq * args.micro_batches / plan.predicted_step_s:,.0f} tokens/s)")
+        results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": flops / plan.predicted_step_s / 1e12,
+                         "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
+                         "policies": plan.policies}
+        if name == "fuyou" and args.save:
+            plan.save(args.save)
+            print(f"plan written to {args.save}")
+    if all(r["fits"] for r in results.values()):
+        print(f"\nfuyou vs zero-infinity-like: {results['zero-infinity-like']['step_s'] / results['fuyou']['step_s']:.2f}x "
+              "faster (predicted)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw), "batch": args.batch,
+                       "seq": args.seq, "results": results}, f, indent=1)
+    return 0 if results["fuyou"]["fits"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuyou", description="fuyou-strategy tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.set_defaults(func=_cmd_io_bench)
+
+    plan = sub.add_parser("plan", help="what-if: memory per tier and predicted step time for a model on described hardware",
+                          description="Plan a fine-tune without instantiating the model: memory per tier, whether it fits, "
+                          "predicted step time and TFLOPS, for Fuyou and for a ZeRO-Infinity-like schedule. Preset "
+                          "sources are documented in fuyou_strategy/planner/spec.py.")
+    plan.add_argument("model", help="a preset (gpt3-13b, gpt3-175b, llama-70b) or a Hugging Face config.json")
+    plan.add_argument("--gpu", default="rtx4090", choices=["rtx4090", "a100-80g", "h100", "cpu"])
+    plan.add_argument("--host-memory", type=_size, default=parse_bytes("768GB"), help="host RAM (default 768GB)")
+    plan.add_argument("--ssds", type=int, default=1, help="number of NVMe drives, striped (default 1)")
+    plan.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s (default 3.5)")
+    plan.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s (default 3.0)")
+    plan.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput (default 1e9)")
+    plan.add_argument("--efficiency", type=float, help="fraction of peak FLOPS reached (default 0.5)")
+    plan.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
+    plan.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default 1)")
+    plan.add_argument("--prefetch-blocks", type=int, default=2)
+    plan.add_argument("--full-table", action="store_true", help="one row per block")
+    plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")
+    plan.add_argument("--json", help="write the results as JSON")
+    plan.set_defaults(func=_cmd_plan)
 
     clean = sub.add_parser("clean", help="remove run directories left behind by crashed fuyou processes")
     clean.add_argument("--dir", action="append", help="swap directory to scan (repeatable; default: the temp dir)")
