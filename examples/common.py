@@ -34,14 +34,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-dir", action="append", help="an SSD directory (repeat for several drives); "
                         "default: a temporary directory")
     parser.add_argument("--host-budget", default="1GiB", help="host memory for Fuyou's buffers")
-    parser.add_argument("--activations", default="ssd", choices=["keep", "host", "ssd", "recompute"],
-                        help="where every block's activations go")
+    parser.add_argument("--activations", default="ssd", choices=["auto", "keep", "host", "ssd", "recompute"],
+                        help="where every block's activations go; auto: the planner decides after a warm-up")
+    parser.add_argument("--device-budget", help="device memory the planner may use (auto), e.g. 2GiB")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
     """FuyouConfig fields from the command line."""
-    return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations)
+    return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations,
+                device_memory_budget=args.device_budget)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:

@@ -94,7 +94,14 @@ class FuyouConfig:
             updated (capped by what the host budget holds). Default 4.
         activations: what happens to each block's saved activations: one of ``"keep"``,
             ``"host"``, ``"ssd"``, ``"recompute"`` for every block, or a mapping from block
-            index to policy (unlisted blocks keep). Default ``"keep"``.
+            index to policy (unlisted blocks keep), or ``"auto"``: the planner profiles the first
+            ``planner_warmup_steps`` steps (activations kept) and applies the policies that
+            minimise predicted step time within the budgets (``device_memory_budget`` bounds
+            the device tier). Default ``"keep"``.
+        plan: a plan JSON (``Plan.save``, ``fuyou plan --save``) to apply from the first step
+            instead of planning: a pinned plan.
+        planner_warmup_steps: optimizer steps profiled before ``"auto"`` plans (the first
+            is discarded as warm-up). Default 3.
         blocks: the model's repeated blocks, as a dotted path to a ``ModuleList`` or a list of
             module paths; ``None`` finds them (the largest ``ModuleList`` of one class).
         activation_min_bytes: saved tensors smaller than this stay where they are (swapping
@@ -116,6 +123,8 @@ class FuyouConfig:
     blocks: str | list[str] | None = None
     activation_min_bytes: int | str = "64KiB"
     activation_prefetch_blocks: int = 2
+    plan: str | None = None
+    planner_warmup_steps: int = 3
 
     def __post_init__(self) -> None:
         self._validate()
@@ -167,14 +176,21 @@ class FuyouConfig:
         policies = ("keep", "host", "ssd", "recompute")
         values = self.activations.values() if isinstance(self.activations, Mapping) else [self.activations]
         for value in values:
-            if value not in policies:
-                raise ConfigError(f"activations: got {value!r}; expected one of {list(policies)} or a mapping "
-                                  "from block index to one of them")
+            if value not in policies and not (value == "auto" and isinstance(self.activations, str)):
+                raise ConfigError(f"activations: got {value!r}; expected 'auto', one of {list(policies)} or a "
+                                  "mapping from block index to one of them")
         if isinstance(self.activations, Mapping):
             self.activations = {int(k): v for k, v in self.activations.items()}
         self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
         if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
             raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")
+        if not isinstance(self.planner_warmup_steps, int) or self.planner_warmup_steps < 2:
+            raise ConfigError(f"planner_warmup_steps: got {self.planner_warmup_steps!r}; expected an int >= 2 "
+                              "(the first step is discarded)")
+        if self.plan is not None:
+            self.plan = os.fspath(self.plan)
+            if not os.path.isfile(self.plan):
+                raise ConfigError(f"plan: {self.plan!r} does not exist; write one with `fuyou plan --save` or Plan.save")
         if not isinstance(self.preallocate, bool):
             raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
 

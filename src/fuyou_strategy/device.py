@@ -32,3 +32,16 @@ def alloc_host_buffer(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE_SIZE, dtype=torch.uint8, pin_memory=cuda_available())
     skip = (-raw.data_ptr()) % PAGE_SIZE
     return raw[skip : skip + nbytes]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for timing); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of an accelerator; ``None`` for the CPU (the device tier is host RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None

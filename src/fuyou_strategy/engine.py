@@ -21,6 +21,7 @@ Lightning and transformers are never imported here.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import weakref
@@ -29,9 +30,19 @@ from typing import Any, Iterable
 
 import torch
 
-from .activations import ActivationSwapper
+from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
+from .planner import Plan, PlanError, solve
+from .planner.profile import WarmupProfiler
+
+log = logging.getLogger("fuyou_strategy")
+if not log.handlers:  # like Lightning's own logger: INFO to stderr unless the application configures logging
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 __all__ = ["FuyouEngine", "optimizer_arguments", "rebind_scheduler"]
 
@@ -152,10 +163,20 @@ class FuyouEngine:
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         self.swapper: ActivationSwapper | None = None
+        self.plan: Plan | None = None
+        self.profiler: WarmupProfiler | None = None
+        self._plan_applied_at: int | None = None
+        self._plan_reported = False
         try:
-            if config.activations != "keep":
-                self.swapper = ActivationSwapper(model, config, store=self.optimizer.store)
-                self.swapper.install()
+            if config.plan is not None:  # pinned
+                self.plan = Plan.load(config.plan)
+                self._install_swapper(self.plan.activations)
+                log.info("fuyou planner: applying the pinned plan %s", config.plan)
+            elif config.activations == "auto":
+                blocks = discover_blocks(model, config.blocks)
+                self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
+            elif config.activations != "keep":
+                self._install_swapper(config.activations)
         except BaseException:
             self.optimizer.close()
             raise
@@ -163,6 +184,11 @@ class FuyouEngine:
         self._last_step_end: float | None = None
         self.step_times: list[float] = []  # seconds between consecutive optimizer steps
         self.micro_batches = 0
+
+    def _install_swapper(self, activations: str | dict) -> None:
+        config = self.config.replace(activations=activations, plan=None)
+        self.swapper = ActivationSwapper(self.model, config, store=self.optimizer.store)
+        self.swapper.install()
 
     # -- the loop's events -------------------------------------------------------------------------
     def begin_micro_batch(self, update: bool | None = None) -> None:
@@ -172,6 +198,8 @@ class FuyouEngine:
             self.optimizer.updates_enabled = update
         if self.swapper is not None:
             self.swapper.begin_pass()
+        if self.profiler is not None:
+            self.profiler.begin_micro_batch()
         self.micro_batches += 1
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
@@ -183,6 +211,35 @@ class FuyouEngine:
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
         self._last_step_end = now
+        if self.profiler is not None:
+            self.profiler.after_step()
+            if self.profiler.done:
+                self._plan_from_warmup()
+        elif self._plan_applied_at is not None and not self._plan_reported:
+            measured = self.step_times[self._plan_applied_at + 1:]  # the first planned step warms the swap path up
+            if len(measured) >= 3:
+                self._plan_reported = True
+                m = statistics.median(measured)
+                log.info("fuyou planner: predicted %.3f s/step, measured %.3f s (median of %d steps): %.2fx",
+                         self.plan.predicted_step_s, m, len(measured), m / self.plan.predicted_step_s)
+
+    def _plan_from_warmup(self) -> None:
+        """Solve on the warm-up's profile and switch the activation policies to the plan."""
+        profiler, self.profiler = self.profiler, None
+        profiler.remove()
+        log.info("fuyou planner: profiled %d warm-up steps; measuring bandwidths and planning ...", profiler.steps)
+        profile = profiler.profile()
+        # On the CPU the device tier *is* host memory: the host policy would free nothing.
+        allowed = [p for p in Policy if not (p is Policy.HOST and profiler.device.type == "cpu")]
+        try:
+            self.plan = solve(profile, allowed=allowed)
+        except PlanError as exc:
+            raise ConfigError(f"activations='auto': {exc}") from None
+        log.info("fuyou planner: plan (predicted %.3f s/step)\n%s", self.plan.predicted_step_s,
+                 self.plan.table(compact=True))
+        if any(p != Policy.KEEP.value for p in self.plan.policies):
+            self._install_swapper(self.plan.activations)
+        self._plan_applied_at = len(self.step_times)
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
         """Point the framework's LR schedulers at the converted optimizer."""
@@ -226,6 +283,11 @@ class FuyouEngine:
             "host_pool_peak_bytes": store.pool.high_water,
             "host_pool_budget_bytes": store.pool.budget,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
+            "plan": self.plan.policies if self.plan is not None else None,
+            "plan_predicted_step_seconds": self.plan.predicted_step_s if self.plan is not None else None,
+            "plan_measured_step_seconds": (statistics.median(self.step_times[self._plan_applied_at + 1:])
+                                           if self._plan_applied_at is not None
+                                           and len(self.step_times) > self._plan_applied_at + 1 else None),
         }
 
     def format_summary(self) -> str:
@@ -247,6 +309,9 @@ class FuyouEngine:
         if getattr(self, "_step_hook", None) is not None:
             self._step_hook.remove()
             self._step_hook = None
+        if self.profiler is not None:
+            self.profiler.remove()
+            self.profiler = None
         if self.swapper is not None:
             self.swapper.uninstall()
             self.swapper.close()

@@ -46,12 +46,12 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..config import FuyouConfig
+from ..config import ConfigError, FuyouConfig
 from ..device import alloc_host_buffer
 from ..storage import HostBuffer, TensorStore, round_up
 from .blocks import Policy, discover_blocks, resolve_policies
 
-__all__ = ["ActivationSwapper", "SwapStats"]
+__all__ = ["ActivationSwapper", "SwapStats", "swappable", "first_tensor"]
 
 
 @dataclass
@@ -107,7 +107,7 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
+def first_tensor(out: Any) -> torch.Tensor | None:
     """The first tensor of a block's output (a tensor, a tuple, or a ModelOutput-like tuple)."""
     if isinstance(out, torch.Tensor):
         return out
@@ -138,6 +138,13 @@ def _is_autocast_weight(t: torch.Tensor) -> bool:
             and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None))
 
 
+def swappable(t: torch.Tensor, param_storages: set[int], min_bytes: int) -> bool:
+    """Whether a saved tensor is one a host/ssd policy moves (see the module docstring)."""
+    nbytes = t.numel() * t.element_size()
+    return not (nbytes == 0 or nbytes < min_bytes or t.untyped_storage().data_ptr() in param_storages
+                or not _is_dense(t) or _is_autocast_weight(t))
+
+
 class ActivationSwapper:
     """Per-block activation policies applied through saved-tensor hooks; see the module docstring.
 
@@ -153,6 +160,9 @@ class ActivationSwapper:
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.model = model
+        if config.activations == "auto" or config.plan is not None:
+            raise ConfigError("activations='auto' and plan= are applied by FuyouEngine (the Lightning strategy and the "
+                              "HF callback use it); give ActivationSwapper explicit policies")
         self.blocks = discover_blocks(model, config.blocks)
         self.policies = resolve_policies(config.activations, len(self.blocks))
         needs_store = any(p in (Policy.HOST, Policy.SSD) for p in self.policies)
@@ -224,7 +234,7 @@ class ActivationSwapper:
             else:
                 with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                     out = forward(*args, **kwargs)
-            first = _first_tensor(out)
+            first = first_tensor(out)
             if first is not None and first.requires_grad:
                 # Fires when the gradient of the block's output is ready: backward enters the block.
                 first.register_hook(lambda grad: self._enter_backward(pass_, index))
@@ -234,8 +244,7 @@ class ActivationSwapper:
     # -- forward: pack -----------------------------------------------------------------------------
     def _pack(self, pass_: _Pass, block: int, policy: Policy, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if (nbytes == 0 or nbytes < self.config.activation_min_bytes or t.untyped_storage().data_ptr() in self._param_storages
-                or not _is_dense(t) or _is_autocast_weight(t)):
+        if not swappable(t, self._param_storages, self.config.activation_min_bytes):
             self.stats.kept_tensors += 1
             return t
         seen = pass_.by_id.get(id(t))

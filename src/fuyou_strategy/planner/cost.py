@@ -21,8 +21,10 @@ backward enters the block ``prefetch_blocks`` later, a block's backward waits fo
 activations (or its recomputation), and the optimizer update of a block's parameters starts
 when its backward has produced their gradients (Fuyou's overlap). What cannot overlap — the
 updates of the blocks that receive their gradients last, and of the rest of the model — ends
-the step. With ``overlap_optimizer=False`` every update waits for the end of backward (the
-ZeRO-Infinity schedule, for comparison).
+the step. When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a
+second, unoverlapped pass over every parameter; that is added in proportion. With
+``overlap_optimizer=False`` every update waits for the end of backward (the ZeRO-Infinity
+schedule, for comparison).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Profile:
     optimizer_host_bytes: int = 0  # host buffers the optimizer keeps (its share of the pool)
     micro_batches: int = 1
     prefetch_blocks: int = 2
+    redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -176,6 +179,13 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         updates_done = [_update(s, profile, b.params, backward_end) for b in reversed(blocks)]
         updates_done.append(_update(s, profile, profile.other_params, backward_end))
     step = max([backward_end, *updates_done])
+    if profile.redo_fraction > 0:
+        # Clipping bit: every update is computed again after the step, from the committed state.
+        redo = s.run("compute", 0.0, step)
+        for b in reversed(blocks):
+            redo = max(redo, _update(s, profile, b.params, step))
+        redo = max(redo, _update(s, profile, profile.other_params, step))
+        step += profile.redo_fraction * (redo - step)
 
     device_peak, host_peak, ssd_peak = _peaks(profile, policies)
     over = {}

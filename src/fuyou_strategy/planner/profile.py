@@ -1,0 +1,225 @@
+"""Profiling a warm-up: the measured `Profile` of one model, batch and machine.
+
+`WarmupProfiler` watches the steps the training loop runs anyway (it never runs its own):
+
+- per block, forward time (forward pre/post hooks, the device synchronised on CUDA), the
+  bytes of saved activations a host/ssd policy would move (a counting saved-tensor hook with
+  the swapper's own rules), and backward time — the interval between backward entering the
+  block and entering the one before it (a hook on the block's output gradient);
+- the rest of the model: from the last block's forward to backward entering it (head, loss
+  and their backward);
+- then, once: device↔host copy bandwidth, SSD read and write bandwidth of the swap
+  directories (an io-bench probe, cached per directory in
+  ``~/.cache/fuyou-strategy/bandwidth.json``), CPU AdamW throughput, and the budgets
+  (``device_memory_budget`` or the accelerator's memory, the host pool, the swap
+  directories' free space).
+
+The first step is discarded (allocator and cache warm-up); medians of the rest are used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..activations.swap import first_tensor, swappable
+from ..config import FuyouConfig
+from ..device import alloc_host_buffer, device_memory_bytes, synchronize
+from ..storage.probe import measure_bandwidth
+from .cost import BlockProfile, Profile
+
+__all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput"]
+
+log = logging.getLogger("fuyou_strategy")
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
+
+
+class WarmupProfiler:
+    """Hooks on the blocks that record one `Profile` over the first ``steps`` optimizer steps."""
+
+    def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], config: FuyouConfig,
+                 optimizer: Any, steps: int) -> None:
+        self.model, self.blocks, self.config, self.optimizer = model, blocks, config, optimizer
+        self.steps = steps
+        self.device = next(model.parameters()).device
+        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._micro: list[dict] = []  # one record per micro-batch
+        self._steps_seen = 0
+        self._first_redos = self._first_steps = 0
+        self._step_start: float | None = None
+        self.step_times: list[float] = []
+        self._handles = []
+        for i, block in enumerate(blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(block.register_forward_hook(self._post(i)))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def begin_micro_batch(self) -> None:
+        now = self._now()
+        if self._step_start is None:
+            self._step_start = now
+        n = len(self.blocks)
+        self._micro.append({"step": self._steps_seen, "fwd": [0.0] * n, "act": [0] * n, "start": [0.0] * n,
+                            "end": [0.0] * n, "enter": [None] * n, "seen": set(), "ctx": None})
+
+    def _pre(self, i: int):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not (torch.is_grad_enabled() and self._micro):
+                return
+            rec = self._micro[-1]
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+                if key not in rec["seen"] and swappable(t, self._param_storages, self.config.activation_min_bytes):
+                    rec["seen"].add(key)
+                    rec["act"][i] += t.numel() * t.element_size()
+                return t
+
+            rec["ctx"] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            rec["ctx"].__enter__()
+            rec["start"][i] = self._now()
+        return hook
+
+    def _post(self, i: int):
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if not (torch.is_grad_enabled() and self._micro) or self._micro[-1]["ctx"] is None:
+                return
+            rec = self._micro[-1]
+            rec["end"][i] = self._now()
+            rec["fwd"][i] += rec["end"][i] - rec["start"][i]
+            rec["ctx"].__exit__(None, None, None)
+            rec["ctx"] = None
+            first = first_tensor(out)
+            if first is not None and first.requires_grad:
+                def entered(grad: torch.Tensor) -> None:
+                    if rec["enter"][i] is None:
+                        rec["enter"][i] = self._now()
+                first.register_hook(entered)
+        return hook
+
+    def after_step(self) -> None:
+        now = self._now()
+        if self._step_start is not None:
+            self.step_times.append(now - self._step_start)
+        self._step_start = now
+        self._steps_seen += 1
+        if self._steps_seen == 1:
+            self._first_redos, self._first_steps = self.optimizer.stats.redos, self.optimizer.stats.steps
+
+    @property
+    def done(self) -> bool:
+        return self._steps_seen >= self.steps
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- the profile ------------------------------------------------------------------------------
+    def profile(self) -> Profile:
+        """The measured profile (medians over the micro-batches after the first step)."""
+        records = [r for r in self._micro if r["step"] >= 1 and all(e is not None for e in r["enter"])] or \
+                  [r for r in self._micro if all(e is not None for e in r["enter"])]
+        if not records:
+            raise RuntimeError("the warm-up recorded no complete forward and backward through the blocks")
+        n = len(self.blocks)
+        med = statistics.median
+        fwd = [med(r["fwd"][i] for r in records) for i in range(n)]
+        act = [int(med(r["act"][i] for r in records)) for i in range(n)]
+        # Backward enters block n-1 first: block i's backward lasts until backward enters block i-1.
+        bwd = [med(r["enter"][i - 1] - r["enter"][i] for r in records) if i else 0.0 for i in range(n)]
+        bwd[0] = bwd[1] * fwd[0] / fwd[1] if n > 1 and fwd[1] > 0 else 2 * fwd[0]
+        other = med(r["enter"][n - 1] - r["end"][n - 1] for r in records)
+        params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        micro_batches = max(1, round(sum(1 for r in self._micro if r["step"] >= 1) / max(1, self._steps_seen - 1)))
+        store = self.optimizer.store
+        config = self.config
+        device_budget = config.device_memory_budget or device_memory_bytes(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        rd, wr = ssd_bandwidth(store.run_dirs)
+        stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
+        redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
+        return Profile(
+            blocks=[BlockProfile(f, b, a, p) for f, b, a, p in zip(fwd, bwd, act, params)],
+            other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
+            link_bytes_per_s=link_bandwidth(self.device), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
+            adam_params_per_s=adam_throughput(self.optimizer.fused),
+            weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
+            device_base_bytes=weights + grads,
+            optimizer_host_bytes=min(store.pool.budget, (config.optimizer_prefetch_chunks + 2) * config.chunk_size),
+            micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks, redo_fraction=redo_fraction,
+            device_budget=device_budget, host_budget=store.pool.budget,
+            ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
+            source="measured",
+            notes={"device": str(self.device), "measured_step_s": self.step_times[1:] or self.step_times},
+        )
+
+
+def ssd_bandwidth(directories: list[str], size: int = 256 * 2**20) -> tuple[float, float]:
+    """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem)."""
+    try:
+        cache = json.loads(CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    read = write = 0.0
+    for d in directories:
+        parent = os.path.dirname(os.path.realpath(d))
+        key = f"{os.stat(parent).st_dev}:{parent}"
+        if key not in cache:
+            log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20, CACHE)
+            bw = measure_bandwidth(parent, size=size)
+            cache[key] = {"read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
+            try:
+                CACHE.parent.mkdir(parents=True, exist_ok=True)
+                CACHE.write_text(json.dumps(cache, indent=1))
+            except OSError:
+                pass  # a read-only home: measure again next time
+        read += cache[key]["read_bps"]
+        write += cache[key]["write_bps"]
+    return read, write
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of a device → host copy into a (pinned on CUDA) page-aligned buffer; best of 3."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = alloc_host_buffer(nbytes)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def adam_throughput(fused: bool, n: int = 2**20) -> float:
+    """Parameters/s of the CPU AdamW kernel FuyouAdamW uses; best of 3."""
+    from torch.optim.adamw import adamw
+
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    best = float("inf")
+    for _ in range(3):
+        step = torch.tensor(1.0)
+        start = time.perf_counter()
+        if fused:
+            torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                                eps=1e-8, amsgrad=False, maximize=False)
+        else:
+            adamw([p], [g], [m], [v], [], [step], foreach=False, fused=False, lr=1e-3, beta1=0.9, beta2=0.999,
+                  weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        best = min(best, time.perf_counter() - start)
+    return n / best
