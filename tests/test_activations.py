@@ -221,7 +221,7 @@ def test_block_discovery_and_policy_errors():
     assert resolve_policies({1: "ssd"}, 3) == [Policy.KEEP, Policy.SSD, Policy.KEEP]
     with pytest.raises(ConfigError, match=r"activations\[5\]: the model has 3 blocks"):
         resolve_policies({5: "ssd"}, 3)
-    with pytest.raises(ConfigError, match="activations: got 'disk'; expected one of"):
+    with pytest.raises(ConfigError, match="activations: got 'disk'; expected 'auto', one of"):
         FuyouConfig(activations="disk")
 
 
