@@ -1,0 +1,210 @@
+"""The planner: cost model and solver on synthetic profiles, plans as JSON, the what-if CLI,
+and activations='auto' / pinned plans through Lightning."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from fuyou_strategy import ConfigError, FuyouConfig
+from fuyou_strategy.activations import Policy
+from fuyou_strategy.cli import main as fuyou
+from fuyou_strategy.planner import (BlockProfile, Plan, PlanError, Profile, analytic_profile, fixed_plan, predict,
+                                    solve, HARDWARE_PRESETS, MODEL_PRESETS)
+
+MiB = 2**20
+K, H, S, R = Policy.KEEP, Policy.HOST, Policy.SSD, Policy.RECOMPUTE
+
+
+def synthetic(n=8, *, act=100 * MiB, fwd=0.1, device=None, host=None, ssd=None, ssd_bw=2e9, link=10e9, params=10**6,
+              **more):
+    return Profile(blocks=[BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=params)] * n,
+                   other_fwd_s=0.05, other_bwd_s=0.1, other_params=params, link_bytes_per_s=link,
+                   ssd_read_bytes_per_s=ssd_bw, ssd_write_bytes_per_s=ssd_bw, adam_params_per_s=1e9,
+                   device_base_bytes=200 * MiB, device_budget=device, host_budget=host, ssd_budget=ssd, **more)
+
+
+def assert_within_budgets(plan: Plan):
+    for tier, peak in (("device", plan.device_peak), ("host", plan.host_peak), ("ssd", plan.ssd_peak)):
+        budget = plan.budgets[tier]
+        assert budget is None or peak <= budget, (tier, peak, budget)
+
+
+# -- cost model -------------------------------------------------------------------------------------------
+def test_all_keep_step_is_compute_plus_the_optimizer_tail():
+    p = synthetic()
+    pred = predict(p, [K] * 8)
+    compute = 8 * 0.3 + 0.15
+    assert pred.compute_s == pytest.approx(compute)
+    assert compute < pred.step_s < compute + 0.1, "only the last updates stick out past backward"
+    assert pred.device_peak == 200 * MiB + 8 * 100 * MiB
+
+
+def test_recompute_costs_a_forward_and_frees_the_device():
+    p = synthetic()
+    keep, rec = predict(p, [K] * 8), predict(p, [R] * 8)
+    assert rec.step_s == pytest.approx(keep.step_s + 8 * 0.1, rel=1e-6)
+    assert rec.device_peak == 200 * MiB + 100 * MiB, "only the block being recomputed holds activations"
+
+
+def test_slow_ssd_shows_up_and_competes_with_the_optimizer():
+    fast, slow = synthetic(ssd_bw=10e9), synthetic(ssd_bw=0.2e9)
+    assert predict(fast, [S] * 8).step_s < predict(slow, [S] * 8).step_s
+    # The optimizer's state traffic shares the drives: more parameters, slower SSD steps.
+    light, heavy = synthetic(ssd_bw=0.5e9), synthetic(ssd_bw=0.5e9, params=50 * 10**6)
+    assert predict(heavy, [S] * 8).ssd_s > predict(light, [S] * 8).ssd_s
+
+
+def test_overlapped_optimizer_beats_optimizer_after_backward():
+    p = synthetic(params=50 * 10**6)
+    overlapped, after = predict(p, [K] * 8), predict(p, [K] * 8, overlap_optimizer=False)
+    assert overlapped.step_s < after.step_s
+    assert overlapped.optimizer_tail_s < after.optimizer_tail_s
+
+
+def test_clipping_redo_adds_an_optimizer_pass():
+    assert predict(synthetic(redo_fraction=1.0), [K] * 8).step_s > predict(synthetic(), [K] * 8).step_s
+
+
+# -- solver -------------------------------------------------------------------------------------------------
+def test_everything_kept_when_it_fits():
+    plan = solve(synthetic(device=10 * 2**30))
+    assert plan.policies == ["keep"] * 8
+
+
+@pytest.mark.parametrize("device_mib", [900, 600, 450])
+def test_budgets_are_respected(device_mib):
+    plan = solve(synthetic(device=device_mib * MiB, host=300 * MiB, ssd=10 * 2**30))
+    assert_within_budgets(plan)
+    assert plan.policies.count("keep") < 8
+
+
+def test_fast_ssd_is_chosen_over_recompute_and_slow_ssd_is_not():
+    fast = solve(synthetic(device=600 * MiB, ssd_bw=10e9, host=0))
+    slow = solve(synthetic(device=600 * MiB, ssd_bw=0.05e9, host=0))
+    assert "ssd" in fast.policies and "recompute" not in fast.policies
+    assert "recompute" in slow.policies and "ssd" not in slow.policies
+    assert fast.predicted_step_s < slow.predicted_step_s
+
+
+def test_host_memory_is_used_when_there_is_room_and_ssd_when_not():
+    roomy = solve(synthetic(device=600 * MiB, host=2**30, ssd_bw=0.5e9))
+    tight = solve(synthetic(device=600 * MiB, host=0, ssd_bw=0.5e9))
+    assert "host" in roomy.policies
+    assert "host" not in tight.policies
+
+
+def test_more_device_memory_keeps_more_blocks():
+    small, large = solve(synthetic(device=500 * MiB)), solve(synthetic(device=800 * MiB))
+    assert large.policies.count("keep") > small.policies.count("keep")
+    assert large.predicted_step_s <= small.predicted_step_s
+
+
+def test_offloads_the_earliest_blocks_first():
+    plan = solve(synthetic(device=800 * MiB, host=0))
+    moved = [i for i, p in enumerate(plan.policies) if p != "keep"]
+    assert moved == list(range(len(moved))), "block 0's activations are needed last in backward"
+
+
+def test_infeasible_says_what_is_missing():
+    with pytest.raises(PlanError, match=r"does not fit: device needs 50.00 MiB more"):
+        solve(synthetic(device=250 * MiB))  # base 200 MiB + one block of 100 MiB while it runs
+    with pytest.raises(PlanError, match="ssd needs"):
+        solve(synthetic(device=400 * MiB, host=0, ssd=10 * MiB, ssd_bw=10e9), allowed=["keep", "ssd"])
+
+
+def test_plan_table_and_json_round_trip(tmp_path):
+    plan = solve(synthetic(device=600 * MiB, host=0))
+    table = plan.table()
+    assert table.count("\n") >= 8 and "predicted step" in table and "frees device memory" in table
+    assert "0-" in plan.table(compact=True)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.activations == dict(enumerate(plan.policies))
+    assert fixed_plan(synthetic(), ["ssd"] * 8).policies == ["ssd"] * 8
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_config_accepts_auto_and_checks_planner_fields(tmp_path):
+    assert FuyouConfig(activations="auto").activations == "auto"
+    with pytest.raises(ConfigError, match="activations"):
+        FuyouConfig(activations={0: "auto"})
+    with pytest.raises(ConfigError, match="planner_warmup_steps"):
+        FuyouConfig(planner_warmup_steps=1)
+    with pytest.raises(ConfigError, match="plan: .* does not exist"):
+        FuyouConfig(plan=str(tmp_path / "nope.json"))
+
+
+# -- what-if ---------------------------------------------------------------------------------------------------
+def test_analytic_presets_are_sane():
+    assert MODEL_PRESETS["gpt3-175b"].params == pytest.approx(175e9, rel=0.02)
+    assert MODEL_PRESETS["gpt3-13b"].params == pytest.approx(13e9, rel=0.03)
+    assert MODEL_PRESETS["llama-70b"].params == pytest.approx(69e9, rel=0.03)
+    hw = dataclasses.replace(HARDWARE_PRESETS["rtx4090"], ssds=12)
+    few = dataclasses.replace(hw, ssds=1)
+    many, one = (solve(analytic_profile(MODEL_PRESETS["gpt3-13b"], h, batch=8, seq=2048)) for h in (hw, few))
+    assert many.predicted_step_s < one.predicted_step_s, "more SSDs: a faster optimizer"
+
+
+def test_fuyou_plan_cli(tmp_path, capsys):
+    assert fuyou(["plan", "gpt3-13b", "--gpu", "rtx4090", "--ssds", "12", "--host-memory", "768GB",
+                  "--save", str(tmp_path / "p.json"), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "== fuyou" in out and "== zero-infinity-like" in out and "TFLOPS" in out
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert results["fuyou"]["step_s"] < results["zero-infinity-like"]["step_s"]
+    assert Plan.load(tmp_path / "p.json").policies == results["fuyou"]["policies"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                  "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000}))
+    assert fuyou(["plan", str(config), "--gpu", "a100-80g", "--batch", "4"]) == 0
+    assert "32 blocks" in capsys.readouterr().out
+    assert fuyou(["plan", "gpt-5"]) == 2
+    assert "expected a preset" in capsys.readouterr().err
+
+
+def test_fuyou_plan_that_does_not_fit_exits_1(capsys):
+    assert fuyou(["plan", "gpt3-175b", "--batch", "64", "--host-memory", "64GB"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+# -- in training -------------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_auto_plans_after_the_warm_up_within_the_budget_and_changes_no_number(tmp_path):
+    from test_lightning import FuyouStrategy, fit
+
+    def strategy(**fields):
+        return FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", activation_min_bytes=0, activations="auto",
+                             planner_warmup_steps=2, **fields)
+
+    reference, _ = fit("auto")
+    _, trainer = fit(strategy())  # no device budget on the CPU: everything kept
+    roomy = trainer.strategy.engine.plan
+    assert roomy.policies == ["keep", "keep"] and roomy.profile["source"] == "measured"
+    assert all(b["act_bytes"] > 0 and b["fwd_s"] > 0 and b["bwd_s"] > 0 for b in roomy.profile["blocks"])
+    budget = roomy.device_peak - roomy.act_bytes[0] // 2  # no longer room for both blocks' activations
+    ours, trainer = fit(strategy(device_memory_budget=budget))
+    engine = trainer.strategy.engine
+    assert engine.plan.policies[0] != "keep" and engine.plan.device_peak <= budget
+    assert [p.value for p in engine.swapper.policies] == engine.plan.policies
+    summary = engine.summary()
+    assert summary["plan_predicted_step_seconds"] > 0 and summary["plan_measured_step_seconds"] > 0
+    for (name, p), (_, q) in zip(reference.named_parameters(), ours.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path):
+    from test_lightning import FuyouStrategy, fit
+
+    profile = synthetic(n=2)
+    fixed_plan(profile, ["ssd", "recompute"]).save(tmp_path / "plan.json")
+    reference, _ = fit("auto", steps=2)
+    ours, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], plan=str(tmp_path / "plan.json"),
+                                      activation_min_bytes=0), steps=2)
+    engine = trainer.strategy.engine
+    assert engine.swapper.policies == [Policy.SSD, Policy.RECOMPUTE] and engine.swapper.stats.ssd_bytes > 0
+    for p, q in zip(reference.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
