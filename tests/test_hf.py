@@ -126,3 +126,13 @@ def test_resume_without_fuyou_state_is_a_clear_error(tmp_path):
     checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-3")
     with pytest.raises(ConfigError, match="no FuyouAdamW state was found"):
         train(tmp_path, FuyouCallback(**swap_config(tmp_path)), resume=checkpoint)
+
+
+def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path):
+    reference, _ = train(tmp_path)
+    callback = FuyouCallback(**swap_config(tmp_path, activations="auto", planner_warmup_steps=2, activation_min_bytes=0,
+                                           device_memory_budget="1MiB"))  # tiny: some blocks must leave the device
+    ours, _ = train(tmp_path, callback)
+    assert callback.summary["plan"] is not None and callback.summary["plan"][0] != "keep"
+    assert callback.summary["plan_predicted_step_seconds"] > 0
+    assert max_relative_difference(reference, ours) <= TOLERANCE

@@ -16,7 +16,9 @@ the runtime issues them:
 - ``cpu`` (the optimizer worker): AdamW on each parameter's chunks.
 
 A task starts when its inputs are ready and its resource is free, so compute and data
-movement overlap exactly as far as the dependencies allow: an activation is prefetched when
+movement overlap exactly as far as the dependencies allow (with ``blocking_swap_out``, as the
+runtime does today, the copy out of a swapped activation runs on the compute resource; the
+SSD write after it is asynchronous): an activation is prefetched when
 backward enters the block ``prefetch_blocks`` later, a block's backward waits for its
 activations (or its recomputation), and the optimizer update of a block's parameters starts
 when its backward has produced their gradients (Fuyou's overlap). What cannot overlap — the
@@ -74,6 +76,9 @@ class Profile:
     micro_batches: int = 1
     prefetch_blocks: int = 2
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
+    # The runtime copies a swapped tensor out inside the forward (the pack hook), on the compute
+    # thread or stream; only the SSD write is asynchronous. False models a side-stream copy.
+    blocking_swap_out: bool = True
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -150,7 +155,10 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         for i, (b, p) in enumerate(zip(blocks, policies)):
             t = s.run("compute", b.fwd_s, t)
             if p in (Policy.HOST, Policy.SSD):
-                copied = s.run("link", b.act_bytes / link, t)
+                if profile.blocking_swap_out:
+                    copied = t = s.run("compute", b.act_bytes / link, t)
+                else:
+                    copied = s.run("link", b.act_bytes / link, t)
                 out_done[i] = s.run("ssd", b.act_bytes / wr, copied) if p is Policy.SSD else copied
         t = s.run("compute", profile.other_fwd_s + profile.other_bwd_s, t)  # head, loss and their backward
         # -- backward: blocks in reverse; prefetch k blocks ahead; updates follow each block's gradients.

@@ -178,9 +178,7 @@ def _moves(profile: Profile, current: list[Policy], allowed: list[Policy], evalu
 def _reasons(profile: Profile, policies: list[Policy], best: Prediction, allowed: list[Policy], evaluate) -> list[str]:
     """Why each block has its policy: what each alternative would cost or break."""
     reasons = []
-    cache: dict[tuple, str] = {}
     for i, policy in enumerate(policies):
-        key = (profile.blocks[i].act_bytes, policy, i == 0, i == len(policies) - 1)
         alternatives = []
         for other in allowed:
             if other is policy:
@@ -193,9 +191,8 @@ def _reasons(profile: Profile, policies: list[Policy], best: Prediction, allowed
                 alternatives.append(f"{other.value}: {tier} over by {format_bytes(nbytes)}")
             else:
                 alternatives.append(f"{other.value} {pred.step_s - best.step_s:+.3f} s")
-        text = "; ".join(alternatives)
-        reasons.append(cache.setdefault(key + (text,), ("fastest that fits" if policy is Policy.KEEP else
-                                                        "frees device memory at least cost") + f" ({text})"))
+        why = "fastest that fits" if policy is Policy.KEEP else "frees device memory at least cost"
+        reasons.append(f"{why} ({'; '.join(alternatives)})")
     return reasons
 
 

@@ -182,6 +182,7 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
         adam_params_per_s=hw.adam_params_per_s, weight_upload_bytes_per_param=0.0 if hw.device_is_host else 2.0,
         device_base_bytes=device_base, optimizer_host_bytes=optimizer_host, micro_batches=micro_batches,
         prefetch_blocks=prefetch_blocks, device_budget=device_memory, host_budget=max(0, host_budget),
+        blocking_swap_out=False,  # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
         ssd_budget=None, source="analytic",
         notes={**notes, "model": model.name, "hardware": hw.name, "batch": batch, "seq": seq,
                "flops_per_step": step_flops(model, batch, seq) * micro_batches, "params": model.params,

@@ -1,0 +1,178 @@
+"""The planner on this machine: its chosen plan against uniform plans, measured side by side.
+
+1. A planning run: ``Trainer(strategy=FuyouStrategy(activations="auto", device_memory_budget=B))``
+   profiles the warm-up, solves and applies the plan; it reports the plan, its predicted
+   step time and the measured profile. ``B`` is set (``--device-fraction``) so that keeping
+   every block's activations does not fit.
+2. Fresh processes, interleaved over ``--rounds``, train with pinned policies: the chosen
+   plan, all-``keep`` (over the budget: shown for reference), all-``recompute`` and all-``ssd``.
+   Each reports the median step time after warm-up.
+3. The cost model predicts each of those plans from the same measured profile.
+
+The table gives, per plan, measured and predicted step time and their ratio, and whether it
+fits the budget. Targets: the chosen plan within 5% of the best measured plan that fits (or
+better), and measured within ±15% of predicted.
+
+    .venv/bin/python benchmarks/planner_bench.py      # preloads jemalloc itself when installed
+
+Prints a table and writes ``benchmarks/results/planner_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import allocator, peak_rss_bytes, run_fresh, temporary_swap_dir, worker_argv  # noqa: E402
+
+UNIFORM = ("keep", "recompute", "ssd")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fuyou_strategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
+                                                    vocab_size=args.vocab, n_positions=args.seq))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_train_batch_end(self, *a) -> None:
+            self.marks.append(time.perf_counter())
+
+    config = args.worker
+    fields = dict(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, planner_warmup_steps=args.warmup)
+    if config == "auto":
+        fields.update(activations="auto", device_memory_budget=args.device_budget)
+    elif config.startswith("plan:"):
+        fields.update(plan=config[len("plan:"):])
+    else:
+        fields.update(activations=config)
+    strategy = fuyou_strategy.FuyouStrategy(**fields)
+    timer = StepTimer()
+    total = args.warmup + 1 + args.steps  # auto: warm-up, one step on the new plan, then measured steps
+    data = torch.randint(0, args.vocab, (total * args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=total, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timer])
+    trainer.fit(Module(), DataLoader(data, batch_size=args.batch))
+    steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][-args.steps:]
+    engine = strategy.engine
+    result = {"step_s": steps, "peak_rss": peak_rss_bytes()}
+    if config == "auto":
+        result.update(plan=engine.plan.policies, predicted=engine.plan.predicted_step_s, profile=engine.plan.profile,
+                      table=engine.plan.table(compact=True))
+    engine.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (the planner profiles these)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--host-budget", default="1GiB")
+    parser.add_argument("--device-fraction", type=float, default=0.6,
+                        help="device budget = weights and gradients + this share of all-keep activations")
+    parser.add_argument("--device-budget", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
+    parser.add_argument("--no-jemalloc", action="store_true")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    tmp = temporary_swap_dir(args, "fuyou-planbench-")
+    jemalloc = not args.no_jemalloc
+    from fuyou_strategy.planner import Profile, fixed_plan
+
+    # 0. Size the budget from an all-keep profile (planning with no limit keeps everything).
+    probe = run_fresh(__file__, ["--worker", "auto", *worker_argv(args, parent_only=("device_fraction",))], jemalloc)
+    profile = Profile.from_dict(probe["profile"])
+    acts = sum(b.act_bytes for b in profile.blocks)
+    args.device_budget = int(profile.device_base_bytes + args.device_fraction * acts)
+    argv = worker_argv(args, parent_only=("device_fraction",))
+    # 1. The planning run.
+    print("running auto (planning) ...", file=sys.stderr, flush=True)
+    planned = run_fresh(__file__, ["--worker", "auto", *argv], jemalloc)
+    print(planned["table"], file=sys.stderr)
+    plan_path = Path(args.swap_dir) / "chosen-plan.json"
+    profile = Profile.from_dict(planned["profile"])
+    chosen = fixed_plan(profile, planned["plan"], reason="chosen by the planner")
+    chosen.save(plan_path)
+    # 2. Pinned plans, interleaved, fresh processes.
+    configs = {"chosen": f"plan:{plan_path}", **{f"all-{p}": p for p in UNIFORM}}
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for name, config in configs.items():
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            runs.setdefault(name, []).append(run_fresh(__file__, ["--worker", config, *argv], jemalloc))
+    # 3. Predictions from the planning run's measured profile.
+    rows = {}
+    for name in configs:
+        policies = planned["plan"] if name == "chosen" else [name.removeprefix("all-")] * profile.num_blocks
+        plan = fixed_plan(profile, policies)
+        measured = statistics.median(t for r in runs[name] for t in r["step_s"])
+        rows[name] = {"measured_s": measured, "predicted_s": plan.predicted_step_s,
+                      "fits": plan.device_peak <= args.device_budget, "device_peak": plan.device_peak,
+                      "peak_rss": statistics.median(r["peak_rss"] for r in runs[name])}
+    best = min(r["measured_s"] for n, r in rows.items() if r["fits"] and n != "chosen")
+    counts = ", ".join(f"{planned['plan'].count(p)} {p}" for p in dict.fromkeys(planned["plan"]))
+    lines = [
+        f"model: GPT-2 {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; "
+        f"device budget {args.device_budget / 2**20:.0f} MiB (weights+grads + {args.device_fraction:.0%} of all-keep "
+        f"activations, {acts / 2**20:.0f} MiB); allocator: {allocator(jemalloc)}; medians of {args.steps} steps x "
+        f"{args.rounds} rounds, each run a fresh process, plans interleaved",
+        f"chosen plan: {counts}; "
+        f"in the planning run: predicted {planned['predicted']:.2f} s, measured "
+        f"{statistics.median(planned['step_s']):.2f} s",
+        "",
+        f"{'plan':<15} {'fits':>5} {'measured s':>11} {'predicted s':>12} {'meas/pred':>10} {'x best fitting':>15}",
+        "-" * 72,
+    ]
+    for name, r in rows.items():
+        lines.append(f"{name:<15} {'yes' if r['fits'] else 'no':>5} {r['measured_s']:>11.2f} {r['predicted_s']:>12.2f} "
+                     f"{r['measured_s'] / r['predicted_s']:>10.2f} {r['measured_s'] / best:>15.2f}")
+    lines.append("targets: chosen <= 1.05x the best fitting uniform plan; measured within 0.85-1.15x of predicted")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "planned": planned, "runs": runs, "rows": rows, "table": table}, f, indent=2)
+    print(f"wrote {args.json}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
