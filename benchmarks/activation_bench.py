@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
+from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv, write_results  # noqa: E402
 
 CONFIGS = {
     "baseline": None,  # one-token sequence: everything but activations
@@ -133,11 +133,7 @@ def main() -> None:
     if "ssd" in results:
         lines.append(f"ssd swapper stats: {results['ssd'].get('stats')}")
     table = "\n".join(lines)
-    print(table)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_results(args.json, {"args": vars(args), "runs": runs, "table": table})
     if tmp is not None:
         tmp.cleanup()
 

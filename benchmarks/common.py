@@ -10,6 +10,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
@@ -71,3 +73,73 @@ def temporary_swap_dir(args: argparse.Namespace, prefix: str) -> tempfile.Tempor
     tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=os.environ.get("TMPDIR", "/tmp"))
     args.swap_dir = tmp.name
     return tmp
+
+
+def add_gpt2_arguments(parser: argparse.ArgumentParser, *, layers: int, hidden: int, vocab: int, seq: int, batch: int,
+                       steps: int, warmup: int, rounds: int) -> None:
+    """The options every GPT-2 benchmark has: model shape, batch, steps, rounds, swap dir, allocator."""
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--steps", type=int, default=steps, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=warmup, help="warm-up steps, not measured")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help="run the configurations this many times, interleaved, each a fresh process")
+    parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
+    parser.add_argument("--no-jemalloc", action="store_true")
+
+
+def write_results(path: str, results: dict) -> None:
+    """Print a benchmark's table (``results["table"]``) and write all of ``results`` as JSON."""
+    print(results["table"])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+
+
+def fit_gpt2_lightning(args: argparse.Namespace, strategy, total_steps: int, *, warmup_schedule: bool = False):
+    """Train a GPT-2 (``args``' shape, fused AdamW) with ``Trainer(strategy=...)`` for ``total_steps``
+    optimizer steps on random tokens; returns the time of every step after the first, and the trainer."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
+                                                    vocab_size=args.vocab, n_positions=args.seq))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+            if not warmup_schedule:
+                return opt
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: min(1.0, (s + 1) / 10)), "interval": "step"}}
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_train_batch_end(self, *a) -> None:
+            self.marks.append(time.perf_counter())
+
+    timer = StepTimer()
+    data = torch.randint(0, args.vocab, (total_steps * args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=total_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timer])
+    trainer.fit(Module(), DataLoader(data, batch_size=args.batch))
+    return [b - a for a, b in zip(timer.marks, timer.marks[1:])], trainer

@@ -17,11 +17,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
+from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, peak_rss_bytes, run_interleaved,  # noqa: E402
+                    temporary_swap_dir, worker_argv, write_results)
 
 CONFIGS = {
     "auto": None,  # Lightning's default strategy: torch.optim.AdamW(fused=True) in RAM
@@ -31,50 +31,13 @@ CONFIGS = {
 
 
 def worker(args: argparse.Namespace) -> dict:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     import fuyou_strategy
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
-                                                    vocab_size=args.vocab, n_positions=args.seq))
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda s: min(1.0, (s + 1) / 10)), "interval": "step"}}
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_batch_end(self, *a) -> None:
-            self.marks.append(time.perf_counter())
 
     policy = CONFIGS[args.worker]
     strategy = "auto" if policy is None else fuyou_strategy.FuyouStrategy(
         swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, activations=policy)
-    timer = StepTimer()
-    total = args.warmup + args.steps
-    data = torch.randint(0, args.vocab, (total * args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=total, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer])
-    trainer.fit(Module(), DataLoader(data, batch_size=args.batch))
-    steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][args.warmup - 1:]
-    result = {"step_s": steps, "peak_rss": peak_rss_bytes()}
+    steps, trainer = fit_gpt2_lightning(args, strategy, args.warmup + args.steps, warmup_schedule=True)
+    result = {"step_s": steps[-args.steps:], "peak_rss": peak_rss_bytes()}
     if policy is not None:
         result["summary"] = trainer.strategy.engine.summary()
         trainer.strategy.engine.close()
@@ -83,20 +46,9 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the configurations this many times, interleaved, each a fresh process")
+    add_gpt2_arguments(parser, layers=8, hidden=768, vocab=8192, seq=256, batch=4, steps=4, warmup=2, rounds=1)
     parser.add_argument("--host-budget", default="1GiB")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list (must include auto)")
-    parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
-    parser.add_argument("--no-jemalloc", action="store_true")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "integration_bench.json"))
     args = parser.parse_args()
     if args.worker:
@@ -125,11 +77,7 @@ def main() -> None:
         s = statistics.median(r["step_s"])
         lines.append(f"{config:<15} {s:>8.2f} {s / ref_s:>8.2f} {r['peak_rss'] / 2**30:>13.2f} {r['peak_rss'] / ref_rss:>8.2f}")
     table = "\n".join(lines)
-    print(table)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_results(args.json, {"args": vars(args), "runs": runs, "table": table})
     if tmp is not None:
         tmp.cleanup()
 

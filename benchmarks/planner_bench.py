@@ -24,45 +24,17 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_fresh, temporary_swap_dir, worker_argv  # noqa: E402
+from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, peak_rss_bytes, run_fresh,  # noqa: E402
+                    temporary_swap_dir, worker_argv, write_results)
 
 UNIFORM = ("keep", "recompute", "ssd")
 
 
 def worker(args: argparse.Namespace) -> dict:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     import fuyou_strategy
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
-                                                    vocab_size=args.vocab, n_positions=args.seq))
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_batch_end(self, *a) -> None:
-            self.marks.append(time.perf_counter())
 
     config = args.worker
     fields = dict(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, planner_warmup_steps=args.warmup)
@@ -73,16 +45,10 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         fields.update(activations=config)
     strategy = fuyou_strategy.FuyouStrategy(**fields)
-    timer = StepTimer()
-    total = args.warmup + 1 + args.steps  # auto: warm-up, one step on the new plan, then measured steps
-    data = torch.randint(0, args.vocab, (total * args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=total, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer])
-    trainer.fit(Module(), DataLoader(data, batch_size=args.batch))
-    steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][-args.steps:]
+    # auto: the warm-up, one step on the new plan, then the measured steps (the others discard as many).
+    steps, _ = fit_gpt2_lightning(args, strategy, args.warmup + 1 + args.steps)
     engine = strategy.engine
-    result = {"step_s": steps, "peak_rss": peak_rss_bytes()}
+    result = {"step_s": steps[-args.steps:], "peak_rss": peak_rss_bytes()}
     if config == "auto":
         result.update(plan=engine.plan.policies, predicted=engine.plan.predicted_step_s, profile=engine.plan.profile,
                       table=engine.plan.table(compact=True))
@@ -92,21 +58,11 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (the planner profiles these)")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_gpt2_arguments(parser, layers=12, hidden=256, vocab=4096, seq=1024, batch=2, steps=4, warmup=3, rounds=2)
     parser.add_argument("--host-budget", default="1GiB")
     parser.add_argument("--device-fraction", type=float, default=0.6,
                         help="device budget = weights and gradients + this share of all-keep activations")
     parser.add_argument("--device-budget", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
-    parser.add_argument("--no-jemalloc", action="store_true")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
     args = parser.parse_args()
     if args.worker:
@@ -165,11 +121,7 @@ def main() -> None:
                      f"{r['measured_s'] / r['predicted_s']:>10.2f} {r['measured_s'] / best:>15.2f}")
     lines.append("targets: chosen <= 1.05x the best fitting uniform plan; measured within 0.85-1.15x of predicted")
     table = "\n".join(lines)
-    print(table)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "planned": planned, "runs": runs, "rows": rows, "table": table}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_results(args.json, {"args": vars(args), "planned": planned, "runs": runs, "rows": rows, "table": table})
     if tmp is not None:
         tmp.cleanup()
 

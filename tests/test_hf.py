@@ -130,9 +130,13 @@ def test_resume_without_fuyou_state_is_a_clear_error(tmp_path):
 
 def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path):
     reference, _ = train(tmp_path)
-    callback = FuyouCallback(**swap_config(tmp_path, activations="auto", planner_warmup_steps=2, activation_min_bytes=0,
-                                           device_memory_budget="1MiB"))  # tiny: some blocks must leave the device
+    fields = swap_config(tmp_path, activations="auto", planner_warmup_steps=2, activation_min_bytes=0)
+    roomy = FuyouCallback(**fields)
+    train(tmp_path, roomy)
+    assert roomy.plan.policies == ["keep", "keep"], "no device budget on the CPU: everything kept"
+    budget = roomy.plan.device_peak - roomy.plan.act_bytes[0] // 2  # no room for both blocks' activations
+    callback = FuyouCallback(**fields, device_memory_budget=budget)
     ours, _ = train(tmp_path, callback)
-    assert callback.summary["plan"] is not None and callback.summary["plan"][0] != "keep"
+    assert callback.plan.policies[0] != "keep" and callback.plan.device_peak <= budget
     assert callback.summary["plan_predicted_step_seconds"] > 0
     assert max_relative_difference(reference, ours) <= TOLERANCE

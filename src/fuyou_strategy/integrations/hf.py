@@ -53,7 +53,8 @@ class FuyouCallback(TrainerCallback):
     ``gradient_accumulation_steps``, ``max_grad_norm`` (exact; ``grad_norm`` still logged),
     ``bf16``, checkpoints and ``resume_from_checkpoint``, PEFT models (only trainable, e.g.
     LoRA, weights are optimised). Refused: ``fp16=True``, optimizers other than AdamW/Adam.
-    After training, ``callback.summary`` holds the engine's summary.
+    After training, ``callback.summary`` holds the engine's summary (and ``callback.plan`` the
+    planner's `Plan` with ``activations="auto"``).
     """
 
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, resume_from: str | None = None,
@@ -62,6 +63,7 @@ class FuyouCallback(TrainerCallback):
         self.resume_from = resume_from
         self.engine: FuyouEngine | None = None
         self.summary: dict[str, Any] | None = None
+        self.plan = None  # the planner's Plan after training with activations="auto"
         self._restore: dict[str, Any] = {}
 
     # -- start -------------------------------------------------------------------------------------------
@@ -126,6 +128,7 @@ class FuyouCallback(TrainerCallback):
         if self.engine is None:
             return
         self.summary = self.engine.summary()
+        self.plan = self.engine.plan
         restore, self._restore = self._restore, {}
         restore["hook"].remove()
         restore["args"].max_grad_norm = restore["max_grad_norm"]
