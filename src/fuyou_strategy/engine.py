@@ -10,6 +10,9 @@ its framework's events into four calls:
 - `begin_micro_batch` (before each forward) says whether this micro-batch ends the
   accumulation window — only then do the overlapped updates run during backward — and starts
   a new activation pass;
+- with ``activations="auto"`` the first ``planner_warmup_steps`` steps are profiled, then the
+  planner's `Plan` is applied (and logged, with predicted vs measured step time a few steps
+  later); ``plan="plan.json"`` applies a pinned plan from the first step;
 - the framework calls ``optimizer.step()`` as usual: the optimizer commits, redoes with the
   clip coefficient, or skips; the engine's step hook then releases whatever activations a
   backward left behind and times the step;
