@@ -138,7 +138,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 continue  # chunks are updated one at a time either way
             raise ConfigError(
                 f"FuyouAdamW: {name}={value!r} is not supported; remove it "
-                "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads)"
+                "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads, fused)"
             )
         if not 0.0 <= lr:
             raise ConfigError(f"lr: got {lr}; expected a learning rate >= 0")
@@ -250,7 +250,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step + 1], **hyper)
             else:  # the for-loop kernel increments its step tensor: give it a copy
                 adamw_for_loop([master], [g], [exp_avg], [exp_avg_sq], [], [step.clone()],
-                                        foreach=False, fused=False, **hyper)
+                               foreach=False, fused=False, **hyper)
             weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
             if release and k == last:
                 ps.param.grad = None
