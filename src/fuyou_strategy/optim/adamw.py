@@ -44,11 +44,24 @@ from ..storage import SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
 
-__all__ = ["FuyouAdamW", "StepStats"]
+__all__ = ["FuyouAdamW", "StepStats", "STATE_BYTES_PER_PARAM", "adamw_kernel"]
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _FLOATS_PER_ELEMENT = 3  # master, exp_avg, exp_avg_sq
 _ELEMENT_BYTES = 4 * _FLOATS_PER_ELEMENT
+STATE_BYTES_PER_PARAM = _ELEMENT_BYTES  # on SSD per slot; a step reads and writes this much per parameter
+
+
+def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
+    """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
+    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
+    if fused:
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False,
+                            maximize=False, **hyper)
+    else:  # the for-loop kernel increments its step tensor: give it a copy
+        adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
+                       amsgrad=False, maximize=False, **hyper)
 
 
 @dataclass
@@ -228,8 +241,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         group = ps.group
         beta1, beta2 = group["betas"]
         step = self.state[ps.param]["step"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                     eps=group["eps"], amsgrad=False, maximize=False)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         fused = self.fused
         grad_flat = grad.reshape(-1)
         weight_flat = ps.param.detach().view(-1)
@@ -246,11 +258,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             g = grad_flat[start : start + n].to(device="cpu", dtype=torch.float32)
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
-            if fused:
-                torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step + 1], **hyper)
-            else:  # the for-loop kernel increments its step tensor: give it a copy
-                adamw_for_loop([master], [g], [exp_avg], [exp_avg_sq], [], [step.clone()],
-                               foreach=False, fused=False, **hyper)
+            adamw_kernel(master, g, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
             weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
             if release and k == last:
                 ps.param.grad = None

@@ -35,12 +35,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from ..activations.blocks import Policy
+from ..optim.adamw import STATE_BYTES_PER_PARAM
 
-__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "OPTIMIZER_READ_BYTES", "OPTIMIZER_WRITE_BYTES"]
+__all__ = ["BlockProfile", "Profile", "Prediction", "predict"]
 
-# FuyouAdamW moves [master | exp_avg | exp_avg_sq] in fp32: 12 bytes read and 12 written per parameter.
-OPTIMIZER_READ_BYTES = 12
-OPTIMIZER_WRITE_BYTES = 12
+# FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow
 
 
@@ -209,9 +208,9 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float) -> 
     """One parameter set's AdamW: read state, update on the CPU, write state, upload the weight."""
     if params == 0:
         return grads_ready
-    read = s.run("ssd", params * OPTIMIZER_READ_BYTES / profile.ssd_read_bytes_per_s, grads_ready)
+    read = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_read_bytes_per_s, grads_ready)
     done = s.run("cpu", params / profile.adam_params_per_s, read)
-    written = s.run("ssd", params * OPTIMIZER_WRITE_BYTES / profile.ssd_write_bytes_per_s, done)
+    written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done)
     if profile.weight_upload_bytes_per_param:
         done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done)
     return max(written, done)
@@ -240,6 +239,6 @@ def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]
         peak = max(peak, kept_upto[i] + fetched + (own if p is Policy.RECOMPUTE else 0))  # backward
     device = profile.device_base_bytes + peak
     host = profile.optimizer_host_bytes + sum(a for a, p in zip(acts, policies) if p is Policy.HOST)
-    ssd = (OPTIMIZER_SSD_SLOTS * OPTIMIZER_READ_BYTES * profile.params
+    ssd = (OPTIMIZER_SSD_SLOTS * STATE_BYTES_PER_PARAM * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD))
     return device, host, ssd

@@ -33,6 +33,7 @@ import torch
 from ..activations.swap import first_tensor, swappable
 from ..config import FuyouConfig
 from ..device import alloc_host_buffer, device_memory_bytes, synchronize
+from ..optim.adamw import adamw_kernel
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
 
@@ -208,18 +209,11 @@ def link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
 
 def adam_throughput(fused: bool, n: int = 2**20) -> float:
     """Parameters/s of the CPU AdamW kernel FuyouAdamW uses; best of 3."""
-    from torch.optim.adamw import adamw
-
     p, g, m, v = (torch.rand(n) for _ in range(4))
     best = float("inf")
     for _ in range(3):
-        step = torch.tensor(1.0)
         start = time.perf_counter()
-        if fused:
-            torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
-                                eps=1e-8, amsgrad=False, maximize=False)
-        else:
-            adamw([p], [g], [m], [v], [], [step], foreach=False, fused=False, lr=1e-3, beta1=0.9, beta2=0.999,
-                  weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        adamw_kernel(p, g, m, v, torch.tensor(0.0), fused=fused, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                     eps=1e-8)
         best = min(best, time.perf_counter() - start)
     return n / best
