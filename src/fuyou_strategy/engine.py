@@ -60,9 +60,9 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
     ``torch.optim.AdamW`` converts as is; ``torch.optim.Adam`` converts when its weight decay is
     0 or decoupled (``decoupled_weight_decay=True``), since Adam's coupled (L2) decay is a
     different update. The kernel follows the optimizer's ``fused`` flag, so updates are
-    bitwise those the framework's own optimizer would make. Anything else — another optimizer class, ``amsgrad``, ``maximize``, a
-    subclass, an optimizer that already holds moments — raises `ConfigError` naming the
-    problem and the fix. Extra group keys (``initial_lr`` from a scheduler, ``name``) are kept.
+    bitwise those the framework's own optimizer would make. Anything else — another optimizer
+    class, ``amsgrad``, ``maximize``, a subclass, an optimizer that already holds moments —
+    raises `ConfigError` naming the problem and the fix. Extra group keys (``initial_lr`` from a scheduler, ``name``) are kept.
     """
     kind = type(optimizer)
     if kind not in (torch.optim.AdamW, torch.optim.Adam):
@@ -82,24 +82,24 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
                 "to the gradient, which is not AdamW's decoupled decay; use torch.optim.AdamW (or Adam with "
                 "decoupled_weight_decay=True, or weight_decay=0)"
             )
-        lr = group["lr"]
-        converted = {k: v for k, v in group.items()
-                     if k not in _IMPLEMENTATION_KEYS + ("amsgrad", "maximize", "decoupled_weight_decay")}
-        converted["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
-        converted["betas"] = tuple(float(b) for b in group["betas"])
-        groups.append(converted)
+        groups.append(_plain({k: v for k, v in group.items()
+                              if k not in _IMPLEMENTATION_KEYS + ("amsgrad", "maximize", "decoupled_weight_decay")}))
     for p, state in optimizer.state.items():
         if any(k in state for k in ("exp_avg", "exp_avg_sq")):
             raise ConfigError(
                 f"{where}: already holds Adam moments (it was stepped, or loaded from a checkpoint made without "
                 "Fuyou); FuyouAdamW cannot adopt them: start from a fresh optimizer, or resume from a Fuyou checkpoint"
             )
-    defaults = {k: optimizer.defaults[k] for k in _HYPER_KEYS}
+    defaults = _plain({k: optimizer.defaults[k] for k in _HYPER_KEYS})
     defaults["fused"] = bool(optimizer.defaults.get("fused"))  # the same kernel: bitwise the same update
-    defaults["betas"] = tuple(float(b) for b in defaults["betas"])
-    if isinstance(defaults["lr"], torch.Tensor):
-        defaults["lr"] = float(defaults["lr"])
     return groups, defaults
+
+
+def _plain(hyper: dict) -> dict:
+    """``lr`` and ``betas`` as Python floats (torch allows tensors there)."""
+    lr = hyper["lr"]
+    return {**hyper, "lr": float(lr) if isinstance(lr, torch.Tensor) else lr,
+            "betas": tuple(float(b) for b in hyper["betas"])}
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -256,7 +256,7 @@ class FuyouEngine:
 
     def load(self, folder: str) -> None:
         """Restore optimizer state, fp32 masters and weights from a folder written by `save`."""
-        self.optimizer.load_state_dict({"state": {}, "param_groups": [], "fuyou": {"folder": str(folder)}})
+        self.optimizer.load_folder(folder)
 
     def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """The fp32 master weight of every trainable parameter kept in lower precision (bf16)."""

@@ -414,9 +414,15 @@ class FuyouAdamW(torch.optim.Optimizer):
                 "without a folder; save with optimizer.state_dict(folder) to resume exactly"
             )
         if folder is not None:
-            checkpoint.load(self, folder)
+            self.load_folder(folder)
         else:
             checkpoint.restore_groups(self, state_dict["param_groups"])
+
+    def load_folder(self, folder: str | os.PathLike) -> None:
+        """Stream state written by ``state_dict(folder)`` back: masters, moments, steps, hyper-parameters
+        and weights (checksums verified; a bad folder changes nothing)."""
+        self._check_idle("load_folder")
+        checkpoint.load(self, folder)
 
     def _check_idle(self, what: str) -> None:
         if self._queued:
