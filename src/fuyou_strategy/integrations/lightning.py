@@ -54,13 +54,25 @@ def _check_precision(precision: str) -> None:
         raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(_PRECISIONS)}: {fix}")
 
 
-def _check_single_device(devices: list | None) -> None:
-    if devices and len(devices) > 1:
-        raise ConfigError(f"devices: got {len(devices)} devices; the fuyou strategy trains on one device (devices=1)")
+class _OneDevice:
+    """What the Trainer and Fabric strategies share: the config, and one device that Lightning's
+    connector fills in (``parallel_devices``) from ``accelerator=``/``devices=`` when none is given."""
 
+    _root_device: torch.device
 
-def _device(device: Any) -> torch.device | None:
-    return None if device is None else torch.device(device)
+    def _init_one_device(self, device: Any, config: Any, config_fields: dict) -> None:
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        self.parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
+        self.engine: FuyouEngine | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    def _check_single_device(self) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one "
+                              "device (devices=1)")
 
 
 def sidecar(filepath: str | os.PathLike) -> str:
@@ -68,7 +80,7 @@ def sidecar(filepath: str | os.PathLike) -> str:
     return os.fspath(filepath) + SIDECAR_SUFFIX
 
 
-class FuyouStrategy(SingleDeviceStrategy):
+class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
     """Train one device's model with Fuyou: SSD-resident AdamW updated during backward, exact
     clipping, and activation swapping.
 
@@ -96,18 +108,11 @@ class FuyouStrategy(SingleDeviceStrategy):
         precision_plugin: Any = None,
         **config_fields: Any,
     ) -> None:
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
         super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        # Filled in by Lightning's connector from Trainer(accelerator=..., devices=...) when not given.
-        self.parallel_devices: list[torch.device] | None = [_device(device)] if device is not None else None
-        self.engine: FuyouEngine | None = None
+        self._init_one_device(device, config, config_fields)
         self._in_optimizer_step = False
         self._original_clip: Callable | None = None
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     # -- setup -------------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -117,7 +122,7 @@ class FuyouStrategy(SingleDeviceStrategy):
         super().setup(trainer)
 
     def _check_trainer(self, trainer: Any) -> None:
-        _check_single_device(self.parallel_devices)
+        self._check_single_device()
         _check_precision(str(self.precision_plugin.precision))
         algorithm = trainer.gradient_clip_algorithm
         if trainer.gradient_clip_val and algorithm is not None and GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.VALUE:
@@ -235,7 +240,7 @@ class FuyouStrategy(SingleDeviceStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations")
 
 
-class FuyouFabricStrategy(FabricSingleDeviceStrategy):
+class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
     """``Fabric(strategy="fuyou")``: ``fabric.setup(model, optimizer)`` converts the AdamW.
 
     Mark micro-batches that only accumulate with ``with optimizer.no_update():`` (Fabric makes
@@ -248,19 +253,13 @@ class FuyouFabricStrategy(FabricSingleDeviceStrategy):
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
                  max_grad_norm: float | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision: Any = None, **config_fields: Any) -> None:
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
         super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
                          checkpoint_io=checkpoint_io, precision=precision)
-        self.parallel_devices: list[torch.device] | None = [_device(device)] if device is not None else None
+        self._init_one_device(device, config, config_fields)
         self.max_grad_norm = max_grad_norm
-        self.engine: FuyouEngine | None = None
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
-        _check_single_device(self.parallel_devices)
+        self._check_single_device()
         _check_precision(str(self.precision.precision))
         if len(optimizers) != 1:
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
