@@ -19,14 +19,14 @@ Prints a table and writes ``benchmarks/results/activation_bench.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv, write_results  # noqa: E402
+from common import (add_gpt2_arguments, allocator, parse_or_work, peak_rss_bytes, run_interleaved,  # noqa: E402
+                    temporary_swap_dir, worker_argv, write_results)
 
 CONFIGS = {
     "baseline": None,  # one-token sequence: everything but activations
@@ -84,28 +84,15 @@ class _nothing:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the configurations this many times, interleaved, each a fresh process")
-    parser.add_argument("--host-budget", default="1GiB")
+    add_gpt2_arguments(parser, "activation_bench", layers=12, hidden=256, vocab=4096, seq=2048, batch=2, steps=3,
+                       warmup=1, rounds=1)
     parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.activation_prefetch_blocks")
     parser.add_argument("--configs", default=",".join(list(CONFIGS)[1:]),
                         help="comma list of configurations besides the baseline (default: all)")
-    parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
-    parser.add_argument("--no-jemalloc", action="store_true")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "activation_bench.json"))
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
-    tmp = temporary_swap_dir(args, "fuyou-actbench-")
+    temporary_swap_dir(args, "fuyou-actbench-")
     argv = worker_argv(args, parent_only=("configs",))
     configs = ["baseline"] + [c for c in args.configs.split(",") if c != "baseline"]
     if "no-hooks" not in configs:
@@ -134,8 +121,6 @@ def main() -> None:
         lines.append(f"ssd swapper stats: {results['ssd'].get('stats')}")
     table = "\n".join(lines)
     write_results(args.json, {"args": vars(args), "runs": runs, "table": table})
-    if tmp is not None:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -66,18 +67,29 @@ def worker_argv(args: argparse.Namespace, parent_only: tuple[str, ...]) -> list[
     return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
 
 
-def temporary_swap_dir(args: argparse.Namespace, prefix: str) -> tempfile.TemporaryDirectory | None:
-    """Set ``args.swap_dir`` to a fresh temporary directory unless one was given; the caller cleans it up."""
+def temporary_swap_dir(args: argparse.Namespace, prefix: str) -> None:
+    """Set ``args.swap_dir`` to a fresh temporary directory, removed at exit, unless one was given."""
     if args.swap_dir is not None:
-        return None
+        return
     tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=os.environ.get("TMPDIR", "/tmp"))
+    atexit.register(tmp.cleanup)
     args.swap_dir = tmp.name
-    return tmp
 
 
-def add_gpt2_arguments(parser: argparse.ArgumentParser, *, layers: int, hidden: int, vocab: int, seq: int, batch: int,
-                       steps: int, warmup: int, rounds: int) -> None:
-    """The options every GPT-2 benchmark has: model shape, batch, steps, rounds, swap dir, allocator."""
+def parse_or_work(parser: argparse.ArgumentParser, worker) -> argparse.Namespace | None:
+    """Parse the command line; in a worker process (``--worker``) run ``worker`` and print its
+    JSON result for `run_fresh`, returning ``None``."""
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return None
+    return args
+
+
+def add_gpt2_arguments(parser: argparse.ArgumentParser, name: str, *, layers: int, hidden: int, vocab: int, seq: int,
+                       batch: int, steps: int, warmup: int, rounds: int, host_budget: str = "1GiB") -> None:
+    """The options every GPT-2 benchmark has: model shape, batch, steps, rounds, host budget, swap dir,
+    allocator, and ``--json`` (``benchmarks/results/<name>.json``)."""
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--hidden", type=int, default=hidden)
@@ -88,8 +100,10 @@ def add_gpt2_arguments(parser: argparse.ArgumentParser, *, layers: int, hidden: 
     parser.add_argument("--warmup", type=int, default=warmup, help="warm-up steps, not measured")
     parser.add_argument("--rounds", type=int, default=rounds,
                         help="run the configurations this many times, interleaved, each a fresh process")
+    parser.add_argument("--host-budget", default=host_budget, help="FuyouConfig.host_memory_budget")
     parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
     parser.add_argument("--no-jemalloc", action="store_true")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / f"{name}.json"))
 
 
 def write_results(path: str, results: dict) -> None:

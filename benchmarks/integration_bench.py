@@ -14,14 +14,13 @@ Prints a table and writes ``benchmarks/results/integration_bench.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, peak_rss_bytes, run_interleaved,  # noqa: E402
-                    temporary_swap_dir, worker_argv, write_results)
+from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, parse_or_work, peak_rss_bytes,  # noqa: E402
+                    run_interleaved, temporary_swap_dir, worker_argv, write_results)
 
 CONFIGS = {
     "auto": None,  # Lightning's default strategy: torch.optim.AdamW(fused=True) in RAM
@@ -46,15 +45,13 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_gpt2_arguments(parser, layers=8, hidden=768, vocab=8192, seq=256, batch=4, steps=4, warmup=2, rounds=1)
-    parser.add_argument("--host-budget", default="1GiB")
+    add_gpt2_arguments(parser, "integration_bench", layers=8, hidden=768, vocab=8192, seq=256, batch=4, steps=4,
+                       warmup=2, rounds=1)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list (must include auto)")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "integration_bench.json"))
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
-    tmp = temporary_swap_dir(args, "fuyou-intbench-")
+    temporary_swap_dir(args, "fuyou-intbench-")
     configs = args.configs.split(",")
     if "auto" not in configs:
         raise SystemExit("--configs must include auto: the other rows are ratios to it")
@@ -78,8 +75,6 @@ def main() -> None:
         lines.append(f"{config:<15} {s:>8.2f} {s / ref_s:>8.2f} {r['peak_rss'] / 2**30:>13.2f} {r['peak_rss'] / ref_rss:>8.2f}")
     table = "\n".join(lines)
     write_results(args.json, {"args": vars(args), "runs": runs, "table": table})
-    if tmp is not None:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
 
-    tmp = temporary_swap_dir(args, "fuyou-optbench-")
+    temporary_swap_dir(args, "fuyou-optbench-")
     argv = worker_argv(args, parent_only=("config", "configs"))
     configs = args.configs.split(",")
     if "torch" not in configs:
@@ -188,8 +188,6 @@ def main() -> None:
                    "optimizer_io_fraction": ideal_s / opt_s, "step_ratios": {c: statistics.median(results[c]["step_s"]) / ref_s for c in configs},
                    "rss_ratios": {c: results[c]["peak_rss"] / ref_rss for c in configs}, "runs": runs, "table": table}, f, indent=2)
     print(f"wrote {args.json}")
-    if tmp is not None:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

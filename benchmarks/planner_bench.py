@@ -21,14 +21,13 @@ Prints a table and writes ``benchmarks/results/planner_bench.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, peak_rss_bytes, run_fresh,  # noqa: E402
-                    temporary_swap_dir, worker_argv, write_results)
+from common import (add_gpt2_arguments, allocator, fit_gpt2_lightning, parse_or_work, peak_rss_bytes,  # noqa: E402
+                    run_fresh, temporary_swap_dir, worker_argv, write_results)
 
 UNIFORM = ("keep", "recompute", "ssd")
 
@@ -58,17 +57,15 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_gpt2_arguments(parser, layers=12, hidden=256, vocab=4096, seq=1024, batch=2, steps=4, warmup=3, rounds=2)
-    parser.add_argument("--host-budget", default="1GiB")
+    add_gpt2_arguments(parser, "planner_bench", layers=12, hidden=256, vocab=4096, seq=1024, batch=2, steps=4, warmup=3,
+                       rounds=2)
     parser.add_argument("--device-fraction", type=float, default=0.6,
                         help="device budget = weights and gradients + this share of all-keep activations")
     parser.add_argument("--device-budget", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
-    tmp = temporary_swap_dir(args, "fuyou-planbench-")
+    temporary_swap_dir(args, "fuyou-planbench-")
     jemalloc = not args.no_jemalloc
     from fuyou_strategy.planner import Profile, fixed_plan
 
@@ -122,8 +119,6 @@ def main() -> None:
     lines.append("targets: chosen <= 1.05x the best fitting uniform plan; measured within 0.85-1.15x of predicted")
     table = "\n".join(lines)
     write_results(args.json, {"args": vars(args), "planned": planned, "runs": runs, "rows": rows, "table": table})
-    if tmp is not None:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":
