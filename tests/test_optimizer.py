@@ -1,3 +1,4 @@
+import os
 """FuyouAdamW against torch.optim.AdamW: exact numerics, accumulation, clipping, skips, errors."""
 
 import copy
@@ -278,3 +279,24 @@ def test_bad_models_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="chunk_size: got 1.00 MiB, larger than host_memory_budget"):
         FuyouAdamW(torch.nn.Linear(4, 4).parameters(), config=small_config(tmp_path, host_memory_budget="64KiB", chunk_size="1MiB"))
     assert list(tmp_path.glob("fuyou-run-*")) == [], "a refused optimizer leaves no files"
+
+
+def test_a_dropped_optimizer_releases_its_thread_and_swap_files(small_config):
+    """The model outlives its optimizer (a Trainer dropped after fit): the parameters' hooks must
+    not keep the optimizer, its worker thread and its swap files alive."""
+    import gc
+    import threading
+
+    model = torch.nn.Linear(8, 8)
+    opt = FuyouAdamW(model.parameters(), config=small_config)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    run_dir = opt.store.run_dirs[0]
+    thread = opt._pipeline._thread
+    del opt
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the optimizer's worker thread outlived the optimizer"
+    assert not os.path.exists(run_dir), "the optimizer's swap files outlived the optimizer"
+    model(torch.randn(2, 8)).sum().backward()  # the hooks left on the model are harmless
+    assert model.weight.grad is not None

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -186,9 +187,17 @@ class FuyouAdamW(torch.optim.Optimizer):
         # Keep one buffer free for the chunk being processed, or the worker waits on itself.
         depth = max(1, min(config.optimizer_prefetch_chunks, config.host_memory_budget // largest - 1))
 
+        # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
+        # hooks on the parameters) is released by one finalizer: on close(), or when the optimizer
+        # is garbage collected. The hooks hold the optimizer only weakly, so a model that outlives
+        # its optimizer (e.g. after a Trainer is dropped) does not keep the swap files alive.
+        self._hooks: list[Any] = []
         self.store = TensorStore(config)
+        pipelines: list[ChunkPipeline] = []
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, pipelines)
         try:
             self._pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
+            pipelines.append(self._pipeline)
             self._initialise_state()
         except BaseException:
             self.close()
@@ -198,7 +207,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         # holder, mutated in place: a wrapper that borrows this class's methods but has its own
         # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
         self._flags: dict[str, Any] = {"updates": True, "late_error": None}
-        self._hooks = [ps.param.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in self._params]
+        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+        self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
+                           for ps in self._params)
 
     # -- state on SSD ---------------------------------------------------------------------------
     def _initialise_state(self) -> None:
@@ -247,6 +258,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         weight_flat = ps.param.detach().view(-1)
         last = ps.nchunks - 1
         release = self.release_grads and coef is None
+        write_chunk = self.store.write_chunk  # the job must not hold the optimizer (see close())
 
         def update(k: int, buf: HostBuffer) -> Future:
             if k == 0 and coef is None:
@@ -262,7 +274,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
             if release and k == last:
                 ps.param.grad = None
-            return self.store.write_chunk(ps.entry, k, buf, slot=SHADOW)
+            return write_chunk(ps.entry, k, buf, slot=SHADOW)
 
         self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, update))
 
@@ -447,20 +459,37 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks, stop the worker and delete the swap files."""
-        for hook in getattr(self, "_hooks", []):
-            hook.remove()
-        self._hooks = []
-        if getattr(self, "_pipeline", None) is not None:
-            self._pipeline.close()
-        if getattr(self, "store", None) is not None:
-            self.store.close()
+        """Remove the hooks, stop the worker and delete the swap files (also done when the
+        optimizer is garbage collected)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def __enter__(self) -> "FuyouAdamW":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(hooks: list[Any], store: TensorStore, pipelines: list[ChunkPipeline]) -> None:
+    """`FuyouAdamW`'s finalizer: hooks off the parameters, worker stopped, swap files deleted."""
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
+    try:
+        for pipeline in pipelines:
+            pipeline.close()
+    finally:
+        store.close()
+
+
+def _call_alive(method: "weakref.WeakMethod", *args: Any) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 def _trainable(params: Iterable[Any]) -> list[Any]:
