@@ -261,7 +261,7 @@ def test_not_enough_space_is_reported_at_allocation(small_config, tmp_path):
     huge = (2**46,)  # 256 TiB of fp32: more than any test machine's disk
     for preallocate in (True, False):
         with TensorStore(small_config.replace(preallocate=preallocate)) as store:
-            with pytest.raises(StorageSpaceError, match=r"entry 'huge' needs .* TiB in .* but only .* is free"):
+            with pytest.raises(StorageSpaceError, match=r"entry 'huge' needs .* TiB more in .* but only .* is free"):
                 store.create("huge", huge, torch.float32)
             assert "huge" not in store.entries
             assert store.bytes_on_disk == 0
@@ -416,3 +416,82 @@ def test_read_into_an_aligned_buffer(small_config):
         assert store.pool.lent == 0, "no pool buffer is used"
         with pytest.raises(StorageError, match="page-aligned uint8 tensor of >= 20480 bytes"):
             store.read_into("x", alloc_host_buffer(20000))
+
+
+def test_swap_file_levels_off_when_activation_sizes_vary(small_config):
+    """Activations of padded batches whose length changes every step, as the swapper stores
+    them (slots=1; created and written in forward, read and deleted in backward), next to
+    long-lived optimizer state: the file must stop growing once the longest batch was seen."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens = [64] + torch.randint(4, 64, (59,), generator=g).tolist()  # the longest batch comes first
+    with TensorStore(small_config) as store:
+        state = store.create("adamw.w", (6000,), torch.float32)
+        state_bytes = state.slots * state.nchunks * state.stride
+        peak_live, history = 0, []
+        for step, n in enumerate(seq_lens):
+            acts, writes = {}, {}
+            for block in range(3):
+                for kind, numel in (("hidden", n * 512), ("attn", n * n)):
+                    name = f"act.{step}.{block}.{kind}"
+                    acts[name] = torch.randn(numel, generator=g)
+                    store.create(name, (numel,), torch.float32, slots=1)
+                    writes[name] = store.write(name, acts[name])  # in flight while forward goes on
+            live = [store.entry(name) for name in acts]
+            peak_live = max(peak_live, sum(e.nchunks * e.stride for e in live))
+            # Backward frees blocks last to first, but not in creation order within a block.
+            for block in reversed(range(3)):
+                for kind in ("attn", "hidden"):
+                    name = f"act.{step}.{block}.{kind}"
+                    writes[name].result(timeout=30)
+                    assert torch.equal(store.read(name).result(timeout=30), acts[name])
+                    store.delete(name)
+            history.append(store.bytes_on_disk)
+        assert history[-1] == history[2], f"the swap file kept growing: {history}"
+        assert max(history) <= state_bytes + peak_live, (history, state_bytes, peak_live)
+
+
+def test_adjacent_free_regions_merge_and_take_a_larger_entry(small_config):
+    page = 8192  # the chunk size: an 8 KiB entry with slots=1 owns one 8 KiB region
+    with TensorStore(small_config) as store:
+        for name in "abcd":
+            store.create(name, (2048,), torch.float32, slots=1)
+        assert [store.entry(n).base[0] for n in "abcd"] == [0, page, 2 * page, 3 * page]
+        store.delete("b")
+        store.delete("a")  # merges with b's region after it
+        assert store.create("e", (2 * 2048,), torch.float32, slots=1).base[0] == 0
+        store.delete("c")
+        store.delete("e")  # merges with c's region after it
+        assert store.create("f", (3 * 2048,), torch.float32, slots=1).base[0] == 0
+        assert store.bytes_on_disk == 4 * page, "every entry fit into freed space"
+        # Space freed at the end of the file is used before the file grows.
+        store.delete("d")
+        assert store.create("g", (2 * 2048,), torch.float32, slots=1).base[0] == 3 * page
+        assert store.bytes_on_disk == 5 * page
+        x = torch.randn(2 * 2048)
+        store.write("g", x).result()
+        assert torch.equal(store.read("g").result(), x)
+
+
+def test_a_failed_create_gives_its_regions_back(tmp_path, monkeypatch):
+    dirs = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    for d in dirs:
+        d.mkdir()
+    cfg = FuyouConfig(swap_dirs=[str(d) for d in dirs], chunk_size="8KiB", host_memory_budget="256KiB")
+    real = os.posix_fallocate
+    calls = []
+
+    def second_fails(fd, offset, nbytes):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, nbytes)
+
+    with TensorStore(cfg) as store:
+        monkeypatch.setattr(os, "posix_fallocate", second_fails)
+        with pytest.raises(StorageSpaceError, match="entry 'x' needs .* in .*ssd1"):
+            store.create("x", (4 * 2048,), torch.float32)  # two chunks in each directory
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        used = store.bytes_on_disk
+        entry = store.create("y", (4 * 2048,), torch.float32)
+        assert entry.base == {0: 0, 1: 0}, "the region reserved in ssd0 for 'x' was given back"
+        assert store.bytes_on_disk == used + 2 * 2 * 8192, "only ssd1's file had to grow"

@@ -3,7 +3,10 @@
 An entry is split into chunks (``chunk_size`` bytes, the last one shorter) that are striped
 over the swap directories: chunk ``k`` of an entry lives in directory ``(first + k) % D``.
 In each directory an entry owns one contiguous region, ``[slot 0 chunks][slot 1 chunks]``,
-each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``.
+each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``. A region freed by `delete`
+goes back to its directory's free list, where adjacent free regions merge; a new region takes
+the first free one large enough, else space at the end of the file, so entries whose sizes
+vary (activations of padded batches) reuse the file instead of growing it.
 
 Two slots make speculative updates safe: the optimizer reads the *active* slot and writes
 the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollback` throws
@@ -13,6 +16,7 @@ a failed or partial write is never served as good data.
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
@@ -79,6 +83,44 @@ class Entry:
         return self.failed[slot] is None and self.inflight[slot] == 0 and len(self.written[slot]) == self.nchunks
 
 
+class _FileSpace:
+    """Which byte ranges of one swap file are in use: first fit over a list of free regions.
+
+    Free regions are kept sorted, merged with their neighbours, and below ``tail`` (the end
+    of the last region in use): a region freed at the end lowers ``tail`` instead.
+    """
+
+    def __init__(self) -> None:
+        self.tail = 0
+        self.size = 0  # bytes reserved in the file: the high-water mark of ``tail``
+        self.free: list[tuple[int, int]] = []  # (start, end), sorted, never touching each other or tail
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` in the first free region that holds them, or ``None``."""
+        for i, (start, end) in enumerate(self.free):
+            if end - start >= nbytes:
+                if end - start == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (start + nbytes, end)
+                return start
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        """Return ``[offset, offset + nbytes)``, merging it with free neighbours."""
+        start, end = offset, offset + nbytes
+        i = bisect.bisect(self.free, (start, end))
+        if i < len(self.free) and self.free[i][0] == end:
+            end = self.free.pop(i)[1]
+        if i > 0 and self.free[i - 1][1] == start:
+            i -= 1
+            start = self.free.pop(i)[0]
+        if end == self.tail:
+            self.tail = start
+        else:
+            self.free.insert(i, (start, end))
+
+
 class _Resources:
     """What must be released even if the store is never closed (run at exit via weakref)."""
 
@@ -143,8 +185,7 @@ class TensorStore:
         self.pool = pool
         self.engine = res.engine
         self._files = res.files
-        self._tail = [0] * len(res.files)  # bump allocator per directory file
-        self._free_regions: dict[tuple[int, int], list[int]] = {}  # (dir, bytes) -> offsets freed by delete()
+        self._space = [_FileSpace() for _ in res.files]
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
         self._lock = threading.Lock()
@@ -160,9 +201,10 @@ class TensorStore:
 
     @property
     def bytes_on_disk(self) -> int:
-        """Bytes reserved in the swap files: every slot and padding, and regions freed by
-        `delete` (kept for reuse by later entries of the same size)."""
-        return sum(self._tail)
+        """Bytes reserved in the swap files: up to the end of the furthest region any entry has
+        held (every slot, with padding, and free gaps between). Space freed by `delete` stays
+        reserved for later entries; the files are given back only at `close`."""
+        return sum(space.size for space in self._space)
 
     def entry(self, name: str) -> Entry:
         try:
@@ -213,45 +255,48 @@ class TensorStore:
                     base[d] = self._reserve(d, nb, name)
             except BaseException:
                 for d, offset in base.items():
-                    self._free_regions.setdefault((d, need[d]), []).append(offset)
+                    self._space[d].give(offset, need[d])
                 raise
             entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count, slots)
             self._entries[name] = entry
         return entry
 
     def delete(self, name: str) -> None:
-        """Forget an entry and let a later `create` of the same size reuse its space."""
+        """Forget an entry; later entries reuse its space (see the module docstring)."""
         with self._lock:
             entry = self.entry(name)
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
             for d, offset in entry.base.items():
-                size = entry.slots * entry.count[d] * entry.stride
-                self._free_regions.setdefault((d, size), []).append(offset)
+                self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
 
     def _reserve(self, d: int, nbytes: int, name: str) -> int:
-        reusable = self._free_regions.get((d, nbytes))
-        if reusable:
-            return reusable.pop()
-        f = self._files[d]
-        where = os.path.dirname(f.path)
-        free = shutil.disk_usage(where).free
-        if not self.config.preallocate and nbytes > free:
-            raise StorageSpaceError(
-                f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free; "
-                "free space there, add swap_dirs, or use a larger drive"
-            )
-        offset = self._tail[d]
-        if self.config.preallocate:
-            try:
-                os.posix_fallocate(f.fd, offset, nbytes)
-            except OSError as exc:
+        space = self._space[d]
+        offset = space.take(nbytes)
+        if offset is not None:
+            return offset
+        offset = space.tail
+        grow = offset + nbytes - space.size  # the file's end may lie past the tail: reuse that first
+        if grow > 0:
+            f = self._files[d]
+            where = os.path.dirname(f.path)
+            free = shutil.disk_usage(where).free
+            if not self.config.preallocate and grow > free:
                 raise StorageSpaceError(
-                    f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free "
-                    f"({exc.strerror}); free space there, add swap_dirs, or use a larger drive"
-                ) from exc
-        self._tail[d] = offset + nbytes
+                    f"entry {name!r} needs {format_bytes(grow)} more in {where} but only {format_bytes(free)} is free; "
+                    "free space there, add swap_dirs, or use a larger drive"
+                )
+            if self.config.preallocate:
+                try:
+                    os.posix_fallocate(f.fd, space.size, grow)
+                except OSError as exc:
+                    raise StorageSpaceError(
+                        f"entry {name!r} needs {format_bytes(grow)} more in {where} but only {format_bytes(free)} is "
+                        f"free ({exc.strerror}); free space there, add swap_dirs, or use a larger drive"
+                    ) from exc
+            space.size += grow
+        space.tail = offset + nbytes
         return offset
 
     # -- slot bookkeeping ---------------------------------------------------------------------------
