@@ -10,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import CancelledError, Future
 
 import pytest
 import torch
 
 from fuyou_strategy import FuyouConfig, TensorStore
 from fuyou_strategy.cli import main as fuyou_main
-from fuyou_strategy.storage import StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs
+from fuyou_strategy.storage import HostBuffer, StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs, gather
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
@@ -495,3 +496,81 @@ def test_a_failed_create_gives_its_regions_back(tmp_path, monkeypatch):
         entry = store.create("y", (4 * 2048,), torch.float32)
         assert entry.base == {0: 0, 1: 0}, "the region reserved in ssd0 for 'x' was given back"
         assert store.bytes_on_disk == used + 2 * 2 * 8192, "only ssd1's file had to grow"
+
+
+def test_write_chunk_completes_after_its_bookkeeping(small_config, monkeypatch):
+    """CPython wakes a future's waiters before it runs the future's callbacks: a waiter that
+    sees write_chunk's future done must find the write recorded, so `commit` succeeds."""
+    with TensorStore(small_config) as store:
+        x = torch.randn(1000)  # one chunk
+        store.create("w", x.shape, x.dtype)
+        store.write("w", x).result()
+        real_write = store.engine.write
+        engine_future, returned, outcome = Future(), [], []
+        committed = threading.Event()
+
+        def write_now_complete_later(f, offset, data):
+            real_write(f, offset, data).result()  # the bytes are on disk; completion comes below
+            engine_future.add_done_callback(window)  # registered before the store's own callback
+            return engine_future
+
+        def window(_):
+            # The engine's future is done and its waiters are awake; the store's callback has
+            # not run yet. If the future write_chunk returned is done too, its waiter commits now.
+            if returned[0].done():
+                committed.wait(timeout=30)
+
+        def waiter():
+            try:
+                returned[0].result(timeout=30)
+                outcome.append(store.commit())
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+            finally:
+                committed.set()
+
+        monkeypatch.setattr(store.engine, "write", write_now_complete_later)
+        buf = store.pool.acquire(store.entry("w").chunk_len(0))
+        buf.view().copy_((x + 1).view(torch.uint8))
+        returned.append(store.write_chunk("w", 0, buf, slot="shadow"))
+        threads = [threading.Thread(target=waiter), threading.Thread(target=engine_future.set_result, args=(None,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert outcome == [1], f"commit right after write_chunk(...).result(): {outcome}"
+        assert torch.equal(store.read("w").result(timeout=30), x + 1)
+        assert store.pool.lent == 0
+
+
+def test_write_chunk_defaults_to_the_active_slot_like_write(small_config):
+    with TensorStore(small_config) as store:
+        x = torch.randn(1000)  # one chunk
+        store.create("a", x.shape, x.dtype, slots=1)
+        buf = store.pool.acquire(store.entry("a").chunk_len(0))
+        buf.view().copy_(x.view(torch.uint8))
+        store.write_chunk("a", 0, buf).result(timeout=30)
+        assert torch.equal(store.read("a").result(timeout=30), x)
+
+
+def test_an_error_in_the_read_callback_reaches_the_caller(small_config, monkeypatch):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)  # three chunks
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+
+        def broken_view(self, dtype=torch.uint8):
+            raise RuntimeError("injected failure while landing a chunk")
+
+        monkeypatch.setattr(HostBuffer, "view", broken_view)  # used by the copy out of each chunk
+        with pytest.raises(RuntimeError, match="injected failure while landing a chunk"):
+            store.read("x").result(timeout=5)
+        assert store.pool.lent == 0, "the chunks' buffers went back to the pool"
+
+
+def test_gather_completes_when_a_future_is_cancelled():
+    cancelled, finished = Future(), Future()
+    cancelled.cancel()
+    finished.set_result(None)
+    with pytest.raises(CancelledError):
+        gather([finished, cancelled]).result(timeout=5)

@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import PAGE, FuyouConfig, format_bytes
-from .aio import IOEngine, SwapFile, gather
+from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
@@ -347,22 +347,24 @@ class TensorStore:
         except BaseException:
             buf.release()
             raise
-        out: Future = Future()
 
-        def done(f: Future) -> None:
-            if f.exception() is not None:
+        def done(f: Future) -> HostBuffer:
+            try:
+                f.result()
+            except BaseException:
                 buf.release()
-                out.set_exception(f.exception())
-            else:
-                out.set_result(buf)
+                raise
+            return buf
 
-        inner.add_done_callback(done)
-        return out
+        return then(inner, done)
 
-    def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = SHADOW, release: bool = True) -> Future:
+    def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
         """Write chunk ``k`` from ``buf`` (a pool buffer holding ``chunk_len(k)`` bytes).
 
-        With ``release=True`` the buffer goes back to the pool once the bytes are on disk.
+        ``slot`` is the active one by default, as for `write`, `read` and `read_chunk`; pass
+        ``slot="shadow"`` for a speculative update that `commit` makes visible. The future
+        completes once the bytes are on disk, the store has recorded the chunk as written (a
+        `commit` right after sees it) and, with ``release=True``, ``buf`` is back in the pool.
         """
         entry = self.entry(name)
         phys = self._slot(entry, slot)
@@ -382,10 +384,16 @@ class TensorStore:
             if release:
                 buf.release()
             raise
-        fut.add_done_callback(lambda f: self._end_write(entry, phys, k, f))
-        if release:
-            fut.add_done_callback(lambda f: buf.release())
-        return fut
+
+        def done(f: Future) -> None:
+            try:
+                self._end_write(entry, phys, k, f)
+            finally:
+                if release:
+                    buf.release()
+            f.result()  # the write's own error, if any
+
+        return then(fut, done)
 
     # -- whole entries ------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
@@ -424,19 +432,12 @@ class TensorStore:
         futures = []
         for k in range(entry.nchunks):
             start = k * entry.chunk_bytes
-            inner = self.read_chunk(name, k, slot=slot, timeout=timeout)
-            step: Future = Future()
 
-            def land(f: Future, start: int = start, step: Future = step) -> None:
-                if f.exception() is not None:
-                    step.set_exception(f.exception())
-                    return
+            def land(f: Future, start: int = start) -> None:
                 with f.result() as buf:
                     flat[start : start + buf.nbytes].copy_(buf.view())
-                step.set_result(None)
 
-            inner.add_done_callback(land)
-            futures.append(step)
+            futures.append(then(self.read_chunk(name, k, slot=slot, timeout=timeout), land))
         return gather(futures, result=out)
 
     def read_into(self, name: str, dest: torch.Tensor) -> Future:
