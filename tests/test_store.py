@@ -10,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import CancelledError, Future
 
 import pytest
 import torch
 
 from fuyou_strategy import FuyouConfig, TensorStore
 from fuyou_strategy.cli import main as fuyou_main
-from fuyou_strategy.storage import StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs
+from fuyou_strategy.storage import HostBuffer, StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs, gather
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
@@ -261,7 +262,7 @@ def test_not_enough_space_is_reported_at_allocation(small_config, tmp_path):
     huge = (2**46,)  # 256 TiB of fp32: more than any test machine's disk
     for preallocate in (True, False):
         with TensorStore(small_config.replace(preallocate=preallocate)) as store:
-            with pytest.raises(StorageSpaceError, match=r"entry 'huge' needs .* TiB in .* but only .* is free"):
+            with pytest.raises(StorageSpaceError, match=r"entry 'huge' needs .* TiB more in .* but only .* is free"):
                 store.create("huge", huge, torch.float32)
             assert "huge" not in store.entries
             assert store.bytes_on_disk == 0
@@ -416,3 +417,160 @@ def test_read_into_an_aligned_buffer(small_config):
         assert store.pool.lent == 0, "no pool buffer is used"
         with pytest.raises(StorageError, match="page-aligned uint8 tensor of >= 20480 bytes"):
             store.read_into("x", alloc_host_buffer(20000))
+
+
+def test_swap_file_levels_off_when_activation_sizes_vary(small_config):
+    """Activations of padded batches whose length changes every step, as the swapper stores
+    them (slots=1; created and written in forward, read and deleted in backward), next to
+    long-lived optimizer state: the file must stop growing once the longest batch was seen."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens = [64] + torch.randint(4, 64, (59,), generator=g).tolist()  # the longest batch comes first
+    with TensorStore(small_config) as store:
+        state = store.create("adamw.w", (6000,), torch.float32)
+        state_bytes = state.slots * state.nchunks * state.stride
+        peak_live, history = 0, []
+        for step, n in enumerate(seq_lens):
+            acts, writes = {}, {}
+            for block in range(3):
+                for kind, numel in (("hidden", n * 512), ("attn", n * n)):
+                    name = f"act.{step}.{block}.{kind}"
+                    acts[name] = torch.randn(numel, generator=g)
+                    store.create(name, (numel,), torch.float32, slots=1)
+                    writes[name] = store.write(name, acts[name])  # in flight while forward goes on
+            live = [store.entry(name) for name in acts]
+            peak_live = max(peak_live, sum(e.nchunks * e.stride for e in live))
+            # Backward frees blocks last to first, but not in creation order within a block.
+            for block in reversed(range(3)):
+                for kind in ("attn", "hidden"):
+                    name = f"act.{step}.{block}.{kind}"
+                    writes[name].result(timeout=30)
+                    assert torch.equal(store.read(name).result(timeout=30), acts[name])
+                    store.delete(name)
+            history.append(store.bytes_on_disk)
+        assert history[-1] == history[2], f"the swap file kept growing: {history}"
+        assert max(history) <= state_bytes + peak_live, (history, state_bytes, peak_live)
+
+
+def test_adjacent_free_regions_merge_and_take_a_larger_entry(small_config):
+    page = 8192  # the chunk size: an 8 KiB entry with slots=1 owns one 8 KiB region
+    with TensorStore(small_config) as store:
+        for name in "abcd":
+            store.create(name, (2048,), torch.float32, slots=1)
+        assert [store.entry(n).base[0] for n in "abcd"] == [0, page, 2 * page, 3 * page]
+        store.delete("b")
+        store.delete("a")  # merges with b's region after it
+        assert store.create("e", (2 * 2048,), torch.float32, slots=1).base[0] == 0
+        store.delete("c")
+        store.delete("e")  # merges with c's region after it
+        assert store.create("f", (3 * 2048,), torch.float32, slots=1).base[0] == 0
+        assert store.bytes_on_disk == 4 * page, "every entry fit into freed space"
+        # Space freed at the end of the file is used before the file grows.
+        store.delete("d")
+        assert store.create("g", (2 * 2048,), torch.float32, slots=1).base[0] == 3 * page
+        assert store.bytes_on_disk == 5 * page
+        x = torch.randn(2 * 2048)
+        store.write("g", x).result()
+        assert torch.equal(store.read("g").result(), x)
+
+
+def test_a_failed_create_gives_its_regions_back(tmp_path, monkeypatch):
+    dirs = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    for d in dirs:
+        d.mkdir()
+    cfg = FuyouConfig(swap_dirs=[str(d) for d in dirs], chunk_size="8KiB", host_memory_budget="256KiB")
+    real = os.posix_fallocate
+    calls = []
+
+    def second_fails(fd, offset, nbytes):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, nbytes)
+
+    with TensorStore(cfg) as store:
+        monkeypatch.setattr(os, "posix_fallocate", second_fails)
+        with pytest.raises(StorageSpaceError, match="entry 'x' needs .* in .*ssd1"):
+            store.create("x", (4 * 2048,), torch.float32)  # two chunks in each directory
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        used = store.bytes_on_disk
+        entry = store.create("y", (4 * 2048,), torch.float32)
+        assert entry.base == {0: 0, 1: 0}, "the region reserved in ssd0 for 'x' was given back"
+        assert store.bytes_on_disk == used + 2 * 2 * 8192, "only ssd1's file had to grow"
+
+
+def test_write_chunk_completes_after_its_bookkeeping(small_config, monkeypatch):
+    """CPython wakes a future's waiters before it runs the future's callbacks: a waiter that
+    sees write_chunk's future done must find the write recorded, so `commit` succeeds."""
+    with TensorStore(small_config) as store:
+        x = torch.randn(1000)  # one chunk
+        store.create("w", x.shape, x.dtype)
+        store.write("w", x).result()
+        real_write = store.engine.write
+        engine_future, returned, outcome = Future(), [], []
+        committed = threading.Event()
+
+        def write_now_complete_later(f, offset, data):
+            real_write(f, offset, data).result()  # the bytes are on disk; completion comes below
+            engine_future.add_done_callback(window)  # registered before the store's own callback
+            return engine_future
+
+        def window(_):
+            # The engine's future is done and its waiters are awake; the store's callback has
+            # not run yet. If the future write_chunk returned is done too, its waiter commits now.
+            if returned[0].done():
+                committed.wait(timeout=30)
+
+        def waiter():
+            try:
+                returned[0].result(timeout=30)
+                outcome.append(store.commit())
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+            finally:
+                committed.set()
+
+        monkeypatch.setattr(store.engine, "write", write_now_complete_later)
+        buf = store.pool.acquire(store.entry("w").chunk_len(0))
+        buf.view().copy_((x + 1).view(torch.uint8))
+        returned.append(store.write_chunk("w", 0, buf, slot="shadow"))
+        threads = [threading.Thread(target=waiter), threading.Thread(target=engine_future.set_result, args=(None,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert outcome == [1], f"commit right after write_chunk(...).result(): {outcome}"
+        assert torch.equal(store.read("w").result(timeout=30), x + 1)
+        assert store.pool.lent == 0
+
+
+def test_write_chunk_defaults_to_the_active_slot_like_write(small_config):
+    with TensorStore(small_config) as store:
+        x = torch.randn(1000)  # one chunk
+        store.create("a", x.shape, x.dtype, slots=1)
+        buf = store.pool.acquire(store.entry("a").chunk_len(0))
+        buf.view().copy_(x.view(torch.uint8))
+        store.write_chunk("a", 0, buf).result(timeout=30)
+        assert torch.equal(store.read("a").result(timeout=30), x)
+
+
+def test_an_error_in_the_read_callback_reaches_the_caller(small_config, monkeypatch):
+    with TensorStore(small_config) as store:
+        x = torch.randn(5000)  # three chunks
+        store.create("x", x.shape, x.dtype)
+        store.write("x", x).result()
+
+        def broken_view(self, dtype=torch.uint8):
+            raise RuntimeError("injected failure while landing a chunk")
+
+        monkeypatch.setattr(HostBuffer, "view", broken_view)  # used by the copy out of each chunk
+        with pytest.raises(RuntimeError, match="injected failure while landing a chunk"):
+            store.read("x").result(timeout=5)
+        assert store.pool.lent == 0, "the chunks' buffers went back to the pool"
+
+
+def test_gather_completes_when_a_future_is_cancelled():
+    cancelled, finished = Future(), Future()
+    cancelled.cancel()
+    finished.set_result(None)
+    with pytest.raises(CancelledError):
+        gather([finished, cancelled]).result(timeout=5)

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,7 +32,7 @@ import torch
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
-__all__ = ["StorageIOError", "SwapFile", "IOEngine", "byte_view", "gather", "filesystem_type"]
+__all__ = ["StorageIOError", "SwapFile", "IOEngine", "byte_view", "gather", "then", "filesystem_type"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
@@ -106,9 +106,10 @@ def gather(futures: Sequence[Future], result: object = None) -> Future:
     state = {"left": len(futures), "error": None}
 
     def done(f: Future) -> None:
+        error = CancelledError() if f.cancelled() else f.exception()  # exception() raises if cancelled
         with lock:
-            if f.exception() is not None and state["error"] is None:
-                state["error"] = f.exception()
+            if error is not None and state["error"] is None:
+                state["error"] = error
             state["left"] -= 1
             last = state["left"] == 0
         if last:
@@ -119,6 +120,27 @@ def gather(futures: Sequence[Future], result: object = None) -> Future:
 
     for f in futures:
         f.add_done_callback(done)
+    return out
+
+
+def then(fut: Future, fn: Callable[[Future], object]) -> Future:
+    """A future for ``fn(fut)``, called once ``fut`` completes: its return value, or what it raises.
+
+    Use it for bookkeeping that must be done before anyone sees the work as finished: CPython
+    wakes a future's waiters *before* it runs the future's callbacks, and it logs and drops an
+    exception raised in a callback. Here waiters wake only after ``fn`` ran, and get its error.
+    """
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            result = fn(f)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(exc)
+        else:
+            out.set_result(result)
+
+    fut.add_done_callback(done)
     return out
 
 

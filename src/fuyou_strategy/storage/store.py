@@ -3,7 +3,10 @@
 An entry is split into chunks (``chunk_size`` bytes, the last one shorter) that are striped
 over the swap directories: chunk ``k`` of an entry lives in directory ``(first + k) % D``.
 In each directory an entry owns one contiguous region, ``[slot 0 chunks][slot 1 chunks]``,
-each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``.
+each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``. A region freed by `delete`
+goes back to its directory's free list, where adjacent free regions merge; a new region takes
+the first free one large enough, else space at the end of the file, so entries whose sizes
+vary (activations of padded batches) reuse the file instead of growing it.
 
 Two slots make speculative updates safe: the optimizer reads the *active* slot and writes
 the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollback` throws
@@ -13,6 +16,7 @@ a failed or partial write is never served as good data.
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
@@ -25,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import PAGE, FuyouConfig, format_bytes
-from .aio import IOEngine, SwapFile, gather
+from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
@@ -77,6 +81,44 @@ class Entry:
 
     def is_complete(self, slot: int) -> bool:
         return self.failed[slot] is None and self.inflight[slot] == 0 and len(self.written[slot]) == self.nchunks
+
+
+class _FileSpace:
+    """Which byte ranges of one swap file are in use: first fit over a list of free regions.
+
+    Free regions are kept sorted, merged with their neighbours, and below ``tail`` (the end
+    of the last region in use): a region freed at the end lowers ``tail`` instead.
+    """
+
+    def __init__(self) -> None:
+        self.tail = 0
+        self.size = 0  # bytes reserved in the file: the high-water mark of ``tail``
+        self.free: list[tuple[int, int]] = []  # (start, end), sorted, never touching each other or tail
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` in the first free region that holds them, or ``None``."""
+        for i, (start, end) in enumerate(self.free):
+            if end - start >= nbytes:
+                if end - start == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (start + nbytes, end)
+                return start
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        """Return ``[offset, offset + nbytes)``, merging it with free neighbours."""
+        start, end = offset, offset + nbytes
+        i = bisect.bisect(self.free, (start, end))
+        if i < len(self.free) and self.free[i][0] == end:
+            end = self.free.pop(i)[1]
+        if i > 0 and self.free[i - 1][1] == start:
+            i -= 1
+            start = self.free.pop(i)[0]
+        if end == self.tail:
+            self.tail = start
+        else:
+            self.free.insert(i, (start, end))
 
 
 class _Resources:
@@ -143,8 +185,7 @@ class TensorStore:
         self.pool = pool
         self.engine = res.engine
         self._files = res.files
-        self._tail = [0] * len(res.files)  # bump allocator per directory file
-        self._free_regions: dict[tuple[int, int], list[int]] = {}  # (dir, bytes) -> offsets freed by delete()
+        self._space = [_FileSpace() for _ in res.files]
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
         self._lock = threading.Lock()
@@ -160,9 +201,10 @@ class TensorStore:
 
     @property
     def bytes_on_disk(self) -> int:
-        """Bytes reserved in the swap files: every slot and padding, and regions freed by
-        `delete` (kept for reuse by later entries of the same size)."""
-        return sum(self._tail)
+        """Bytes reserved in the swap files: up to the end of the furthest region any entry has
+        held (every slot, with padding, and free gaps between). Space freed by `delete` stays
+        reserved for later entries; the files are given back only at `close`."""
+        return sum(space.size for space in self._space)
 
     def entry(self, name: str) -> Entry:
         try:
@@ -213,45 +255,48 @@ class TensorStore:
                     base[d] = self._reserve(d, nb, name)
             except BaseException:
                 for d, offset in base.items():
-                    self._free_regions.setdefault((d, need[d]), []).append(offset)
+                    self._space[d].give(offset, need[d])
                 raise
             entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count, slots)
             self._entries[name] = entry
         return entry
 
     def delete(self, name: str) -> None:
-        """Forget an entry and let a later `create` of the same size reuse its space."""
+        """Forget an entry; later entries reuse its space (see the module docstring)."""
         with self._lock:
             entry = self.entry(name)
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
             for d, offset in entry.base.items():
-                size = entry.slots * entry.count[d] * entry.stride
-                self._free_regions.setdefault((d, size), []).append(offset)
+                self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
 
     def _reserve(self, d: int, nbytes: int, name: str) -> int:
-        reusable = self._free_regions.get((d, nbytes))
-        if reusable:
-            return reusable.pop()
-        f = self._files[d]
-        where = os.path.dirname(f.path)
-        free = shutil.disk_usage(where).free
-        if not self.config.preallocate and nbytes > free:
-            raise StorageSpaceError(
-                f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free; "
-                "free space there, add swap_dirs, or use a larger drive"
-            )
-        offset = self._tail[d]
-        if self.config.preallocate:
-            try:
-                os.posix_fallocate(f.fd, offset, nbytes)
-            except OSError as exc:
+        space = self._space[d]
+        offset = space.take(nbytes)
+        if offset is not None:
+            return offset
+        offset = space.tail
+        grow = offset + nbytes - space.size  # the file's end may lie past the tail: reuse that first
+        if grow > 0:
+            f = self._files[d]
+            where = os.path.dirname(f.path)
+            free = shutil.disk_usage(where).free
+            if not self.config.preallocate and grow > free:
                 raise StorageSpaceError(
-                    f"entry {name!r} needs {format_bytes(nbytes)} in {where} but only {format_bytes(free)} is free "
-                    f"({exc.strerror}); free space there, add swap_dirs, or use a larger drive"
-                ) from exc
-        self._tail[d] = offset + nbytes
+                    f"entry {name!r} needs {format_bytes(grow)} more in {where} but only {format_bytes(free)} is free; "
+                    "free space there, add swap_dirs, or use a larger drive"
+                )
+            if self.config.preallocate:
+                try:
+                    os.posix_fallocate(f.fd, space.size, grow)
+                except OSError as exc:
+                    raise StorageSpaceError(
+                        f"entry {name!r} needs {format_bytes(grow)} more in {where} but only {format_bytes(free)} is "
+                        f"free ({exc.strerror}); free space there, add swap_dirs, or use a larger drive"
+                    ) from exc
+            space.size += grow
+        space.tail = offset + nbytes
         return offset
 
     # -- slot bookkeeping ---------------------------------------------------------------------------
@@ -302,22 +347,24 @@ class TensorStore:
         except BaseException:
             buf.release()
             raise
-        out: Future = Future()
 
-        def done(f: Future) -> None:
-            if f.exception() is not None:
+        def done(f: Future) -> HostBuffer:
+            try:
+                f.result()
+            except BaseException:
                 buf.release()
-                out.set_exception(f.exception())
-            else:
-                out.set_result(buf)
+                raise
+            return buf
 
-        inner.add_done_callback(done)
-        return out
+        return then(inner, done)
 
-    def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = SHADOW, release: bool = True) -> Future:
+    def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
         """Write chunk ``k`` from ``buf`` (a pool buffer holding ``chunk_len(k)`` bytes).
 
-        With ``release=True`` the buffer goes back to the pool once the bytes are on disk.
+        ``slot`` is the active one by default, as for `write`, `read` and `read_chunk`; pass
+        ``slot="shadow"`` for a speculative update that `commit` makes visible. The future
+        completes once the bytes are on disk, the store has recorded the chunk as written (a
+        `commit` right after sees it) and, with ``release=True``, ``buf`` is back in the pool.
         """
         entry = self.entry(name)
         phys = self._slot(entry, slot)
@@ -337,10 +384,16 @@ class TensorStore:
             if release:
                 buf.release()
             raise
-        fut.add_done_callback(lambda f: self._end_write(entry, phys, k, f))
-        if release:
-            fut.add_done_callback(lambda f: buf.release())
-        return fut
+
+        def done(f: Future) -> None:
+            try:
+                self._end_write(entry, phys, k, f)
+            finally:
+                if release:
+                    buf.release()
+            f.result()  # the write's own error, if any
+
+        return then(fut, done)
 
     # -- whole entries ------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
@@ -379,19 +432,12 @@ class TensorStore:
         futures = []
         for k in range(entry.nchunks):
             start = k * entry.chunk_bytes
-            inner = self.read_chunk(name, k, slot=slot, timeout=timeout)
-            step: Future = Future()
 
-            def land(f: Future, start: int = start, step: Future = step) -> None:
-                if f.exception() is not None:
-                    step.set_exception(f.exception())
-                    return
+            def land(f: Future, start: int = start) -> None:
                 with f.result() as buf:
                     flat[start : start + buf.nbytes].copy_(buf.view())
-                step.set_result(None)
 
-            inner.add_done_callback(land)
-            futures.append(step)
+            futures.append(then(self.read_chunk(name, k, slot=slot, timeout=timeout), land))
         return gather(futures, result=out)
 
     def read_into(self, name: str, dest: torch.Tensor) -> Future:
