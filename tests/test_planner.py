@@ -3,6 +3,7 @@ and activations='auto' / pinned plans through Lightning."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -135,6 +136,37 @@ def test_config_accepts_auto_and_checks_planner_fields(tmp_path):
         FuyouConfig(planner_warmup_steps=1)
     with pytest.raises(ConfigError, match="plan: .* does not exist"):
         FuyouConfig(plan=str(tmp_path / "nope.json"))
+
+
+def _edited(**changes):
+    """A saved plan's fields with some changed (a value of None removes the field)."""
+    values = dataclasses.asdict(fixed_plan(synthetic(n=2), ["keep", "ssd"]))
+    values.update(changes)
+    return json.dumps({k: v for k, v in values.items() if v is not None})
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"policies": ["keep",\n  "ssd"', r"is not valid JSON: .* at line 2, column \d+"),
+    ('[["keep", "ssd"]]', "expected a JSON object .*, got list"),
+    ('{"blocks": [{"policy": "ssd"}]}', r"has an unknown field 'blocks' \(known fields: act_bytes, .*, ssd_peak\)"),
+    (_edited(polices=["keep", "ssd"], policies=None), r"has an unknown field 'polices' \(did you mean 'policies'\?"),
+    (_edited(act_bytes=None, reasons=None), "is missing the fields 'act_bytes', 'reasons'"),
+    (_edited(device_peak="12"), r"device_peak: got '12' \(str\); expected a byte count \(int\)"),
+    (_edited(act_bytes=[1, 2.5]), r"act_bytes\[1\]: got 2.5 \(float\); expected a byte count \(int\)"),
+    (_edited(policies="ssd"), r"policies: got 'ssd' \(str\); expected a list"),
+    (_edited(policies=["keep", "swap"]), r"policies\[1\]: got 'swap' \(str\); expected one of "
+                                         r"\['keep', 'host', 'ssd', 'recompute'\]"),
+    (_edited(reasons=["given"]), "policies has 2 entries but reasons has 1: one entry per block"),
+], ids=["not-json", "not-an-object", "unknown-field", "near-miss", "missing", "wrong-type", "wrong-item-type",
+        "not-a-list", "bad-policy", "lengths"])
+def test_a_bad_plan_file_is_an_error_naming_the_file_the_problem_and_the_fix(tmp_path, text, problem):
+    path = tmp_path / "bad-plan.json"
+    path.write_text(text)
+    fix = r"; write a plan with Plan.save or `fuyou plan --save`"
+    with pytest.raises(PlanError, match=f"^'{re.escape(str(path))}' {problem}.*{fix}$"):
+        Plan.load(path)
+    with pytest.raises(ConfigError, match=f"^plan: '{re.escape(str(path))}' {problem}"):  # where the config is written
+        FuyouConfig(plan=str(path))
 
 
 # -- what-if ---------------------------------------------------------------------------------------------------
