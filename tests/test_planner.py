@@ -240,3 +240,51 @@ def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path):
     assert engine.swapper.policies == [Policy.SSD, Policy.RECOMPUTE] and engine.swapper.stats.ssd_bytes > 0
     for p, q in zip(reference.parameters(), ours.parameters()):
         assert torch.equal(p, q)
+
+
+class _Failing(torch.nn.Module):
+    """A block whose forward raises ``error`` (when set) after saving activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.error = None
+
+    def forward(self, x):
+        y = torch.relu(self.linear(x))
+        if self.error is not None:
+            raise self.error
+        return y
+
+
+@pytest.mark.parametrize("error", [RuntimeError("out of memory"), KeyboardInterrupt()])
+def test_a_block_that_raises_during_the_warm_up_leaves_no_saved_tensor_hook_behind(monkeypatch, error):
+    from fuyou_strategy.planner import profile
+
+    packed = []
+
+    def counting(t, *rules):  # called by the profiler's pack hook for every tensor autograd saves
+        packed.append(t)
+        return True
+
+    monkeypatch.setattr(profile, "swappable", counting)
+    block = _Failing()
+    profiler = profile.WarmupProfiler(torch.nn.Sequential(block), [block], FuyouConfig(), optimizer=None, steps=2)
+    x = torch.randn(4, 8, requires_grad=True)
+    profiler.begin_micro_batch()
+    block(x)
+    assert packed, "the profiler counts the block's saved tensors"
+    block.error = error
+    profiler.begin_micro_batch()
+    with pytest.raises(type(error)):
+        block(x)
+    if isinstance(error, Exception):  # the forward hook ran anyway (a KeyboardInterrupt skips it)
+        packed.clear()
+        later = torch.randn(4, 8, requires_grad=True)
+        (later * later).sum().backward()
+        assert packed == [], "after the failed forward, the profiler's saved-tensor hook is still installed"
+    profiler.remove()  # the end of the warm-up, or the engine's close()
+    packed.clear()
+    later = torch.randn(4, 8, requires_grad=True)
+    (later * later).sum().backward()
+    assert packed == [], "after remove(), the profiler's saved-tensor hook is still installed"
