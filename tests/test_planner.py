@@ -3,6 +3,7 @@ and activations='auto' / pinned plans through Lightning."""
 
 import dataclasses
 import json
+import logging
 import re
 
 import pytest
@@ -228,14 +229,17 @@ def test_auto_plans_after_the_warm_up_within_the_budget_and_changes_no_number(tm
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
-def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path):
+def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path, caplog):
     from test_lightning import FuyouStrategy, fit
 
     profile = synthetic(n=2)
     fixed_plan(profile, ["ssd", "recompute"]).save(tmp_path / "plan.json")
     reference, _ = fit("auto", steps=2)
-    ours, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], plan=str(tmp_path / "plan.json"),
-                                      activation_min_bytes=0), steps=2)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        ours, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], plan=str(tmp_path / "plan.json"),
+                                          activation_min_bytes=0), steps=2)
+    assert "lightning.pytorch.utilities.rank_zero" in [r.name for r in caplog.records
+                                                       if "applying the pinned plan" in r.getMessage()]
     engine = trainer.strategy.engine
     assert engine.swapper.policies == [Policy.SSD, Policy.RECOMPUTE] and engine.swapper.stats.ssd_bytes > 0
     for p, q in zip(reference.parameters(), ours.parameters()):
