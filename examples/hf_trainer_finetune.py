@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         seconds = time.perf_counter() - start
         metrics = trainer.evaluate()
+    if callback.plan is not None:  # --activations auto (transformers logs it at INFO, shown with log_level="info")
+        print(callback.plan)
     title = "HF Trainer + FuyouCallback" + (" (LoRA)" if args.lora else "")
     print_summary(title, callback.summary, metrics["eval_token_accuracy"],
                   tokens=micro_batches * args.batch_size * args.seq_len, seconds=seconds)

@@ -1,5 +1,6 @@
 """Hugging Face Trainer with FuyouCallback against the same Trainer without it."""
 
+import logging
 import os
 
 import pytest
@@ -128,12 +129,14 @@ def test_resume_without_fuyou_state_is_a_clear_error(tmp_path):
         train(tmp_path, FuyouCallback(**swap_config(tmp_path)), resume=checkpoint)
 
 
-def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path):
+def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path, caplog):
     reference, _ = train(tmp_path)
     fields = swap_config(tmp_path, activations="auto", planner_warmup_steps=2, activation_min_bytes=0)
     roomy = FuyouCallback(**fields)
-    train(tmp_path, roomy)
+    with caplog.at_level(logging.INFO, logger="transformers"):  # as TrainingArguments(log_level="info") sets it
+        train(tmp_path, roomy)
     assert roomy.plan.policies == ["keep", "keep"], "no device budget on the CPU: everything kept"
+    assert any(r.name.startswith("transformers.") and "fuyou planner: plan" in r.getMessage() for r in caplog.records)
     budget = roomy.plan.device_peak - roomy.plan.act_bytes[0] // 2  # no room for both blocks' activations
     callback = FuyouCallback(**fields, device_memory_budget=budget)
     ours, _ = train(tmp_path, callback)

@@ -3,6 +3,8 @@ and activations='auto' / pinned plans through Lightning."""
 
 import dataclasses
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -137,6 +139,37 @@ def test_config_accepts_auto_and_checks_planner_fields(tmp_path):
         FuyouConfig(plan=str(tmp_path / "nope.json"))
 
 
+def _edited(**changes):
+    """A saved plan's fields with some changed (a value of None removes the field)."""
+    values = dataclasses.asdict(fixed_plan(synthetic(n=2), ["keep", "ssd"]))
+    values.update(changes)
+    return json.dumps({k: v for k, v in values.items() if v is not None})
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"policies": ["keep",\n  "ssd"', r"is not valid JSON: .* at line 2, column \d+"),
+    ('[["keep", "ssd"]]', "expected a JSON object .*, got list"),
+    ('{"blocks": [{"policy": "ssd"}]}', r"has an unknown field 'blocks' \(known fields: act_bytes, .*, ssd_peak\)"),
+    (_edited(polices=["keep", "ssd"], policies=None), r"has an unknown field 'polices' \(did you mean 'policies'\?"),
+    (_edited(act_bytes=None, reasons=None), "is missing the fields 'act_bytes', 'reasons'"),
+    (_edited(device_peak="12"), r"device_peak: got '12' \(str\); expected a byte count \(int\)"),
+    (_edited(act_bytes=[1, 2.5]), r"act_bytes\[1\]: got 2.5 \(float\); expected a byte count \(int\)"),
+    (_edited(policies="ssd"), r"policies: got 'ssd' \(str\); expected a list"),
+    (_edited(policies=["keep", "swap"]), r"policies\[1\]: got 'swap' \(str\); expected one of "
+                                         r"\['keep', 'host', 'ssd', 'recompute'\]"),
+    (_edited(reasons=["given"]), "policies has 2 entries but reasons has 1: one entry per block"),
+], ids=["not-json", "not-an-object", "unknown-field", "near-miss", "missing", "wrong-type", "wrong-item-type",
+        "not-a-list", "bad-policy", "lengths"])
+def test_a_bad_plan_file_is_an_error_naming_the_file_the_problem_and_the_fix(tmp_path, text, problem):
+    path = tmp_path / "bad-plan.json"
+    path.write_text(text)
+    fix = r"; write a plan with Plan.save or `fuyou plan --save`"
+    with pytest.raises(PlanError, match=f"^'{re.escape(str(path))}' {problem}.*{fix}$"):
+        Plan.load(path)
+    with pytest.raises(ConfigError, match=f"^plan: '{re.escape(str(path))}' {problem}"):  # where the config is written
+        FuyouConfig(plan=str(path))
+
+
 # -- what-if ---------------------------------------------------------------------------------------------------
 def test_analytic_presets_are_sane():
     assert MODEL_PRESETS["gpt3-175b"].params == pytest.approx(175e9, rel=0.02)
@@ -196,15 +229,66 @@ def test_auto_plans_after_the_warm_up_within_the_budget_and_changes_no_number(tm
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
-def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path):
+def test_a_pinned_plan_is_applied_from_the_first_step(tmp_path, caplog):
     from test_lightning import FuyouStrategy, fit
 
     profile = synthetic(n=2)
     fixed_plan(profile, ["ssd", "recompute"]).save(tmp_path / "plan.json")
     reference, _ = fit("auto", steps=2)
-    ours, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], plan=str(tmp_path / "plan.json"),
-                                      activation_min_bytes=0), steps=2)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        ours, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], plan=str(tmp_path / "plan.json"),
+                                          activation_min_bytes=0), steps=2)
+    assert "lightning.pytorch.utilities.rank_zero" in [r.name for r in caplog.records
+                                                       if "applying the pinned plan" in r.getMessage()]
     engine = trainer.strategy.engine
     assert engine.swapper.policies == [Policy.SSD, Policy.RECOMPUTE] and engine.swapper.stats.ssd_bytes > 0
     for p, q in zip(reference.parameters(), ours.parameters()):
         assert torch.equal(p, q)
+
+
+class _Failing(torch.nn.Module):
+    """A block whose forward raises ``error`` (when set) after saving activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.error = None
+
+    def forward(self, x):
+        y = torch.relu(self.linear(x))
+        if self.error is not None:
+            raise self.error
+        return y
+
+
+@pytest.mark.parametrize("error", [RuntimeError("out of memory"), KeyboardInterrupt()])
+def test_a_block_that_raises_during_the_warm_up_leaves_no_saved_tensor_hook_behind(monkeypatch, error):
+    from fuyou_strategy.planner import profile
+
+    packed = []
+
+    def counting(t, *rules):  # called by the profiler's pack hook for every tensor autograd saves
+        packed.append(t)
+        return True
+
+    monkeypatch.setattr(profile, "swappable", counting)
+    block = _Failing()
+    profiler = profile.WarmupProfiler(torch.nn.Sequential(block), [block], FuyouConfig(), optimizer=None, steps=2)
+    x = torch.randn(4, 8, requires_grad=True)
+    profiler.begin_micro_batch()
+    block(x)
+    assert packed, "the profiler counts the block's saved tensors"
+    block.error = error
+    profiler.begin_micro_batch()
+    with pytest.raises(type(error)):
+        block(x)
+    if isinstance(error, Exception):  # the forward hook ran anyway (a KeyboardInterrupt skips it)
+        packed.clear()
+        later = torch.randn(4, 8, requires_grad=True)
+        (later * later).sum().backward()
+        assert packed == [], "after the failed forward, the profiler's saved-tensor hook is still installed"
+    profiler.remove()  # the end of the warm-up, or the engine's close()
+    packed.clear()
+    later = torch.randn(4, 8, requires_grad=True)
+    (later * later).sum().backward()
+    assert packed == [], "after remove(), the profiler's saved-tensor hook is still installed"

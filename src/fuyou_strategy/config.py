@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 __all__ = ["ConfigError", "FuyouConfig", "parse_bytes", "format_bytes"]
 
@@ -56,6 +56,13 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     if nbytes < 0 or nbytes != nbytes:
         raise ConfigError(f"{name}: got {value!r}; a byte size must be >= 0")
     return int(nbytes)
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """For an "unknown field" error: ``"did you mean 'x'?"`` for a near miss, else the known fields."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(known)}"
 
 
 def format_bytes(nbytes: float) -> str:
@@ -188,9 +195,16 @@ class FuyouConfig:
             raise ConfigError(f"planner_warmup_steps: got {self.planner_warmup_steps!r}; expected an int >= 2 "
                               "(the first step is discarded)")
         if self.plan is not None:
+            if not isinstance(self.plan, (str, os.PathLike)):
+                raise ConfigError(f"plan: got {self.plan!r}; expected the path of a plan JSON written by `fuyou plan "
+                                  "--save` or Plan.save")
             self.plan = os.fspath(self.plan)
-            if not os.path.isfile(self.plan):
-                raise ConfigError(f"plan: {self.plan!r} does not exist; write one with `fuyou plan --save` or Plan.save")
+            from .planner.solver import Plan, PlanError  # the plan's format is the planner's (a layer above)
+
+            try:
+                Plan.load(self.plan)  # a bad plan fails here, where it is written, not at the first step
+            except PlanError as exc:
+                raise ConfigError(f"plan: {exc}") from None
         if not isinstance(self.preallocate, bool):
             raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
 
@@ -201,9 +215,7 @@ class FuyouConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
-                raise ConfigError(f"{key}: not a FuyouConfig field{hint}")
+                raise ConfigError(f"{key}: not a FuyouConfig field; {did_you_mean(key, known)}")
         return cls(**dict(values))
 
     @classmethod

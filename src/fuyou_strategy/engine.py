@@ -29,7 +29,7 @@ import statistics
 import time
 import weakref
 from functools import wraps
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -40,12 +40,7 @@ from .planner import Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
 log = logging.getLogger("fuyou_strategy")
-if not log.handlers:  # like Lightning's own logger: INFO to stderr unless the application configures logging
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(_handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+log.addHandler(logging.NullHandler())  # the application decides handlers and levels
 
 __all__ = ["FuyouEngine", "optimizer_arguments", "rebind_scheduler"]
 
@@ -142,6 +137,9 @@ class FuyouEngine:
             parameters in param-group order (the default), the HF Trainer clips
             ``model.parameters()``.
         where: how to name the optimizer in error messages.
+        report: where messages for the user go (the plan, predicted vs measured step time), one
+            text at a time; default: INFO on the ``fuyou_strategy`` logger. The adapters pass
+            their framework's channel (Lightning's ``rank_zero_info``, transformers' logger).
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -157,8 +155,10 @@ class FuyouEngine:
         release_grads: bool = True,
         norm_order: Iterable[torch.nn.Parameter] | None = None,
         where: str = "the optimizer",
+        report: Callable[[str], Any] | None = None,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
+        self.report = report if report is not None else log.info
         self.model = model
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
@@ -174,7 +174,7 @@ class FuyouEngine:
             if config.plan is not None:  # pinned
                 self.plan = Plan.load(config.plan)
                 self._install_swapper(self.plan.activations)
-                log.info("fuyou planner: applying the pinned plan %s", config.plan)
+                self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
                 blocks = discover_blocks(model, config.blocks)
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
@@ -223,14 +223,14 @@ class FuyouEngine:
             if len(measured) >= 3:
                 self._plan_reported = True
                 m = statistics.median(measured)
-                log.info("fuyou planner: predicted %.3f s/step, measured %.3f s (median of %d steps): %.2fx",
-                         self.plan.predicted_step_s, m, len(measured), m / self.plan.predicted_step_s)
+                self.report(f"fuyou planner: predicted {self.plan.predicted_step_s:.3f} s/step, measured {m:.3f} s "
+                            f"(median of {len(measured)} steps): {m / self.plan.predicted_step_s:.2f}x")
 
     def _plan_from_warmup(self) -> None:
         """Solve on the warm-up's profile and switch the activation policies to the plan."""
         profiler, self.profiler = self.profiler, None
         profiler.remove()
-        log.info("fuyou planner: profiled %d warm-up steps; measuring bandwidths and planning ...", profiler.steps)
+        self.report(f"fuyou planner: profiled {profiler.steps} warm-up steps; measuring bandwidths and planning ...")
         profile = profiler.profile()
         # On the CPU the device tier *is* host memory: the host policy would free nothing.
         allowed = [p for p in Policy if not (p is Policy.HOST and profiler.device.type == "cpu")]
@@ -238,8 +238,8 @@ class FuyouEngine:
             self.plan = solve(profile, allowed=allowed)
         except PlanError as exc:
             raise ConfigError(f"activations='auto': {exc}") from None
-        log.info("fuyou planner: plan (predicted %.3f s/step)\n%s", self.plan.predicted_step_s,
-                 self.plan.table(compact=True))
+        self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
+                    f"{self.plan.table(compact=True)}")
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
         self._plan_applied_at = len(self.step_times)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from accelerate.state import GradientState
 from transformers import TrainerCallback
+from transformers.utils import logging as hf_logging
 
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine, rebind_scheduler
@@ -36,6 +37,8 @@ __all__ = ["FuyouCallback", "STATE_FOLDER"]
 
 STATE_FOLDER = "fuyou_optimizer"  # inside each checkpoint-N folder
 _GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+# The engine's messages (the plan, predicted vs measured) follow the Trainer's verbosity (log_level).
+log = hf_logging.get_logger(f"transformers.{__name__}")
 
 
 class FuyouCallback(TrainerCallback):
@@ -79,7 +82,8 @@ class FuyouCallback(TrainerCallback):
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
         self.engine = FuyouEngine(model, original, config=self.config, max_grad_norm=max_norm, release_grads=False,
-                                  norm_order=model.parameters(), where=f"TrainingArguments(optim={optim_name!r})")
+                                  norm_order=model.parameters(), where=f"TrainingArguments(optim={optim_name!r})",
+                                  report=log.info)
         try:
             if resume is not None:
                 self.engine.load(resume)

@@ -33,6 +33,7 @@ from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDevi
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine
@@ -145,7 +146,8 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
             )
         clip = trainer.gradient_clip_val
         self.engine = FuyouEngine(self.lightning_module, self.optimizers[0], config=self.fuyou_config,
-                                  max_grad_norm=float(clip) if clip else None, where="configure_optimizers")
+                                  max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
+                                  report=rank_zero_info)
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
         self._original_clip = self.precision_plugin.clip_gradients
@@ -267,7 +269,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
         if self.engine is not None:
             self.engine.close()
         self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,
-                                  where="fabric.setup")
+                                  where="fabric.setup", report=rank_zero_info)
         if scheduler is not None:
             self.engine.rebind_schedulers([scheduler])
         module.register_forward_pre_hook(self._before_forward)

@@ -57,10 +57,12 @@ class WarmupProfiler:
         self._first_redos = self._first_steps = 0
         self._step_start: float | None = None
         self.step_times: list[float] = []
+        self._counting: torch.autograd.graph.saved_tensors_hooks | None = None  # entered while a block runs
         self._handles = []
         for i, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre(i)))
-            self._handles.append(block.register_forward_hook(self._post(i)))
+            # always_call: a forward that raises still leaves the counting hook, which is process-global
+            self._handles.append(block.register_forward_hook(self._post(i), always_call=True))
 
     # -- hooks ----------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -73,7 +75,7 @@ class WarmupProfiler:
             self._step_start = now
         n = len(self.blocks)
         self._micro.append({"step": self._steps_seen, "fwd": [0.0] * n, "act": [0] * n, "start": [0.0] * n,
-                            "end": [0.0] * n, "enter": [None] * n, "seen": set(), "ctx": None})
+                            "end": [0.0] * n, "enter": [None] * n, "seen": set()})
 
     def _pre(self, i: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -88,20 +90,25 @@ class WarmupProfiler:
                     rec["act"][i] += t.numel() * t.element_size()
                 return t
 
-            rec["ctx"] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            rec["ctx"].__enter__()
+            self._stop_counting()  # left open by a forward that a KeyboardInterrupt ended
+            self._counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self._counting.__enter__()
             rec["start"][i] = self._now()
         return hook
 
+    def _stop_counting(self) -> None:
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self._counting = None
+
     def _post(self, i: int):
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if not (torch.is_grad_enabled() and self._micro) or self._micro[-1]["ctx"] is None:
+            if self._counting is None:
                 return
+            self._stop_counting()
             rec = self._micro[-1]
             rec["end"][i] = self._now()
             rec["fwd"][i] += rec["end"][i] - rec["start"][i]
-            rec["ctx"].__exit__(None, None, None)
-            rec["ctx"] = None
             first = first_tensor(out)
             if first is not None and first.requires_grad:
                 def entered(grad: torch.Tensor) -> None:
@@ -124,6 +131,8 @@ class WarmupProfiler:
         return self._steps_seen >= self.steps
 
     def remove(self) -> None:
+        """Take the hooks off the blocks, and the counting saved-tensor hook off autograd if a forward left it."""
+        self._stop_counting()
         for handle in self._handles:
             handle.remove()
         self._handles = []
