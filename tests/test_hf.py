@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouCallback
@@ -22,17 +22,20 @@ def dataset(n=24, seed=0):
     return [{"input_ids": (t := torch.randint(0, 101, (16,), generator=g)), "labels": t} for _ in range(n)]
 
 
-def train(tmp_path, callback=None, *, model=None, steps=6, resume=None, **overrides):
-    model = model if model is not None else tiny_causal_lm("gpt2")
+def trainer_for(tmp_path, callbacks=(), *, model=None, steps=6, **overrides):
     values = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, warmup_steps=2,
                   weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0,
                   disable_tqdm=True)
     values.update(overrides)
-    trainer = Trainer(model=model, args=TrainingArguments(**values), train_dataset=dataset(),
-                      callbacks=[callback] if callback is not None else [])
+    return Trainer(model=model if model is not None else tiny_causal_lm("gpt2"), args=TrainingArguments(**values),
+                   train_dataset=dataset(), callbacks=list(callbacks))
+
+
+def train(tmp_path, callback=None, *, model=None, steps=6, resume=None, **overrides):
+    trainer = trainer_for(tmp_path, [callback] if callback is not None else [], model=model, steps=steps, **overrides)
     trainer.train(resume_from_checkpoint=resume)
-    return model, trainer
+    return trainer.model, trainer
 
 
 def max_relative_difference(a, b):
@@ -48,6 +51,34 @@ def swap_config(tmp_path, **fields):
     return dict(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
 
 
+def run_dirs(tmp_path):
+    return [p.name for p in tmp_path.iterdir() if p.name.startswith("fuyou-run")]
+
+
+class Fault(TrainerCallback):
+    """Raises once, in the second optimizer step: in the second block's forward (of the step's first
+    micro-batch), or just before the optimizer step, when backward has already written the step's
+    updates into the weights."""
+
+    def __init__(self, where):
+        self.where, self.armed, self.hook = where, True, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.armed and self.where == "forward":
+            self.hook = model.transformer.h[1].register_forward_pre_hook(lambda *_: self.fire(state))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.armed and self.where == "before the optimizer step":
+            self.fire(state)
+
+    def fire(self, state):
+        if state.global_step == 1:
+            self.armed = False
+            if self.hook is not None:
+                self.hook.remove()
+            raise RuntimeError("injected fault")
+
+
 @pytest.mark.parametrize("activations", ["keep", "ssd"])
 def test_same_weights_and_logged_grad_norms_as_without_the_callback(tmp_path, activations):
     reference, ref_trainer = train(tmp_path)
@@ -61,7 +92,7 @@ def test_same_weights_and_logged_grad_norms_as_without_the_callback(tmp_path, ac
         assert summary["activation_bytes_to_ssd"] > 0
     assert trainer.args.max_grad_norm == 1.0, "the Trainer's arguments are put back"
     assert type(trainer.optimizer.optimizer) is torch.optim.AdamW, "and its own optimizer"
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("fuyou-run")], "swap files removed at the end"
+    assert not run_dirs(tmp_path), "swap files removed at the end"
 
 
 def test_resume_from_checkpoint_is_exact(tmp_path):
@@ -108,11 +139,50 @@ def test_bf16_trains(tmp_path):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+# -- a train() that raises leaves nothing behind ------------------------------------------------------------------
+@pytest.mark.parametrize("where, again", [("forward", "the same Trainer"),
+                                          ("before the optimizer step", "a new Trainer and callback")])
+def test_training_again_after_an_exception_is_a_clean_run(tmp_path, where, again):
+    """The next train() ends the run that raised (the Trainer has no exception event) and then trains as a
+    fresh Trainer would from the weights of the last completed step: one step, like the reference's."""
+    one_step, _ = train(tmp_path, steps=1)
+    reference, _ = train(tmp_path, FuyouCallback(**swap_config(tmp_path)), model=one_step)
+    model = tiny_causal_lm("gpt2")
+    callback = FuyouCallback(**swap_config(tmp_path, activations="ssd", activation_min_bytes=0))
+    trainer = trainer_for(tmp_path, [callback, Fault(where)], model=model)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        trainer.train()
+    if again == "a new Trainer and callback":  # on the same model and TrainingArguments
+        callback = FuyouCallback(**swap_config(tmp_path))
+        trainer = Trainer(model=model, args=trainer.args, train_dataset=dataset(), callbacks=[callback])
+    trainer.train()
+    assert callback.summary["optimizer_steps"] == 6
+    assert max_relative_difference(reference, model) <= TOLERANCE
+    assert trainer.args.max_grad_norm == 1.0 and type(trainer.optimizer.optimizer) is torch.optim.AdamW
+    assert not model._forward_pre_hooks, "no hook of either run is left on the model"
+    assert not run_dirs(tmp_path), "the swap files of both runs are removed"
+
+
+def test_closing_the_callback_after_an_exception_puts_everything_back(tmp_path):
+    one_step, _ = train(tmp_path, steps=1)
+    model = tiny_causal_lm("gpt2")
+    with FuyouCallback(**swap_config(tmp_path)) as callback:
+        trainer = trainer_for(tmp_path, [callback, Fault("before the optimizer step")], model=model)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            trainer.train()
+        assert run_dirs(tmp_path) and trainer.args.max_grad_norm == 0.0, "the run that raised is not ended yet"
+        assert max_relative_difference(one_step, model) > 0, "backward wrote the unfinished step's updates"
+    assert trainer.args.max_grad_norm == 1.0 and type(trainer.optimizer.optimizer) is torch.optim.AdamW
+    assert trainer.lr_scheduler.optimizer is trainer.optimizer
+    assert not model._forward_pre_hooks and not run_dirs(tmp_path)
+    assert max_relative_difference(one_step, model) <= TOLERANCE, "the weights are the last completed step's"
+
+
 # -- refused ---------------------------------------------------------------------------------------------------
 def test_non_adam_optimizer_is_refused_and_leaves_nothing(tmp_path):
     with pytest.raises(ConfigError, match="optim='sgd'"):
         train(tmp_path, FuyouCallback(**swap_config(tmp_path)), optim="sgd")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("fuyou-run")]
+    assert not run_dirs(tmp_path)
 
 
 def test_missing_swap_dir_is_refused_and_creates_nothing(tmp_path):

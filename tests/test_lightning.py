@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import fuyou_strategy
@@ -47,6 +48,26 @@ class CausalLM(L.LightningModule):
         opt = torch.optim.AdamW(decay_groups(self.model), lr=self.lr, fused=self.fused)
         warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class FailingLM(CausalLM):
+    """Raises in the training step of the second optimizer step."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1:
+            raise RuntimeError("injected fault")
+        return super().training_step(batch, batch_idx)
+
+
+class ClipsItself(CausalLM):
+    """Clips to 0.5 in ``configure_gradient_clipping``, by ``algorithm``."""
+
+    def __init__(self, algorithm):
+        super().__init__()
+        self.algorithm = algorithm
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm=self.algorithm)
 
 
 def fit(strategy, *, steps=6, ckpt_path=None, callbacks=(), module=None, root=None, batches=BATCHES, **trainer_args):
@@ -228,6 +249,23 @@ def test_clipping_by_value_is_refused(tmp_path):
     assert run_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("module", [CausalLM, FailingLM])
+def test_the_users_precision_plugin_is_left_as_it_is(tmp_path, module):
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy = FuyouStrategy(swap_dirs=[str(tmp_path)])
+    with pytest.raises(RuntimeError, match="injected fault") if module is FailingLM else contextlib.nullcontext():
+        fit(strategy, steps=2, module=module(), plugins=[plugin])
+    assert type(plugin) is MixedPrecision and "clip_gradients" not in vars(plugin)
+    assert isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("algorithm, error", [("norm", "got gradient_clip_val=0.5 but the optimizer clips to None"),
+                                              ("value", "clipping by value is not supported")])
+def test_clipping_asked_for_by_the_module_is_checked(tmp_path, algorithm, error):
+    with pytest.raises(ConfigError, match=error):
+        fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=1, module=ClipsItself(algorithm), gradient_clip_val=None)
+
+
 # -- Fabric ----------------------------------------------------------------------------------------------------
 def fabric_train(strategy, steps=3, accumulate=2, clip=1.0):
     fuyou = isinstance(strategy, FuyouFabricStrategy)
@@ -255,3 +293,16 @@ def test_fabric_same_weights_as_plain_fabric(tmp_path):
         reference = fabric_train("auto")
         ours = fabric_train(FuyouFabricStrategy(swap_dirs=[str(tmp_path)], max_grad_norm=1.0))
     assert max_relative_difference(reference, ours) <= TOLERANCE
+
+
+def test_fabric_setup_twice_counts_each_micro_batch_once(tmp_path):
+    strategy = FuyouFabricStrategy(swap_dirs=[str(tmp_path)])
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model = tiny_causal_lm("gpt2")
+    fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    wrapped, _ = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    batch = token_batches(1)[0][None]
+    wrapped(input_ids=batch, labels=batch)
+    assert strategy.engine.micro_batches == 1
+    strategy.teardown()
+    assert not model._forward_pre_hooks and run_files(tmp_path) == []

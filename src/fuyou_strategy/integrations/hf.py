@@ -16,8 +16,17 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   ``<checkpoint-N>/fuyou_optimizer/``; checkpoint rotation removes it with its folder.
 - resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams it back
   from ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``).
-- ``on_train_end``: ``max_grad_norm`` and the Trainer's own optimizer are put back (with the
-  current learning rates) and the swap files are deleted.
+- ``on_train_end``: ``max_grad_norm``, the Trainer's own optimizer (with the current learning
+  rates) and the scheduler's are put back, the hook removed and the swap files deleted.
+- a ``train()`` that raises: the Trainer has no exception event, so no callback hears of it. The
+  run's changes stay until the next ``on_train_begin`` on the same model or arguments, of any
+  ``FuyouCallback`` (also the Trainer's own retry with ``auto_find_batch_size``), or
+  ``FuyouCallback.close()``, which end it as ``on_train_end`` would, after discarding the updates
+  that backward had written for a step that never ran (the weights are the last step's, as with
+  torch's AdamW). Ending it lazily at one of these points is the one place that catches every way
+  out of ``train()`` (an error in data loading, forward, backward, another callback, a
+  ``KeyboardInterrupt``); a finalizer would run at the whim of the garbage collector, after the
+  traceback that holds the Trainer's frames is dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +50,54 @@ _GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 log = hf_logging.get_logger(f"transformers.{__name__}")
 
 
+class _Run:
+    """One ``train()``'s changes to the Trainer's objects, made on construction, put back by `end`.
+
+    Changed: the accelerate wrapper's optimizer (the engine's `FuyouAdamW` instead of the
+    Trainer's), the LR scheduler's optimizer, ``args.max_grad_norm`` (0: the optimizer clips,
+    the Trainer only measures the norm for logging) and a forward pre-hook on the model.
+    """
+
+    def __init__(self, engine: FuyouEngine, args: Any, model: torch.nn.Module, wrapper: Any, scheduler: Any) -> None:
+        self.engine, self.args, self.model, self.wrapper, self.scheduler = engine, args, model, wrapper, scheduler
+        self.max_grad_norm, self.original = args.max_grad_norm, wrapper.optimizer
+        self.scheduler_optimizer = scheduler.optimizer if scheduler is not None else None
+        wrapper.optimizer = engine.optimizer
+        if scheduler is not None:
+            rebind_scheduler(scheduler, engine.optimizer)
+        self.hook = model.register_forward_pre_hook(self._before_forward)
+        args.max_grad_norm = 0.0
+        _unended.append(self)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.engine.begin_micro_batch(update=GradientState().sync_gradients)
+
+    def end(self) -> None:
+        """Put everything back (the Trainer's optimizer with the current learning rates), discard the
+        updates of a step that never reached ``step()`` and delete the swap files; once."""
+        if self not in _unended:
+            return
+        _unended.remove(self)
+        self.hook.remove()
+        self.args.max_grad_norm = self.max_grad_norm
+        converted = self.engine.optimizer
+        if len(self.original.param_groups) == len(converted.param_groups):
+            for theirs, ours in zip(self.original.param_groups, converted.param_groups):
+                theirs.update({k: ours[k] for k in _GROUP_KEYS if k in ours})
+        self.wrapper.optimizer = self.original
+        if self.scheduler is not None:
+            self.scheduler.optimizer = self.scheduler_optimizer
+        try:
+            converted.zero_grad()  # after a normal end nothing is pending: it only clears gradients
+        finally:
+            self.engine.close()
+
+
+# Runs that began and have not ended (see the module docstring).
+_unended: list[_Run] = []
+
+
 class FuyouCallback(TrainerCallback):
     """Train a ``transformers.Trainer`` with `FuyouAdamW` and activation swapping.
 
@@ -58,47 +115,52 @@ class FuyouCallback(TrainerCallback):
     LoRA, weights are optimised). Refused: ``fp16=True``, optimizers other than AdamW/Adam.
     After training, ``callback.summary`` holds the engine's summary (and ``callback.plan`` the
     planner's `Plan` with ``activations="auto"``).
+
+    When ``train()`` raises, the run's changes to the Trainer, the model and
+    ``TrainingArguments`` and its swap files stay until the next ``train()`` on the same model or
+    arguments (with any ``FuyouCallback``) or `close` ends the run; ``with FuyouCallback(...) as
+    fuyou:`` closes it at the block's end. Until then the weights may hold updates of the step
+    that did not finish.
     """
 
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, resume_from: str | None = None,
                  **config_fields: Any) -> None:
         self.config = FuyouConfig.resolve(config, **config_fields)
         self.resume_from = resume_from
-        self.engine: FuyouEngine | None = None
         self.summary: dict[str, Any] | None = None
         self.plan = None  # the planner's Plan after training with activations="auto"
-        self._restore: dict[str, Any] = {}
+        self._run: _Run | None = None
+
+    @property
+    def engine(self) -> FuyouEngine | None:
+        """The `FuyouEngine` of the run in progress (or of one that raised and was not yet ended)."""
+        return self._run.engine if self._run is not None else None
 
     # -- start -------------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
+        # A run that raised never reached on_train_end: end it before this one reads what it changed.
+        for run in [r for r in _unended if r is self._run or r.model is model or r.args is args]:
+            run.end()
+        self._run = None
         if args.fp16:
             raise ConfigError("fp16: got True; fp16 needs loss scaling, which FuyouAdamW does not do: use bf16=True")
         if optimizer is None or not hasattr(optimizer, "optimizer"):
             raise ConfigError("FuyouCallback: the Trainer gave no accelerate-wrapped optimizer to replace; "
                               "let the Trainer create the optimizer (do not pass optimizers=...)")
         resume = self._resume_folder(args, state)  # before anything is created on disk
-        original = optimizer.optimizer
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
-        self.engine = FuyouEngine(model, original, config=self.config, max_grad_norm=max_norm, release_grads=False,
-                                  norm_order=model.parameters(), where=f"TrainingArguments(optim={optim_name!r})",
-                                  report=log.info)
+        engine = FuyouEngine(model, optimizer.optimizer, config=self.config, max_grad_norm=max_norm,
+                             release_grads=False, norm_order=model.parameters(),
+                             where=f"TrainingArguments(optim={optim_name!r})", report=log.info)
         try:
             if resume is not None:
-                self.engine.load(resume)
+                engine.load(resume)
         except BaseException:
-            self.engine.close()
-            self.engine = None
+            engine.close()
             raise
-        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
-        optimizer.optimizer = self.engine.optimizer
-        if scheduler is not None:
-            rebind_scheduler(scheduler, self.engine.optimizer)
-        self._restore = {"args": args, "max_grad_norm": args.max_grad_norm, "wrapper": optimizer,
-                         "original": original, "scheduler": scheduler,
-                         "hook": model.register_forward_pre_hook(self._before_forward)}
-        args.max_grad_norm = 0.0  # the optimizer clips; the Trainer only measures the norm for logging
+        self._run = _Run(engine, args, model, optimizer, getattr(lr_scheduler, "scheduler", lr_scheduler))
 
     def _resume_folder(self, args: Any, state: Any) -> str | None:
         if not state.global_step:
@@ -117,10 +179,6 @@ class FuyouCallback(TrainerCallback):
             "if the checkpoint is elsewhere"
         )
 
-    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled() and self.engine is not None:
-            self.engine.begin_micro_batch(update=GradientState().sync_gradients)
-
     # -- checkpoints -----------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -129,19 +187,22 @@ class FuyouCallback(TrainerCallback):
 
     # -- end -------------------------------------------------------------------------------------------------
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.engine is None:
+        if self._run is None:
             return
-        self.summary = self.engine.summary()
-        self.plan = self.engine.plan
-        restore, self._restore = self._restore, {}
-        restore["hook"].remove()
-        restore["args"].max_grad_norm = restore["max_grad_norm"]
-        original, converted = restore["original"], self.engine.optimizer
-        if len(original.param_groups) == len(converted.param_groups):
-            for theirs, ours in zip(original.param_groups, converted.param_groups):
-                theirs.update({k: ours[k] for k in _GROUP_KEYS if k in ours})
-        restore["wrapper"].optimizer = original
-        if restore["scheduler"] is not None:
-            restore["scheduler"].optimizer = original
-        self.engine.close()
-        self.engine = None
+        self.summary = self._run.engine.summary()
+        self.plan = self._run.engine.plan
+        self.close()
+
+    def close(self) -> None:
+        """End this callback's run, if one is left: put back ``args.max_grad_norm``, the Trainer's
+        optimizer and scheduler, remove the hook, restore the weights of the last completed step
+        and delete the swap files. Only needed after ``train()`` raised; a no-op otherwise."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.end()
+
+    def __enter__(self) -> "FuyouCallback":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,7 +11,10 @@
   others outside it, which is exactly the signal needed;
 - Lightning's own gradient clipping is replaced by a check: clipping after backward would
   act on gradients the optimizer has already consumed, so the optimizer clips instead
-  (``"value"`` clipping, or a different value, is refused);
+  (``"value"`` clipping, or a different value, is refused). As Lightning's DeepSpeed strategy
+  does with its own precision plugin, the check lives in the precision plugin's class: the
+  strategy uses a copy of the plugin Lightning gives it, of a subclass with that check; the
+  user's plugin instance is never changed;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
   ``.ckpt`` into ``<ckpt>.fuyou/`` (checksummed), ``ckpt_path=`` streams it back, and
   ``remove_checkpoint`` (top-k pruning) removes it. Weights kept in bf16 are saved as their
@@ -23,6 +26,8 @@ until the strategy is set up again or the process ends; the activation hooks are
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shutil
 from typing import Any, Callable
@@ -30,6 +35,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -75,6 +81,47 @@ class _OneDevice:
             raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one "
                               "device (devices=1)")
 
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class _ClipsInOptimizer:
+    """Mixed into the class of the Trainer's precision plugin (see `_clipping_in_optimizer`):
+    `FuyouAdamW` clips, exactly, in ``step()``, so the plugin's clipping becomes a check that the
+    optimizer clips to the value asked for."""
+
+    def clip_gradients(self, optimizer: Any, clip_val: float | int = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        if not clip_val or clip_val <= 0:
+            return
+        if gradient_clip_algorithm is not GradClipAlgorithmType.NORM:
+            raise ConfigError("gradient clipping by value is not supported by the fuyou strategy; clip by norm")
+        configured = getattr(optimizer, "max_grad_norm", None)
+        if configured != float(clip_val):
+            raise ConfigError(
+                f"clip_gradients: got gradient_clip_val={clip_val} but the optimizer clips to {configured}; with the "
+                "fuyou strategy set the norm once, with Trainer(gradient_clip_val=...): gradients are consumed "
+                "during backward, so clipping them afterwards is too late"
+            )
+
+
+@functools.cache
+def _clipping_class(cls: type) -> type:
+    # The same __qualname__: Lightning files a plugin's state in checkpoints under it.
+    return type(cls.__name__, (_ClipsInOptimizer, cls), {"__qualname__": cls.__qualname__})
+
+
+def _clipping_in_optimizer(plugin: Precision) -> Precision:
+    """A shallow copy of ``plugin`` whose class is its own with `_ClipsInOptimizer` mixed in;
+    ``plugin`` itself is left as it is."""
+    if isinstance(plugin, _ClipsInOptimizer):
+        return plugin
+    ours = copy.copy(plugin)
+    ours.__class__ = _clipping_class(type(plugin))
+    return ours
+
 
 def sidecar(filepath: str | os.PathLike) -> str:
     """Where the optimizer state of the checkpoint at ``filepath`` lives."""
@@ -113,7 +160,15 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._init_one_device(device, config, config_fields)
         self._in_optimizer_step = False
-        self._original_clip: Callable | None = None
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin Lightning set, as a copy whose clipping checks `FuyouAdamW`'s."""
+        return self._precision_plugin if self._precision_plugin is not None else _clipping_in_optimizer(Precision())
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = _clipping_in_optimizer(plugin) if plugin is not None else None
 
     # -- setup -------------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -150,23 +205,6 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
                                   report=rank_zero_info)
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
-        self._original_clip = self.precision_plugin.clip_gradients
-        self.precision_plugin.clip_gradients = self._clip_gradients
-
-    def _clip_gradients(self, optimizer: Any, clip_val: float | int = 0.0,
-                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Stands in for the precision plugin's clipping: FuyouAdamW clips, exactly, in ``step()``."""
-        if not clip_val or clip_val <= 0:
-            return
-        if gradient_clip_algorithm is not GradClipAlgorithmType.NORM:
-            raise ConfigError("gradient clipping by value is not supported by the fuyou strategy; clip by norm")
-        configured = self.engine.optimizer.max_grad_norm if self.engine is not None else None
-        if configured != float(clip_val):
-            raise ConfigError(
-                f"clip_gradients: got gradient_clip_val={clip_val} but the optimizer clips to {configured}; with the "
-                "fuyou strategy set the norm once, with Trainer(gradient_clip_val=...): gradients are consumed "
-                "during backward, so clipping them afterwards is too late"
-            )
 
     # -- the step ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -223,19 +261,11 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def teardown(self) -> None:
-        if self._original_clip is not None:
-            self.precision_plugin.clip_gradients = self._original_clip
-            self._original_clip = None
         if self.engine is not None:
             self.engine.optimizer.updates_enabled = False  # a stray backward after fit queues nothing
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
         super().teardown()
-
-    def _close_engine(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -259,6 +289,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
                          checkpoint_io=checkpoint_io, precision=precision)
         self._init_one_device(device, config, config_fields)
         self.max_grad_norm = max_grad_norm
+        self._hook: Any = None  # the forward pre-hook on the set-up module
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
         self._check_single_device()
@@ -266,13 +297,12 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
         if len(optimizers) != 1:
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
         module = self.setup_module(module)
-        if self.engine is not None:
-            self.engine.close()
+        self._close_engine()  # a second setup replaces the first one's engine and hook
         self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,
                                   where="fabric.setup", report=rank_zero_info)
         if scheduler is not None:
             self.engine.rebind_schedulers([scheduler])
-        module.register_forward_pre_hook(self._before_forward)
+        self._hook = module.register_forward_pre_hook(self._before_forward)
         return module, [self.engine.optimizer], scheduler
 
     def _before_forward(self, module: Any, args: Any) -> None:
@@ -291,10 +321,14 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
     def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
         raise ConfigError("fabric.clip_gradients(clip_val=...): clipping by value is not supported by the fuyou strategy")
 
+    def _close_engine(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        super()._close_engine()
+
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        self._close_engine()
         super().teardown()
 
 
