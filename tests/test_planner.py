@@ -18,8 +18,10 @@ K, H, S, R = Policy.KEEP, Policy.HOST, Policy.SSD, Policy.RECOMPUTE
 
 
 def synthetic(n=8, *, act=100 * MiB, fwd=0.1, device=None, host=None, ssd=None, ssd_bw=2e9, link=10e9, params=10**6,
-              **more):
-    return Profile(blocks=[BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=params)] * n,
+              weight_bytes=0, weight_tier="device", **more):
+    block = BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=params, weight_bytes=weight_bytes,
+                         weight_tier=weight_tier)
+    return Profile(blocks=[block] * n,
                    other_fwd_s=0.05, other_bwd_s=0.1, other_params=params, link_bytes_per_s=link,
                    ssd_read_bytes_per_s=ssd_bw, ssd_write_bytes_per_s=ssd_bw, adam_params_per_s=1e9,
                    device_base_bytes=200 * MiB, device_budget=device, host_budget=host, ssd_budget=ssd, **more)
@@ -146,6 +148,32 @@ def test_analytic_presets_are_sane():
     few = dataclasses.replace(hw, ssds=1)
     many, one = (solve(analytic_profile(MODEL_PRESETS["gpt3-13b"], h, batch=8, seq=2048)) for h in (hw, few))
     assert many.predicted_step_s < one.predicted_step_s, "more SSDs: a faster optimizer"
+
+
+# -- weight tiers ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("link", [20e9, 2e9, 0.5e9, 0.2e9])
+def test_streaming_weights_from_host_costs_time_only_when_the_link_is_the_bottleneck(link):
+    weights, k = 100 * MiB, 2
+    resident = predict(synthetic(link=link, weight_bytes=weights), [K] * 8)
+    streamed = predict(synthetic(link=link, weight_bytes=weights, weight_tier="host"), [K] * 8)
+    # Per block the link moves the weights in for a 0.1 s forward, and in again plus the gradients out
+    # for a 0.2 s backward: it is the bottleneck when one block's weights take longer than a forward.
+    per_block = weights / link
+    if per_block > 0.1:
+        assert streamed.step_s > resident.step_s + 8 * (per_block - 0.1), "forward alone waits for the link"
+    else:
+        # Hidden, but for the first block's weights before forward and the last gradients after backward.
+        assert resident.step_s <= streamed.step_s <= resident.step_s + 2 * per_block + 1e-9
+    # The link carries 8 blocks' weights in forward, all but the k + 1 still on the device again in
+    # backward, and 8 blocks' gradients out.
+    assert streamed.link_s == pytest.approx((8 + 8 - (k + 1) + 8) * per_block)
+    assert streamed.device_peak == resident.device_peak + (k + 2) * weights  # weights in flight and one's gradients
+    assert streamed.host_peak == resident.host_peak + 8 * weights
+
+
+def test_a_block_weight_tier_must_be_known():
+    with pytest.raises(ValueError, match=r"weight_tier: got 'gpu'; expected one of device, host, ssd"):
+        BlockProfile(fwd_s=0.1, bwd_s=0.2, act_bytes=0, params=1, weight_tier="gpu")
 
 
 def test_fuyou_plan_cli(tmp_path, capsys):
