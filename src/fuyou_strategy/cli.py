@@ -103,13 +103,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              ("adam_params_per_s", args.adam_params_per_s), ("efficiency", args.efficiency)) if v is not None})
     profile = analytic_profile(model, hw, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
                                prefetch_blocks=args.prefetch_blocks)
-    flops = profile.notes["flops_per_step"]
+    flops, flops_paper = profile.notes["flops_per_step"], profile.notes["flops_per_step_paper"]
     print(f"model {model.name}: {model.params / 1e9:.1f}B parameters, {model.layers} blocks; batch {args.batch} x seq "
           f"{args.seq} x {args.micro_batches} micro-batch(es)")
     print(f"hardware: {hw.name} ({format_bytes(hw.device_memory) if hw.device_memory else 'no accelerator'}, "
           f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {format_bytes(hw.host_memory)}, {hw.ssds} SSD(s) "
           f"{hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s read/write, CPU AdamW "
           f"{hw.adam_params_per_s / 1e9:g}G params/s; weights: {profile.notes['weights']}")
+    print(f"TFLOPS count model FLOPs, {flops / 1e15:.3g} PFLOP/step (forward + backward, 6*P*tokens + attention; "
+          f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
+          "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
     results = {}
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
@@ -122,9 +125,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             results[name] = {"fits": False, "error": str(exc)}
             continue
         print(plan.table(compact=True) if not args.full_table else plan.table())
-        print(f"predicted step {plan.predicted_step_s:.2f} s, {flops / plan.predicted_step_s / 1e12:.1f} TFLOPS "
+        tflops, tflops_paper = (f / plan.predicted_step_s / 1e12 for f in (flops, flops_paper))
+        print(f"predicted step {plan.predicted_step_s:.2f} s, {tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
               f"({args.batch * args.seq * args.micro_batches / plan.predicted_step_s:,.0f} tokens/s)")
-        results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": flops / plan.predicted_step_s / 1e12,
+        results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
                          "policies": plan.policies}
         if name == "fuyou" and args.save:
@@ -162,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", default="rtx4090", choices=["rtx4090", "a100-80g", "h100", "cpu"])
     plan.add_argument("--host-memory", type=_size, default=parse_bytes("768GB"), help="host RAM (default 768GB)")
     plan.add_argument("--ssds", type=int, default=1, help="number of NVMe drives, striped (default 1)")
-    plan.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s (default 3.5)")
-    plan.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s (default 3.0)")
+    plan.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s (default 6.5: Intel D7-P5510)")
+    plan.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s (default 3.4: Intel D7-P5510)")
     plan.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput (default 1e9)")
-    plan.add_argument("--efficiency", type=float, help="fraction of peak FLOPS reached (default 0.5)")
+    plan.add_argument("--efficiency", type=float,
+                      help="fraction of peak FLOPS reached (default: rtx4090 0.96, measured matmuls; others 0.5)")
     plan.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
     plan.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default 1)")

@@ -1,7 +1,8 @@
 """The cost model: predicted step time and per-tier peak memory for any per-block policy.
 
 A `Profile` describes one training step of one model on one machine: per block its forward
-and backward time, saved-activation bytes and parameters; the rest of the model; the
+and backward time, saved-activation bytes, parameters and compute-weight bytes with the tier
+those weights live in (``device``, ``host`` or ``ssd``); the rest of the model; the
 device↔host and SSD bandwidths; the CPU AdamW throughput; and the budgets of each tier. It
 comes from a warm-up measurement (`profile.measure`) or from a model and hardware
 description (`spec.analytic_profile`, for ``fuyou plan``) — the model below is the same.
@@ -10,9 +11,11 @@ description (`spec.analytic_profile`, for ``fuyou plan``) — the model below is
 the runtime issues them:
 
 - ``compute`` (the device): block forwards, recomputation, block backwards, the rest of the model;
-- ``link`` (device↔host copies): activations out in forward and back in backward;
+- ``link`` (device↔host copies, both directions on one in-order resource): activations out in
+  forward and back in backward; streamed weights in, and their gradients out;
 - ``ssd`` (all swap directories, reads and writes sharing the drives): activation writes and
-  prefetch reads, and the optimizer's state traffic — so the two compete, as they do;
+  prefetch reads, weights streamed from the ``ssd`` tier, and the optimizer's state traffic —
+  so they compete, as they do;
 - ``cpu`` (the optimizer worker): AdamW on each parameter's chunks.
 
 A task starts when its inputs are ready and its resource is free, so compute and data
@@ -23,8 +26,20 @@ backward enters the block ``prefetch_blocks`` later, a block's backward waits fo
 activations (or its recomputation), and the optimizer update of a block's parameters starts
 when its backward has produced their gradients (Fuyou's overlap). What cannot overlap — the
 updates of the blocks that receive their gradients last, and of the rest of the model — ends
-the step. When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a
-second, unoverlapped pass over every parameter; that is added in proportion. With
+the step.
+
+Weights of a block whose ``weight_tier`` is ``host`` or ``ssd`` are streamed as the runtime
+streams them (issue 11): entering a block in forward issues the reads of the weights of that
+block and the next ``prefetch_blocks`` (from SSD, then over the link; the block's forward waits
+for them); the last ``prefetch_blocks + 1`` blocks' weights are still on the device when
+backward starts, and backward reads the others again, ``prefetch_blocks`` ahead in reverse
+order; each streamed block's gradients leave over the link as soon as its backward ends (every
+micro-batch), and its update starts from them. The updated weight goes back to its tier
+(written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
+device. Device-resident weights are not touched by any of this.
+
+When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a second,
+unoverlapped pass over every parameter; that is added in proportion. With
 ``overlap_optimizer=False`` every update waits for the end of backward (the ZeRO-Infinity
 schedule, for comparison).
 """
@@ -37,24 +52,41 @@ from typing import Sequence
 from ..activations.blocks import Policy
 from ..optim.adamw import STATE_BYTES_PER_PARAM
 
-__all__ = ["BlockProfile", "Profile", "Prediction", "predict"]
+__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow
+WEIGHT_TIERS = ("device", "host", "ssd")  # where a block's compute weights live between uses
 
 
 @dataclass
 class BlockProfile:
-    """One repeated block (a transformer layer) for one micro-batch."""
+    """One repeated block (a transformer layer) for one micro-batch.
+
+    ``weight_bytes`` are the block's compute weights (its gradients are as large) and
+    ``weight_tier`` where they live between uses: ``"device"`` (resident; counted in
+    `Profile.device_base_bytes`), ``"host"`` or ``"ssd"`` (streamed per block, see `predict`).
+    """
 
     fwd_s: float
     bwd_s: float
     act_bytes: int  # saved activations that a host/ssd policy moves (one micro-batch)
     params: int  # trainable parameters in the block
+    weight_bytes: int = 0
+    weight_tier: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.weight_tier not in WEIGHT_TIERS:
+            raise ValueError(f"BlockProfile.weight_tier: got {self.weight_tier!r}; expected one of "
+                             f"{', '.join(WEIGHT_TIERS)}")
 
     @property
     def recompute_s(self) -> float:
         return self.fwd_s
+
+    @property
+    def streamed(self) -> bool:
+        return self.weight_tier != "device"
 
 
 @dataclass
@@ -69,8 +101,10 @@ class Profile:
     ssd_read_bytes_per_s: float = 3e9  # all swap directories together
     ssd_write_bytes_per_s: float = 2e9
     adam_params_per_s: float = 1e9  # CPU AdamW throughput (parameters per second)
-    weight_upload_bytes_per_param: float = 0.0  # copying an updated weight to the device (0 when device is host)
-    device_base_bytes: int = 0  # what stays on the device regardless of policies (weights, grads, runtime)
+    weight_upload_bytes_per_param: float = 0.0  # copying an updated resident weight to the device (0: device is host)
+    # What stays on the device regardless of policies: resident weights and their gradients, the rest of the
+    # model, the runtime. Not the weights of streamed blocks: `predict` adds their window in flight.
+    device_base_bytes: int = 0
     optimizer_host_bytes: int = 0  # host buffers the optimizer keeps (its share of the pool)
     micro_batches: int = 1
     prefetch_blocks: int = 2
@@ -149,10 +183,17 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
     backward_end = 0.0
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
-        # -- forward: blocks in order; each swapped block's activations leave asynchronously.
+        # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
+        #    activations leave asynchronously.
         out_done = [0.0] * n
+        weights_ready = [0.0] * n
+        weights_issued = [not b.streamed for b in blocks]
         for i, (b, p) in enumerate(zip(blocks, policies)):
-            t = s.run("compute", b.fwd_s, t)
+            for j in range(i, min(n, i + k + 1)):  # entering block i issues the weight reads for i .. i+k
+                if not weights_issued[j]:
+                    weights_issued[j] = True
+                    weights_ready[j] = _read_weights(s, profile, blocks[j], t)
+            t = s.run("compute", b.fwd_s, t, weights_ready[i])
             if p in (Policy.HOST, Policy.SSD):
                 if profile.blocking_swap_out:
                     copied = t = s.run("compute", b.act_bytes / link, t)
@@ -163,9 +204,13 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         # -- backward: blocks in reverse; prefetch k blocks ahead; updates follow each block's gradients.
         back_ready = [0.0] * n
         issued = [False] * n
+        weights_issued = [not b.streamed or i >= n - k - 1 for i, b in enumerate(blocks)]  # last ones still here
         updates_done = []
         for i in range(n - 1, -1, -1):
             for j in range(i, max(-1, i - k - 1), -1):  # entering block i issues the reads for i .. i-k
+                if not weights_issued[j]:
+                    weights_issued[j] = True
+                    weights_ready[j] = _read_weights(s, profile, blocks[j], t)
                 if not issued[j] and policies[j] in (Policy.HOST, Policy.SSD):
                     issued[j] = True
                     ready = max(out_done[j], t)
@@ -174,23 +219,24 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
                     back_ready[j] = s.run("link", blocks[j].act_bytes / link, ready)
             b, p = blocks[i], policies[i]
             if p is Policy.RECOMPUTE:
-                t = s.run("compute", b.recompute_s, t)
-            t = s.run("compute", b.bwd_s, t, back_ready[i])
+                t = s.run("compute", b.recompute_s, t, weights_ready[i])
+            t = s.run("compute", b.bwd_s, t, back_ready[i], weights_ready[i])
+            grads = s.run("link", b.weight_bytes / link, t) if b.streamed else t  # a streamed block's grads leave
             if last and overlap_optimizer:
-                updates_done.append(_update(s, profile, b.params, t))
+                updates_done.append(_update(s, profile, b.params, grads, b))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if overlap_optimizer:
         updates_done.append(_update(s, profile, profile.other_params, backward_end))
     else:
-        updates_done = [_update(s, profile, b.params, backward_end) for b in reversed(blocks)]
+        updates_done = [_update(s, profile, b.params, backward_end, b) for b in reversed(blocks)]
         updates_done.append(_update(s, profile, profile.other_params, backward_end))
     step = max([backward_end, *updates_done])
     if profile.redo_fraction > 0:
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
         for b in reversed(blocks):
-            redo = max(redo, _update(s, profile, b.params, step))
+            redo = max(redo, _update(s, profile, b.params, step, b))
         redo = max(redo, _update(s, profile, profile.other_params, step))
         step += profile.redo_fraction * (redo - step)
 
@@ -204,14 +250,26 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
                       s.busy["cpu"], step - backward_end, over)
 
 
-def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float) -> float:
-    """One parameter set's AdamW: read state, update on the CPU, write state, upload the weight."""
+def _read_weights(s: _Schedule, profile: Profile, block: BlockProfile, after: float) -> float:
+    """A streamed block's weights onto the device: from SSD first for the ``ssd`` tier, then over the link."""
+    if block.weight_tier == "ssd":
+        after = s.run("ssd", block.weight_bytes / profile.ssd_read_bytes_per_s, after)
+    return s.run("link", block.weight_bytes / profile.link_bytes_per_s, after)
+
+
+def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None) -> float:
+    """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
+    weight: uploaded to the device when resident (``block`` None or on the device), written back to
+    SSD for the ``ssd`` tier, left in place for ``host``."""
     if params == 0:
         return grads_ready
     read = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_read_bytes_per_s, grads_ready)
     done = s.run("cpu", params / profile.adam_params_per_s, read)
     written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done)
-    if profile.weight_upload_bytes_per_param:
+    tier = block.weight_tier if block is not None else "device"
+    if tier == "ssd":
+        written = s.run("ssd", block.weight_bytes / profile.ssd_write_bytes_per_s, done)
+    elif tier == "device" and profile.weight_upload_bytes_per_param:
         done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done)
     return max(written, done)
 
@@ -223,7 +281,11 @@ def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]
       (present while it runs, whatever its policy);
     - backward at block ``i``: kept activations of blocks ``<= i`` (later ones are freed), the
       activations of swapped blocks ``i-k .. i`` already read back, and block ``i``'s own
-      (recomputed, if so).
+      (recomputed, if so);
+
+    plus, with streamed weights, a window of ``k + 2`` of the largest streamed blocks' weights
+    (``k + 1`` blocks' weights in flight and one block's gradients on their way out). Host-tier
+    weights count in the host's peak, SSD-tier weights in the SSD's.
     """
     blocks, k = profile.blocks, profile.prefetch_blocks
     acts = [b.act_bytes for b in blocks]
@@ -237,8 +299,11 @@ def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]
         peak = max(peak, kept_upto[i] + own)  # forward
         fetched = sum(acts[j] for j in range(max(0, i - k), i + 1) if policies[j] in (Policy.HOST, Policy.SSD))
         peak = max(peak, kept_upto[i] + fetched + (own if p is Policy.RECOMPUTE else 0))  # backward
-    device = profile.device_base_bytes + peak
-    host = profile.optimizer_host_bytes + sum(a for a, p in zip(acts, policies) if p is Policy.HOST)
+    window = (k + 2) * max((b.weight_bytes for b in blocks if b.streamed), default=0)
+    device = profile.device_base_bytes + window + peak
+    host = (profile.optimizer_host_bytes + sum(a for a, p in zip(acts, policies) if p is Policy.HOST)
+            + sum(b.weight_bytes for b in blocks if b.weight_tier == "host"))
     ssd = (OPTIMIZER_SSD_SLOTS * STATE_BYTES_PER_PARAM * profile.params
-           + sum(a for a, p in zip(acts, policies) if p is Policy.SSD))
+           + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
+           + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))
     return device, host, ssd

@@ -18,33 +18,67 @@ A Hugging Face ``config.json`` (GPT-2 or Llama-style keys) is read the same way.
   ``b·s·h·(15 + 19·ffn/(4h))`` bytes, Korthikanti et al. 2022 ("Reducing Activation
   Recomputation in Large Transformer Models"), whose 34·sbh for GPT splits into 15 (attention)
   and 19 (MLP with ffn = 4h); the MLP part is scaled to the actual FFN width.
+- Weights: 16-bit, ``2·P_block`` bytes per block (its gradients as many).
 
-**Hardware.** `Hardware` presets (peak dense bf16 tensor TFLOPS and memory from the vendors'
-data sheets; the device↔host link is PCIe, effective ≈ 80% of the raw rate):
+**How TFLOPS are counted** (`step_flops`). ``fuyou plan`` prints two numbers per plan:
 
-- ``rtx4090``: 24 GB, 82.6 TFLOPS (Ada whitepaper: FP16/BF16 tensor with FP32 accumulate,
-  which GeForce runs at half the 165 TFLOPS FP16-accumulate rate), PCIe 4.0 x16 → 25 GB/s;
+- *model FLOPs*: forward + backward, ``3 × (2·P·tokens + 4·b·s²·h·layers)`` plus the LM head
+  — "6·P·tokens + attention"; recomputation, when a plan recomputes, is not counted;
+- *Fuyou's paper's count*: every block's forward counted twice, as if all activations were
+  recomputed, whether or not any are — Megatron-LM's ``96·B·s·l·h²·(1 + s/6h + V/16lh)``
+  (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters"),
+  i.e. 8·P·tokens + attention, about 4/3 of the model FLOPs. The paper's text was not
+  available to check; this is inferred from its numbers: GPT-3 13B at 156 TFLOPS on an RTX
+  4090 (abstract) would be 94% of the card's 165 TFLOPS tensor peak in model FLOPs, which no
+  whole training step reaches (the matmuls alone measure 96%, below), but 71% in this count.
+  The same count reproduces the paper's SSD sweep (``tests/test_planner.py``).
+
+**Hardware.** `Hardware` presets (peak dense 16-bit tensor TFLOPS as PyTorch runs it, with
+FP32 accumulation; memory from the vendors' data sheets):
+
+- ``rtx4090``: 24 GB; 165.2 TFLOPS — NVIDIA Ada architecture whitepaper, appendix table for
+  the GeForce RTX 4090: FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.4 sparse);
+  330.3 with FP16 accumulate, which PyTorch's cuBLAS calls never use (both rates and that fact:
+  pytorch/pytorch#123157); 82.6 is the non-tensor FP32 rate. ``efficiency`` 0.96: measured
+  ``torch.matmul`` fp16 at n=8192 on an RTX 4090, 158.6 TFLOPS (mli/transformers-benchmarks#4;
+  a second card measured 162.6 at 8192³ stock, JustAResearcher/gpu-unlock-ada, evidence
+  rtx4090-595.91.07). It is the matmuls' rate, applied to every FLOP of the step;
+  elementwise kernels are not modelled. Link: PCIe 4.0 x16 is 31.5 GB/s raw each way
+  (16 GT/s × 16 lanes × 128/130); copies measure 24–27 GB/s on RTX 4090 hosts, and share
+  about that when both directions run (NVIDIA/nvbandwidth#15) → 25 GB/s, one resource for
+  both directions (see `cost`);
 - ``a100-80g``: 80 GB, 312 TFLOPS, PCIe 4.0 → 25 GB/s;
 - ``h100``: 80 GB, 989 TFLOPS (SXM), PCIe 5.0 → 50 GB/s;
 - ``cpu``: no accelerator (device = host RAM), 1 TFLOPS, memcpy-speed "link" of 10 GB/s.
 
-SSDs: per drive 3.5 GB/s read and 3.0 GB/s write by default (a PCIe 4.0 NVMe's sustained
-rates are higher; these are conservative); ``--ssds N`` drives are striped, so bandwidth
-scales with N. CPU AdamW throughput defaults to 1e9 parameters/s (a multi-core server with
-a vectorised kernel). ``efficiency`` (default 0.5) is the fraction of peak FLOPS reached.
+``efficiency`` for the presets other than ``rtx4090`` is an assumption (0.5), not a measurement.
+
+SSDs: per drive 6.5 GB/s read and 3.4 GB/s write by default — Intel SSD D7-P5510 3.84 TB,
+sequential (Intel's product specification on ark.intel.com, as recalled: the page could not
+be re-checked when this was written), the drive of Fuyou's machine; its capacity is assumed
+(the 7.68 TB model is rated 7.0/4.2). ``--ssds N`` drives are striped, so bandwidth scales with
+N; reads and writes share the drives.
+
+CPU AdamW throughput defaults to 1e9 parameters/s: an assumption (a multi-core server with a
+vectorised kernel); the paper's figure for its machine could not be found. The paper's SSD
+sweep, in its count, fits T(n) = 17.1 s + 74.9 s / n, close to forward (5.4 s) + AdamW over
+12.9B parameters at 1e9/s (12.9 s) + the state traffic at the rates above (69 s / n): the cost
+model runs each block's update as read, AdamW, write in turn, so AdamW time adds to SSD time.
+The five rows stay within ±20% for 0.75e9 to 1.5e9 parameters/s.
 
 **Weights.** Fuyou keeps 16-bit compute weights and gradients on the device when they fit.
-When they do not (e.g. 175B on a 24 GB GPU), the what-if models them streamed per block from
-host memory (or from SSD when the host cannot hold them): 2 bytes per parameter in for the
-forward and again for the backward, and 2 bytes of gradient out. **The runtime does not do
-this yet** (weights must fit the device today); the planner shows what it would cost.
+When they do not (GPT-3 13B's 26 GB on a 24 GB card), every block's weights get the ``host``
+tier (or ``ssd`` when the host cannot hold them) and the cost model streams them per block
+as the runtime will (`cost.predict`: read ahead in forward and again in backward, gradients
+out per block, updated weights back to their tier); the embeddings and head stay resident.
+**The runtime does not stream weights yet** (issue 11); the planner shows what it will cost.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..config import ConfigError, parse_bytes
 from .cost import BlockProfile, Profile
@@ -116,33 +150,36 @@ MODEL_PRESETS = {
 
 @dataclass(frozen=True)
 class Hardware:
+    """A machine for the what-if; every figure and its source is in the module docstring."""
+
     name: str
     device_memory: int  # bytes
-    tflops: float  # peak dense 16-bit
-    link_gbps: float  # device <-> host, GB/s each way
+    tflops: float  # peak dense 16-bit tensor, FP32 accumulation
+    link_gbps: float  # device <-> host, GB/s (one resource for both directions)
     host_memory: int = 768 * 10**9
     ssds: int = 1
-    ssd_read_gbps: float = 3.5  # per drive
-    ssd_write_gbps: float = 3.0
+    ssd_read_gbps: float = 6.5  # per drive: Intel D7-P5510 3.84 TB
+    ssd_write_gbps: float = 3.4
     adam_params_per_s: float = 1e9
-    efficiency: float = 0.5
+    efficiency: float = 0.5  # fraction of ``tflops`` reached
     device_is_host: bool = False
 
 
 HARDWARE_PRESETS = {
-    "rtx4090": Hardware("rtx4090", device_memory=24 * 10**9, tflops=82.6, link_gbps=25),
+    "rtx4090": Hardware("rtx4090", device_memory=24 * 10**9, tflops=165.2, link_gbps=25, efficiency=0.96),
     "a100-80g": Hardware("a100-80g", device_memory=80 * 10**9, tflops=312, link_gbps=25),
     "h100": Hardware("h100", device_memory=80 * 10**9, tflops=989, link_gbps=50),
     "cpu": Hardware("cpu", device_memory=0, tflops=1.0, link_gbps=10, device_is_host=True),
 }
 
 
-def step_flops(model: ModelSpec, batch: int, seq: int) -> float:
-    """Training FLOPs of one micro-batch (forward + backward = 3 × forward), blocks and head."""
+def step_flops(model: ModelSpec, batch: int, seq: int, *, recompute: bool = False) -> float:
+    """Training FLOPs of one micro-batch, blocks and LM head: forward + backward (3 forwards), or
+    with ``recompute`` one more forward of every block, as Fuyou's paper counts (module docstring)."""
     tokens = batch * seq
-    fwd = model.layers * (2 * tokens * model.block_params + 4 * batch * seq * seq * model.hidden)
-    fwd += 2 * tokens * model.vocab * model.hidden  # the LM head
-    return 3 * fwd
+    blocks = model.layers * (2 * tokens * model.block_params + 4 * batch * seq * seq * model.hidden)
+    head = 2 * tokens * model.vocab * model.hidden
+    return (4 if recompute else 3) * blocks + 3 * head
 
 
 def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, micro_batches: int = 1,
@@ -154,37 +191,30 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
     act = int(tokens * model.hidden * (15 + 19 * model.ffn / (4 * model.hidden)))
     link = hw.link_gbps * GB
     ssd_rd, ssd_wr = hw.ssds * hw.ssd_read_gbps * GB, hw.ssds * hw.ssd_write_gbps * GB
-    blocks = [BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=model.block_params)] * model.layers
-    head_fwd = 2 * tokens * model.vocab * model.hidden / rate
-    weights = 4 * model.params  # 16-bit weights + 16-bit gradients
     host_reserve = parse_bytes(host_reserve, name="host_reserve")
     device_memory = None if hw.device_is_host else hw.device_memory
-    notes = {"weights": "device"}
-    device_base = weights
-    if device_memory is not None and weights + act > device_memory:
-        # Weights do not fit: stream them per block (2 B in for forward, 2 B in for backward, 2 B of
-        # gradient out) from host memory, or from SSD when the host cannot hold them either.
-        from_host = 2 * model.params + host_reserve <= hw.host_memory
-        notes["weights"] = "streamed from host" if from_host else "streamed from ssd"
-        per_block = model.block_params * 2
-        in_flight = 3 * per_block  # this block's weights and gradients, and the next block's weights
-        device_base = in_flight + 4 * model.other_params
-        blocks = [replace(b, fwd_s=max(b.fwd_s, per_block / link), bwd_s=max(b.bwd_s, 2 * per_block / link))
-                  for b in blocks]
-        if not from_host:
-            blocks = [replace(b, fwd_s=max(b.fwd_s, per_block / ssd_rd),
-                              bwd_s=max(b.bwd_s, per_block / ssd_rd + per_block / ssd_wr)) for b in blocks]
-    optimizer_host = min(hw.host_memory, host_reserve)
-    host_budget = hw.host_memory - (2 * model.params if notes["weights"] == "streamed from host" else 0)
+    # 16-bit weights and gradients stay on the device when they fit beside one block's activations;
+    # otherwise every block's weights stream, from host memory if it holds them, else from SSD.
+    tier = "device"
+    if device_memory is not None and 4 * model.params + act > device_memory:
+        tier = "host" if 2 * model.params + host_reserve <= hw.host_memory else "ssd"
+    block = BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=model.block_params,
+                         weight_bytes=2 * model.block_params, weight_tier=tier)
+    head_fwd = 2 * tokens * model.vocab * model.hidden / rate
+    device_base = 4 * (model.params if tier == "device" else model.other_params)
+    notes = {"weights": "device" if tier == "device" else f"streamed from {tier}"}
     return Profile(
-        blocks=list(blocks), other_fwd_s=head_fwd, other_bwd_s=2 * head_fwd, other_params=model.other_params,
+        blocks=[block] * model.layers, other_fwd_s=head_fwd, other_bwd_s=2 * head_fwd, other_params=model.other_params,
         link_bytes_per_s=link, ssd_read_bytes_per_s=ssd_rd, ssd_write_bytes_per_s=ssd_wr,
         adam_params_per_s=hw.adam_params_per_s, weight_upload_bytes_per_param=0.0 if hw.device_is_host else 2.0,
-        device_base_bytes=device_base, optimizer_host_bytes=optimizer_host, micro_batches=micro_batches,
-        prefetch_blocks=prefetch_blocks, device_budget=device_memory, host_budget=max(0, host_budget),
+        device_base_bytes=device_base, optimizer_host_bytes=min(hw.host_memory, host_reserve),
+        micro_batches=micro_batches, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
+        host_budget=hw.host_memory,
         blocking_swap_out=False,  # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
         ssd_budget=None, source="analytic",
         notes={**notes, "model": model.name, "hardware": hw.name, "batch": batch, "seq": seq,
-               "flops_per_step": step_flops(model, batch, seq) * micro_batches, "params": model.params,
+               "flops_per_step": step_flops(model, batch, seq) * micro_batches,
+               "flops_per_step_paper": step_flops(model, batch, seq, recompute=True) * micro_batches,
+               "params": model.params,
                "host_reserve_bytes": host_reserve},
     )
