@@ -1,6 +1,44 @@
+import gc
+import glob
+import os
+import tempfile
+import threading
+import time
+
 import pytest
 
 from fuyou_strategy import FuyouConfig
+
+
+def _fuyou_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("fuyou"))
+
+
+def _leftover_dirs(roots: list[str]) -> list[str]:
+    found = []
+    for root in roots:
+        found += glob.glob(os.path.join(root, "**", "fuyou-run-*"), recursive=True)
+        found += glob.glob(os.path.join(root, "**", "*.fuyou.tmp-*"), recursive=True)
+    return sorted({os.path.realpath(f) for f in found})  # pytest's *current symlinks name some twice
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(tmp_path_factory):
+    """After the whole suite: no fuyou run directory or checkpoint temp folder in any swap
+    directory the tests used (pytest's temp tree, and the default ``fuyou-swap-*`` folders in the
+    system temp dir), and no fuyou worker or I/O thread still alive."""
+    temp_swaps_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "fuyou-swap-*")))
+    yield
+    gc.collect()  # stores that were dropped without close() are cleaned up by their finalizers
+    deadline = time.monotonic() + 10
+    while _fuyou_threads() and time.monotonic() < deadline:  # threads of closed engines are exiting
+        time.sleep(0.1)
+    new_temp_swaps = set(glob.glob(os.path.join(tempfile.gettempdir(), "fuyou-swap-*"))) - temp_swaps_before
+    roots = [str(tmp_path_factory.getbasetemp())] + sorted(new_temp_swaps)
+    leftovers = _leftover_dirs(roots) + sorted(new_temp_swaps)
+    threads = _fuyou_threads()
+    assert not leftovers, f"the test session left fuyou files behind: {leftovers[:20]}"
+    assert not threads, f"the test session left fuyou threads running: {threads}"
 
 
 @pytest.fixture

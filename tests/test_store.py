@@ -271,10 +271,10 @@ def test_not_enough_space_is_reported_at_allocation(small_config, tmp_path):
 def _force_odirect_refusal(monkeypatch):
     real_open = os.open
 
-    def refusing_open(path, flags, *args):
+    def refusing_open(path, flags, *args, **kwargs):  # shutil.rmtree passes dir_fd=
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
 
@@ -574,3 +574,17 @@ def test_gather_completes_when_a_future_is_cancelled():
     finished.set_result(None)
     with pytest.raises(CancelledError):
         gather([finished, cancelled]).result(timeout=5)
+
+
+def test_a_run_directory_that_cannot_be_removed_is_reported(tmp_path, monkeypatch, caplog):
+    from fuyou_strategy.storage import rundir
+
+    path = rundir.make_run_dir(str(tmp_path))
+    monkeypatch.setattr(os, "unlink", lambda *a, **k: (_ for _ in ()).throw(PermissionError(errno.EPERM, "denied")))
+    with caplog.at_level(logging.WARNING, logger="fuyou_strategy.storage"):
+        rundir.remove_run_dir(path)
+    assert any("could not remove run directory" in r.getMessage() and "fuyou clean" in r.getMessage()
+               for r in caplog.records), "a silent failure would leave the swap files behind unnoticed"
+    monkeypatch.undo()
+    rundir.remove_run_dir(path)
+    assert not os.path.exists(path)

@@ -10,6 +10,7 @@ because its owner process no longer exists, and ``fuyou clean`` removes it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Iterable
 
 __all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir"]
+
+log = logging.getLogger("fuyou_strategy.storage")
 
 RUN_PREFIX = "fuyou-run-"
 OWNER_FILE = "owner.json"
@@ -111,4 +114,8 @@ def remove_run_dir(path: str) -> None:
     """Remove a run directory; refuses paths that are not fuyou run directories."""
     if not os.path.basename(os.path.normpath(path)).startswith(RUN_PREFIX):
         raise ValueError(f"refusing to remove {path!r}: not a fuyou run directory ({RUN_PREFIX}*)")
-    shutil.rmtree(path, ignore_errors=True)
+    failures: list[str] = []
+    shutil.rmtree(path, onerror=lambda _fn, name, exc: failures.append(f"{name}: {exc[1]}"))
+    if failures and os.path.exists(path):
+        log.warning("fuyou: could not remove run directory %s (%s); `fuyou clean --dir %s` removes it once "
+                    "this process has ended", path, "; ".join(failures[:3]), os.path.dirname(path))
