@@ -4,7 +4,7 @@ A `Profile` describes one training step of one model on one machine: per block i
 and backward time, saved-activation bytes, parameters and compute-weight bytes with the tier
 those weights live in (``device``, ``host`` or ``ssd``); the rest of the model; the
 device↔host and SSD bandwidths; the CPU AdamW throughput; and the budgets of each tier. It
-comes from a warm-up measurement (`profile.measure`) or from a model and hardware
+comes from a warm-up measurement (`profile.WarmupProfiler.profile`) or from a model and hardware
 description (`spec.analytic_profile`, for ``fuyou plan``) — the model below is the same.
 
 `predict` simulates a step as tasks on four resources, each serving its tasks in the order
