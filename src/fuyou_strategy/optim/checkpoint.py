@@ -16,24 +16,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from ..storage import SHADOW, HostBuffer, byte_view, gather
+from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, _dir_bytes, owner_gone
 from .pipeline import ChunkJob
 
 if TYPE_CHECKING:
     from .adamw import FuyouAdamW
 
-__all__ = ["CheckpointError", "save", "load", "KINDS"]
+__all__ = ["CheckpointError", "save", "load", "find_stale_temps", "KINDS"]
 
 FORMAT = 1
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 META = "optimizer.json"
+_TEMP = re.compile(r".+\.tmp-(\d+)")  # a save being written
+_SAVE_FILES = {META, OWNER_FILE, *(f"{kind}.bin" for kind in KINDS)}
 
 
 class CheckpointError(RuntimeError):
@@ -159,3 +163,30 @@ def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:
     """Put saved hyper-parameters (lr, betas, ...) back into the optimizer's param groups."""
     for group, saved in zip(opt.param_groups, saved_groups):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+
+
+def find_stale_temps(roots: Iterable[str]) -> list[StaleRun]:
+    """Folders that interrupted saves left anywhere under ``roots``: ``*.tmp-<pid>`` folders that
+    hold nothing but checkpoint files and whose writer is gone (`owner_gone`). Run directories
+    and symbolic links are not searched."""
+    stale = []
+    for root in roots:
+        for parent, dirs, _files in os.walk(root):
+            for name in list(dirs):
+                path = os.path.join(parent, name)
+                match = _TEMP.fullmatch(name)
+                if name.startswith(RUN_PREFIX):
+                    dirs.remove(name)
+                elif match and _only_save_files(path):
+                    dirs.remove(name)
+                    reason = owner_gone(path, pid=int(match.group(1)))
+                    if reason is not None:
+                        stale.append(StaleRun(path, int(match.group(1)), _dir_bytes(path), reason))
+    return stale
+
+
+def _only_save_files(path: str) -> bool:
+    try:
+        return set(os.listdir(path)) <= _SAVE_FILES
+    except OSError:
+        return False

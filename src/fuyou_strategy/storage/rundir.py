@@ -5,6 +5,9 @@ with an ``owner.json`` naming the host, the pid and the process start time. The 
 is removed on close, at interpreter exit and after an uncaught exception. A run killed
 hard (SIGKILL, power loss) leaves its directory behind; `find_stale_runs` recognises it
 because its owner process no longer exists, and ``fuyou clean`` removes it.
+
+Other folders a process may leave behind when killed (a checkpoint save in progress) record
+their owner the same way with `write_owner`; `owner_gone` tells whether it still runs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir"]
+__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir", "write_owner", "owner_gone"]
 
 RUN_PREFIX = "fuyou-run-"
 OWNER_FILE = "owner.json"
@@ -112,3 +115,36 @@ def remove_run_dir(path: str) -> None:
     if not os.path.basename(os.path.normpath(path)).startswith(RUN_PREFIX):
         raise ValueError(f"refusing to remove {path!r}: not a fuyou run directory ({RUN_PREFIX}*)")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def write_owner(path: str | os.PathLike) -> None:
+    """Record this process (host, pid, start time) in ``path/owner.json`` (mode 0600)."""
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
+             "created": time.time()}
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+
+
+def owner_gone(path: str | os.PathLike, pid: int | None = None) -> str | None:
+    """Why the process that owns the folder ``path`` no longer runs, or None while it may.
+
+    The owner is read from ``path/owner.json`` (`write_owner`); a folder without one is taken
+    to belong to ``pid`` on this host (None: it is reported gone). A folder owned by another
+    host is never reported: we cannot tell whether its process lives.
+    """
+    try:
+        owner = json.loads((Path(path) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        if pid is None:
+            return "no readable owner.json"
+        owner = {"host": socket.gethostname(), "pid": pid}
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    ticks = _process_start_ticks(pid) if isinstance(pid, int) else None
+    if ticks is None:
+        return f"process {pid} is not running"
+    if owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
+        return f"pid {pid} now belongs to another process"
+    return None
