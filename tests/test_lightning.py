@@ -15,6 +15,7 @@ import fuyou_strategy
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouFabricStrategy, FuyouStrategy
 from fuyou_strategy.integrations.lightning import sidecar
+from fuyou_strategy.optim.checkpoint import newest
 from fuyou_strategy.storage import StorageError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -111,7 +112,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     uninterrupted, _ = fit(strategy(), steps=-1, max_epochs=2, batches=6, callbacks=[every_epoch])
     ckpt = tmp_path / "ckpts" / "epoch=0.ckpt"
-    assert (tmp_path / "ckpts" / "epoch=0.ckpt.fuyou" / "optimizer.json").exists()
+    assert (newest(tmp_path / "ckpts" / "epoch=0.ckpt.fuyou") / "optimizer.json").exists()
     module = CausalLM()
     module.model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     resumed, trainer = fit(strategy(), steps=-1, max_epochs=2, batches=6, ckpt_path=str(ckpt), module=module)
@@ -126,7 +127,7 @@ def test_save_after_fit_and_a_corrupt_checkpoint_is_refused(tmp_path):
     ckpt = tmp_path / "final.ckpt"
     trainer.save_checkpoint(ckpt)  # after fit: the optimizer state is still there to save
     assert os.path.isdir(sidecar(ckpt))
-    with open(os.path.join(sidecar(ckpt), "exp_avg.bin"), "r+b") as f:
+    with open(newest(sidecar(ckpt)) / "exp_avg.bin", "r+b") as f:
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
