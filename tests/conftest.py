@@ -1,9 +1,14 @@
+import contextlib
 import gc
 import glob
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +79,75 @@ def decay_groups(model, weight_decay=0.1):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# -- killing a process between two steps of a save ----------------------------------------------------------
+# What is visible under a name changes only through these (pathlib and shutil.rmtree call them too); files
+# are written, and unlinked by rmtree, inside folders made or renamed under a temporary name.
+_FS_CHANGES = ("mkdir", "rename", "replace", "rmdir")
+
+
+@contextlib.contextmanager
+def killed_before_fs_change(k):
+    """SIGKILL this process right before its k-th directory change (mkdir, rename, replace, rmdir) inside
+    the block: every k gives a kill between another two steps of what the block does on disk."""
+    seen = [0]
+    originals = {name: getattr(os, name) for name in _FS_CHANGES}
+
+    def counted(original):
+        def change(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+        return change
+
+    for name, original in originals.items():
+        setattr(os, name, counted(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(os, name, original)
+
+
+# One fresh interpreter imports the test module once, then forks processes that each run scenario(root, k) and
+# die at their k-th change, four at a time (forking happens before any thread or torch op runs, so it is safe).
+_KILL_SERVER = r"""
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+scenario = getattr(__import__(sys.argv[2]), sys.argv[3])
+for first in range(1, 100, 4):
+    pids = {}
+    for k in range(first, first + 4):
+        pids[k] = os.fork()
+        if pids[k] == 0:
+            try:
+                scenario(os.path.join(sys.argv[4], str(k)), k)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)  # quick; the scenario closes what it opened
+    ran_through = []
+    for k, pid in pids.items():
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if status != -signal.SIGKILL:
+            assert status == 0, f"scenario {k} failed"
+            ran_through.append(k)
+    if ran_through:
+        print(min(ran_through))
+        break
+"""
+
+
+def kill_at_every_step(tmp_path, module, scenario):
+    """Run ``module.scenario(root, k)`` for k = 1, 2, ... in a process killed before the k-th file-system
+    change its `killed_before_fs_change(k)` block makes, until one runs through; return the killed roots."""
+    killed = tmp_path / "killed"
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))  # Lightning writes a .ckpt in the temp dir first
+    out = subprocess.run([sys.executable, "-c", _KILL_SERVER, str(Path(__file__).parent), module, scenario, str(killed)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [killed / str(k) for k in range(1, int(out.stdout.split()[-1]))]

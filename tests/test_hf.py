@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouCallback
 from fuyou_strategy.integrations.hf import STATE_FOLDER
+from fuyou_strategy.optim.checkpoint import newest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -100,7 +101,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     uninterrupted, _ = train(tmp_path / "a", FuyouCallback(**swap_config(tmp_path)))
     train(tmp_path / "b", FuyouCallback(**swap_config(tmp_path)), save_strategy="steps", save_steps=3)
     checkpoint = tmp_path / "b" / "out" / "checkpoint-3"
-    assert (checkpoint / STATE_FOLDER / "optimizer.json").exists()
+    assert (newest(checkpoint / STATE_FOLDER) / "optimizer.json").exists()
     callback = FuyouCallback(**swap_config(tmp_path))
     resumed, _ = train(tmp_path / "b", callback, model=tiny_causal_lm("gpt2", seed=1), resume=str(checkpoint))
     assert callback.summary["optimizer_steps"] == 6, "3 restored + 3 new"
@@ -112,7 +113,7 @@ def test_checkpoint_rotation_removes_the_optimizer_state_too(tmp_path):
     train(tmp_path, FuyouCallback(**swap_config(tmp_path)), save_strategy="steps", save_steps=2, save_total_limit=1)
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
-    assert (out / "checkpoint-6" / STATE_FOLDER / "master.bin").exists()
+    assert (newest(out / "checkpoint-6" / STATE_FOLDER) / "master.bin").exists()
 
 
 def test_lora_trains_only_the_adapters_and_matches(tmp_path):

@@ -1,9 +1,13 @@
 """Lightning: Trainer(strategy="fuyou") and Fabric(strategy="fuyou") against the stock strategies."""
 
 import contextlib
+import errno
 import os
+import re
+import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,9 +17,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import fuyou_strategy
-from conftest import decay_groups, tiny_causal_lm
+from conftest import decay_groups, kill_at_every_step, killed_before_fs_change, tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouFabricStrategy, FuyouStrategy
+from fuyou_strategy.cli import main as fuyou_main
 from fuyou_strategy.integrations.lightning import sidecar
+from fuyou_strategy.optim.checkpoint import CheckpointError, newest
 from fuyou_strategy.storage import StorageError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -132,7 +138,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     uninterrupted, _ = fit(strategy(), steps=-1, max_epochs=2, batches=6, callbacks=[every_epoch])
     ckpt = tmp_path / "ckpts" / "epoch=0.ckpt"
-    assert (tmp_path / "ckpts" / "epoch=0.ckpt.fuyou" / "optimizer.json").exists()
+    assert (newest(tmp_path / "ckpts" / "epoch=0.ckpt.fuyou") / "optimizer.json").exists()
     module = CausalLM()
     module.model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     resumed, trainer = fit(strategy(), steps=-1, max_epochs=2, batches=6, ckpt_path=str(ckpt), module=module)
@@ -147,7 +153,7 @@ def test_save_after_fit_and_a_corrupt_checkpoint_is_refused(tmp_path):
     ckpt = tmp_path / "final.ckpt"
     trainer.save_checkpoint(ckpt)  # after fit: the optimizer state is still there to save
     assert os.path.isdir(sidecar(ckpt))
-    with open(os.path.join(sidecar(ckpt), "exp_avg.bin"), "r+b") as f:
+    with open(newest(sidecar(ckpt)) / "exp_avg.bin", "r+b") as f:
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
@@ -163,6 +169,79 @@ def test_checkpoint_callback_prunes_optimizer_state_with_the_checkpoints(tmp_pat
     ckpts = [n for n in names if n.endswith(".ckpt")]
     assert len(ckpts) == 2
     assert names == sorted(ckpts + [c + ".fuyou" for c in ckpts]), "each kept checkpoint has its state, no more"
+
+
+def test_a_ckpt_beside_the_state_of_another_save_is_refused(tmp_path):
+    """The issue's run: an old last.ckpt (step 1) beside optimizer state from a later save (step 2)
+    is refused, naming the stale file and the checkpoint to use instead."""
+    every_step = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=2, callbacks=[every_step])
+    old, new = tmp_path / "ckpts" / "step=1.ckpt", tmp_path / "ckpts" / "step=2.ckpt"
+    shutil.rmtree(sidecar(old))
+    shutil.copytree(sidecar(new), sidecar(old))
+    stale = re.escape(str(old))
+    with pytest.raises(CheckpointError, match=rf"{stale} belongs to optimizer save \w{{8}} \(step 1\), but .* holds save "
+                       rf"\w{{8}} \(step 2\): {stale} is stale: .*resume from another checkpoint in .*\(step=2.ckpt\)"):
+        fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=3, ckpt_path=str(old), module=CausalLM())
+
+
+def test_a_failed_ckpt_write_leaves_the_previous_pair_loadable(tmp_path, monkeypatch):
+    module, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=2)
+    ckpt = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer.strategy.checkpoint_io, "save_checkpoint", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer.save_checkpoint(ckpt)
+    _, resumed = fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=3, ckpt_path=str(ckpt), module=CausalLM())
+    assert resumed.strategy.engine.optimizer.stats.steps == 3, "2 restored + 1 new"
+    assert len(os.listdir(sidecar(ckpt))) == 1, "the failed save's state is removed again"
+
+
+class _KilledInSecondLastSave(FuyouStrategy):
+    def __init__(self, kill_at, **kwargs):
+        super().__init__(**kwargs)
+        self.kill_at, self.last_saves = kill_at, 0
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        self.last_saves += os.path.basename(filepath) == "last.ckpt"
+        second = os.path.basename(filepath) == "last.ckpt" and self.last_saves == 2
+        with killed_before_fs_change(self.kill_at) if second else contextlib.nullcontext():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+def last_ckpt_killed_at(root, k):
+    """Three epochs of one step with ModelCheckpoint(save_last=True); killed before the k-th file-system
+    change of the second save of last.ckpt (run by `kill_at_every_step`)."""
+    (Path(root) / "swap").mkdir(parents=True)
+    every_epoch = ModelCheckpoint(dirpath=Path(root) / "ckpts", save_last=True, every_n_epochs=1)
+    _, trainer = fit(_KilledInSecondLastSave(k, swap_dirs=[str(Path(root) / "swap")]), steps=-1, max_epochs=3,
+                     batches=2, callbacks=[every_epoch])
+    trainer.strategy.engine.close()
+
+
+def test_a_kill_at_any_step_of_a_save_leaves_a_resumable_last_ckpt(tmp_path):
+    """Killed between any two steps of overwriting last.ckpt, the last.ckpt on disk resumes exactly:
+    from the old save until the new .ckpt is in, then from the new one."""
+    killed = kill_at_every_step(tmp_path, "test_lightning", "last_ckpt_killed_at")
+    uninterrupted, _ = fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=-1, max_epochs=3, batches=2)
+    resumed_from = []
+    for root in killed:
+        last = root / "ckpts" / "last.ckpt"
+        resumed_from.append(torch.load(last, weights_only=True)["global_step"])
+        module = CausalLM()
+        module.model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        resumed, _ = fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=-1, max_epochs=3, batches=2,
+                         ckpt_path=str(last), module=module)
+        for (name, p), (_, q) in zip(uninterrupted.named_parameters(), resumed.named_parameters()):
+            assert torch.equal(p, q), (root.name, name)
+    assert resumed_from == sorted(resumed_from) and set(resumed_from) == {1, 2}, "the old save until the new .ckpt is in"
+    argv = ["clean", "--dir", str(tmp_path / "killed")] + [a for r in killed for a in ("--dir", str(r / "swap"))]
+    assert fuyou_main(argv) == 0
+    assert not [p for p in (tmp_path / "killed").rglob("*") if ".tmp-" in p.name or p.name.startswith("fuyou-run-")]
 
 
 def test_bf16_mixed_trains():

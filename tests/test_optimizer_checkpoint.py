@@ -1,13 +1,15 @@
 """FuyouAdamW checkpoints: exact resume, layout independence, checksums, refusals."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import decay_groups, tiny_causal_lm
+from conftest import decay_groups, kill_at_every_step, killed_before_fs_change, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW
-from fuyou_strategy.optim.checkpoint import CheckpointError
+from fuyou_strategy.cli import main as fuyou_main
+from fuyou_strategy.optim.checkpoint import CheckpointError, newest
 from test_optimizer import batches, lm_loss, small_config
 
 
@@ -59,7 +61,7 @@ def test_corrupt_checkpoint_is_refused_and_changes_nothing(tmp_path):
     run(model, opt, 1, start=2)  # move on, so loading would visibly change things
     before = [p.detach().clone() for p in model.parameters()]
     state_before = opt.read_state(next(model.parameters()))
-    path = tmp_path / "ckpt" / "exp_avg.bin"
+    path = newest(tmp_path / "ckpt") / "exp_avg.bin"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -79,12 +81,14 @@ def test_state_dict_without_folder_cannot_resume_silently(tmp_path):
     assert sd["fuyou"]["folder"] is None and sd["param_groups"][0]["lr"] == 3e-3
     with pytest.raises(CheckpointError, match="holds no SSD state .*state_dict\\(folder\\)"):
         opt.load_state_dict(sd)
-    with pytest.raises(CheckpointError, match="no optimizer.json"):
+    with pytest.raises(CheckpointError, match="does not record which save in .* it belongs to"):
         opt.load_state_dict({"fuyou": {"folder": str(tmp_path)}, "state": {}, "param_groups": []})
+    with pytest.raises(CheckpointError, match=r"no saved optimizer state \(no <token>/optimizer.json inside\)"):
+        opt.load_folder(tmp_path)
     other = make(tmp_path, torch.nn.Linear(3, 3), "b")
-    opt.state_dict(tmp_path / "ckpt")
+    sd = opt.state_dict(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="holds .* parameters, the optimizer has 2"):
-        other.load_state_dict({"fuyou": {"folder": str(tmp_path / "ckpt")}, "state": {}, "param_groups": []})
+        other.load_state_dict(sd)
     opt.close()
     other.close()
 
@@ -101,3 +105,81 @@ def test_zero_grad_between_backward_and_step_discards_the_update(tmp_path):
     opt.step()  # nothing queued: a no-op
     assert opt.stats.commits == 0 and opt.stats.redos == 0
     opt.close()
+
+
+def test_a_state_dict_whose_save_was_replaced_is_refused(tmp_path):
+    """A state dict kept from an earlier save of the same folder (the newer one's dict was lost,
+    e.g. the process died before writing it) does not silently load the newer state."""
+    model = tiny_causal_lm("gpt2")
+    opt = make(tmp_path, model, "a")
+    run(model, opt, 2)
+    sd = opt.state_dict(tmp_path / "ckpt")
+    run(model, opt, 1, start=2)
+    opt.state_dict(tmp_path / "ckpt")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=r"this state dict belongs to optimizer save \w{8} \(step 2\), but "
+                       r".*ckpt holds save \w{8} \(step 3\): this state dict is stale.*optimizer.load_folder\(folder\)"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "nothing was loaded"
+    assert opt.state[next(model.parameters())]["step"].item() == 3
+    opt.close()
+
+
+def linear_training(root, seed=0):
+    """A small linear model, its FuyouAdamW (swap in ``root/swap``) and one training step."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    opt = make(root, model, "swap")
+
+    def step(i):
+        data = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+        model(data).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def save_twice_killed_at(root, k):
+    """Save after one step and again after a second one into the same folder, killed before the
+    k-th file-system change of that second save (run by `kill_at_every_step`)."""
+    root = Path(root)
+    model, opt, step = linear_training(root)
+    step(0)
+    opt.state_dict(root / "ckpt")
+    step(1)
+    with killed_before_fs_change(k):
+        opt.state_dict(root / "ckpt")
+    opt.close()
+
+
+def snapshot(model, opt):
+    return [(p.detach().clone(), opt.read_state(p)) for p in model.parameters()]
+
+
+def same(a, b):
+    return all(torch.equal(p, q) and all(torch.equal(s[k], t[k]) for k in s) for (p, s), (q, t) in zip(a, b))
+
+
+def test_a_kill_at_any_step_of_a_save_leaves_a_complete_save(tmp_path):
+    """Killed between any two steps of overwriting a checkpoint folder, the folder still holds
+    a complete save: the old one or the new one; `fuyou clean` removes what the kill left."""
+    killed = kill_at_every_step(tmp_path, "test_optimizer_checkpoint", "save_twice_killed_at")
+    model, opt, step = linear_training(tmp_path)
+    saved = []
+    for i in range(2):
+        step(i)
+        saved.append(snapshot(model, opt))
+    opt.close()
+    resumed_from = []
+    for root in killed:
+        model, opt, _ = linear_training(root / "resume", seed=1)
+        with opt:
+            opt.load_folder(root / "ckpt")
+            resumed_from += [i for i, state in enumerate(saved) if same(snapshot(model, opt), state)]
+    assert len(resumed_from) == len(killed), "every kill left one of the two saves"
+    assert resumed_from == sorted(resumed_from) and set(resumed_from) == {0, 1}, "the old one until the new one is in"
+    argv = ["clean", "--dir", str(tmp_path / "killed")] + [a for r in killed for a in ("--dir", str(r / "swap"))]
+    assert fuyou_main(argv) == 0
+    assert not [p for p in (tmp_path / "killed").rglob("*") if ".tmp-" in p.name or p.name.startswith("fuyou-run-")]

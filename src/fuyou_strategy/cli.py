@@ -66,6 +66,9 @@ def _cmd_io_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
+    import shutil
+
+    from .optim.checkpoint import find_stale_temps
     from .storage.rundir import find_stale_runs, remove_run_dir
 
     dirs = args.dir or [tempfile.gettempdir()]
@@ -73,15 +76,16 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         import glob
 
         dirs += glob.glob(f"{tempfile.gettempdir()}/fuyou-swap-*")
-    stale = find_stale_runs(dirs)
+    stale = [(run, remove_run_dir) for run in find_stale_runs(dirs)]
+    stale += [(temp, shutil.rmtree) for temp in find_stale_temps(dirs)]  # from checkpoint saves cut short
     if not stale:
-        print(f"no stale fuyou run directories in {', '.join(dirs)}")
+        print(f"no stale fuyou run directories or checkpoint temp folders in {', '.join(dirs)}")
         return 0
-    for run in stale:
+    for run, remove in stale:
         action = "would remove" if args.dry_run else "removing"
         print(f"{action} {run.path} ({format_bytes(run.nbytes)}; {run.reason})")
         if not args.dry_run:
-            remove_run_dir(run.path)
+            remove(run.path)
     return 0
 
 
@@ -180,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", help="write the results as JSON")
     plan.set_defaults(func=_cmd_plan)
 
-    clean = sub.add_parser("clean", help="remove run directories left behind by crashed fuyou processes")
-    clean.add_argument("--dir", action="append", help="swap directory to scan (repeatable; default: the temp dir)")
+    clean = sub.add_parser("clean", help="remove run directories and checkpoint temp folders left behind by crashed "
+                           "fuyou processes")
+    clean.add_argument("--dir", action="append", help="swap or checkpoint directory to scan, checkpoint temp folders "
+                       "at any depth (repeatable; default: the temp dir)")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     clean.set_defaults(func=_cmd_clean)
     return parser

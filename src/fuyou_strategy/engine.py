@@ -250,12 +250,13 @@ class FuyouEngine:
             rebind_scheduler(scheduler, self.optimizer)
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def save(self, folder: str) -> dict[str, Any]:
-        """Stream the optimizer's SSD state into ``folder``; returns the torch-style state dict."""
-        return self.optimizer.state_dict(folder)
+    def save(self, folder: str, *, keep_previous: bool = False) -> dict[str, Any]:
+        """Stream the optimizer's SSD state into a new save in ``folder``; returns the torch-style
+        state dict naming it (see `FuyouAdamW.state_dict` for ``keep_previous``)."""
+        return self.optimizer.state_dict(folder, keep_previous=keep_previous)
 
     def load(self, folder: str) -> None:
-        """Restore optimizer state, fp32 masters and weights from a folder written by `save`."""
+        """Restore optimizer state, fp32 masters and weights from the newest save in ``folder``."""
         self.optimizer.load_folder(folder)
 
     def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:

@@ -16,7 +16,10 @@
   strategy uses a copy of the plugin Lightning gives it, of a subclass with that check; the
   user's plugin instance is never changed;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
-  ``.ckpt`` into ``<ckpt>.fuyou/`` (checksummed), ``ckpt_path=`` streams it back, and
+  ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/`` (checksummed); the ``.ckpt`` records the
+  token, and the earlier saves there are removed only once the ``.ckpt`` is written, so the
+  ``.ckpt`` on disk always names a complete save, whenever the process dies. ``ckpt_path=``
+  streams it back and refuses a ``.ckpt`` whose save is not there (a mismatched pair), and
   ``remove_checkpoint`` (top-k pruning) removes it. Weights kept in bf16 are saved as their
   fp32 masters.
 
@@ -26,6 +29,7 @@ until the strategy is set up again or the process ends; the activation hooks are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -43,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine
+from ..optim.checkpoint import discard, find, remove_versions
 
 __all__ = ["FuyouStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
 
@@ -126,6 +131,15 @@ def _clipping_in_optimizer(plugin: Precision) -> Precision:
 def sidecar(filepath: str | os.PathLike) -> str:
     """Where the optimizer state of the checkpoint at ``filepath`` lives."""
     return os.fspath(filepath) + SIDECAR_SUFFIX
+
+
+def _other_checkpoints(path: str) -> str:
+    """What to resume from instead of the checkpoint at ``path``."""
+    where = os.path.dirname(os.path.abspath(path))
+    others = sorted(n for n in os.listdir(where) if n.endswith(".ckpt") and n != os.path.basename(path))
+    if not others:
+        return f"there is no other checkpoint in {where}: start the run afresh"
+    return f"resume from another checkpoint in {where} ({', '.join(others)})"
 
 
 class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
@@ -222,20 +236,22 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        folder = None
-        if self.engine is not None and checkpoint.get("optimizer_states"):
-            folder = sidecar(filepath)
-            os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
-            state = self.engine.save(folder)
-            state["fuyou"]["folder"] = os.path.basename(folder)  # relative: the pair can be moved together
-            checkpoint["optimizer_states"] = [state]
-            self._masters_into(checkpoint)
+        if self.engine is None or not checkpoint.get("optimizer_states"):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        folder = sidecar(filepath)
+        state = self.engine.save(folder, keep_previous=True)  # the earlier saves still belong to the .ckpt on disk
+        state["fuyou"]["folder"] = os.path.basename(folder)  # relative: the pair can be moved together
+        checkpoint["optimizer_states"] = [state]
+        self._masters_into(checkpoint)
+        token = state["fuyou"]["token"]
         try:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # atomic: the old .ckpt or the new one
         except BaseException:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+            discard(os.path.join(folder, token))
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # if empty: made by this save
             raise
+        remove_versions(folder, keep=token)
 
     def _masters_into(self, checkpoint: dict[str, Any]) -> None:
         """Weights kept in bf16 go into the checkpoint as their fp32 masters."""
@@ -249,10 +265,14 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        path = os.fspath(checkpoint_path)
         for state in checkpoint.get("optimizer_states", []):
-            folder = state.get("fuyou", {}).get("folder")
-            if folder is not None and not os.path.isabs(folder):
-                state["fuyou"]["folder"] = os.path.join(os.path.dirname(os.fspath(checkpoint_path)), folder)
+            record = state.get("fuyou", {})
+            if record.get("folder") is None:
+                continue
+            record["folder"] = os.path.join(os.path.dirname(path), record["folder"])  # unchanged if absolute
+            # Refuse a mismatched pair before anything is restored, naming the .ckpt.
+            find(record["folder"], record.get("token"), record.get("steps"), named_by=path, fix=_other_checkpoints(path))
         return checkpoint
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -395,30 +395,38 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._flags["updates"] = previous
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def state_dict(self, folder: str | os.PathLike | None = None) -> dict[str, Any]:
+    def state_dict(self, folder: str | os.PathLike | None = None, *, keep_previous: bool = False) -> dict[str, Any]:
         """Torch's optimizer state dict; with ``folder``, also stream the SSD state there.
 
-        The SSD-resident state (fp32 masters, ``exp_avg``, ``exp_avg_sq``) is written to
-        ``folder`` chunk by chunk with SHA-256 checksums, never whole in RAM, and the returned
-        dict records the folder. Without ``folder`` the dict holds only hyper-parameters and
-        step counts, and `load_state_dict` refuses it once steps were taken.
+        The SSD-resident state (fp32 masters, ``exp_avg``, ``exp_avg_sq``) is written chunk by
+        chunk with SHA-256 checksums, never whole in RAM, as a new save ``folder/<token>/``; the
+        returned dict records the folder, the token and the step count (``sd["fuyou"]``), and
+        `load_state_dict` accepts it only with that very save. The earlier saves in ``folder``
+        are removed once the new one is complete, so a crash at any point leaves a complete
+        save behind. ``keep_previous=True`` leaves them for a caller that first records the new
+        token elsewhere and then calls ``checkpoint.remove_versions(folder, keep=token)`` (the
+        Lightning strategy, for its ``.ckpt``). Without ``folder`` the dict holds only
+        hyper-parameters and step counts, and `load_state_dict` refuses it once steps were taken.
         """
         self._check_idle("state_dict")
         sd = super().state_dict()
         sd["fuyou"] = {"folder": None}
         if folder is not None:
-            checkpoint.save(self, folder)
-            sd["fuyou"]["folder"] = str(folder)
+            meta = (checkpoint.save_version if keep_previous else checkpoint.save)(self, folder)
+            sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a dict from `state_dict`, streaming the SSD state back from its folder.
+        """Restore a dict from `state_dict`, streaming the SSD state back from the save it names.
 
-        Checksums are verified while streaming; the state is written to the shadow slot and
-        committed only if every one matches, so a bad checkpoint changes nothing.
+        A dict whose save is no longer in its folder (a later ``state_dict(folder)`` replaced
+        it) is refused: `CheckpointError` says which of the two is stale. Checksums are
+        verified while streaming; the state is written to the shadow slot and committed only
+        if every one matches, so a bad checkpoint changes nothing.
         """
         self._check_idle("load_state_dict")
-        folder = state_dict.get("fuyou", {}).get("folder")
+        record = state_dict.get("fuyou", {})
+        folder = record.get("folder")
         steps = [float(s.get("step", 0)) for s in state_dict.get("state", {}).values()]
         if folder is None and any(steps):
             raise checkpoint.CheckpointError(
@@ -426,15 +434,18 @@ class FuyouAdamW(torch.optim.Optimizer):
                 "without a folder; save with optimizer.state_dict(folder) to resume exactly"
             )
         if folder is not None:
-            self.load_folder(folder)
+            fix = ("load the state dict made with that save, or resume from the folder's newest save alone with "
+                   "optimizer.load_folder(folder)")
+            checkpoint.load(self, checkpoint.find(folder, record.get("token"), record.get("steps"),
+                                                  named_by="this state dict", fix=fix))
         else:
             checkpoint.restore_groups(self, state_dict["param_groups"])
 
     def load_folder(self, folder: str | os.PathLike) -> None:
-        """Stream state written by ``state_dict(folder)`` back: masters, moments, steps, hyper-parameters
-        and weights (checksums verified; a bad folder changes nothing)."""
+        """Stream the newest save in ``folder`` (written by ``state_dict(folder)``) back: masters,
+        moments, steps, hyper-parameters and weights (checksums verified; a bad save changes nothing)."""
         self._check_idle("load_folder")
-        checkpoint.load(self, folder)
+        checkpoint.load(self, checkpoint.newest(folder))
 
     def _check_idle(self, what: str) -> None:
         if self._queued:

@@ -1,14 +1,24 @@
 """Streaming `FuyouAdamW` state between the SSD tier and a checkpoint folder.
 
-A checkpoint folder holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32,
+A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
+``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32,
 parameters one after another, each in its natural element order, independent of the chunk
-size) and ``optimizer.json`` (hyper-parameters, step counts, shapes, offsets and a SHA-256
-per parameter and file). State moves chunk by chunk through the host pool; nothing holds a
-whole parameter's state, let alone the model's, in RAM.
+size) and ``optimizer.json`` (the token, the optimizer step count, hyper-parameters, shapes,
+offsets and a SHA-256 per parameter and file). State moves chunk by chunk through the host
+pool; nothing holds a whole parameter's state, let alone the model's, in RAM.
 
-Saving writes into ``<folder>.tmp-<pid>`` and renames it into place, so a crash never
-leaves a half-written folder under the final name. Loading writes into the store's shadow
-slot and commits only once every checksum matched, so a corrupt checkpoint changes nothing.
+A save never touches an earlier one before it is complete: it writes ``<token>.tmp-<pid>/``
+(with an ``owner.json`` first, so that ``fuyou clean`` can tell whether its writer still runs),
+fsyncs every file and the folder, renames it to ``<token>/`` and fsyncs ``<folder>``; only
+then does `save` remove the earlier saves (each renamed to a ``.tmp-<pid>`` name first, so a
+half-removed save never looks complete). A caller that records the token elsewhere — the
+Lightning strategy's ``.ckpt`` — writes with `save_version` and removes the earlier saves with
+`remove_versions` only after that record is written. A process killed at any instant thus
+leaves at least one complete save, and every record names a save that exists.
+
+Loading takes the save a state dict names (`find`: its token must be in the folder, or the
+error says which side is stale) or the newest one (`newest`), writes it into the store's
+shadow slot and commits only once every checksum matched, so a bad checkpoint changes nothing.
 """
 
 from __future__ import annotations
@@ -16,38 +26,72 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
+import uuid
 from concurrent.futures import Future
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from ..storage import SHADOW, HostBuffer, byte_view, gather
+from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, owner_gone, write_owner
 from .pipeline import ChunkJob
 
 if TYPE_CHECKING:
     from .adamw import FuyouAdamW
 
-__all__ = ["CheckpointError", "save", "load", "KINDS"]
+__all__ = ["CheckpointError", "save", "save_version", "remove_versions", "discard", "find", "newest", "load",
+           "find_stale_temps", "KINDS"]
 
-FORMAT = 1
+FORMAT = 2  # 1: the state files directly in the folder, one save per folder
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 META = "optimizer.json"
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+_TEMP = re.compile(r".+\.tmp-(\d+)")  # a save being written or removed (also format 1's <folder>.tmp-<pid>)
+_SAVE_FILES = {META, OWNER_FILE, *(f"{kind}.bin" for kind in KINDS)}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint folder is missing, does not match the optimizer, or fails its checksums."""
+    """A checkpoint folder is missing, does not match the optimizer or its record, or fails its checksums."""
 
 
 def save(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
-    """Write the committed state of every parameter to ``folder``; returns the metadata."""
+    """Add a save of the committed state to ``folder``, then remove the earlier saves there;
+    returns its metadata (``token``, ``steps``, ...)."""
+    meta = save_version(opt, folder)
+    remove_versions(folder, keep=meta["token"])
+    return meta
+
+
+def save_version(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
+    """Write the committed state of every parameter to ``folder/<token>/`` and return its
+    metadata; nothing else in ``folder`` changes. The subfolder appears complete and fsynced,
+    or not at all (an interrupted save leaves a ``<token>.tmp-<pid>/`` for ``fuyou clean``)."""
     folder = Path(folder)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    token = uuid.uuid4().hex
+    tmp = folder / f"{token}.tmp-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
     try:
-        files = {kind: open(tmp / f"{kind}.bin", "wb") for kind in KINDS}
+        write_owner(tmp)  # kept in the save: who wrote it
+        meta = _write_state(opt, tmp, token)
+        _fsync_dir(tmp)
+        tmp.rename(folder / token)
+        _fsync_dir(folder)
+        return meta
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
+    """Stream every parameter's state into ``into``'s files, fsync them, and write optimizer.json last."""
+    with ExitStack() as stack:
+        files = {kind: stack.enter_context(open(into / f"{kind}.bin", "wb")) for kind in KINDS}
         hashes = []
         params = []
         for ps in opt._params:
@@ -70,23 +114,17 @@ def save(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
         for f in files.values():
             f.flush()
             os.fsync(f.fileno())
-            f.close()
-        for meta, digest in zip(params, hashes):
-            meta["sha256"] = {kind: d.hexdigest() for kind, d in digest.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [opt._by_param[p].index for p in g["params"]]}
-                  for g in opt.param_groups]
-        meta = {"format": FORMAT, "param_groups": groups, "params": params, "stats": vars(opt.stats).copy(),
-                "max_grad_norm": opt.max_grad_norm}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-        return meta
-    except BaseException:
-        for f in locals().get("files", {}).values():
-            f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    for meta, digest in zip(params, hashes):
+        meta["sha256"] = {kind: d.hexdigest() for kind, d in digest.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [opt._by_param[p].index for p in g["params"]]}
+              for g in opt.param_groups]
+    meta = {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
+            "param_groups": groups, "params": params, "stats": vars(opt.stats).copy(), "max_grad_norm": opt.max_grad_norm}
+    with open(into / META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return meta
 
 
 def ps_offset(previous: list[dict]) -> int:
@@ -94,13 +132,107 @@ def ps_offset(previous: list[dict]) -> int:
     return previous[-1]["offset"] + 4 * previous[-1]["numel"] if previous else 0
 
 
-def load(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
-    """Stream a checkpoint written by `save` back into the store and the parameters."""
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (files created, renamed in) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_versions(folder: str | os.PathLike, keep: str) -> None:
+    """Remove every save in ``folder`` but the one with token ``keep``."""
+    for path in _save_dirs(Path(folder)):
+        if path.name != keep:
+            discard(path)
+
+
+def discard(path: str | os.PathLike) -> None:
+    """Remove the save folder ``path``; it is renamed to a ``.tmp-<pid>`` name first, so that a
+    removal cut short never leaves a partial save under a save's name."""
+    path = Path(path)
+    trash = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        path.rename(trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _save_dirs(folder: Path) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if _TOKEN.fullmatch(p.name) and p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _saves(folder: Path) -> dict[str, dict]:
+    """Token -> metadata of each complete save in ``folder``."""
+    saves = {}
+    for path in _save_dirs(folder):
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            continue  # damaged by hand: not a save
+        if meta.get("token") == path.name:
+            saves[path.name] = meta
+    return saves
+
+
+def _no_save(folder: Path) -> CheckpointError:
+    if (folder / META).exists():
+        return CheckpointError(
+            f"{folder}: a format-1 checkpoint (the state files directly in the folder); this version keeps one "
+            f"subfolder per save (format {FORMAT}): load it with the fuyou-strategy version that wrote it")
+    return CheckpointError(f"{folder}: no saved optimizer state (no <token>/{META} inside); is this a folder "
+                           "written by FuyouAdamW.state_dict(folder)?")
+
+
+def newest(folder: str | os.PathLike) -> Path:
+    """The newest complete save in ``folder``."""
     folder = Path(folder)
+    saves = _saves(folder)
+    if not saves:
+        raise _no_save(folder)
+    return folder / max(saves, key=lambda token: saves[token].get("saved_ns", 0))
+
+
+def find(folder: str | os.PathLike, token: str | None, steps: int | None, *, named_by: str, fix: str) -> Path:
+    """The save in ``folder`` with ``token``, which ``named_by`` (a ``.ckpt``, a state dict)
+    recorded with ``steps`` optimizer steps. When the folder does not hold it the two come
+    from different saves: the error says which one is stale and ``fix`` what to do instead."""
+    folder = Path(folder)
+    if token is None:
+        raise CheckpointError(
+            f"{named_by} does not record which save in {folder} it belongs to (written by an earlier fuyou-strategy); "
+            f"{fix}")
+    saves = _saves(folder)
+    if token in saves:
+        return folder / token
+    if (folder / META).exists():
+        raise _no_save(folder)
+    recorded = f"{named_by} belongs to optimizer save {token[:8]} (step {steps}), but {folder}"
+    if not folder.is_dir():
+        raise CheckpointError(f"{recorded} does not exist: it was removed, or not copied along; {fix}")
+    held = ", ".join(f"save {t[:8]} (step {m.get('steps')})" for t, m in saves.items()) or "no complete save"
+    if steps is not None and any(m.get("steps", 0) > steps for m in saves.values()):
+        stale = f"{named_by} is stale: a later save replaced the state it belongs to"
+    elif steps is not None and any(m.get("steps", 0) < steps for m in saves.values()):
+        stale = f"{folder} is stale: it holds an earlier save than {named_by}"
+    else:
+        stale = f"{named_by} and {folder} come from different saves"
+    raise CheckpointError(f"{recorded} holds {held}: {stale}; {fix}")
+
+
+def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
+    """Stream the save at ``path`` (a ``<folder>/<token>/`` from `find` or `newest`) back into
+    the store and the parameters."""
+    folder = Path(path)
     try:
         meta = json.loads((folder / META).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no {META}; is this a FuyouAdamW checkpoint folder?") from None
+        raise CheckpointError(f"{folder}: no {META}; is this a FuyouAdamW save?") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{folder}: format {meta.get('format')!r}, this version reads format {FORMAT}")
     if len(meta["params"]) != len(opt._params):
@@ -159,3 +291,30 @@ def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:
     """Put saved hyper-parameters (lr, betas, ...) back into the optimizer's param groups."""
     for group, saved in zip(opt.param_groups, saved_groups):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+
+
+def find_stale_temps(roots: Iterable[str]) -> list[StaleRun]:
+    """Folders that interrupted saves left anywhere under ``roots``: ``*.tmp-<pid>`` folders that
+    hold nothing but checkpoint files and whose writer is gone (`owner_gone`). Run directories
+    and symbolic links are not searched."""
+    stale = []
+    for root in roots:
+        for parent, dirs, _files in os.walk(root):
+            for name in list(dirs):
+                path = os.path.join(parent, name)
+                match = _TEMP.fullmatch(name)
+                if name.startswith(RUN_PREFIX):
+                    dirs.remove(name)
+                elif match and _only_save_files(path):
+                    dirs.remove(name)
+                    reason = owner_gone(path, pid=int(match.group(1)))
+                    if reason is not None:
+                        stale.append(StaleRun(path, int(match.group(1)), dir_bytes(path), reason))
+    return stale
+
+
+def _only_save_files(path: str) -> bool:
+    try:
+        return set(os.listdir(path)) <= _SAVE_FILES
+    except OSError:
+        return False

@@ -5,6 +5,9 @@ with an ``owner.json`` naming the host, the pid and the process start time. The 
 is removed on close, at interpreter exit and after an uncaught exception. A run killed
 hard (SIGKILL, power loss) leaves its directory behind; `find_stale_runs` recognises it
 because its owner process no longer exists, and ``fuyou clean`` removes it.
+
+Other folders a process may leave behind when killed (a checkpoint save in progress) record
+their owner the same way with `write_owner`; `owner_gone` tells whether it still runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir"]
+__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir", "write_owner", "owner_gone", "dir_bytes"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
@@ -45,15 +48,7 @@ def make_run_dir(parent: str) -> str:
     path = os.path.join(parent, f"{RUN_PREFIX}{os.getpid()}-{token}")
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
-    owner = {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "start_ticks": _process_start_ticks(os.getpid()),
-        "created": time.time(),
-    }
-    fd = os.open(os.path.join(path, OWNER_FILE), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(owner, f)
+    write_owner(path)
     return path
 
 
@@ -65,7 +60,7 @@ class StaleRun:
     reason: str
 
 
-def _dir_bytes(path: str) -> int:
+def dir_bytes(path: str) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
@@ -81,7 +76,6 @@ def find_stale_runs(parents: Iterable[str]) -> list[StaleRun]:
 
     Directories owned by another host are never reported: we cannot tell whether they live.
     """
-    host = socket.gethostname()
     stale = []
     for parent in parents:
         try:
@@ -89,25 +83,17 @@ def find_stale_runs(parents: Iterable[str]) -> list[StaleRun]:
         except FileNotFoundError:
             continue
         for child in children:
-            if not child.name.startswith(RUN_PREFIX) or not child.is_dir():
-                continue
-            try:
-                owner = json.loads((child / OWNER_FILE).read_text())
-            except (OSError, ValueError):
-                stale.append(StaleRun(str(child), None, _dir_bytes(str(child)), "no readable owner.json"))
-                continue
-            if owner.get("host") != host:
-                continue
-            pid = owner.get("pid")
-            ticks = _process_start_ticks(pid) if isinstance(pid, int) else None
-            if ticks is None:
-                reason = f"process {pid} is not running"
-            elif owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
-                reason = f"pid {pid} now belongs to another process"
-            else:
-                continue
-            stale.append(StaleRun(str(child), pid, _dir_bytes(str(child)), reason))
+            if child.name.startswith(RUN_PREFIX) and child.is_dir() and (reason := owner_gone(child)) is not None:
+                stale.append(StaleRun(str(child), _owner_pid(child), dir_bytes(str(child)), reason))
     return stale
+
+
+def _owner_pid(path: Path) -> int | None:
+    try:
+        pid = json.loads((path / OWNER_FILE).read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if isinstance(pid, int) else None
 
 
 def remove_run_dir(path: str) -> None:
@@ -119,3 +105,36 @@ def remove_run_dir(path: str) -> None:
     if failures and os.path.exists(path):
         log.warning("fuyou: could not remove run directory %s (%s); `fuyou clean --dir %s` removes it once "
                     "this process has ended", path, "; ".join(failures[:3]), os.path.dirname(path))
+
+
+def write_owner(path: str | os.PathLike) -> None:
+    """Record this process (host, pid, start time) in ``path/owner.json`` (mode 0600)."""
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
+             "created": time.time()}
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+
+
+def owner_gone(path: str | os.PathLike, pid: int | None = None) -> str | None:
+    """Why the process that owns the folder ``path`` no longer runs, or None while it may.
+
+    The owner is read from ``path/owner.json`` (`write_owner`); a folder without one is taken
+    to belong to ``pid`` on this host (None: it is reported gone). A folder owned by another
+    host is never reported: we cannot tell whether its process lives.
+    """
+    try:
+        owner = json.loads((Path(path) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        if pid is None:
+            return "no readable owner.json"
+        owner = {"host": socket.gethostname(), "pid": pid}
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    ticks = _process_start_ticks(pid) if isinstance(pid, int) else None
+    if ticks is None:
+        return f"process {pid} is not running"
+    if owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
+        return f"pid {pid} now belongs to another process"
+    return None
