@@ -99,6 +99,9 @@ class FuyouConfig:
             created, so a full disk is reported at allocation instead of mid-step.
         optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
             updated (capped by what the host budget holds). Default 4.
+        io_timeout: seconds the optimizer's worker and its ``step()`` wait for one read, one
+            host buffer or the last writes before giving up with an error (a hung drive, a
+            leaked buffer) instead of hanging training. Default 600.
         activations: what happens to each block's saved activations: one of ``"keep"``,
             ``"host"``, ``"ssd"``, ``"recompute"`` for every block, or a mapping from block
             index to policy (unlisted blocks keep), or ``"auto"``: the planner profiles the first
@@ -126,6 +129,7 @@ class FuyouConfig:
     direct_io: str = "auto"
     preallocate: bool = True
     optimizer_prefetch_chunks: int = 4
+    io_timeout: float = 600.0
     activations: str | dict = "keep"
     blocks: str | list[str] | None = None
     activation_min_bytes: int | str = "64KiB"
@@ -180,6 +184,9 @@ class FuyouConfig:
             raise ConfigError(
                 f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected an int >= 1"
             )
+        timeout = self.io_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
         policies = ("keep", "host", "ssd", "recompute")
         values = self.activations.values() if isinstance(self.activations, Mapping) else [self.activations]
         for value in values:

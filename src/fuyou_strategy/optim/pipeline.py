@@ -7,6 +7,12 @@ computes. ``fn`` either hands the buffer on (e.g. to `TensorStore.write_chunk`, 
 returns a future and releases it when written) or releases it; returned futures are kept
 so `drain()` can wait for them.
 
+Every wait has a way out. The worker's own waits (a pool buffer, a read) and `drain()`'s
+wait for the returned futures give up after ``config.io_timeout`` seconds with an error. If
+the worker stops — an unexpected error in its own bookkeeping, or `close()` — every waiter,
+present and later, gets a `PipelineError` naming the worker and the cause; `drain()` also
+checks that the thread is alive while it waits.
+
 The optimizer uses it for the AdamW update (read state → update → write shadow slot), for
 restoring weights after a skipped step, and for streaming checkpoints.
 """
@@ -16,13 +22,19 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable
 
 from ..storage import ACTIVE, HostBuffer, TensorStore, gather
 
-__all__ = ["ChunkJob", "ChunkPipeline"]
+__all__ = ["ChunkJob", "ChunkPipeline", "PipelineError"]
+
+_LIVENESS_POLL = 1.0  # seconds between checks that the worker is alive while drain() waits
+
+
+class PipelineError(RuntimeError):
+    """The pipeline's worker stopped (closed, or died of an unexpected error); it runs no more jobs."""
 
 
 @dataclass
@@ -39,10 +51,11 @@ class ChunkPipeline:
     """A worker thread with read-ahead; see the module docstring.
 
     Args:
-        store: where the chunks live.
+        store: where the chunks live; ``store.config.io_timeout`` bounds every wait.
         depth: chunks read ahead of the one being processed. It must leave room in the
             host pool for one more buffer, or the worker would wait on itself; the caller
             sizes it (`FuyouAdamW` does from the pool budget and the chunk size).
+        name: the worker thread's name, used in errors.
     """
 
     def __init__(self, store: TensorStore, depth: int, name: str = "fuyou-pipeline") -> None:
@@ -50,55 +63,94 @@ class ChunkPipeline:
             raise ValueError(f"depth: got {depth}; need at least one chunk in flight")
         self.store = store
         self.depth = depth
+        self.name = name
+        self.timeout = store.config.io_timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Owned by the worker thread; handed to a drain() waiter when everything before it ran.
         self._futures: list[Future] = []
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._todo: deque[tuple[ChunkJob, int]] = deque()
+        self._pending: deque[tuple[ChunkJob, int, Future]] = deque()
+        self._waiters: list[Future] = []
+        self._stopped: tuple[str, BaseException | None] | None = None  # (why, cause) once the worker stopped
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: ChunkJob) -> None:
-        self._queue.put(job)
+        """Queue ``job``; raises `PipelineError` if the worker stopped, `TypeError` for a malformed job."""
+        if not isinstance(job, ChunkJob) or not isinstance(job.nchunks, int) or job.nchunks < 0 or not callable(job.fn):
+            raise TypeError(f"{self.name}: got {job!r}; expected a ChunkJob with an int nchunks >= 0 and a callable fn")
+        self._put(job)
 
     def drain(self) -> None:
         """Wait until every submitted job ran and every future it returned completed.
 
         Raises the first error of any read, function call or returned future, and forgets
         it, so the pipeline can be used again (e.g. to restore weights after a failure).
+        Raises `TimeoutError` if a returned future is not done ``io_timeout`` seconds after
+        the jobs ran, and `PipelineError` if the worker stopped (closed or died).
         """
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait()
-        futures, self._futures = self._futures, []
-        error, self._error = self._error, None
+        barrier: Future = Future()
+        self._put(barrier)
+        while not wait([barrier], timeout=_LIVENESS_POLL).done:
+            if not self._thread.is_alive() and not barrier.done():
+                raise self._stopped_error()
+        error, futures = barrier.result()  # PipelineError if the worker stopped first
         if futures:
             gathered = gather(futures)
-            gathered.exception()  # waits for all of them
-            if error is None:
-                error = gathered.exception()
+            if not wait([gathered], timeout=self.timeout).done:
+                error = error or TimeoutError(
+                    f"{self.name}: {sum(not f.done() for f in futures)} write(s) still not done "
+                    f"{self.timeout:g} s after the jobs ran; the drive may be hung (check dmesg), "
+                    "or raise FuyouConfig.io_timeout"
+                )
+            error = error or gathered.exception(timeout=0)
         if error is not None:
             raise error
 
     def close(self) -> None:
+        """Stop the worker: queued jobs are dropped and waiters get a `PipelineError`.
+
+        Waits up to ``io_timeout`` seconds for the job function running now to return.
+        """
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(self.timeout)
+            if self._thread.is_alive():
+                raise PipelineError(f"{self.name}: the worker did not stop within {self.timeout:g} s "
+                                    "(a job function is still running)")
+
+    def _put(self, item: ChunkJob | Future) -> None:
+        if self._stopped is not None:
+            raise self._stopped_error()
+        self._queue.put(item)
+
+    def _stopped_error(self) -> PipelineError:
+        why, cause = self._stopped or (f"{self.name}: the worker thread is gone", None)
+        error = PipelineError(why)
+        error.__cause__ = cause
+        return error
 
     # -- the worker ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            self._stop(f"{self.name}: the worker thread died of {type(exc).__name__}: {exc}; "
+                       "this pipeline cannot run jobs any more: close it", exc)
+
     def _loop(self) -> None:
-        todo: deque[tuple[ChunkJob, int]] = deque()
-        pending: deque[tuple[ChunkJob, int, Future]] = deque()
-        waiters: list[threading.Event] = []
+        todo, pending = self._todo, self._pending
         while True:
             try:
                 item = self._queue.get(block=not todo and not pending)
             except queue.Empty:
                 item = False
             if item is None:
-                for _job, _k, fut in pending:
-                    fut.add_done_callback(lambda f: f.exception() is None and f.result().release())
+                self._stop(f"{self.name} is closed", None)
                 return
-            if isinstance(item, threading.Event):
-                waiters.append(item)
+            if isinstance(item, Future):
+                self._waiters.append(item)
             elif item is not False:
                 todo.extend((item, k) for k in range(item.nchunks))
                 continue  # take everything already queued before working
@@ -107,32 +159,69 @@ class ChunkPipeline:
                 pending.append((job, k, self._read(job, k)))
             if pending:
                 self._process(*pending.popleft())
-            if not todo and not pending:
-                for w in waiters:
-                    w.set()
-                waiters.clear()
+            if not todo and not pending and self._waiters:
+                first, *rest = self._waiters
+                first.set_result((self._error, self._futures))
+                for w in rest:
+                    w.set_result((None, []))
+                self._waiters, self._futures, self._error = [], [], None
+
+    def _stop(self, why: str, cause: BaseException | None) -> None:
+        """Refuse further work, fail every waiter (queued ones too) and give back read buffers."""
+        self._stopped = (why, cause)
+        for _job, _k, fut in self._pending:
+            fut.add_done_callback(_release_buffer)
+        self._todo.clear()
+        self._pending.clear()
+        waiters, self._waiters = self._waiters, []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Future):
+                waiters.append(item)
+        for w in waiters:
+            if not w.done():
+                w.set_exception(self._stopped_error())
 
     def _read(self, job: ChunkJob, k: int) -> Future:
         try:
-            return self.store.read_chunk(job.entry, k, slot=job.slot)
+            return self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout)
         except BaseException as exc:  # noqa: BLE001 - handed to drain()
             failed: Future = Future()
             failed.set_exception(exc)
             return failed
 
     def _process(self, job: ChunkJob, k: int, fut: Future) -> None:
+        if self._error is not None:  # after a failure, only give back what is in flight
+            fut.add_done_callback(_release_buffer)
+            return
+        if not wait([fut], timeout=self.timeout).done:
+            fut.add_done_callback(_release_buffer)
+            self._error = TimeoutError(
+                f"{self.name}: reading chunk {k} of entry {job.entry!r} did not complete within "
+                f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise FuyouConfig.io_timeout"
+            )
+            return
         if fut.exception() is not None:
-            self._error = self._error or fut.exception()
+            self._error = fut.exception()
             return
         buf = fut.result()
-        if self._error is not None:  # after a failure, only drain what is in flight
-            buf.release()
-            return
         try:
             out = job.fn(k, buf)
         except BaseException as exc:  # noqa: BLE001 - handed to drain()
             buf.release()
             self._error = exc
             return
-        if out is not None:
+        if isinstance(out, Future):
             self._futures.append(out)
+        elif out is not None:
+            self._error = TypeError(f"{self.name}: the function of job {job.entry!r} returned {type(out).__name__} "
+                                    f"for chunk {k}; it must return a Future or None")
+
+
+def _release_buffer(fut: Future) -> None:
+    """Done-callback of a read whose buffer nobody will use: give it back to the pool."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().release()

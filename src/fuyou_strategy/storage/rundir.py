@@ -2,9 +2,20 @@
 
 Each process that stores tensors makes ``<swap_dir>/fuyou-run-<pid>-<token>/`` (mode 0700)
 with an ``owner.json`` naming the host, the pid and the process start time. The directory
-is removed on close, at interpreter exit and after an uncaught exception. A run killed
-hard (SIGKILL, power loss) leaves its directory behind; `find_stale_runs` recognises it
-because its owner process no longer exists, and ``fuyou clean`` removes it.
+is removed on close, at interpreter exit, after an uncaught exception and on SIGTERM (see
+below). A run killed hard (SIGKILL, power loss) leaves its directory behind;
+`find_stale_runs` recognises it because its owner process no longer exists, and
+``fuyou clean`` removes it.
+
+SIGTERM's default action kills the process without running atexit handlers or finalizers,
+and SIGTERM is how schedulers (Slurm, Kubernetes) stop jobs. So while run directories
+exist, a SIGTERM handler removes them and then dies of SIGTERM as the default action would
+(the parent still sees ``-SIGTERM``). It is installed from the main thread only, and only
+in place of the default action — an application's own handler is never replaced — and the
+default comes back when the last run directory is removed from the main thread. If a
+handler installed later calls ours, as Lightning's Trainer does with the handler it finds,
+that handler decides what SIGTERM means and ours does nothing: Lightning stops at the next
+batch and its teardown closes the stores.
 
 Other folders a process may leave behind when killed (a checkpoint save in progress) record
 their owner the same way with `write_owner`; `owner_gone` tells whether it still runs.
@@ -17,7 +28,10 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +56,31 @@ def _process_start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def make_run_dir(parent: str) -> str:
-    """Create this process's 0700 run directory inside ``parent`` and return its path."""
+def make_run_dir(parent: str | None) -> str:
+    """Create this process's 0700 run directory inside ``parent`` and return its path.
+
+    ``parent=None`` makes a fresh temporary directory (``fuyou-swap-*``) to hold it, which
+    `remove_run_dir` removes with it.
+    """
+    if parent is None:
+        return _make_run_dir_in_temporary_dir()
     token = secrets.token_hex(4)
     path = os.path.join(parent, f"{RUN_PREFIX}{os.getpid()}-{token}")
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
     write_owner(path)
+    _track(path, None)
+    return path
+
+
+def _make_run_dir_in_temporary_dir() -> str:
+    parent = tempfile.mkdtemp(prefix="fuyou-swap-")
+    try:
+        path = make_run_dir(parent)
+    except BaseException:
+        shutil.rmtree(parent, ignore_errors=True)
+        raise
+    _track(path, parent)  # removed with its run directory
     return path
 
 
@@ -105,6 +137,9 @@ def remove_run_dir(path: str) -> None:
     if failures and os.path.exists(path):
         log.warning("fuyou: could not remove run directory %s (%s); `fuyou clean --dir %s` removes it once "
                     "this process has ended", path, "; ".join(failures[:3]), os.path.dirname(path))
+    temporary_parent = _untrack(path)
+    if temporary_parent is not None:
+        shutil.rmtree(temporary_parent, ignore_errors=True)
 
 
 def write_owner(path: str | os.PathLike) -> None:
@@ -138,3 +173,46 @@ def owner_gone(path: str | os.PathLike, pid: int | None = None) -> str | None:
     if owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
         return f"pid {pid} now belongs to another process"
     return None
+
+
+# -- removal on SIGTERM (see the module docstring) ------------------------------------------------
+_live: dict[str, str | None] = {}  # this process's run directories -> the temporary parent made for each
+_live_lock = threading.RLock()  # re-entrant: a store's finalizer may run (gc) while this thread holds it
+
+
+def _track(path: str, temporary_parent: str | None) -> None:
+    with _live_lock:
+        _live[path] = temporary_parent
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _untrack(path: str) -> str | None:
+    with _live_lock:
+        temporary_parent = _live.pop(path, None)
+        main = threading.current_thread() is threading.main_thread()
+        if not _live and main and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return temporary_parent
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        return  # called by a handler installed after ours: that handler owns SIGTERM
+    try:
+        for path, temporary_parent in tuple(_live.items()):  # no lock: the interrupted main thread may hold it
+            shutil.rmtree(temporary_parent or path, ignore_errors=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+
+def _forget_parent_runs() -> None:
+    """In a forked child (a DataLoader worker): it owns none of its parent's run directories."""
+    global _live_lock
+    _live_lock = threading.RLock()  # another thread of the parent may have held it at the fork
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_runs)

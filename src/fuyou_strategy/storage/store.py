@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import os
 import shutil
-import tempfile
 import threading
 import weakref
 from concurrent.futures import Future
@@ -127,8 +126,7 @@ class _Resources:
     def __init__(self) -> None:
         self.engine: IOEngine | None = None
         self.files: list[SwapFile] = []
-        self.run_dirs: list[str] = []
-        self.temp_parent: str | None = None
+        self.run_dirs: list[str] = []  # a temporary parent (swap_dirs=None) goes with its run dir
         self.pool: HostBufferPool | None = None  # only when the store owns it
 
     def release(self) -> None:
@@ -138,11 +136,9 @@ class _Resources:
                 self.engine.close_file(f)
         for path in self.run_dirs:
             remove_run_dir(path)
-        if self.temp_parent is not None:
-            shutil.rmtree(self.temp_parent, ignore_errors=True)
         if self.pool is not None:
             self.pool.close()
-        self.engine, self.files, self.run_dirs, self.temp_parent, self.pool = None, [], [], None, None
+        self.engine, self.files, self.run_dirs, self.pool = None, [], [], None
 
 
 class TensorStore:
@@ -155,7 +151,7 @@ class TensorStore:
             of ``config.host_memory_budget`` bytes.
 
     The store's files live in a 0700 run directory per swap directory and are removed by
-    `close()`, by leaving a ``with`` block, or at interpreter exit.
+    `close()`, by leaving a ``with`` block, at interpreter exit, or on SIGTERM (see `rundir`).
     """
 
     def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None) -> None:
@@ -163,12 +159,9 @@ class TensorStore:
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.release)
         try:
-            parents = config.swap_dirs
-            if parents is None:
-                res.temp_parent = tempfile.mkdtemp(prefix="fuyou-swap-")
-                parents = [res.temp_parent]
-            for parent in parents:
-                _check_swap_dir(parent)
+            for parent in config.swap_dirs or [None]:  # None: a fresh temporary directory
+                if parent is not None:
+                    _check_swap_dir(parent)
                 res.run_dirs.append(make_run_dir(parent))
             res.engine = IOEngine(
                 res.run_dirs,

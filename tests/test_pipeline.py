@@ -1,0 +1,257 @@
+"""The optimizer's chunk pipeline: errors reach every waiter, and no wait hangs forever.
+
+Each test that could hang against a broken pipeline runs the waiting call in a thread and
+gives it a deadline, so a regression fails the test instead of stalling the suite.
+"""
+
+import re
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, TensorStore
+from fuyou_strategy.optim import ChunkJob, ChunkPipeline
+from fuyou_strategy.storage import HostBudgetError
+
+DEADLINE = 15.0  # seconds; every failure below is reported after io_timeout = 1 s
+
+
+def outcome(call, within=DEADLINE):
+    """Run ``call()`` in a thread and return what it raised (None if nothing); fail if it is still
+    blocked after ``within`` seconds: a wait with no way out."""
+    raised = []
+
+    def target():
+        try:
+            call()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), f"{getattr(call, '__name__', call)} still blocked after {within} s"
+    return raised[0] if raised else None
+
+
+def config(tmp_path, **changes):
+    fields = dict(swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_block_size="4KiB", host_memory_budget="256KiB",
+                  io_threads=2, io_timeout=1)
+    return FuyouConfig(**{**fields, **changes})
+
+
+def make_store(cfg):
+    store = TensorStore(cfg)
+    store.create("x", (5000,), torch.float32)  # 20000 bytes: 3 chunks of 8 KiB
+    store.write("x", torch.arange(5000, dtype=torch.float32)).result()
+    return store
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = make_store(config(tmp_path))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def pipe(store):
+    pipe = ChunkPipeline(store, depth=2, name="fuyou-test")
+    yield pipe
+    pipe.close()
+
+
+def release(k, buf):
+    buf.release()
+
+
+def hang_reads(store, monkeypatch):
+    """Make every read's future never complete, as when a completion callback raises (concurrent.futures
+    logs and swallows the error). Returns ``end()``, which fails the stuck reads and every later one."""
+    real, stuck, over = store.read_chunk, [], threading.Event()
+
+    def read_chunk(name, k, **kwargs):
+        inner, out = real(name, k, **kwargs), Future()
+
+        def land(f):
+            f.result().release()
+            if over.is_set():
+                out.set_exception(RuntimeError("test over"))
+            raise RuntimeError("injected failure in a read's completion callback")
+
+        stuck.append(out)
+        inner.add_done_callback(land)
+        return out
+
+    def end():
+        over.set()
+        unblock(stuck)
+
+    monkeypatch.setattr(store, "read_chunk", read_chunk)
+    return end
+
+
+def unblock(futures):
+    for f in list(futures):
+        if not f.done():
+            f.set_exception(RuntimeError("test over"))
+
+
+def die(*args):
+    raise RuntimeError("injected bug in the worker's bookkeeping")
+
+
+def test_every_chunk_is_streamed_in_order(pipe):
+    seen = []
+
+    def collect(k, buf):
+        with buf:
+            seen.append((k, buf.view(torch.float32)[0].item()))
+
+    pipe.submit(ChunkJob("x", 3, collect))
+    pipe.drain()
+    assert seen == [(0, 0.0), (1, 2048.0), (2, 4096.0)]
+
+
+def test_a_job_error_reaches_drain_once_and_the_pipeline_goes_on(pipe):
+    def fail(k, buf):
+        raise ValueError("bad chunk")
+
+    pipe.submit(ChunkJob("x", 3, fail))
+    with pytest.raises(ValueError, match="bad chunk"):
+        pipe.drain()
+    pipe.submit(ChunkJob("x", 3, release))
+    pipe.drain()
+
+
+def test_a_dead_worker_hands_its_error_to_every_waiter(pipe, monkeypatch):
+    monkeypatch.setattr(pipe, "_process", die)
+    pipe.submit(ChunkJob("x", 3, release))
+    error = outcome(pipe.drain)
+    assert isinstance(error, RuntimeError), error
+    assert re.search(r"fuyou-test: the worker thread died of RuntimeError: injected bug", str(error))
+    assert "injected bug" in str(error.__cause__)
+    # Later waiters get it too, instead of blocking on a thread that is gone.
+    for later in (pipe.drain, lambda: pipe.submit(ChunkJob("x", 3, release))):
+        error = outcome(later)
+        assert isinstance(error, RuntimeError) and "fuyou-test: the worker thread died" in str(error)
+    pipe.close()
+    assert not pipe._thread.is_alive()
+
+
+def test_a_malformed_job_is_refused_at_submit(pipe):
+    def submit_and_drain():
+        pipe.submit(ChunkJob("x", "3", release))
+        pipe.drain()
+
+    error = outcome(submit_and_drain)
+    assert isinstance(error, TypeError) and "int nchunks" in str(error)
+    pipe.submit(ChunkJob("x", 3, release))  # the worker is unharmed
+    pipe.drain()
+
+
+def test_a_read_that_never_completes_is_a_timeout(store, pipe, monkeypatch):
+    end = hang_reads(store, monkeypatch)
+    pipe.submit(ChunkJob("x", 3, release))
+    try:
+        error = outcome(pipe.drain)
+    finally:
+        end()
+    assert isinstance(error, TimeoutError), error
+    assert "reading chunk 0 of entry 'x' did not complete within 1 s" in str(error)
+
+
+def test_a_returned_future_that_never_completes_is_a_timeout(pipe):
+    never = Future()
+
+    def hand_on(k, buf):
+        buf.release()
+        return never
+
+    pipe.submit(ChunkJob("x", 1, hand_on))
+    try:
+        error = outcome(pipe.drain)
+    finally:
+        unblock([never])
+    assert isinstance(error, TimeoutError) and "1 write(s) still not done 1 s after" in str(error)
+
+
+def test_a_job_that_keeps_its_buffers_gets_a_pool_timeout(tmp_path):
+    kept = []
+
+    def keep(k, buf):
+        kept.append(buf)
+
+    with make_store(config(tmp_path, host_memory_budget="16KiB")) as store:  # two 8 KiB chunks, not three
+        pipe = ChunkPipeline(store, depth=1, name="fuyou-test")
+        pipe.submit(ChunkJob("x", 3, keep))
+        try:
+            error = outcome(pipe.drain)
+        finally:
+            for buf in kept:
+                buf.release()
+        pipe.close()
+    assert isinstance(error, HostBudgetError) and "host_memory_budget: waited 1.0 s" in str(error)
+
+
+def test_close_wakes_a_waiting_drain_and_later_calls_are_refused(pipe):
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(k, buf):
+        started.set()
+        gate.wait(DEADLINE)
+        buf.release()
+
+    pipe.submit(ChunkJob("x", 3, slow))
+    waiting = threading.Thread(target=lambda: errors.append(outcome(pipe.drain)))
+    errors = []
+    waiting.start()
+    assert started.wait(DEADLINE)
+    closing = threading.Thread(target=pipe.close)
+    closing.start()
+    while pipe._queue.qsize() == 0 and closing.is_alive():  # close() has queued its stop
+        threading.Event().wait(0.01)
+    gate.set()
+    closing.join(DEADLINE)
+    waiting.join(DEADLINE)
+    assert isinstance(errors[0], RuntimeError) and "fuyou-test is closed" in str(errors[0])
+    for later in (pipe.drain, lambda: pipe.submit(ChunkJob("x", 3, release))):
+        error = outcome(later)
+        assert isinstance(error, RuntimeError) and "fuyou-test is closed" in str(error)
+    assert not pipe._thread.is_alive()
+
+
+@pytest.mark.parametrize("fault", ["worker dies", "read never completes"])
+def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_path, monkeypatch, fault):
+    before = set(threading.enumerate())
+    model = torch.nn.Linear(64, 32)
+    opt = FuyouAdamW(model.parameters(), lr=0.1, config=config(tmp_path))
+    end = lambda: None  # noqa: E731
+    if fault == "worker dies":
+        monkeypatch.setattr(opt._pipeline, "_process", die)
+    else:
+        end = hang_reads(opt.store, monkeypatch)
+
+    def train_step():  # the hooks queue each update on the worker; the error comes from a hook or step()
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+
+    try:
+        error = outcome(train_step)
+    finally:
+        end()
+    if fault == "worker dies":
+        assert isinstance(error, RuntimeError) and "fuyou-adamw: the worker thread died" in str(error), error
+    else:
+        assert isinstance(error, TimeoutError) and "did not complete within 1 s" in str(error), error
+    opt.close()
+    assert set(threading.enumerate()) <= before, "a thread was left behind"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, "10", True, float("inf"), float("nan")])
+def test_io_timeout_is_validated(value):
+    with pytest.raises(ConfigError, match=r"io_timeout: got .*; expected seconds > 0, e.g. 600"):
+        FuyouConfig(io_timeout=value)
