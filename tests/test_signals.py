@@ -26,10 +26,10 @@ _CHILD = textwrap.dedent("""
         owner.write("x", torch.randn(5000)).result()
     else:
         model = torch.nn.Linear(64, 32)
-        owner = FuyouAdamW(model.parameters(), config=config)
+        opt = FuyouAdamW(model.parameters(), config=config)  # kept: a dropped optimizer deletes its files
         model(torch.randn(2, 64)).sum().backward()
-        owner.step()
-        owner = owner.store
+        opt.step()
+        owner = opt.store
     print(owner.run_dirs[0], flush=True)  # ready
     time.sleep(120)
 """)
