@@ -83,8 +83,9 @@ class FuyouConfig:
             them. ``None`` (default) makes a fresh temporary directory, removed on close.
         host_memory_budget: hard cap, in bytes, on the host buffer pool (staging buffers for
             SSD I/O and swapped activations). Default ``"2GiB"``.
-        device_memory_budget: bytes of device memory fuyou may plan for; ``None`` means
-            "measure free memory" (on the CPU: the host's available memory).
+        device_memory_budget: bytes of device memory the planner may plan for; ``None`` means
+            the accelerator's total memory, and no limit on the CPU (where the device tier is
+            host RAM).
         io_threads: I/O threads per swap directory. ``os.preadv``/``os.pwritev`` release the
             GIL, so a handful per NVMe drive reaches its bandwidth. Default 4.
         io_block_size: the largest single read/write request handed to the kernel; bigger
