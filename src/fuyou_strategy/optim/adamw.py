@@ -23,8 +23,9 @@ How a step runs:
    - a non-finite gradient: **skip** — the shadow is discarded, weights are restored from
      the active master, and state and step counts are untouched.
 
-The result is bitwise equal to ``torch.optim.AdamW(fused=True)`` applied to the same
-gradients after ``clip_grad_norm_`` (tests check it), and within 1e-6 of the default AdamW.
+The result is bitwise equal to ``torch.optim.AdamW`` with the same kernel applied to the same
+gradients after ``clip_grad_norm_``: ``fused=True`` (the default here) to ``AdamW(fused=True)``,
+``fused=False`` to the default for-loop ``AdamW()`` (tests check both).
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ class FuyouAdamW(torch.optim.Optimizer):
             so chunking never changes a bit.
 
     Costs: SSD traffic of 12 bytes read + 12 bytes written per parameter per step; host
-    memory of at most ``config.host_memory_budget``. ``amsgrad``, ``maximize``,
-    ``foreach``/``fused``/``capturable``/``differentiable`` and fp16 weights are refused.
+    memory of at most ``config.host_memory_budget``. ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable`` (when true) and fp16 weights are refused; ``foreach`` is accepted and
+    ignored (chunks are updated one at a time either way).
 
     Statistics are in ``opt.stats`` (`StepStats`); call ``close()`` (or use ``with``) to
     release the swap files.
