@@ -71,7 +71,7 @@ class Profile:
     adam_params_per_s: float = 1e9  # CPU AdamW throughput (parameters per second)
     weight_upload_bytes_per_param: float = 0.0  # copying an updated weight to the device (0 when device is host)
     device_base_bytes: int = 0  # what stays on the device regardless of policies (weights, grads, runtime)
-    optimizer_host_bytes: int = 0  # host buffers the optimizer keeps (its share of the pool)
+    optimizer_host_bytes: int = 0  # host pool bytes host-policy activations leave free (HostShares.reserved)
     micro_batches: int = 1
     prefetch_blocks: int = 2
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
