@@ -93,3 +93,17 @@ def test_try_acquire_never_waits_and_keeps_room():
     buf.release()
     held.release()
     assert pool.lent == 0
+
+
+def test_a_released_buffer_lets_go_of_its_memory():
+    from fuyou_strategy.device import host_buffer_usage
+
+    pool = HostBufferPool(16 * 1024)
+    buf = pool.acquire(16 * 1024)
+    buf.release()
+    assert buf.data is None, "a use after release fails loudly"
+    kept = host_buffer_usage().live
+    other = pool.acquire(8 * 1024)  # evicts the cached 16 KiB buffer; `buf` (say, in a finished future) must not pin it
+    assert host_buffer_usage().live == kept - 8 * 1024
+    other.release()
+    pool.close()

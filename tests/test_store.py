@@ -404,19 +404,19 @@ def test_single_slot_entries_delete_and_space_reuse(small_config):
         assert torch.equal(store.read("b").result(), x + 1)
 
 
-def test_read_into_an_aligned_buffer(small_config):
-    from fuyou_strategy.device import alloc_host_buffer
-
+def test_read_chunk_into_a_buffer_the_caller_holds(small_config):
     with TensorStore(small_config) as store:
-        x = torch.randn(5000)  # 20000 bytes over three chunks
+        x = torch.randn(5000)  # 20000 bytes over three chunks of 8 KiB
         store.create("x", x.shape, x.dtype)
         store.write("x", x).result()
-        dest = alloc_host_buffer(20480)
-        assert store.read_into("x", dest).result() is dest
-        assert torch.equal(dest[:20000].view(torch.float32), x)
-        assert store.pool.lent == 0, "no pool buffer is used"
-        with pytest.raises(StorageError, match="page-aligned uint8 tensor of >= 20480 bytes"):
-            store.read_into("x", alloc_host_buffer(20000))
+        buf = store.pool.try_acquire(8192)
+        assert store.read_chunk("x", 1, into=buf).result() is buf
+        assert torch.equal(buf.view(torch.float32), x[2048:4096])
+        buf.release()
+        wrong = store.pool.acquire(8192)  # chunk 2 holds 3616 bytes
+        with pytest.raises(StorageError, match="chunk 2: buffer holds 8192 bytes .* the chunk is 3616 bytes"):
+            store.read_chunk("x", 2, into=wrong)
+        assert store.pool.lent == 0, "a refused buffer is released"
 
 
 def test_swap_file_levels_off_when_activation_sizes_vary(small_config):

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-__all__ = ["ConfigError", "FuyouConfig", "parse_bytes", "format_bytes"]
+__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "parse_bytes", "format_bytes",
+           "STATE_BYTES_PER_PARAM"]
 
 PAGE = 4096
+STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
 
 _UNITS = {
     "": 1, "b": 1,
@@ -81,8 +83,9 @@ class FuyouConfig:
     Attributes:
         swap_dirs: directories of the SSD tier, one per drive; chunks are striped across
             them. ``None`` (default) makes a fresh temporary directory, removed on close.
-        host_memory_budget: hard cap, in bytes, on the host buffer pool (staging buffers for
-            SSD I/O and swapped activations). Default ``"2GiB"``.
+        host_memory_budget: hard cap, in bytes, on every host buffer fuyou holds: one pool
+            for the optimizer's read-ahead, the staging of SSD activations both ways and
+            host-policy activations, divided by `host_budget_split`. Default ``"2GiB"``.
         device_memory_budget: bytes of device memory the planner may plan for; ``None`` means
             the accelerator's total memory, and no limit on the CPU (where the device tier is
             host RAM).
@@ -99,7 +102,8 @@ class FuyouConfig:
         preallocate: reserve swap-file space with ``posix_fallocate`` when entries are
             created, so a full disk is reported at allocation instead of mid-step.
         optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
-            updated (capped by what the host budget holds). Default 4.
+            updated (capped by the optimizer's share of the host budget, see
+            `host_budget_split`). Default 4.
         io_timeout: seconds the optimizer's worker and its ``step()`` wait for one read, one
             host buffer or the last writes before giving up with an error (a hung drive, a
             leaked buffer) instead of hanging training. Default 600.
@@ -267,3 +271,59 @@ class FuyouConfig:
     def replace(self, **changes: Any) -> "FuyouConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class HostShares:
+    """How `host_budget_split` divides ``host_memory_budget`` between the pool's users (bytes).
+
+    The pool lends to whoever asks while it has room: the shares are guarantees, not
+    partitions. Every user but one gives its buffers back as soon as a transfer is done;
+    host-policy activations hold theirs until backward, so they are admitted only while the
+    ``reserved`` part stays free, which keeps everyone else moving.
+
+    Attributes:
+        budget: ``host_memory_budget``.
+        state_chunk: one optimizer state chunk: the most whole groups of 1024 parameters'
+            ``[master | exp_avg | exp_avg_sq]`` (12 KiB each, a whole number of pages) that
+            ``chunk_size`` holds, at least one.
+        optimizer_depth: state chunks the optimizer reads ahead of the one it updates:
+            ``optimizer_prefetch_chunks``, fewer when the budget is small, at least one.
+        optimizer_readahead: ``(optimizer_depth + 1) * state_chunk``.
+        activation_staging: SSD activations on their way to disk: two chunks, or one per
+            swap directory if there are more, so every drive can be busy.
+        activation_readback: SSD activations on their way back in backward (as many).
+        host_activations: what is left: the most host-policy activations ever hold.
+    """
+
+    budget: int
+    state_chunk: int
+    optimizer_depth: int
+    optimizer_readahead: int
+    activation_staging: int
+    activation_readback: int
+    host_activations: int
+
+    @property
+    def reserved(self) -> int:
+        """What host-policy activations always leave free (all of the budget if it is that small)."""
+        return self.budget - self.host_activations
+
+
+def host_budget_split(config: FuyouConfig) -> HostShares:
+    """The one division of ``config.host_memory_budget``; see `HostShares`.
+
+    `FuyouAdamW` reads ahead ``optimizer_depth`` chunks, the activation swapper admits
+    host-policy activations only into ``host_activations`` and stages SSD transfers in the
+    rest, and the planner budgets host-policy activations against ``host_activations``.
+    A budget smaller than the reserved shares together is still valid: the transfers then
+    take turns, and host-policy activations stay on the device.
+    """
+    unit = 1024 * STATE_BYTES_PER_PARAM
+    state_chunk = max(1, config.chunk_size // unit) * unit
+    staging = readback = max(2, len(config.swap_dirs or ())) * config.chunk_size
+    depth = max(1, min(config.optimizer_prefetch_chunks,
+                       (config.host_memory_budget - staging - readback) // state_chunk - 1))
+    readahead = (depth + 1) * state_chunk
+    host = max(0, config.host_memory_budget - readahead - staging - readback)
+    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, readback, host)

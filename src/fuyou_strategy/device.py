@@ -1,19 +1,32 @@
-"""The one module that touches ``torch.cuda``: device detection and pinned host memory.
+"""The one module that touches ``torch.cuda``: device detection, host buffers, host → device copies.
 
 Everything above this module is written once against these small functions. With CUDA,
-host buffers are page-locked so device copies can be asynchronous; on the CPU (every
-machine of this project's CI) the compute device is the CPU and the "device" and "host"
-tiers share RAM, so the same code runs and is tested. Streams and events join this module
-with activation swapping, the first part that overlaps device copies with compute.
+host buffers are page-locked so device copies can be asynchronous, and `Upload` copies on a
+side stream; on the CPU (every machine of this project's CI) the compute device is the CPU,
+the "device" and "host" tiers share RAM, and the same code runs and is tested.
+
+Every host buffer fuyou allocates comes from `alloc_host_buffer`, which counts the bytes
+alive in the process and their high-water mark (`host_buffer_usage`): the figure that
+``host_memory_budget`` caps, measured where nothing can bypass it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["PAGE_SIZE", "cuda_available", "alloc_host_buffer"]
+__all__ = ["PAGE_SIZE", "cuda_available", "alloc_host_buffer", "HostBufferUsage", "host_buffer_usage",
+           "reset_host_buffer_high_water", "Upload"]
 
 PAGE_SIZE = 4096
+
+_usage_lock = threading.Lock()
+_live = 0
+_high_water = 0
 
 
 def cuda_available() -> bool:
@@ -26,12 +39,95 @@ def alloc_host_buffer(nbytes: int) -> torch.Tensor:
     Page alignment is what ``O_DIRECT`` needs. With CUDA the memory is pinned, so copies
     to and from the device can be asynchronous. ``cudaHostAlloc`` returns page-aligned
     memory; the CPU allocator only promises 64 bytes, so we over-allocate one page and slice.
+    The ``nbytes`` count towards `host_buffer_usage` until the memory is freed (the last view
+    of it is gone).
     """
+    global _live, _high_water
     if nbytes <= 0:
         raise ValueError(f"nbytes: got {nbytes}; a host buffer needs at least one byte")
     raw = torch.empty(nbytes + PAGE_SIZE, dtype=torch.uint8, pin_memory=cuda_available())
     skip = (-raw.data_ptr()) % PAGE_SIZE
+    with _usage_lock:
+        _live += nbytes
+        _high_water = max(_high_water, _live)
+    # The storage outlives `raw` (the slice below keeps it): count until the storage is freed.
+    weakref.finalize(raw.untyped_storage(), _freed, nbytes).atexit = False
     return raw[skip : skip + nbytes]
+
+
+def _freed(nbytes: int) -> None:
+    global _live
+    with _usage_lock:
+        _live -= nbytes
+
+
+@dataclass(frozen=True)
+class HostBufferUsage:
+    """Bytes of `alloc_host_buffer` memory in this process: alive now, and the most alive at once."""
+
+    live: int
+    high_water: int
+
+
+def host_buffer_usage() -> HostBufferUsage:
+    """What `alloc_host_buffer` holds process-wide (usable bytes; the alignment page is not counted)."""
+    with _usage_lock:
+        return HostBufferUsage(_live, _high_water)
+
+
+def reset_host_buffer_high_water() -> None:
+    """Start the high-water mark again from the bytes alive now (to measure one run)."""
+    global _high_water
+    with _usage_lock:
+        _high_water = _live
+
+
+class Upload:
+    """A device tensor of ``nbytes`` bytes filled from host buffers, chunk by chunk, from any thread.
+
+    `copy` may run on any thread (I/O threads do) and returns only once the host bytes were
+    copied, so the host buffer may be reused at once; `result`, called where the tensor is
+    used once every `copy` returned, gives the tensor. On the CPU it is a plain copy.
+    With CUDA the tensor is allocated on a side stream and each `copy` is a ``non_blocking``
+    host → device copy on it from pinned memory, waited for through an event; `result` tells
+    the caching allocator that the caller's stream uses the tensor, so its memory is not
+    reused before that stream is done with it.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self._stream = _side_stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy(self, offset: int, src: torch.Tensor) -> None:
+        """Copy the ``uint8`` host tensor ``src`` into the tensor's bytes at ``offset``."""
+        dst = self.tensor[offset : offset + src.numel()]
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+    def result(self) -> torch.Tensor:
+        if self._stream is not None:
+            self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
+        return self.tensor
+
+
+_side_streams: dict[int, "torch.cuda.Stream"] = {}
+_streams_lock = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One stream per CUDA device for `Upload` copies (made on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        if index not in _side_streams:
+            _side_streams[index] = torch.cuda.Stream(index)
+        return _side_streams[index]
 
 
 def synchronize(device: torch.device) -> None:

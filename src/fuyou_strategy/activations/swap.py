@@ -19,11 +19,15 @@ weight that autocast saves (it is cached per step, so it is kept once); tensors 
 tensor saved twice by one forward (e.g. the input of the q, k and v projections) is
 swapped once.
 
-Swap-out is asynchronous: the pack hook copies the bytes into host pool buffers and returns;
-I/O threads write them to the tensor store and hand the buffers back to the pool as soon as
-they are on disk, so the host budget is never exceeded. When backward reaches block ``i``,
-reads for blocks ``i-1 … i-k`` are already issued (``activation_prefetch_blocks``); an unpack
-waits only for its own tensor. SSD space and buffers are released as soon as a tensor is used.
+Every host buffer involved comes from the store's host pool, within ``host_memory_budget``
+as `host_budget_split` divides it. Swap-out is asynchronous: the pack hook copies the bytes
+into pool buffers, chunk by chunk, and returns; I/O threads write them to the tensor store
+and hand the buffers back as soon as they are on disk. Read-back is the mirror image: when
+backward reaches block ``i``, the chunks of blocks ``i … i-k`` (``activation_prefetch_blocks``)
+are read into pool buffers that are free now, and as each lands an I/O thread copies it into
+the activation's device-tier tensor (`Upload`; on the CPU a fresh tensor) and returns the
+buffer. An unpack waits only for its own tensor, reading any chunk the prefetch could not
+place itself. SSD space is released as soon as a tensor is used.
 
 Outside a ``with`` block, `install` / `uninstall` keep the wrappers in place for a whole
 training run and `begin_pass` marks the start of each forward (what `FuyouEngine` does for
@@ -38,7 +42,9 @@ Swapped activations serve one backward per forward: a second backward through th
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,9 +52,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ConfigError, FuyouConfig
-from ..device import alloc_host_buffer
-from ..storage import HostBuffer, TensorStore, round_up
+from ..config import ConfigError, FuyouConfig, HostShares, host_budget_split
+from ..device import Upload
+from ..storage import HostBudgetError, HostBuffer, TensorStore, gather
 from .blocks import Policy, discover_blocks, resolve_policies
 
 __all__ = ["ActivationSwapper", "SwapStats", "swappable", "first_tensor"]
@@ -63,8 +69,8 @@ class SwapStats:
     ssd_bytes: int = 0
     host_pool_full: int = 0  # host-policy tensors kept because the pool had no room
     deduplicated: int = 0  # saves of a tensor already swapped in this forward
-    prefetched: int = 0  # SSD tensors whose read was issued before their unpack
-    fetched_on_demand: int = 0
+    prefetched: int = 0  # SSD tensors whose every chunk was being read back before their unpack
+    fetched_on_demand: int = 0  # SSD tensors whose unpack had to read chunks itself (no pool room before)
     per_block_bytes: dict[int, int] = field(default_factory=dict)
 
 
@@ -83,23 +89,170 @@ class _Saved:
     """A swapped-out tensor: where its bytes are and how to rebuild it."""
 
     __slots__ = ("pass_", "block", "policy", "size", "stride", "dtype", "device", "nbytes", "refs", "buf", "entry",
-                 "write", "read", "source", "released", "__weakref__")
+                 "write", "upload", "reads", "unread", "value", "source", "released", "__weakref__")
 
     def __init__(self, pass_: _Pass, block: int, policy: Policy, t: torch.Tensor) -> None:
         self.pass_, self.block, self.policy = pass_, block, policy
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
         self.refs = 1
-        self.buf: HostBuffer | None = None
-        self.entry: str | None = None
-        self.write: Future | None = None
-        self.read: Future | None = None
+        self.buf: HostBuffer | None = None  # host policy: the bytes, in a pool buffer
+        self.entry: str | None = None  # ssd policy: the store entry ...
+        self.write: Future | None = None  # ... its swap-out ...
+        self.upload: Upload | None = None  # ... and, once read-back starts, the device tensor it fills,
+        self.reads: list[Future] = []  # a future per chunk, done when the chunk is in it,
+        self.unread: set[int] = set()  # and the chunks whose read is not issued yet (under _ReadBack's lock)
+        self.value: torch.Tensor | None = None  # the tensor unpacked, for the other saves of the same tensor
         self.source = weakref.ref(t)
         self.released = False
 
     def rebuild(self, raw: torch.Tensor) -> torch.Tensor:
-        """The tensor, with its original strides, from its raw bytes in storage order."""
-        return raw[: self.nbytes].view(self.dtype).as_strided(self.size, self.stride).to(self.device)
+        """The tensor, with its original strides, from its ``nbytes`` raw bytes in storage order."""
+        return raw.view(self.dtype).as_strided(self.size, self.stride)
+
+
+class _ReadBack:
+    """Reads SSD activations back, chunk by chunk, through host pool buffers.
+
+    `start` queues a tensor's chunks (backward order: nearest block first); `pump` reads queued
+    chunks with at most the read-back share of buffers in flight, each only into a buffer free
+    now (it never waits), and every landed chunk hands its buffer back and pumps again, so the
+    drives stay busy. `need` is the unpack that needs a tensor now: it reads whatever of it is
+    still queued at once, waiting for buffers. An I/O thread copies each landed chunk into the
+    tensor's `Upload`.
+    """
+
+    def __init__(self, store: TensorStore | None, shares: HostShares) -> None:
+        self._store = store
+        self._share = shares.activation_readback
+        self._keep_free = shares.optimizer_readahead + shares.activation_staging  # theirs, not ours
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[_Saved, int]] = deque()
+        self._inflight = 0  # bytes of queued chunks being read
+        self._pumping = False  # one pump at a time: a landed chunk's callback may run inside another
+
+    def start(self, saved: _Saved) -> None:
+        """Queue every chunk of ``saved`` (on the thread that will use it); `pump` reads them."""
+        saved.write.result()  # long done by backward time; raises if the swap-out failed
+        nchunks = self._store.entry(saved.entry).nchunks
+        saved.upload = Upload(saved.nbytes, saved.device)
+        saved.reads = [Future() for _ in range(nchunks)]
+        with self._lock:
+            saved.unread = set(range(nchunks))
+            self._queue.extend((saved, k) for k in range(nchunks))
+
+    def need(self, saved: _Saved, timeout: float) -> bool:
+        """Issue the reads of every chunk of ``saved`` not yet issued, waiting for pool buffers up to
+        ``timeout`` seconds each; returns whether all were issued before (prefetched)."""
+        with self._lock:
+            prefetched = saved.upload is not None and not saved.unread
+        if saved.upload is None:
+            self.start(saved)
+        self.pump()
+        while True:
+            with self._lock:
+                if not saved.unread:
+                    return prefetched
+                k = min(saved.unread)
+                saved.unread.discard(k)
+            try:
+                buf = self._acquire(self._store.entry(saved.entry).chunk_len(k), saved.block, timeout)
+            except BaseException:
+                with self._lock:
+                    saved.unread.add(k)  # never issued: nobody may wait for it
+                raise
+            self._issue(saved, k, buf, queued=False)
+
+    def _acquire(self, nbytes: int, block: int, timeout: float) -> HostBuffer:
+        """Wait for a pool buffer, at most ``timeout`` seconds.
+
+        Why this cannot deadlock: host-policy activations, the only buffers held until backward
+        frees them, are admitted only while `HostShares.reserved` stays free (`_pack`). Every
+        other buffer goes back by itself: swap-out and read-back staging once their transfer
+        and copy are done, the optimizer's once its worker — which never waits on backward —
+        has updated the chunk; its read-ahead (``optimizer_depth``) fits its share, so even
+        while it waits for the pool it leaves the staging shares free. So the wait lasts only
+        until transfers in flight finish; the timeout is the way out if something else holds
+        the pool.
+        """
+        try:
+            return self._store.pool.acquire(nbytes, timeout=timeout)
+        except HostBudgetError as exc:
+            raise HostBudgetError(
+                f"{exc} (to read back an activation of block {block}); buffers are not coming back to the pool: "
+                "a swap drive that stopped answering, or another user of the same pool holding them. Check the "
+                "drive, or give that user its own pool or a larger host_memory_budget"
+            ) from None
+
+    def pump(self) -> None:
+        """Start queued reads while the read-back share and the pool have room (any thread; never waits)."""
+        with self._lock:
+            if self._pumping:
+                return  # the pumping thread looks again before it stops
+            self._pumping = True
+        try:
+            while (item := self._next()) is not None:
+                self._issue(*item, queued=True)
+        except BaseException:
+            with self._lock:
+                self._pumping = False
+            raise
+
+    def _next(self) -> tuple[_Saved, int, HostBuffer] | None:
+        """The next queued chunk and a buffer for it; ``None`` (and pumping stops) when there is no room."""
+        with self._lock:
+            queue = self._queue
+            while queue and (queue[0][0].released or queue[0][1] not in queue[0][0].unread):
+                queue.popleft()  # read on demand meanwhile, or released
+            buf = None
+            if queue:
+                saved, k = queue[0]
+                nbytes = self._store.entry(saved.entry).chunk_len(k)
+                if self._inflight + nbytes <= self._share:
+                    buf = self._store.pool.try_acquire(nbytes, keep_free=self._keep_free)
+            if buf is None:
+                self._pumping = False  # in the same breath as the last look: a landing after it pumps itself
+                return None
+            queue.popleft()
+            saved.unread.discard(k)
+            self._inflight += nbytes
+            return saved, k, buf
+
+    def _issue(self, saved: _Saved, k: int, buf: HostBuffer, *, queued: bool) -> None:
+        """Read chunk ``k`` into ``buf``; when it lands, copy it into the tensor, give ``buf`` back,
+        settle the chunk's future, and pump the queue."""
+        landed, upload, entry = saved.reads[k], saved.upload, self._store.entry(saved.entry)
+
+        def land(read: Future) -> None:
+            try:
+                with read.result() as staged:  # a failed read released the buffer already
+                    upload.copy(k * entry.chunk_bytes, staged.view())
+            except BaseException as exc:  # noqa: BLE001 - handed to the unpack that waits
+                error = exc
+            else:
+                error = None
+            if queued:
+                with self._lock:
+                    self._inflight -= buf.nbytes
+            if error is None:
+                landed.set_result(None)
+            else:
+                landed.set_exception(error)
+            if queued:
+                self.pump()
+
+        try:
+            read = self._store.read_chunk(saved.entry, k, into=buf)
+        except BaseException as exc:  # noqa: BLE001 - read_chunk released buf; handed to the unpack
+            read = Future()
+            read.set_exception(exc)
+        read.add_done_callback(land)
+
+    def stop(self, saved: _Saved) -> list[Future]:
+        """Read nothing more of ``saved``; returns the futures of the reads already issued."""
+        with self._lock:
+            saved.released = True
+            return [fut for k, fut in enumerate(saved.reads) if k not in saved.unread]
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +308,13 @@ class ActivationSwapper:
             ``activation_min_bytes``, ``activation_prefetch_blocks``, and the storage knobs.
         store: a tensor store to share (e.g. with the optimizer); by default the swapper
             makes its own and closes it in `close()`.
+
+    ``pool_timeout_s`` bounds every wait for a host pool buffer (raising `HostBudgetError`):
+    by `host_budget_split`'s reservations such a wait only lasts until transfers in flight
+    finish, so running into it means something holds the pool that should not.
     """
+
+    pool_timeout_s: float = 60.0
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None) -> None:
         self.config = config = config if config is not None else FuyouConfig()
@@ -169,6 +328,8 @@ class ActivationSwapper:
         self._own_store = store is None and needs_store
         self.store = TensorStore(config) if self._own_store else store
         self.stats = SwapStats()
+        self._shares = host_budget_split(config)
+        self._readback = _ReadBack(self.store, self._shares)
         self._names = itertools.count()
         self._active = False
         self._live: list[_Saved] = []
@@ -254,9 +415,10 @@ class ActivationSwapper:
             return seen
         saved = _Saved(pass_, block, policy, t)
         if policy is Policy.HOST:
-            # Never wait for the pool here: only backward frees host-held activations, so
-            # waiting could wait forever. Keep a few chunks free for SSD staging.
-            buf = self.store.pool.try_acquire(nbytes, keep_free=2 * self.config.chunk_size)
+            # Never wait for the pool here: only backward frees host-held activations, so waiting
+            # could wait forever. Leave the reserved shares free: the optimizer and SSD transfers
+            # always find room, so nothing ever waits on a host-policy activation (see _ReadBack._acquire).
+            buf = self.store.pool.try_acquire(nbytes, keep_free=self._shares.reserved)
             if buf is None:
                 self.stats.host_pool_full += 1
                 self.stats.kept_tensors += 1
@@ -267,7 +429,7 @@ class ActivationSwapper:
         else:
             saved.entry = f"act.{next(self._names)}"
             self.store.create(saved.entry, (nbytes,), torch.uint8, slots=1)
-            saved.write = self.store.write(saved.entry, _storage_bytes(t))
+            saved.write = self.store.write(saved.entry, _storage_bytes(t))  # waits for staging buffers: see _ReadBack._acquire
             self.stats.ssd_bytes += nbytes
         self.stats.per_block_bytes[block] = self.stats.per_block_bytes.get(block, 0) + nbytes
         pass_.by_id[id(t)] = saved
@@ -287,47 +449,54 @@ class ActivationSwapper:
                 "needs the 'keep' or 'recompute' policy)"
             )
         self._enter_backward(saved.pass_, saved.block)  # normally done already by the block's output hook
-        if saved.policy is Policy.HOST:
-            out = saved.rebuild(saved.buf.view().clone())
-        else:
-            out = saved.rebuild(saved.read.result())
+        if saved.value is None:
+            saved.value = saved.rebuild(self._land(saved))
+        out = saved.value
         saved.refs -= 1
         if saved.refs == 0:
             self._release(saved)
         return out
 
+    def _land(self, saved: _Saved) -> torch.Tensor:
+        """The saved bytes in a device-tier tensor: copied from the host buffer, or read back from SSD."""
+        if saved.policy is Policy.HOST:
+            upload = Upload(saved.nbytes, saved.device)
+            upload.copy(0, saved.buf.view())
+            saved.buf.release()
+            saved.buf = None
+            return upload.result()
+        if self._readback.need(saved, self.pool_timeout_s):
+            self.stats.prefetched += 1
+        else:
+            self.stats.fetched_on_demand += 1
+        gather(saved.reads).result()  # raises the first failed read or copy
+        return saved.upload.result()
+
     def _enter_backward(self, pass_: _Pass, block: int) -> None:
-        """Backward reached ``block``: fetch what it needs now and read ahead for the next blocks."""
+        """Backward reached ``block``: start reading back its SSD activations and the next blocks'."""
         if block in pass_.entered:
             return
         pass_.entered.add(block)
         for j in range(block, block - self.config.activation_prefetch_blocks - 1, -1):
             for saved in pass_.by_block.get(j, ()):
-                if saved.policy is Policy.SSD and saved.read is None and not saved.released:
-                    self._fetch(saved)
-                    if j == block:
-                        self.stats.fetched_on_demand += 1
-                    else:
-                        self.stats.prefetched += 1
-
-    def _fetch(self, saved: _Saved) -> None:
-        saved.write.result()  # long done by backward time; raises if the swap-out failed
-        dest = alloc_host_buffer(round_up(saved.nbytes))  # the device tier on the CPU; pinned staging on CUDA
-        saved.read = self.store.read_into(saved.entry, dest)
+                if saved.policy is Policy.SSD and saved.upload is None and not saved.released:
+                    self._readback.start(saved)
+        self._readback.pump()
 
     # -- releasing -----------------------------------------------------------------------------------
     def _release(self, saved: _Saved) -> None:
+        issued = self._readback.stop(saved) if saved.entry is not None else []
         saved.released = True
         if saved.buf is not None:
             saved.buf.release()
             saved.buf = None
         if saved.entry is not None:
-            for fut in (saved.write, saved.read):
+            for fut in (saved.write, *issued):
                 if fut is not None:
-                    fut.exception()  # wait: the entry's region must be idle before reuse
+                    fut.exception()  # wait: the entry's region and the device tensor must be idle
             self.store.delete(saved.entry)
             saved.entry = None
-        saved.read = None
+        saved.reads, saved.upload, saved.value = [], None, None
 
     def release(self) -> None:
         """Release every activation still held (after an exception, or a graph never run backward)."""

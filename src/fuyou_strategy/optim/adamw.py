@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.optim.adamw import adamw as adamw_for_loop
 
-from ..config import PAGE, ConfigError, FuyouConfig
+from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from ..storage import SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
@@ -50,8 +50,7 @@ __all__ = ["FuyouAdamW", "StepStats", "STATE_BYTES_PER_PARAM", "adamw_kernel"]
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _FLOATS_PER_ELEMENT = 3  # master, exp_avg, exp_avg_sq
-_ELEMENT_BYTES = 4 * _FLOATS_PER_ELEMENT
-STATE_BYTES_PER_PARAM = _ELEMENT_BYTES  # on SSD per slot; a step reads and writes this much per parameter
+_ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # 4 * _FLOATS_PER_ELEMENT; a step reads and writes this much per parameter
 
 
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -172,8 +171,8 @@ class FuyouAdamW(torch.optim.Optimizer):
 
         self._params: list[_Param] = []
         self._by_param: dict[torch.nn.Parameter, _Param] = {}
-        elems = max(1024, config.chunk_size // _ELEMENT_BYTES // 1024 * 1024)  # 12*1024 B = 3 pages
-        chunk_capacity = elems * _ELEMENT_BYTES
+        shares = host_budget_split(config)
+        elems = shares.state_chunk // _ELEMENT_BYTES
         for group in self.param_groups:
             for p in group["params"]:
                 _check_param(p, len(self._params))
@@ -184,10 +183,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._norm_order = list(self._params)
         if not self._params:
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
-        # FuyouConfig guarantees chunk_size <= host_memory_budget, so one chunk always fits.
-        largest = min(chunk_capacity, max(-(-ps.numel * _ELEMENT_BYTES // PAGE) * PAGE for ps in self._params))
-        # Keep one buffer free for the chunk being processed, or the worker waits on itself.
-        depth = max(1, min(config.optimizer_prefetch_chunks, config.host_memory_budget // largest - 1))
 
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
         # hooks on the parameters) is released by one finalizer: on close(), or when the optimizer
@@ -198,7 +193,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         pipelines: list[ChunkPipeline] = []
         self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, pipelines)
         try:
-            self._pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
+            self._pipeline = ChunkPipeline(self.store, shares.optimizer_depth, name="fuyou-adamw")
             pipelines.append(self._pipeline)
             self._initialise_state()
         except BaseException:
@@ -228,6 +223,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 chunk = buf.view(torch.float32)
                 chunk[:n].copy_(flat[start : start + n])
                 chunk[n:].zero_()
+                del chunk  # a view must not outlive the buffer, which the write gives back to the pool
                 writes.append(self.store.write_chunk(ps.entry, k, buf, slot="active"))
             gather(writes).result()  # raises if any write failed
 
@@ -274,6 +270,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             adamw_kernel(master, g, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
             weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
+            del state, master, exp_avg, exp_avg_sq  # no view may outlive the buffer, which the write gives back
             if release and k == last:
                 ps.param.grad = None
             return write_chunk(ps.entry, k, buf, slot=SHADOW)

@@ -260,6 +260,7 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
                 except BaseException:
                     buf.release()
                     raise
+                del state, view  # no view may outlive the buffer, which the write gives back to the pool
                 writes.append(opt.store.write_chunk(ps.entry, k, buf, slot=SHADOW))
             for kind in KINDS:
                 if digest[kind].hexdigest() != pm["sha256"][kind]:

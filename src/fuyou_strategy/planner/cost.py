@@ -105,7 +105,7 @@ class Profile:
     # What stays on the device regardless of policies: resident weights and their gradients, the rest of the
     # model, the runtime. Not the weights of streamed blocks: `predict` adds their window in flight.
     device_base_bytes: int = 0
-    optimizer_host_bytes: int = 0  # host buffers the optimizer keeps (its share of the pool)
+    optimizer_host_bytes: int = 0  # host pool bytes host-policy activations leave free (HostShares.reserved)
     micro_batches: int = 1
     prefetch_blocks: int = 2
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass

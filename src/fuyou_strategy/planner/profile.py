@@ -12,7 +12,8 @@
   directories (an io-bench probe, cached per directory in
   ``~/.cache/fuyou-strategy/bandwidth.json``), CPU AdamW throughput, and the budgets
   (``device_memory_budget`` or the accelerator's memory, the host pool, the swap
-  directories' free space).
+  directories' free space). Both bandwidth probes move their bytes through a buffer of the
+  optimizer's host pool, idle between steps, so they stay within ``host_memory_budget``.
 
 The first step is discarded (allocator and cache warm-up); medians of the rest are used.
 """
@@ -31,9 +32,10 @@ from typing import Any
 import torch
 
 from ..activations.swap import first_tensor, swappable
-from ..config import FuyouConfig
-from ..device import alloc_host_buffer, device_memory_bytes, synchronize
+from ..config import FuyouConfig, host_budget_split
+from ..device import device_memory_bytes, synchronize
 from ..optim.adamw import adamw_kernel
+from ..storage import HostBuffer, HostBufferPool
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
 
@@ -41,6 +43,7 @@ __all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput
 
 log = logging.getLogger("fuyou_strategy")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
+POOL_TIMEOUT_S = 60.0  # the probes wait this long for their host pool buffer
 
 
 class WarmupProfiler:
@@ -160,17 +163,18 @@ class WarmupProfiler:
         device_budget = config.device_memory_budget or device_memory_bytes(self.device)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        rd, wr = ssd_bandwidth(store.run_dirs)
+        rd, wr = ssd_bandwidth(store.run_dirs, store.pool)
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
             blocks=[BlockProfile(f, b, a, p) for f, b, a, p in zip(fwd, bwd, act, params)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
-            link_bytes_per_s=link_bandwidth(self.device), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
+            link_bytes_per_s=link_bandwidth(self.device, store.pool), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
             adam_params_per_s=adam_throughput(self.optimizer.fused),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=weights + grads,
-            optimizer_host_bytes=min(store.pool.budget, (config.optimizer_prefetch_chunks + 2) * config.chunk_size),
+            # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
+            optimizer_host_bytes=host_budget_split(config).reserved,
             micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks, redo_fraction=redo_fraction,
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
@@ -179,8 +183,9 @@ class WarmupProfiler:
         )
 
 
-def ssd_bandwidth(directories: list[str], size: int = 256 * 2**20) -> tuple[float, float]:
-    """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem)."""
+def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20) -> tuple[float, float]:
+    """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem),
+    through one buffer of ``pool`` (waiting for it at most `POOL_TIMEOUT_S`)."""
     try:
         cache = json.loads(CACHE.read_text())
     except (OSError, ValueError):
@@ -191,7 +196,8 @@ def ssd_bandwidth(directories: list[str], size: int = 256 * 2**20) -> tuple[floa
         key = f"{os.stat(parent).st_dev}:{parent}"
         if key not in cache:
             log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20, CACHE)
-            bw = measure_bandwidth(parent, size=size)
+            with _probe_buffer(pool, 64 * 2**20) as buf:  # the probe's own default window
+                bw = measure_bandwidth(parent, size=size, buffer=buf.data)
             cache[key] = {"read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
             try:
                 CACHE.parent.mkdir(parents=True, exist_ok=True)
@@ -203,17 +209,23 @@ def ssd_bandwidth(directories: list[str], size: int = 256 * 2**20) -> tuple[floa
     return read, write
 
 
-def link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
-    """Bytes/s of a device → host copy into a (pinned on CUDA) page-aligned buffer; best of 3."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = alloc_host_buffer(nbytes)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+def link_bandwidth(device: torch.device, pool: HostBufferPool, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of a device → host copy into a buffer of ``pool`` (pinned on CUDA) of ``nbytes``, or of the
+    whole budget if smaller; best of 3."""
+    with _probe_buffer(pool, nbytes) as buf:
+        src = torch.empty(buf.capacity, dtype=torch.uint8, device=device).fill_(1)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            buf.data.copy_(src)
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    return buf.capacity / best
+
+
+def _probe_buffer(pool: HostBufferPool, nbytes: int) -> HostBuffer:
+    """A pool buffer of ``nbytes`` or the whole budget, whichever is smaller (the pool is idle between steps)."""
+    return pool.acquire(min(nbytes, pool.budget), timeout=POOL_TIMEOUT_S)
 
 
 def adam_throughput(fused: bool, n: int = 2**20) -> float:

@@ -295,11 +295,18 @@ class IOEngine:
         futures = []
         for start in range(0, nbytes, self.block_size):
             block = view[start : start + self.block_size]
-            # `buf` rides along in the closure so the tensor outlives the transfer.
-            futures.append(pool.submit(self._transfer, f, offset + start, block, write, buf))
+            # `buf` rides along so the tensor outlives the transfer; `_transfer` lets go of it before
+            # the future completes, so a buffer handed back on completion is nobody else's.
+            futures.append(pool.submit(self._transfer, f, offset + start, block, write, [buf]))
         return gather(futures)
 
-    def _transfer(self, f: SwapFile, offset: int, block: memoryview, write: bool, _keepalive: torch.Tensor) -> None:
+    def _transfer(self, f: SwapFile, offset: int, block: memoryview, write: bool, keepalive: list) -> None:
+        try:
+            self._move_block(f, offset, block, write)
+        finally:
+            keepalive.clear()
+
+    def _move_block(self, f: SwapFile, offset: int, block: memoryview, write: bool) -> None:
         op = "write" if write else "read"
         try:
             try:

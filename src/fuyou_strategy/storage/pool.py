@@ -27,28 +27,27 @@ class HostBuffer:
 
     ``data`` is a page-aligned ``uint8`` tensor of ``capacity`` bytes (``nbytes`` rounded up
     to 4 KiB, so it can take an ``O_DIRECT`` transfer of padded length); ``view(dtype)``
-    gives the first ``nbytes`` bytes as another dtype.
+    gives the first ``nbytes`` bytes as another dtype. After `release()` ``data`` is ``None``:
+    a holder that keeps the `HostBuffer` object (a finished future's callback, say) does not
+    keep the memory alive once the pool drops it, and a use after release fails loudly. Views
+    taken from ``data`` must not outlive the release either.
     """
 
-    __slots__ = ("data", "nbytes", "_pool", "_released")
+    __slots__ = ("data", "nbytes", "capacity", "_pool")
 
     def __init__(self, data: torch.Tensor, nbytes: int, pool: "HostBufferPool") -> None:
-        self.data = data
+        self.data: torch.Tensor | None = data
         self.nbytes = nbytes
+        self.capacity = data.numel()
         self._pool = pool
-        self._released = False
-
-    @property
-    def capacity(self) -> int:
-        return self.data.numel()
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         return self.data[: self.nbytes].view(dtype)
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._pool._give_back(self)
+        data, self.data = self.data, None
+        if data is not None:
+            self._pool._give_back(data)
 
     def __enter__(self) -> "HostBuffer":
         return self
@@ -64,6 +63,8 @@ class HostBufferPool:
     The bytes held by the pool (lent out plus cached) never exceed ``budget``: when a new
     buffer would not fit, cached buffers are dropped first, then ``acquire`` waits for a
     release. A request larger than the whole budget fails at once with `HostBudgetError`.
+    The pool enforces only the total; how its users share it (who may wait, who must leave
+    room) is `fuyou_strategy.config.host_budget_split`'s.
 
     Args:
         budget: the cap in bytes.
@@ -173,13 +174,14 @@ class HostBufferPool:
         for capacity in [c for c, v in self._free.items() if not v]:
             del self._free[capacity]
 
-    def _give_back(self, buf: HostBuffer) -> None:
+    def _give_back(self, data: torch.Tensor) -> None:
+        capacity = data.numel()
         with self._cond:
-            self._lent -= buf.capacity
+            self._lent -= capacity
             if self._closed:
-                self._held -= buf.capacity
+                self._held -= capacity
             else:
-                self._free[buf.capacity].append(buf.data)
+                self._free[capacity].append(data)
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -47,19 +47,22 @@ def measure_bandwidth(
     block_size: int = 2**20,
     threads: int = 4,
     direct_io: str = "auto",
+    buffer: torch.Tensor | None = None,
 ) -> Bandwidth:
     """Write then read a ``size``-byte file in ``directory`` and time both passes.
 
     The write pass ends with ``fdatasync``, so it counts bytes that reached the drive; the
-    file lives in a fresh run directory that is removed afterwards.
+    file lives in a fresh run directory that is removed afterwards. Every transfer goes
+    through one page-aligned ``uint8`` buffer: ``buffer`` (e.g. a host pool buffer, to stay
+    within a host budget; a whole number of pages) or, by default, one of up to 64 MiB.
     """
     size = max(PAGE, size // PAGE * PAGE)
-    window = min(size, _MAX_WINDOW)
+    window = min(size, _MAX_WINDOW if buffer is None else buffer.numel() // PAGE * PAGE)
     run_dir = make_run_dir(directory)
     engine = IOEngine([run_dir], threads_per_dir=threads, block_size=block_size, direct_io=direct_io)
     try:
         f = engine.open(0, "bench.bin")
-        buf = alloc_host_buffer(window)
+        buf = alloc_host_buffer(window) if buffer is None else buffer[:window]
         buf.copy_(torch.randint(0, 256, (window,), dtype=torch.uint8))
         os.posix_fallocate(f.fd, 0, size)  # measure the data path, not block allocation
 

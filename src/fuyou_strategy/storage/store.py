@@ -325,15 +325,27 @@ class TensorStore:
                 raise StorageError(f"entry {entry.name!r}: {what} not written yet (or a write is still in flight)")
 
     # -- chunk I/O ----------------------------------------------------------------------------------
-    def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
+    def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
+                   into: HostBuffer | None = None) -> Future:
         """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
 
-        The caller owns the buffer and must `release()` it. ``buf.view(dtype)`` is the chunk.
+        The buffer is ``into`` when given (one the caller holds already, acquired for
+        ``chunk_len(k)`` bytes, e.g. with `HostBufferPool.try_acquire`), else one acquired
+        here, waiting up to ``timeout`` seconds. The caller owns the buffer once the read
+        succeeded and must `release()` it; a failed read (or call) releases it.
+        ``buf.view(dtype)`` is the chunk.
         """
-        entry = self.entry(name)
-        phys = self._slot(entry, slot)
-        self._check_readable(entry, phys, k)
-        buf = self.pool.acquire(entry.chunk_len(k), timeout=timeout)
+        try:
+            entry = self.entry(name)
+            phys = self._slot(entry, slot)
+            self._check_readable(entry, phys, k)
+            if into is not None:
+                self._check_chunk_buffer(entry, k, into)
+        except BaseException:
+            if into is not None:
+                into.release()
+            raise
+        buf = into if into is not None else self.pool.acquire(entry.chunk_len(k), timeout=timeout)
         d, offset = entry.location(k, phys)
         try:
             inner = self.engine.read(self._files[d], offset, buf.data)
@@ -361,11 +373,7 @@ class TensorStore:
         """
         entry = self.entry(name)
         phys = self._slot(entry, slot)
-        if buf.nbytes != entry.chunk_len(k) or buf.capacity != round_up(entry.chunk_len(k)):
-            raise StorageError(
-                f"entry {name!r} chunk {k}: buffer holds {buf.nbytes} bytes (capacity {buf.capacity}), "
-                f"the chunk is {entry.chunk_len(k)} bytes"
-            )
+        self._check_chunk_buffer(entry, k, buf)
         d, offset = entry.location(k, phys)
         self._begin_write(entry, phys, k)
         try:
@@ -387,6 +395,14 @@ class TensorStore:
             f.result()  # the write's own error, if any
 
         return then(fut, done)
+
+    @staticmethod
+    def _check_chunk_buffer(entry: Entry, k: int, buf: HostBuffer) -> None:
+        if buf.nbytes != entry.chunk_len(k) or buf.capacity != round_up(entry.chunk_len(k)):
+            raise StorageError(
+                f"entry {entry.name!r} chunk {k}: buffer holds {buf.nbytes} bytes (capacity {buf.capacity}), "
+                f"the chunk is {entry.chunk_len(k)} bytes"
+            )
 
     # -- whole entries ------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
@@ -432,24 +448,6 @@ class TensorStore:
 
             futures.append(then(self.read_chunk(name, k, slot=slot, timeout=timeout), land))
         return gather(futures, result=out)
-
-    def read_into(self, name: str, dest: torch.Tensor) -> Future:
-        """Read a whole entry straight into ``dest``, with no pool buffer and no copy.
-
-        ``dest`` is a page-aligned ``uint8`` tensor of at least the entry's size rounded up to
-        4 KiB (e.g. from `fuyou_strategy.device.alloc_host_buffer`); the future gives ``dest``.
-        """
-        entry = self.entry(name)
-        phys = entry.active
-        self._check_readable(entry, phys, None)
-        if dest.dtype != torch.uint8 or dest.numel() < round_up(entry.nbytes) or dest.data_ptr() % PAGE:
-            raise StorageError(f"entry {name!r}: dest must be a page-aligned uint8 tensor of >= {round_up(entry.nbytes)} bytes")
-        futures = []
-        for k in range(entry.nchunks):
-            d, offset = entry.location(k, phys)
-            start = k * entry.chunk_bytes
-            futures.append(self.engine.read(self._files[d], offset, dest[start : start + round_up(entry.chunk_len(k))]))
-        return gather(futures, result=dest)
 
     # -- commit / rollback ---------------------------------------------------------------------------
     def commit(self, names: Iterable[str] | None = None) -> int:
