@@ -76,6 +76,23 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _per_block(name: str, value: Any, choices: tuple[str, ...], *, auto: bool) -> str | dict[int, str]:
+    """Validate a per-block field: one choice for every block, or ``{block index: choice}``."""
+    expected = ("'auto', " if auto else "") + f"one of {list(choices)} or a mapping from block index to one of them"
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if v not in choices:
+                raise ConfigError(f"{name}[{k!r}]: got {v!r}; expected one of {list(choices)}")
+            try:
+                int(k)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}: got the key {k!r}; keys are block indices (0, 1, ...)") from None
+        return {int(k): v for k, v in value.items()}
+    if not isinstance(value, str) or value not in choices and not (auto and value == "auto"):
+        raise ConfigError(f"{name}: got {value!r}; expected {expected}")
+    return value
+
+
 @dataclass
 class FuyouConfig:
     """Every knob of fuyou-strategy.
@@ -123,6 +140,15 @@ class FuyouConfig:
             them costs more than it saves). Default ``"64KiB"``.
         activation_prefetch_blocks: when backward reaches block ``i``, activations of blocks
             ``i-1 ... i-k`` are already being read back. Default 2.
+        weights: where each block's *frozen* weights (``requires_grad=False``, e.g. a LoRA base
+            model) live between uses: ``"device"`` (resident, the default), ``"host"`` (the host
+            buffer pool) or ``"ssd"`` (the tensor store) for every block, or a mapping from block
+            index to tier (unlisted blocks: device). Streamed weights are on the device only while
+            their block runs (see `fuyou_strategy.params.WeightStreamer`); trainable weights stay
+            resident.
+        weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
+            backward), and the last ``k`` blocks stay on the device from forward into backward.
+            The device holds at most ``k + 1`` blocks' streamed weights. Default 2.
     """
 
     swap_dirs: list[str] | None = None
@@ -139,6 +165,8 @@ class FuyouConfig:
     blocks: str | list[str] | None = None
     activation_min_bytes: int | str = "64KiB"
     activation_prefetch_blocks: int = 2
+    weights: str | dict = "device"
+    weight_prefetch_blocks: int = 2
     plan: str | None = None
     planner_warmup_steps: int = 3
 
@@ -192,14 +220,12 @@ class FuyouConfig:
         timeout = self.io_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
-        policies = ("keep", "host", "ssd", "recompute")
-        values = self.activations.values() if isinstance(self.activations, Mapping) else [self.activations]
-        for value in values:
-            if value not in policies and not (value == "auto" and isinstance(self.activations, str)):
-                raise ConfigError(f"activations: got {value!r}; expected 'auto', one of {list(policies)} or a "
-                                  "mapping from block index to one of them")
-        if isinstance(self.activations, Mapping):
-            self.activations = {int(k): v for k, v in self.activations.items()}
+        self.activations = _per_block("activations", self.activations, ("keep", "host", "ssd", "recompute"),
+                                      auto=True)
+        self.weights = _per_block("weights", self.weights, ("device", "host", "ssd"), auto=False)
+        if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
+                or self.weight_prefetch_blocks < 0:
+            raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
         self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
         if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
             raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")

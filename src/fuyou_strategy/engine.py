@@ -6,7 +6,8 @@ its framework's events into four calls:
 - **construction** converts the framework's ``torch.optim.AdamW`` / ``Adam`` into a
   `FuyouAdamW` with the same param groups and hyper-parameters (`optimizer_arguments` says
   exactly what converts and refuses the rest), and installs the activation swapper on the
-  model's blocks, sharing the optimizer's tensor store and host buffer pool;
+  model's blocks, sharing the optimizer's tensor store and host buffer pool; with
+  ``weights="host"``/``"ssd"`` it also streams the blocks' frozen weights (`WeightStreamer`);
 - `begin_micro_batch` (before each forward) says whether this micro-batch ends the
   accumulation window — only then do the overlapped updates run during backward — and starts
   a new activation pass;
@@ -36,6 +37,7 @@ import torch
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
+from .params import WeightStreamer
 from .planner import Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
@@ -166,11 +168,15 @@ class FuyouEngine:
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         self.swapper: ActivationSwapper | None = None
+        self.streamer: WeightStreamer | None = None
         self.plan: Plan | None = None
         self.profiler: WarmupProfiler | None = None
         self._plan_applied_at: int | None = None
         self._plan_reported = False
         try:
+            if config.weights != "device":
+                self.streamer = WeightStreamer(model, config, store=self.optimizer.store)
+                self.streamer.install()
             if config.plan is not None:  # pinned
                 self.plan = Plan.load(config.plan)
                 self._install_swapper(self.plan.activations)
@@ -181,6 +187,8 @@ class FuyouEngine:
             elif config.activations != "keep":
                 self._install_swapper(config.activations)
         except BaseException:
+            if self.streamer is not None:
+                self.streamer.close()
             self.optimizer.close()
             raise
         self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
@@ -270,6 +278,7 @@ class FuyouEngine:
         opt, store = self.optimizer, self.optimizer.store
         stats = opt.stats
         swap = self.swapper.stats if self.swapper is not None else None
+        stream = self.streamer.stats if self.streamer is not None else None
         times = self.step_times[1:] or self.step_times  # the first step includes warm-up
         return {
             "trainable_parameters": sum(p.numel() for g in opt.param_groups for p in g["params"]),
@@ -284,6 +293,9 @@ class FuyouEngine:
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,
+            "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
+            "weight_bytes_streamed": stream.streamed_bytes if stream else 0,
+            "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
             "host_pool_peak_bytes": store.pool.high_water,
             "host_pool_budget_bytes": store.pool.budget,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
@@ -305,7 +317,9 @@ class FuyouEngine:
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
             f"median step {s['median_step_seconds']:.3f} s",
-        ])
+        ] + ([f"  frozen weights streamed: {format_bytes(s['weight_bytes_streamed'])} in "
+              f"{len(s['weight_tiers'])} blocks {s['weight_tiers']}, device peak "
+              f"{format_bytes(s['weight_device_peak_bytes'])}"] if s["weight_tiers"] else []))
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -319,4 +333,6 @@ class FuyouEngine:
         if self.swapper is not None:
             self.swapper.uninstall()
             self.swapper.close()
+        if self.streamer is not None:
+            self.streamer.close()  # every weight resident again before the store goes
         self.optimizer.close()

@@ -1,16 +1,16 @@
-"""Finding a model's repeated blocks, and the per-block activation policy."""
+"""Finding a model's repeated blocks, and per-block settings (activation policy, weight tier)."""
 
 from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypeVar
 
 import torch
 
 from ..config import ConfigError
 
-__all__ = ["Policy", "discover_blocks", "resolve_policies"]
+__all__ = ["Policy", "discover_blocks", "resolve_per_block", "resolve_policies"]
 
 
 class Policy(str, enum.Enum):
@@ -56,20 +56,27 @@ def discover_blocks(model: torch.nn.Module, names: Sequence[str] | str | None = 
 
 def resolve_policies(spec: str | Mapping[int, str], num_blocks: int) -> list[Policy]:
     """One policy per block from ``"ssd"`` (all blocks) or ``{index: policy}`` (others: keep)."""
-    def parse(value: object, where: str) -> Policy:
+    return resolve_per_block("activations", spec, num_blocks, Policy, Policy.KEEP)
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def resolve_per_block(field: str, spec: str | Mapping[int, str], num_blocks: int, kind: type[E], default: E) -> list[E]:
+    """One ``kind`` value per block from a value for all blocks or ``{index: value}`` (others:
+    ``default``); errors name ``field`` (the `FuyouConfig` field the spec came from)."""
+    def parse(value: object, where: str) -> E:
         try:
-            return Policy(value)
+            return kind(value)
         except ValueError:
-            raise ConfigError(
-                f"activations{where}: got {value!r}; expected one of {[p.value for p in Policy]}"
-            ) from None
+            raise ConfigError(f"{field}{where}: got {value!r}; expected one of {[k.value for k in kind]}") from None
 
     if isinstance(spec, str):
         return [parse(spec, "")] * num_blocks
-    policies = [Policy.KEEP] * num_blocks
+    values = [default] * num_blocks
     for index, value in spec.items():
         i = int(index)
         if not -num_blocks <= i < num_blocks:
-            raise ConfigError(f"activations[{index}]: the model has {num_blocks} blocks (0..{num_blocks - 1})")
-        policies[i] = parse(value, f"[{index}]")
-    return policies
+            raise ConfigError(f"{field}[{index}]: the model has {num_blocks} blocks (0..{num_blocks - 1})")
+        values[i] = parse(value, f"[{index}]")
+    return values
