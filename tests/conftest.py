@@ -34,15 +34,21 @@ def nothing_left_behind(tmp_path_factory):
     system temp dir), and no fuyou worker or I/O thread still alive."""
     temp_swaps_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "fuyou-swap-*")))
     yield
-    gc.collect()  # stores that were dropped without close() are cleaned up by their finalizers
+
+    def leftovers() -> list[str]:
+        new_temp_swaps = set(glob.glob(os.path.join(tempfile.gettempdir(), "fuyou-swap-*"))) - temp_swaps_before
+        return _leftover_dirs([str(tmp_path_factory.getbasetemp())]) + sorted(new_temp_swaps)
+
+    # Objects the tests dropped without close() are released by their finalizers once collected;
+    # a worker thread may still be finishing its last job. Give that a few seconds, no more.
     deadline = time.monotonic() + 10
-    while _fuyou_threads() and time.monotonic() < deadline:  # threads of closed engines are exiting
-        time.sleep(0.1)
-    new_temp_swaps = set(glob.glob(os.path.join(tempfile.gettempdir(), "fuyou-swap-*"))) - temp_swaps_before
-    roots = [str(tmp_path_factory.getbasetemp())] + sorted(new_temp_swaps)
-    leftovers = _leftover_dirs(roots) + sorted(new_temp_swaps)
-    threads = _fuyou_threads()
-    assert not leftovers, f"the test session left fuyou files behind: {leftovers[:20]}"
+    while True:
+        gc.collect()
+        left, threads = leftovers(), _fuyou_threads()
+        if not (left or threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"the test session left fuyou files behind: {left[:20]}"
     assert not threads, f"the test session left fuyou threads running: {threads}"
 
 
