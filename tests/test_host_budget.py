@@ -107,8 +107,7 @@ def test_host_buffers_process_wide_never_exceed_the_budget_while_training(tmp_pa
 
 def test_a_read_back_that_cannot_get_a_buffer_is_a_clear_error(tmp_path):
     model = tiny_causal_lm("gpt2")
-    swapper = ActivationSwapper(model, config(tmp_path, "ssd", "256KiB"))
-    swapper.pool_timeout_s = 0.5
+    swapper = ActivationSwapper(model, config(tmp_path, "ssd", "256KiB", io_timeout=0.5))
     pool = swapper.store.pool
     with swapper:
         loss = model(input_ids=ids(), labels=ids()).loss

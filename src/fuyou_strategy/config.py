@@ -121,9 +121,10 @@ class FuyouConfig:
         optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
             updated (capped by the optimizer's share of the host budget, see
             `host_budget_split`). Default 4.
-        io_timeout: seconds the optimizer's worker and its ``step()`` wait for one read, one
-            host buffer or the last writes before giving up with an error (a hung drive, a
-            leaked buffer) instead of hanging training. Default 600.
+        io_timeout: seconds any one wait on the drives or the host pool may last (the
+            optimizer's reads, buffers and last writes, activation read-back, weight reads, the
+            bandwidth probes) before it raises an error (a hung drive, a leaked buffer) instead
+            of hanging training. Default 600.
         activations: what happens to each block's saved activations: one of ``"keep"``,
             ``"host"``, ``"ssd"``, ``"recompute"`` for every block, or a mapping from block
             index to policy (unlisted blocks keep), or ``"auto"``: the planner profiles the first

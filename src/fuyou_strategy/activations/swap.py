@@ -309,12 +309,10 @@ class ActivationSwapper:
         store: a tensor store to share (e.g. with the optimizer); by default the swapper
             makes its own and closes it in `close()`.
 
-    ``pool_timeout_s`` bounds every wait for a host pool buffer (raising `HostBudgetError`):
+    ``config.io_timeout`` bounds every wait for a host pool buffer (raising `HostBudgetError`):
     by `host_budget_split`'s reservations such a wait only lasts until transfers in flight
     finish, so running into it means something holds the pool that should not.
     """
-
-    pool_timeout_s: float = 60.0
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None) -> None:
         self.config = config = config if config is not None else FuyouConfig()
@@ -465,7 +463,7 @@ class ActivationSwapper:
             saved.buf.release()
             saved.buf = None
             return upload.result()
-        if self._readback.need(saved, self.pool_timeout_s):
+        if self._readback.need(saved, self.config.io_timeout):
             self.stats.prefetched += 1
         else:
             self.stats.fetched_on_demand += 1

@@ -43,7 +43,6 @@ __all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput
 
 log = logging.getLogger("fuyou_strategy")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
-POOL_TIMEOUT_S = 60.0  # the probes wait this long for their host pool buffer
 
 
 class WarmupProfiler:
@@ -163,13 +162,13 @@ class WarmupProfiler:
         device_budget = config.device_memory_budget or device_memory_bytes(self.device)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        rd, wr = ssd_bandwidth(store.run_dirs, store.pool)
+        rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout)
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
             blocks=[BlockProfile(f, b, a, p) for f, b, a, p in zip(fwd, bwd, act, params)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
-            link_bytes_per_s=link_bandwidth(self.device, store.pool), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
+            link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
             adam_params_per_s=adam_throughput(self.optimizer.fused),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=weights + grads,
@@ -183,9 +182,10 @@ class WarmupProfiler:
         )
 
 
-def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20) -> tuple[float, float]:
+def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20, *,
+                  io_timeout: float = FuyouConfig.io_timeout) -> tuple[float, float]:
     """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem),
-    through one buffer of ``pool`` (waiting for it at most `POOL_TIMEOUT_S`)."""
+    through one buffer of ``pool`` (waiting for it at most ``io_timeout`` seconds)."""
     try:
         cache = json.loads(CACHE.read_text())
     except (OSError, ValueError):
@@ -196,7 +196,7 @@ def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 
         key = f"{os.stat(parent).st_dev}:{parent}"
         if key not in cache:
             log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20, CACHE)
-            with _probe_buffer(pool, 64 * 2**20) as buf:  # the probe's own default window
+            with _probe_buffer(pool, 64 * 2**20, io_timeout) as buf:  # the probe's own default window
                 bw = measure_bandwidth(parent, size=size, buffer=buf.data)
             cache[key] = {"read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
             try:
@@ -209,10 +209,11 @@ def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 
     return read, write
 
 
-def link_bandwidth(device: torch.device, pool: HostBufferPool, nbytes: int = 64 * 2**20) -> float:
+def link_bandwidth(device: torch.device, pool: HostBufferPool, nbytes: int = 64 * 2**20, *,
+                   io_timeout: float = FuyouConfig.io_timeout) -> float:
     """Bytes/s of a device → host copy into a buffer of ``pool`` (pinned on CUDA) of ``nbytes``, or of the
     whole budget if smaller; best of 3."""
-    with _probe_buffer(pool, nbytes) as buf:
+    with _probe_buffer(pool, nbytes, io_timeout) as buf:
         src = torch.empty(buf.capacity, dtype=torch.uint8, device=device).fill_(1)
         best = float("inf")
         for _ in range(3):
@@ -223,9 +224,9 @@ def link_bandwidth(device: torch.device, pool: HostBufferPool, nbytes: int = 64 
     return buf.capacity / best
 
 
-def _probe_buffer(pool: HostBufferPool, nbytes: int) -> HostBuffer:
+def _probe_buffer(pool: HostBufferPool, nbytes: int, io_timeout: float) -> HostBuffer:
     """A pool buffer of ``nbytes`` or the whole budget, whichever is smaller (the pool is idle between steps)."""
-    return pool.acquire(min(nbytes, pool.budget), timeout=POOL_TIMEOUT_S)
+    return pool.acquire(min(nbytes, pool.budget), timeout=io_timeout)
 
 
 def adam_throughput(fused: bool, n: int = 2**20) -> float:
