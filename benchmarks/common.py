@@ -62,16 +62,21 @@ def run_interleaved(script: str, once: list[str], repeated: list[str], rounds: i
 
 
 def worker_argv(args: argparse.Namespace, parent_only: tuple[str, ...]) -> list[str]:
-    """The parent's options, as ``--name=value`` for its workers, less those only the parent uses."""
+    """The parent's options, as ``--name=value`` (``--flag`` for a set switch) for its workers, less
+    those only the parent uses."""
     skip = {"worker", "json", "no_jemalloc", "rounds", *parent_only}
-    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+            if k not in skip and v is not None and v is not False]
 
 
-def temporary_swap_dir(args: argparse.Namespace, prefix: str) -> None:
-    """Set ``args.swap_dir`` to a fresh temporary directory, removed at exit, unless one was given."""
+def temporary_swap_dir(args: argparse.Namespace, prefix: str, parent: str | None = None) -> None:
+    """Set ``args.swap_dir`` to a fresh temporary directory in ``parent`` (default ``$TMPDIR`` or
+    /tmp), removed at exit, unless one was given."""
     if args.swap_dir is not None:
         return
-    tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=os.environ.get("TMPDIR", "/tmp"))
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=parent or os.environ.get("TMPDIR", "/tmp"))
     atexit.register(tmp.cleanup)
     args.swap_dir = tmp.name
 

@@ -1,0 +1,86 @@
+"""The benchmark harnesses run end to end at tiny scale (their figures are not checked: no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+WEIGHTS_BENCH = os.path.join(BENCHMARKS, "weights_bench.py")
+
+
+@pytest.fixture
+def weights_bench(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import weights_bench
+
+    yield weights_bench
+    for name in ("common", "weights_bench"):  # examples/ has a `common` module too
+        sys.modules.pop(name, None)
+
+
+def run_bench(*argv, out):
+    proc = subprocess.run([sys.executable, WEIGHTS_BENCH, *argv, "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_weights_bench_quick_compare_streams_frozen_blocks_exactly(tmp_path):
+    out = run_bench("compare", "--frozen-blocks", out=tmp_path)
+    result = json.loads((tmp_path / "weights_compare_quick.json").read_text())
+    rows = result["results"]
+    assert list(rows) == ["device", "host", "ssd"]
+    assert rows["device"]["summary"]["weight_bytes_streamed"] == 0
+    for tier in ("host", "ssd"):
+        summary = rows[tier]["summary"]
+        assert summary["weight_tiers"] == {str(i): tier for i in range(4)}
+        # --quick: 4 blocks, weight_prefetch_blocks=1, so at most 2 blocks' weights at once
+        assert 0 < summary["weight_device_peak_bytes"] <= summary["weight_bytes_streamed"] // 2
+        assert rows[tier]["losses"] == rows["device"]["losses"], "streaming frozen weights changes nothing"
+        assert len(rows[tier]["step_s"]) == 2 and rows[tier]["peak_rss"] > 0
+    assert "x device" in out and "losses = device" in out and "NO" not in out.split("losses = device")[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) in (["weights_compare_quick.json"],
+                                                          ["weights_compare_quick.json", "weights_compare_quick.png"]), \
+        "the temporary swap directory is removed"
+
+
+def test_weights_bench_quick_scale_one_size(tmp_path):
+    out = run_bench("scale", "--sizes", "tiny-1", out=tmp_path)
+    result = json.loads((tmp_path / "weights_scale_quick.json").read_text())
+    (row,) = result["rows"]
+    assert row["size"] == "tiny-1" and row["summary"]["ssd_file_bytes"] > 0 and row["free_disk"] > 0
+    assert result["stopped"] is None
+    assert "tiny-1" in out and "RSS B/param" in out
+
+
+def test_size_presets_are_exact_gpt2_parameter_counts(weights_bench):
+    import argparse
+
+    import torch
+
+    for name, (layers, hidden, heads) in weights_bench.SIZES.items():
+        args = argparse.Namespace(layers=layers, hidden=hidden, heads=heads, vocab=50257, seq=256)
+        model = weights_bench.build_model(weights_bench.gpt2_config(args), torch.bfloat16, meta=True)
+        count = sum(p.numel() for p in model.parameters())
+        assert count == weights_bench.gpt2_param_count(layers, hidden, 50257, 256), name
+        if name.endswith("B"):
+            assert abs(count / (float(name[:-1]) * 1e9) - 1) < 0.03, (name, count)
+
+
+def test_scale_stops_before_a_size_that_does_not_fit(weights_bench):
+    gib = 2**30
+    assert weights_bench.too_big(10**9, 2, free_disk=30 * gib, mem_available=8 * gib) is None
+    assert "exceeds the free disk" in weights_bench.too_big(10**9, 2, free_disk=20 * gib, mem_available=8 * gib)
+    assert "meta-device construction" in weights_bench.too_big(10**9, 2, free_disk=30 * gib, mem_available=gib)
+
+
+def test_dtype_is_bf16_only_where_the_cpu_computes_it(weights_bench, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
+    assert weights_bench.choose_dtype("auto", str(cpuinfo))[0] == "fp32"
+    cpuinfo.write_text("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n")
+    assert weights_bench.choose_dtype("auto", str(cpuinfo)) == ("bf16", "/proc/cpuinfo flags include amx_bf16")
+    assert weights_bench.choose_dtype("fp32", str(cpuinfo)) == ("fp32", "--dtype")
