@@ -164,11 +164,13 @@ def worker(args: argparse.Namespace) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
             losses.append(loss.item())
+        # Over the measured steps (the whole process where the reset was refused); before close(),
+        # which makes every streamed weight resident again.
+        out["peak_rss"] = vm_hwm_bytes()
         summary = engine.summary()
     finally:
         engine.close()
-    # peak_rss: over the measured steps (the whole process where the reset was refused)
-    return {**out, "step_s": times, "losses": losses, "peak_rss": vm_hwm_bytes(), "summary": summary}
+    return {**out, "step_s": times, "losses": losses, "summary": summary}
 
 
 # -- compare ----------------------------------------------------------------------------------------

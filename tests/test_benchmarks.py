@@ -53,7 +53,7 @@ def test_weights_bench_quick_scale_one_size(tmp_path):
     (row,) = result["rows"]
     assert row["size"] == "tiny-1" and row["summary"]["ssd_file_bytes"] > 0 and row["free_disk"] > 0
     assert result["stopped"] is None
-    assert "tiny-1" in out and "RSS B/param" in out
+    assert "tiny-1" in out and "steps RSS GiB" in out
 
 
 def test_size_presets_are_exact_gpt2_parameter_counts(weights_bench):
