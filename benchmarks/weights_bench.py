@@ -31,6 +31,7 @@ importable, ``weights_<mode>.png`` to ``--out`` (default ``benchmarks/results/``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ from common import allocator, run_fresh, run_interleaved, temporary_swap_dir, wo
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 OPTIMIZER_SSD_BYTES_PER_PARAM = 24  # [master | exp_avg | exp_avg_sq] in fp32, two slots (active, shadow)
-# Scale presets, (layers, hidden, heads): about the named parameter count with vocab 50257, seq 256.
+# Scale presets, (layers, hidden, heads): the named parameter count with vocab 50257 and seq 256 (tiny: --quick).
 SIZES = {"0.35B": (24, 1024, 16), "1B": (18, 2048, 16), "2B": (24, 2560, 20), "4B": (34, 3072, 24),
          "tiny-1": (2, 64, 2), "tiny-2": (4, 64, 2), "tiny-3": (4, 128, 2)}
 MODE_DEFAULTS = {
@@ -74,10 +75,8 @@ def build_model(cfg, dtype, meta: bool = False):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if meta:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def gpt2_config(args: argparse.Namespace):
@@ -92,7 +91,8 @@ def choose_dtype(requested: str, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, s
     if requested != "auto":
         return requested, "--dtype"
     try:
-        flags = {f for line in open(cpuinfo) if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+        with open(cpuinfo) as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
         flags = set()
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
@@ -101,13 +101,18 @@ def choose_dtype(requested: str, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, s
     return "fp32", "no avx512_bf16 or amx_bf16 in /proc/cpuinfo: bf16 matmuls would be emulated"
 
 
+def proc_bytes(path: str, field: str) -> int:
+    """A ``Field:  N kB`` line of a /proc file, in bytes."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{path} has no {field} line")
+
+
 def vm_hwm_bytes() -> int:
     """This process's peak resident set size (VmHWM) since it started or since `reset_vm_hwm`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    return proc_bytes("/proc/self/status", "VmHWM")
 
 
 def reset_vm_hwm() -> bool:
@@ -118,14 +123,6 @@ def reset_vm_hwm() -> bool:
         return True
     except OSError:
         return False
-
-
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 # -- one configuration, in a fresh process ----------------------------------------------------------
@@ -295,7 +292,7 @@ def scale(args: argparse.Namespace, argv: list[str], header: list[str]) -> dict:
         layers, hidden, heads = SIZES[name]
         params = gpt2_param_count(layers, hidden, args.vocab, args.seq)
         free = shutil.disk_usage(args.swap_dir).free
-        reason = too_big(params, DTYPE_BYTES[args.dtype], free, mem_available_bytes())
+        reason = too_big(params, DTYPE_BYTES[args.dtype], free, proc_bytes("/proc/meminfo", "MemAvailable"))
         if reason is not None:
             stopped = f"stopped before {name} ({params:,} params): {reason}"
             break
