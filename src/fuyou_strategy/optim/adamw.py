@@ -30,6 +30,7 @@ gradients after ``clip_grad_norm_``: ``fused=True`` (the default here) to ``Adam
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -193,7 +194,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self.store = TensorStore(config)
         pipelines: list[ChunkPipeline] = []
-        self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, pipelines)
+        self._uninstall: list[weakref.WeakMethod] = []  # a streamer's uninstall: its weights come back before the store goes
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, pipelines, self._uninstall)
         try:
             self._pipeline = ChunkPipeline(self.store, shares.optimizer_depth, name="fuyou-adamw")
             pipelines.append(self._pipeline)
@@ -249,6 +251,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         """
         self._check_idle("attach_weights")
         self._weights = streamer
+        # The tier copies live in this store: a model that outlives the optimizer gets its weights
+        # back first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
+        self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
         for ps in self._params:
             if streamer.streams(ps.param) and ps.grads is None:
                 ps.grads = f"grads.{ps.index}"
@@ -664,16 +669,32 @@ def _write_grad(store: TensorStore, ps: _Param, k: int, grad: torch.Tensor) -> F
     return store.write_chunk(ps.grads, k, buf)
 
 
-def _release(hooks: list[Any], store: TensorStore, pipelines: list[ChunkPipeline]) -> None:
-    """`FuyouAdamW`'s finalizer: hooks off the parameters, worker stopped, swap files deleted."""
+def _release(hooks: list[Any], store: TensorStore, pipelines: list[ChunkPipeline],
+             uninstall: list["weakref.WeakMethod"]) -> None:
+    """`FuyouAdamW`'s finalizer: hooks off the parameters, worker stopped, streamed weights made resident
+    again from their tier copies (a model outliving its optimizer keeps its weights), swap files deleted."""
     for hook in hooks:
         hook.remove()
     hooks.clear()
     try:
         for pipeline in pipelines:
             pipeline.close()
+        for ref in uninstall:
+            fn = ref()
+            if fn is not None and not _exiting:  # at exit the I/O threads are gone, and so is the model
+                fn()
+        uninstall.clear()
     finally:
         store.close()
+
+
+_exiting = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
 
 
 def _call_alive(method: "weakref.WeakMethod", *args: Any) -> None:
