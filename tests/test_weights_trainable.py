@@ -230,3 +230,35 @@ def test_hf_trainer_with_streamed_weights_equals_resident(tmp_path):
     assert callback.summary["weight_bytes_trainable_streamed"] > 0 and callback.summary["redos"] > 0
     for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_model_built_on_the_meta_device_is_never_whole_in_memory_and_trains_like_resident(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=101, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    blocks = list(model.transformer.h)
+    seen = []
+
+    def init(module):  # called as each module gets memory: no other block may hold any then
+        owner = next((i for i, b in enumerate(blocks) if any(module is m for m in b.modules())), None)
+        if owner is not None:
+            others = [p for i, b in enumerate(blocks) if i != owner for p in b.parameters()]
+            seen.append(all(p.is_meta or p.untyped_storage().nbytes() == 0 for p in others))
+        model._init_weights(module)
+
+    torch.manual_seed(0)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=1e-2), config=config(tmp_path, "ssd"),
+                         max_grad_norm=MAX_NORM, init_weights=init)
+    assert seen and all(seen), "one block at a time"
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight, "tied weights stay tied"
+    initial = copy.deepcopy(model.state_dict())  # served from the tier copies
+    resident = GPT2LMHeadModel(cfg)
+    resident.load_state_dict(initial)
+    ref_losses, _ = reference(resident, tmp_path)
+    engine, losses = train(model, None, engine=engine)
+    engine.close()
+    assert_same(model, resident, losses, ref_losses)

@@ -38,6 +38,7 @@ from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .params import WeightStreamer
+from .params.materialize import has_meta, materialize
 from .planner import Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
@@ -142,6 +143,12 @@ class FuyouEngine:
         report: where messages for the user go (the plan, predicted vs measured step time), one
             text at a time; default: INFO on the ``fuyou_strategy`` logger. The adapters pass
             their framework's channel (Lightning's ``rank_zero_info``, transformers' logger).
+        init_weights: for a model built on the meta device (``with torch.device("meta"):``), how to
+            initialise each module once it has memory (``module.apply``-style, e.g. a Hugging Face
+            model's ``_init_weights``; default ``reset_parameters()``). Streamed blocks are
+            materialised one at a time straight into their tier, so the model is never whole in
+            memory; everything else is materialised on ``device``.
+        device: where a meta model's resident parameters go (default: the CPU).
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -158,10 +165,15 @@ class FuyouEngine:
         norm_order: Iterable[torch.nn.Parameter] | None = None,
         where: str = "the optimizer",
         report: Callable[[str], Any] | None = None,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
         self.model = model
+        self.init_weights = init_weights
+        self.device = torch.device(device) if device is not None else next(
+            (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads)
@@ -176,6 +188,9 @@ class FuyouEngine:
         try:
             if config.weights != "device":
                 self._install_streamer(config.weights)
+            if has_meta(model):  # the rest of a model built on the meta device: resident
+                materialize(model, self.device, init_weights)
+            self.optimizer.initialise_materialized()
             if config.plan is not None:  # pinned
                 self.plan = Plan.load(config.plan)
                 self._install_swapper(self.plan.activations)
@@ -199,7 +214,8 @@ class FuyouEngine:
         """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
         the trainable ones' updates there."""
         self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights), store=self.optimizer.store,
-                                       trainable=self.optimizer.chunk_elements())
+                                       trainable=self.optimizer.chunk_elements(), device=self.device,
+                                       init_weights=self.init_weights)
         self.streamer.install()
         self.optimizer.attach_weights(self.streamer)
 

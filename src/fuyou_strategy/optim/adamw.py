@@ -199,7 +199,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         try:
             self._pipeline = ChunkPipeline(self.store, shares.optimizer_depth, name="fuyou-adamw")
             pipelines.append(self._pipeline)
-            self._initialise_state()
+            for ps in self._params:
+                self.state[ps.param]["step"] = torch.tensor(0.0)
+                self.store.create(ps.entry, (ps.numel * _FLOATS_PER_ELEMENT,), torch.float32,
+                                  chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES, slots=config.state_slots)
+            # Parameters on the meta device (a model built there) get their masters once they have
+            # memory, or a tier copy: `initialise_materialized`.
+            self._pending = [ps for ps in self._params if ps.param.is_meta]
+            self._initialise_state([ps for ps in self._params if not ps.param.is_meta])
         except BaseException:
             self.close()
             raise
@@ -216,13 +223,11 @@ class FuyouAdamW(torch.optim.Optimizer):
                            for ps in self._params)
 
     # -- state on SSD ---------------------------------------------------------------------------
-    def _initialise_state(self) -> None:
-        """Write ``[master = weight in fp32 | 0 | 0]`` into every entry's active slot."""
-        for ps in self._params:
-            self.state[ps.param]["step"] = torch.tensor(0.0)
-            self.store.create(ps.entry, (ps.numel * _FLOATS_PER_ELEMENT,), torch.float32,
-                              chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES, slots=self.config.state_slots)
-            flat = ps.param.detach().reshape(-1)
+    def _initialise_state(self, params: list[_Param]) -> None:
+        """Write ``[master = weight in fp32 | 0 | 0]`` into each entry's active slot (a streamed
+        parameter's weight comes from its tier copy, one parameter in memory at a time)."""
+        for ps in params:
+            flat = (self._weights.value(ps.param) if ps.grads is not None else ps.param.detach()).reshape(-1)
             writes = []
             for k in range(ps.nchunks):
                 start, n = ps.span(k)
@@ -233,6 +238,14 @@ class FuyouAdamW(torch.optim.Optimizer):
                 del chunk  # a view must not outlive the buffer, which the write gives back to the pool
                 writes.append(self.store.write_chunk(ps.entry, k, buf, slot="active"))
             gather(writes).result()  # raises if any write failed
+            del flat
+
+    def initialise_materialized(self) -> None:
+        """Write the masters of parameters that were on the meta device when the optimizer was made and
+        have memory now (`fuyou_strategy.params.materialize`) or a tier copy (`attach_weights`)."""
+        ready = [ps for ps in self._pending if ps.grads is not None or not ps.param.is_meta]
+        self._initialise_state(ready)
+        self._pending = [ps for ps in self._pending if ps not in ready]
 
     # -- streamed weights ---------------------------------------------------------------------------
     def chunk_elements(self) -> dict[torch.nn.Parameter, int]:
@@ -411,6 +424,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pending:
+            raise RuntimeError(f"FuyouAdamW: {len(self._pending)} parameters are still on the meta device (the first has "
+                               f"shape {tuple(self._pending[0].param.shape)}); materialise them and call "
+                               "initialise_materialized() before training (FuyouEngine does both)")
         if self.config.state_slots == 1:
             self._step_in_place()
             return loss

@@ -66,6 +66,7 @@ from ..activations.blocks import discover_blocks, resolve_per_block
 from ..activations.swap import first_tensor
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..storage import HostBuffer, TensorStore, round_up
+from .materialize import Init, has_meta, materialize
 
 __all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter"]
 
@@ -146,6 +147,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What tells storages apart: the address, or for a meta tensor (no storage) the tensor itself."""
+    return id(t) if t.is_meta else t.untyped_storage().data_ptr()
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread (e.g. recomputing a checkpointed block)."""
     return torch._C._current_graph_task_id() != -1
@@ -165,6 +171,11 @@ class WeightStreamer:
         trainable: the trainable parameters to stream, each with the optimizer's chunk length
             (elements); the optimizer must then publish their updates (`publish`). Trainable
             parameters not listed stay resident.
+        device: where materialised weights live (default: the device of the model's first
+            parameter not on the meta device, else the CPU).
+        init_weights: for a model built on the meta device (see `materialize`): each streamed
+            block is materialised on ``device``, initialised with this, written to its tier and
+            released before the next one, so the model is never whole in memory.
 
     Raises `ConfigError` at `install` when the host tier, the staging buffers and the gradients'
     host copies cannot fit ``host_memory_budget``, or the window cannot fit ``device_memory_budget``.
@@ -172,7 +183,8 @@ class WeightStreamer:
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None,
                  blocks: list[torch.nn.Module] | None = None,
-                 trainable: Mapping[torch.nn.Parameter, int] | None = None) -> None:
+                 trainable: Mapping[torch.nn.Parameter, int] | None = None, device: torch.device | None = None,
+                 init_weights: Init | None = None) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.model = model
         self.blocks = list(blocks) if blocks is not None else discover_blocks(model, config.blocks)
@@ -180,6 +192,9 @@ class WeightStreamer:
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
         self.trainable = dict(trainable or {})
+        self.device = device if device is not None else next(
+            (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+        self.init_weights = init_weights
         self._own_store = store is None and any(t is not Tier.DEVICE for t in self.tiers)
         self.store = TensorStore(config) if self._own_store else store
         # SSD prefetches never take the optimizer's read-ahead share: its worker must always move.
@@ -239,7 +254,7 @@ class WeightStreamer:
             owner = next((i for i, pre in prefixes.items() if any(name.startswith(x) for x in pre)), -1)
             owners.setdefault(id(p), set()).add(owner)
         for t in {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values():
-            ptr = t.untyped_storage().data_ptr()
+            ptr = _storage_key(t)
             storages[ptr] = storages.get(ptr, 0) + 1
         frozen_elems = max(1, self.config.chunk_size)  # bytes; per parameter below
         units = {}
@@ -250,7 +265,7 @@ class WeightStreamer:
             for name, p in block.named_parameters():
                 streamable = (owners.get(id(p)) == {i} and p.numel() > 0 and p.is_contiguous()
                               and p.storage_offset() == 0 and p.untyped_storage().nbytes() == _nbytes(p)
-                              and storages[p.untyped_storage().data_ptr()] == 1)
+                              and storages[_storage_key(p)] == 1)
                 if streamable and not p.requires_grad:
                     weights.append(_Weight(name, p, frozen_elems // p.element_size(), trainable=False))
                 elif streamable and p in self.trainable:
@@ -265,7 +280,7 @@ class WeightStreamer:
 
     def _check_budgets(self, units: dict[int, _Block]) -> None:
         streamed = {id(w.param) for u in units.values() for w in u.weights}
-        resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        resident = {_storage_key(t): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()] if id(t) not in streamed}
         largest = sorted((u.nbytes for u in units.values()), reverse=True)
         grad = max((w.nbytes for u in units.values() for w in u.weights if w.trainable), default=0)
@@ -304,6 +319,9 @@ class WeightStreamer:
             )
 
     def _to_tier(self, unit: _Block) -> None:
+        block = self.blocks[unit.index]
+        if has_meta(block):  # built on the meta device: this block gets memory now, and only until released
+            materialize(block, self.device, self.init_weights)
         for w in unit.weights:
             source = w.param.detach().reshape(-1)
             if unit.tier is Tier.HOST:
@@ -487,6 +505,10 @@ class WeightStreamer:
         buf = self.store.pool.acquire(n * param.element_size(), timeout=self.timeout)
         buf.view(w.dtype)[:n].copy_(values)
         return self.store.write_chunk(w.entry, k, buf)
+
+    def value(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Trainable streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
+        return self._tier_copy(self._weights[param])
 
     # -- state dicts -----------------------------------------------------------------------------------
     def _tier_copy(self, w: _Weight) -> torch.Tensor:
