@@ -60,9 +60,9 @@ def small_config(tmp_path):
 
 
 def tiny_causal_lm(family: str, seed: int = 0, dtype=None):
-    """A randomly initialised GPT-2 or Llama of a few thousand parameters, dropout off."""
+    """A randomly initialised GPT-2, Llama or Qwen2 of a few thousand parameters, dropout off."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     if family == "gpt2":
@@ -73,6 +73,10 @@ def tiny_causal_lm(family: str, seed: int = 0, dtype=None):
         cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, vocab_size=101, max_position_embeddings=32)
         model = LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=101, max_position_embeddings=32)
+        model = Qwen2ForCausalLM(cfg)
     else:
         raise ValueError(family)
     if dtype is not None:

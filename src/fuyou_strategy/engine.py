@@ -38,6 +38,7 @@ from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .params import WeightStreamer
+from .params.materialize import has_meta, materialize
 from .planner import Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
@@ -142,6 +143,12 @@ class FuyouEngine:
         report: where messages for the user go (the plan, predicted vs measured step time), one
             text at a time; default: INFO on the ``fuyou_strategy`` logger. The adapters pass
             their framework's channel (Lightning's ``rank_zero_info``, transformers' logger).
+        init_weights: for a model built on the meta device (``with torch.device("meta"):``), how to
+            initialise each module once it has memory (``module.apply``-style, e.g. a Hugging Face
+            model's ``_init_weights``; default ``reset_parameters()``). Streamed blocks are
+            materialised one at a time straight into their tier, so the model is never whole in
+            memory; everything else is materialised on ``device``.
+        device: where a meta model's resident parameters go (default: the CPU).
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -158,10 +165,15 @@ class FuyouEngine:
         norm_order: Iterable[torch.nn.Parameter] | None = None,
         where: str = "the optimizer",
         report: Callable[[str], Any] | None = None,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
         self.model = model
+        self.init_weights = init_weights
+        self.device = torch.device(device) if device is not None else next(
+            (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads)
@@ -175,8 +187,10 @@ class FuyouEngine:
         self._plan_reported = False
         try:
             if config.weights != "device":
-                self.streamer = WeightStreamer(model, config, store=self.optimizer.store)
-                self.streamer.install()
+                self._install_streamer(config.weights)
+            if has_meta(model):  # the rest of a model built on the meta device: resident
+                materialize(model, self.device, init_weights)
+            self.optimizer.initialise_materialized()
             if config.plan is not None:  # pinned
                 self.plan = Plan.load(config.plan)
                 self._install_swapper(self.plan.activations)
@@ -195,6 +209,15 @@ class FuyouEngine:
         self._last_step_end: float | None = None
         self.step_times: list[float] = []  # seconds between consecutive optimizer steps
         self.micro_batches = 0
+
+    def _install_streamer(self, weights: str | dict) -> None:
+        """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
+        the trainable ones' updates there."""
+        self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights), store=self.optimizer.store,
+                                       trainable=self.optimizer.chunk_elements(), device=self.device,
+                                       init_weights=self.init_weights)
+        self.streamer.install()
+        self.optimizer.attach_weights(self.streamer)
 
     def _install_swapper(self, activations: str | dict) -> None:
         config = self.config.replace(activations=activations, plan=None)
@@ -296,6 +319,11 @@ class FuyouEngine:
             "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
             "weight_bytes_streamed": stream.streamed_bytes if stream else 0,
             "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
+            "weight_bytes_trainable_streamed": stream.trainable_bytes if stream else 0,
+            # Weights and gradients on the device at most (activations not counted); None without streaming.
+            "device_peak_bytes": self.streamer.meter.high_water if stream else None,
+            "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, sum(
+                p.numel() for g in opt.param_groups for p in g["params"])),
             "host_pool_peak_bytes": store.pool.high_water,
             "host_pool_budget_bytes": store.pool.budget,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
@@ -317,9 +345,10 @@ class FuyouEngine:
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
             f"median step {s['median_step_seconds']:.3f} s",
-        ] + ([f"  frozen weights streamed: {format_bytes(s['weight_bytes_streamed'])} in "
-              f"{len(s['weight_tiers'])} blocks {s['weight_tiers']}, device peak "
-              f"{format_bytes(s['weight_device_peak_bytes'])}"] if s["weight_tiers"] else []))
+        ] + ([f"  weights streamed: {format_bytes(s['weight_bytes_streamed'])} in {len(s['weight_tiers'])} blocks "
+              f"{s['weight_tiers']} ({format_bytes(s['weight_bytes_trainable_streamed'])} trainable), device peak "
+              f"{format_bytes(s['weight_device_peak_bytes'])} of streamed weights, "
+              f"{format_bytes(s['device_peak_bytes'])} of weights and gradients"] if s["weight_tiers"] else []))
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,68 @@
+"""Building a model larger than memory: construct it on the meta device, give it memory block by block.
+
+::
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)          # no memory: shapes only
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(weights="ssd"),
+                         init_weights=model._init_weights)
+
+The engine materialises the parameters outside the streamed blocks (embeddings, final norm, head)
+on the device; the `WeightStreamer` materialises each streamed block in turn, initialises it,
+writes it to its tier and releases it before the next, so peak memory holds one block, never the
+model. `materialize` keeps every ``Parameter`` object (``torch.utils.swap_tensors``): the optimizer
+built on the meta model and tied weights (GPT-2's ``wte``/``lm_head``) keep referring to them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["materialize", "has_meta", "Init"]
+
+_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # hooks a Parameter holds (e.g. FuyouAdamW's)
+Init = Callable[[torch.nn.Module], None]  # called on each materialised module, as ``module.apply(init)`` does
+
+
+def has_meta(module: torch.nn.Module, recurse: bool = True) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
+
+
+def materialize(module: torch.nn.Module, device: torch.device, init: Init | None, *, recurse: bool = True) -> int:
+    """Give ``module``'s meta parameters and buffers memory on ``device``, in place, and initialise them.
+
+    ``init`` is called on ``module`` and (with ``recurse``) each submodule, like ``module.apply(init)``
+    (e.g. a Hugging Face model's ``_init_weights``); ``None`` calls ``reset_parameters()`` where a
+    module has one. Modules without meta tensors are left alone. Returns the bytes materialised.
+    Raises `ValueError` when a materialised module has neither ``init`` nor ``reset_parameters``.
+    """
+    nbytes = 0
+    for mod in module.modules() if recurse else [module]:
+        metas = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.is_meta]
+        buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        if not metas and not buffers:
+            continue
+        for _name, p in metas:  # the same Parameter object, now with memory: optimizers and ties keep it
+            nbytes += p.numel() * p.element_size()
+            real = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            real.__dict__.update(p.__dict__)  # swap_tensors swaps these too: p keeps its attributes
+            hooks = {name: getattr(p, name) for name in _HOOKS if getattr(p, name) is not None}
+            torch.utils.swap_tensors(p, real)
+            for name, value in hooks.items():  # setting them registers them with autograd again
+                setattr(p, name, value)
+        for name, b in buffers:
+            nbytes += b.numel() * b.element_size()
+            mod._buffers[name] = torch.empty_like(b, device=device)
+        with torch.no_grad():
+            if init is not None:
+                init(mod)
+            elif hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+            elif metas:
+                raise ValueError(
+                    f"init_weights: {type(mod).__name__} was built on the meta device and has no reset_parameters(); "
+                    "pass init_weights (e.g. the Hugging Face model's _init_weights) to initialise it")
+    return nbytes
