@@ -10,19 +10,19 @@ a ``GPT2Config``, no hub) trained with full fine-tuning, batch 1 x seq 256: a
 all-resident, peak RSS (VmHWM) and the engine's ``summary()`` weight figures.
 
 ``scale``: peak RSS against model size (0.35B, 1B, 2B, 4B) with ``weights="ssd"`` and a 2 GiB
-``device_memory_budget``, one step after one warm-up each. Records step time, the swap files'
-size and the free disk before each size, and stops before a size whose estimated SSD footprint
-exceeds the free disk, or whose weights cannot be built in RAM (`build_model` builds them
-normally until meta-device construction lands).
+``device_memory_budget``, one step after one warm-up each, the model built on the meta device
+(the engine materialises it block by block, so it is never whole in memory). Records step time,
+the swap files' size and the free disk before each size, and stops before a size whose
+estimated SSD footprint exceeds the free disk (``--state-slots 1`` halves the optimizer's part).
 
 ``--quick`` runs a model of a few MB through every configuration in under a minute;
-``--frozen-blocks`` freezes the blocks (a frozen base under a trainable embedding and head),
-which is what the engine streams before trainable weights do. The compute dtype is bf16 where
-the CPU has bf16 instructions (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo), else fp32.
+``--frozen-blocks`` freezes the blocks (a frozen base under a trainable embedding and head, as in
+LoRA). The compute dtype is bf16 where the CPU has bf16 instructions (``avx512_bf16`` or
+``amx_bf16`` in /proc/cpuinfo), else fp32.
 
     .venv/bin/python benchmarks/weights_bench.py compare
-    .venv/bin/python benchmarks/weights_bench.py scale --sizes 0.35B,1B,2B
-    .venv/bin/python benchmarks/weights_bench.py compare --quick --frozen-blocks
+    .venv/bin/python benchmarks/weights_bench.py scale --sizes 0.35B,1B,2B,4B --state-slots 1
+    .venv/bin/python benchmarks/weights_bench.py compare --quick
 
 Prints a table and writes ``weights_<mode>.json`` (every raw number) and, when matplotlib is
 importable, ``weights_<mode>.png`` to ``--out`` (default ``benchmarks/results/``).
@@ -45,13 +45,13 @@ from common import allocator, run_fresh, run_interleaved, temporary_swap_dir, wo
 
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-OPTIMIZER_SSD_BYTES_PER_PARAM = 24  # [master | exp_avg | exp_avg_sq] in fp32, two slots (active, shadow)
+STATE_BYTES_PER_SLOT = 12  # per parameter: [master | exp_avg | exp_avg_sq] in fp32, per state slot
 # Scale presets, (layers, hidden, heads): the named parameter count with vocab 50257 and seq 256 (tiny: --quick).
 SIZES = {"0.35B": (24, 1024, 16), "1B": (18, 2048, 16), "2B": (24, 2560, 20), "4B": (34, 3072, 24),
          "tiny-1": (2, 64, 2), "tiny-2": (4, 64, 2), "tiny-3": (4, 128, 2)}
 MODE_DEFAULTS = {
-    "compare": dict(warmup=2, steps=3),
-    "scale": dict(warmup=1, steps=1, device_budget="2GiB"),
+    "compare": dict(warmup=2, steps=3, build="memory"),
+    "scale": dict(warmup=1, steps=1, device_budget="2GiB", build="meta"),
 }
 QUICK = {  # a few MB: every configuration in under a minute
     "compare": dict(layers=4, hidden=64, heads=2, vocab=512, seq=32, warmup=1, steps=2, host_budget="256MiB",
@@ -132,7 +132,8 @@ def worker(args: argparse.Namespace) -> dict:
     from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    model = build_model(gpt2_config(args), dtype)
+    meta = args.build == "meta"
+    model = build_model(gpt2_config(args), dtype, meta=meta)
     if args.frozen_blocks:
         for p in model.transformer.h.parameters():
             p.requires_grad_(False)
@@ -140,10 +141,10 @@ def worker(args: argparse.Namespace) -> dict:
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     config = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget,
                          device_memory_budget=args.device_budget, weights=args.worker,
-                         weight_prefetch_blocks=args.prefetch_blocks)
+                         weight_prefetch_blocks=args.prefetch_blocks, state_slots=args.state_slots)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     try:
-        engine = FuyouEngine(model, optimizer, config=config)
+        engine = FuyouEngine(model, optimizer, config=config, init_weights=model._init_weights if meta else None)
     except ConfigError as exc:  # e.g. the weights do not fit a budget: a row of the table, not a crash
         return {**out, "refused": str(exc), "peak_rss": vm_hwm_bytes()}
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -175,8 +176,7 @@ RSS_NOTE = ("setup RSS: VmHWM after building the model, the engine's setup and t
             "the measured steps (reset after the warm-up)")
 
 
-NOT_STREAMED = ("no weight was streamed: this engine streams frozen weights only (issue 11); --frozen-blocks "
-                "streams the blocks today")
+NOT_STREAMED = "no weight was streamed (summary()['weight_bytes_streamed'] is 0)"
 
 
 def rss_reset_notes(results) -> list[str]:
@@ -260,17 +260,18 @@ def plot_bars(path: Path, configs: list[str], results: dict, ref_s: float, title
 
 
 # -- scale ------------------------------------------------------------------------------------------
-def too_big(params: int, dtype_bytes: int, free_disk: int, mem_available: int) -> str | None:
-    """Why a size cannot run here (``None`` if it can): its estimated SSD footprint (optimizer
-    state, two slots, plus the weights on the SSD tier) over the free disk, or its weights over
-    the available RAM (models are built in RAM until meta-device construction lands)."""
-    ssd = params * (OPTIMIZER_SSD_BYTES_PER_PARAM + dtype_bytes)
-    if ssd > free_disk:
-        return (f"its estimated SSD footprint {gib(ssd)} GiB ({OPTIMIZER_SSD_BYTES_PER_PARAM} + {dtype_bytes} B/param) "
-                f"exceeds the free disk in the swap dir, {gib(free_disk)} GiB")
-    if params * dtype_bytes > mem_available:
-        return (f"its weights ({gib(params * dtype_bytes)} GiB) exceed the available RAM ({gib(mem_available)} GiB): "
-                "building it needs meta-device construction (build_model(meta=True))")
+def too_big(params: int, dtype_bytes: int, state_slots: int, free_disk: int, mem_available: int | None) -> str | None:
+    """Why a size cannot run here (``None`` if it can): its estimated SSD footprint over the free
+    disk (the optimizer state, 12 B/param per slot, plus the weights and the gradients on the SSD
+    tier), or, for a model built in memory (``mem_available`` given), its weights over the RAM."""
+    per_param = STATE_BYTES_PER_SLOT * state_slots + 2 * dtype_bytes
+    if params * per_param > free_disk:
+        return (f"its estimated SSD footprint {gib(params * per_param)} GiB ({per_param} B/param: state "
+                f"{STATE_BYTES_PER_SLOT} x {state_slots} slot(s), weights and gradients {dtype_bytes} each) exceeds the "
+                f"free disk in the swap dir, {gib(free_disk)} GiB")
+    if mem_available is not None and params * dtype_bytes > mem_available:
+        return (f"its weights ({gib(params * dtype_bytes)} GiB) exceed the available RAM ({gib(mem_available)} GiB); "
+                "build it on the meta device (--build meta)")
     return None
 
 
@@ -292,7 +293,8 @@ def scale(args: argparse.Namespace, argv: list[str], header: list[str]) -> dict:
         layers, hidden, heads = SIZES[name]
         params = gpt2_param_count(layers, hidden, args.vocab, args.seq)
         free = shutil.disk_usage(args.swap_dir).free
-        reason = too_big(params, DTYPE_BYTES[args.dtype], free, proc_bytes("/proc/meminfo", "MemAvailable"))
+        ram = proc_bytes("/proc/meminfo", "MemAvailable") if args.build == "memory" else None
+        reason = too_big(params, DTYPE_BYTES[args.dtype], args.state_slots, free, ram)
         if reason is not None:
             stopped = f"stopped before {name} ({params:,} params): {reason}"
             break
@@ -362,8 +364,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256, help="sequence length (and n_positions)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--frozen-blocks", action="store_true",
-                        help="freeze the blocks' weights (embeddings, final norm and head train): what the engine "
-                             "streams before trainable weights do")
+                        help="freeze the blocks' weights (a frozen base: embeddings, final norm and head train)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute dtype; auto: bf16 if the CPU has avx512_bf16 or amx_bf16, else fp32")
     parser.add_argument("--steps", type=int, help="measured steps per run (compare 3, scale 1)")
@@ -373,6 +374,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", default="4GiB", help="FuyouConfig.host_memory_budget")
     parser.add_argument("--device-budget", help="FuyouConfig.device_memory_budget (compare: none, scale: 2GiB)")
     parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.weight_prefetch_blocks")
+    parser.add_argument("--state-slots", type=int, choices=(1, 2), default=2,
+                        help="FuyouConfig.state_slots: 1 halves the optimizer state on SSD (no overlapped updates)")
+    parser.add_argument("--build", choices=("memory", "meta"),
+                        help="build the model in memory, or on the meta device for the engine to materialise block "
+                             "by block (compare: memory, so every configuration starts from the same weights; "
+                             "scale: meta)")
     parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one under --out)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"),
                         help="where weights_<mode>[_quick].json and .png go")
@@ -402,10 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = f"GPT-2 sizes {args.sizes}, vocab {args.vocab}, {args.seq} positions"
     header = [
-        f"model: {model}; {what}; batch {args.batch} x seq {args.seq}",
+        f"model: {model}; {what}; built {'on the meta device' if args.build == 'meta' else 'in memory'}; "
+        f"batch {args.batch} x seq {args.seq}",
         f"compute dtype: {args.dtype} ({dtype_reason})",
-        f"optimizer: torch.optim.AdamW(fused=True) converted by FuyouEngine (state on SSD); host budget "
-        f"{args.host_budget}; device budget {args.device_budget or 'none'}; weight prefetch {args.prefetch_blocks} blocks",
+        f"optimizer: torch.optim.AdamW(fused=True) converted by FuyouEngine (state on SSD, "
+        f"{args.state_slots} slot(s)); host budget "
+        f"{args.host_budget}; device budget {args.device_budget or 'none'}; weight prefetch {args.prefetch_blocks} block(s)",
         f"swap dir: {args.swap_dir} ({gib(shutil.disk_usage(args.swap_dir).free)} GiB free); allocator: "
         f"{allocator(not args.no_jemalloc)}",
     ]

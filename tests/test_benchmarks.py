@@ -28,8 +28,8 @@ def run_bench(*argv, out):
     return proc.stdout
 
 
-def test_weights_bench_quick_compare_streams_frozen_blocks_exactly(tmp_path):
-    out = run_bench("compare", "--frozen-blocks", out=tmp_path)
+def test_weights_bench_quick_compare_streams_trainable_blocks_exactly(tmp_path):
+    out = run_bench("compare", out=tmp_path)
     result = json.loads((tmp_path / "weights_compare_quick.json").read_text())
     rows = result["results"]
     assert list(rows) == ["device", "host", "ssd"]
@@ -37,9 +37,10 @@ def test_weights_bench_quick_compare_streams_frozen_blocks_exactly(tmp_path):
     for tier in ("host", "ssd"):
         summary = rows[tier]["summary"]
         assert summary["weight_tiers"] == {str(i): tier for i in range(4)}
+        assert summary["weight_bytes_trainable_streamed"] == summary["weight_bytes_streamed"], "full fine-tune"
         # --quick: 4 blocks, weight_prefetch_blocks=1, so at most 2 blocks' weights at once
         assert 0 < summary["weight_device_peak_bytes"] <= summary["weight_bytes_streamed"] // 2
-        assert rows[tier]["losses"] == rows["device"]["losses"], "streaming frozen weights changes nothing"
+        assert rows[tier]["losses"] == rows["device"]["losses"], "streaming changes no bit"
         assert len(rows[tier]["step_s"]) == 2 and rows[tier]["peak_rss"] > 0
     assert "x device" in out and "losses = device" in out and "NO" not in out.split("losses = device")[1]
     assert sorted(p.name for p in tmp_path.iterdir()) in (["weights_compare_quick.json"],
@@ -47,11 +48,13 @@ def test_weights_bench_quick_compare_streams_frozen_blocks_exactly(tmp_path):
         "the temporary swap directory is removed"
 
 
-def test_weights_bench_quick_scale_one_size(tmp_path):
+def test_weights_bench_quick_scale_one_size_built_on_the_meta_device(tmp_path):
     out = run_bench("scale", "--sizes", "tiny-1", out=tmp_path)
     result = json.loads((tmp_path / "weights_scale_quick.json").read_text())
+    assert result["args"]["build"] == "meta"
     (row,) = result["rows"]
     assert row["size"] == "tiny-1" and row["summary"]["ssd_file_bytes"] > 0 and row["free_disk"] > 0
+    assert row["summary"]["weight_tiers"] == {"0": "ssd", "1": "ssd"}
     assert result["stopped"] is None
     assert "tiny-1" in out and "steps RSS GiB" in out
 
@@ -71,10 +74,12 @@ def test_size_presets_are_exact_gpt2_parameter_counts(weights_bench):
 
 
 def test_scale_stops_before_a_size_that_does_not_fit(weights_bench):
-    gib = 2**30
-    assert weights_bench.too_big(10**9, 2, free_disk=30 * gib, mem_available=8 * gib) is None
-    assert "exceeds the free disk" in weights_bench.too_big(10**9, 2, free_disk=20 * gib, mem_available=8 * gib)
-    assert "meta-device construction" in weights_bench.too_big(10**9, 2, free_disk=30 * gib, mem_available=gib)
+    gib, too_big = 2**30, weights_bench.too_big
+    assert too_big(10**9, 2, 2, free_disk=30 * gib, mem_available=8 * gib) is None  # 28 B/param: 26.1 GiB
+    assert "28 B/param" in too_big(10**9, 2, 2, free_disk=20 * gib, mem_available=8 * gib)
+    assert too_big(10**9, 2, 1, free_disk=20 * gib, mem_available=8 * gib) is None  # one slot: 16 B/param
+    assert "--build meta" in too_big(10**9, 2, 2, free_disk=30 * gib, mem_available=gib)
+    assert too_big(10**9, 2, 2, free_disk=30 * gib, mem_available=None) is None  # built on the meta device
 
 
 def test_dtype_is_bf16_only_where_the_cpu_computes_it(weights_bench, tmp_path):
