@@ -152,7 +152,7 @@ def _edited(**changes):
 @pytest.mark.parametrize("text,problem", [
     ('{"policies": ["keep",\n  "ssd"', r"is not valid JSON: .* at line 2, column \d+"),
     ('[["keep", "ssd"]]', "expected a JSON object .*, got list"),
-    ('{"blocks": [{"policy": "ssd"}]}', r"has an unknown field 'blocks' \(known fields: act_bytes, .*, ssd_peak\)"),
+    ('{"blocks": [{"policy": "ssd"}]}', r"has an unknown field 'blocks' \(known fields: act_bytes, .*, weight_tiers\)"),
     (_edited(polices=["keep", "ssd"], policies=None), r"has an unknown field 'polices' \(did you mean 'policies'\?"),
     (_edited(act_bytes=None, reasons=None), "is missing the fields 'act_bytes', 'reasons'"),
     (_edited(device_peak="12"), r"device_peak: got '12' \(str\); expected a byte count \(int\)"),
