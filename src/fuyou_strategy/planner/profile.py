@@ -33,17 +33,17 @@ from typing import Any
 
 import torch
 
+from ..activations.blocks import resolve_per_block
 from ..activations.swap import first_tensor, swappable
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
-from ..activations.blocks import resolve_per_block
 from ..optim.adamw import adamw_kernel
 from ..params.streaming import Tier
 from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
 
-__all__ = ["WarmupProfiler", "block_weight_bytes", "ssd_bandwidth", "link_bandwidth", "adam_throughput"]
+__all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput"]
 
 log = logging.getLogger("fuyou_strategy")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
@@ -160,7 +160,7 @@ class WarmupProfiler:
         other = med(r["enter"][n - 1] - r["end"][n - 1] for r in records)
         params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        packed = [block_weight_bytes(b) for b in self.blocks]
+        packed = [_packed_weight_bytes(b) for b in self.blocks]
         tiers = ["device"] * n if self.config.weights == "auto" else \
             [t.value for t in resolve_per_block("weights", self.config.weights, n, Tier, Tier.DEVICE)]
         micro_batches = max(1, round(sum(1 for r in self._micro if r["step"] >= 1) / max(1, self._steps_seen - 1)))
@@ -193,7 +193,7 @@ class WarmupProfiler:
         )
 
 
-def block_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
+def _packed_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
     """A block's weights in bytes as the weight streamer packs them (each parameter 64-byte
     aligned, in whole pages: what a host-tier copy or an SSD staging buffer takes), and the bytes of
     its trainable ones (as many again for their gradients)."""
