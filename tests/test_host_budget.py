@@ -48,15 +48,15 @@ def train(model, cfg, steps=3, swap=True):
 
 def test_the_split_of_the_default_budget_and_of_small_ones():
     shares = host_budget_split(FuyouConfig())
-    state_chunk = 16 * MiB // (12 * KiB) * 12 * KiB  # whole groups of 1024 parameters' [master | m | v]
+    state_chunk = 16 * MiB // (24 * KiB) * 24 * KiB  # whole groups of 2048 parameters' [master | m | v]
     assert shares == HostShares(budget=2 * 2**30, state_chunk=state_chunk, optimizer_depth=4,
                                 optimizer_readahead=5 * state_chunk, activation_staging=32 * MiB,
                                 activation_readback=32 * MiB,
                                 host_activations=2 * 2**30 - 5 * state_chunk - 64 * MiB)
     assert shares.reserved + shares.host_activations == shares.budget
-    small = host_budget_split(FuyouConfig(chunk_size="8KiB", host_memory_budget="64KiB"))
-    assert small.state_chunk == 12 * KiB, "a state chunk holds at least 1024 parameters"
-    assert small.optimizer_depth == 1 and small.host_activations == 64 * KiB - 24 * KiB - 32 * KiB
+    small = host_budget_split(FuyouConfig(chunk_size="8KiB", host_memory_budget="96KiB"))
+    assert small.state_chunk == 24 * KiB, "a state chunk holds at least 2048 parameters"
+    assert small.optimizer_depth == 1 and small.host_activations == 96 * KiB - 48 * KiB - 32 * KiB
     drives = host_budget_split(FuyouConfig(swap_dirs=["/tmp", "/var/tmp", "/dev/shm"], chunk_size="8KiB"))
     assert drives.activation_staging == drives.activation_readback == 3 * 8 * KiB, "a chunk per drive in flight"
     tiny = host_budget_split(FuyouConfig(chunk_size="16KiB", host_memory_budget="16KiB"))
@@ -73,7 +73,7 @@ def test_the_optimizer_reads_ahead_as_the_split_says(tmp_path):
 
 
 def test_host_policy_activations_stay_within_their_share(tmp_path):
-    cfg = config(tmp_path, "host", "128KiB")
+    cfg = config(tmp_path, "host", "192KiB")
     shares = host_budget_split(cfg)
     model = tiny_causal_lm("gpt2")
     swapper = ActivationSwapper(model, cfg)
@@ -86,7 +86,7 @@ def test_host_policy_activations_stay_within_their_share(tmp_path):
     swapper.close()
 
 
-@pytest.mark.parametrize("activations, budget", [({0: "ssd", 1: "host"}, 160 * KiB), ("ssd", 48 * KiB), ("ssd", 16 * KiB)],
+@pytest.mark.parametrize("activations, budget", [({0: "ssd", 1: "host"}, 160 * KiB), ("ssd", 48 * KiB), ("ssd", 24 * KiB)],
                          ids=["ssd-and-host", "ssd-tight", "ssd-a-chunk-at-a-time"])
 def test_host_buffers_process_wide_never_exceed_the_budget_while_training(tmp_path, activations, budget):
     cfg = config(tmp_path, activations, budget)

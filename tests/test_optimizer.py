@@ -20,8 +20,8 @@ LOSS_SCALE = [0.01, 1.0, 0.01, 1.0, 1.0]
 
 
 def small_config(tmp_path, **overrides):
-    # 12 KiB chunks (1024 elements of [master | exp_avg | exp_avg_sq]): most weights span several chunks.
-    values = dict(swap_dirs=[str(tmp_path)], chunk_size="12KiB", host_memory_budget="1MiB", io_threads=2)
+    # 24 KiB chunks (2048 elements of [master | exp_avg | exp_avg_sq]): most weights span several chunks.
+    values = dict(swap_dirs=[str(tmp_path)], chunk_size="24KiB", host_memory_budget="1MiB", io_threads=2)
     values.update(overrides)
     return FuyouConfig(**values)
 

@@ -216,17 +216,18 @@ def test_the_runtime_copies_streamed_weights_on_the_compute_thread_and_frozen_on
     frozen = predict(synthetic(link=link, ssd_bw=ssd_bw, weight_bytes=weights, weight_tier=tier,
                                frozen_weight_bytes=weights), [K] * 8)
     copies = (8 + 8 - k) * weights / link  # in forward, and again in backward but for the last k blocks
-    for streamed in (trainable, frozen):
-        assert streamed.compute_s == pytest.approx(resident.compute_s + copies)
-        assert streamed.step_s >= resident.step_s + copies - 1e-9
-    assert trainable.link_s == pytest.approx(8 * weights / link), "only the gradients leave over the link"
-    assert frozen.link_s == 0, "frozen weights have no gradients"
+    grads = 8 * weights / link  # trainable weights' gradients leave, frozen ones have none
+    for streamed, copied in ((trainable, copies + grads), (frozen, copies)):
+        assert streamed.compute_s == pytest.approx(resident.compute_s + copied)
+        assert streamed.step_s >= resident.step_s + copied - 1e-9
+        assert streamed.link_s == 0
     reads = (8 + 8 - k) * weights / ssd_bw if tier == "ssd" else 0.0
     assert frozen.ssd_s == pytest.approx(resident.ssd_s + reads), "frozen weights are never written back"
     assert trainable.ssd_s == pytest.approx(resident.ssd_s + reads + (8 * weights / ssd_bw if tier == "ssd" else 0))
     assert frozen.device_peak == resident.device_peak - 8 * weights - 8 * weights + (k + 1) * weights
     assert frozen.host_peak == resident.host_peak + (8 * weights if tier == "host" else weights), \
         "the host tier holds the weights; SSD reads a staging buffer of one block"
+    assert trainable.host_peak == frozen.host_peak + weights, "and one block's gradients on their way out"
 
 
 def test_a_block_weight_tier_must_be_known():

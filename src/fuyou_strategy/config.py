@@ -21,6 +21,7 @@ __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "par
 
 PAGE = 4096
 STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
+STATE_CHUNK_ELEMENTS = 2048  # state chunks hold whole multiples of this many parameters: 2048 bf16 values fill a page
 
 _UNITS = {
     "": 1, "b": 1,
@@ -142,18 +143,29 @@ class FuyouConfig:
             them costs more than it saves). Default ``"64KiB"``.
         activation_prefetch_blocks: when backward reaches block ``i``, activations of blocks
             ``i-1 ... i-k`` are already being read back. Default 2.
-        weights: where each block's *frozen* weights (``requires_grad=False``, e.g. a LoRA base
-            model) live between uses: ``"device"`` (resident, the default), ``"host"`` (the host
-            buffer pool) or ``"ssd"`` (the tensor store) for every block, or a mapping from block
-            index to tier (unlisted blocks: device). Streamed weights are on the device only while
-            their block runs (see `fuyou_strategy.params.WeightStreamer`); trainable weights stay
-            resident. ``"auto"``: the planner chooses each block's tier with its activation policy
-            (the cheapest that fits: device, then host, then ssd), which needs
-            ``activations="auto"`` (the warm-up runs with every weight resident, then the plan's
-            tiers are installed) or a pinned ``plan`` (its tiers); anything else is a `ConfigError`.
+        weights: where each block's weights live between uses: ``"device"`` (resident, the
+            default), ``"host"`` (the host buffer pool) or ``"ssd"`` (the tensor store) for every
+            block, or a mapping from block index to tier (unlisted blocks: device). Streamed
+            weights are on the device only while their block runs (see
+            `fuyou_strategy.params.WeightStreamer`): frozen ones (a LoRA base) are read-only,
+            trainable ones are published into their tier copy by the optimizer, and their
+            gradients leave the device as they become final. Parameters outside the blocks
+            (embeddings, final norm, head) and tied weights stay resident. ``"auto"``: the planner
+            chooses each block's tier with its activation policy (the cheapest that fits: device,
+            then host, then ssd), which needs ``activations="auto"`` (the warm-up runs with every
+            weight resident, then the plan's tiers are installed) or a pinned ``plan`` (its tiers);
+            anything else is a `ConfigError`.
         weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
             backward), and the last ``k`` blocks stay on the device from forward into backward.
             The device holds at most ``k + 1`` blocks' streamed weights. Default 2.
+        state_slots: copies of the optimizer state on SSD. ``2`` (default): updates run during
+            backward into a shadow slot, committed at ``step()`` or redone there with the clip
+            coefficient (24 bytes per parameter). ``1``: backward only moves gradients out of
+            the way (resident ones stay on the parameters, streamed ones go to the store) and
+            ``step()`` updates in place once the gradient norm is known (12 bytes per parameter
+            plus the streamed gradients): half the state footprint, no redo, but the update no
+            longer overlaps backward. A failure inside that in-place pass leaves the state
+            half-updated: resume from a checkpoint.
     """
 
     swap_dirs: list[str] | None = None
@@ -172,6 +184,7 @@ class FuyouConfig:
     activation_prefetch_blocks: int = 2
     weights: str | dict = "device"
     weight_prefetch_blocks: int = 2
+    state_slots: int = 2
     plan: str | None = None
     planner_warmup_steps: int = 3
 
@@ -231,6 +244,9 @@ class FuyouConfig:
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
+        if self.state_slots not in (1, 2) or isinstance(self.state_slots, bool):
+            raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
+                              "slot) or 1 (updates in step(), half the SSD state)")
         self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
         if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
             raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")
@@ -323,9 +339,10 @@ class HostShares:
 
     Attributes:
         budget: ``host_memory_budget``.
-        state_chunk: one optimizer state chunk: the most whole groups of 1024 parameters'
-            ``[master | exp_avg | exp_avg_sq]`` (12 KiB each, a whole number of pages) that
-            ``chunk_size`` holds, at least one.
+        state_chunk: one optimizer state chunk: the most whole groups of 2048 parameters'
+            ``[master | exp_avg | exp_avg_sq]`` (24 KiB each) that ``chunk_size`` holds, at least
+            one; so the same parameters' bf16 or fp32 weights or gradients are a whole number of
+            pages too (streamed weights and gradients are chunked alike).
         optimizer_depth: state chunks the optimizer reads ahead of the one it updates:
             ``optimizer_prefetch_chunks``, fewer when the budget is small, at least one.
         optimizer_readahead: ``(optimizer_depth + 1) * state_chunk``.
@@ -358,7 +375,7 @@ def host_budget_split(config: FuyouConfig) -> HostShares:
     A budget smaller than the reserved shares together is still valid: the transfers then
     take turns, and host-policy activations stay on the device.
     """
-    unit = 1024 * STATE_BYTES_PER_PARAM
+    unit = STATE_CHUNK_ELEMENTS * STATE_BYTES_PER_PARAM
     state_chunk = max(1, config.chunk_size // unit) * unit
     staging = readback = max(2, len(config.swap_dirs or ())) * config.chunk_size
     depth = max(1, min(config.optimizer_prefetch_chunks,

@@ -200,10 +200,12 @@ class FuyouEngine:
         self.micro_batches = 0
 
     def _install_streamer(self, weights: str | dict) -> None:
-        """Stream the blocks' weights from the tiers ``weights`` gives (a `FuyouConfig.weights` value)."""
+        """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
+        the trainable ones' updates there."""
         self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights, plan=None),
-                                       store=self.optimizer.store)
+                                       store=self.optimizer.store, trainable=self.optimizer.chunk_elements())
         self.streamer.install()
+        self.optimizer.attach_weights(self.streamer)
 
     def _install_swapper(self, activations: str | dict) -> None:
         # The swapper applies only the activation policies (the engine applies the plan's weight tiers).
@@ -312,6 +314,11 @@ class FuyouEngine:
             "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
             "weight_bytes_streamed": stream.streamed_bytes if stream else 0,
             "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
+            "weight_bytes_trainable_streamed": stream.trainable_bytes if stream else 0,
+            # Weights and gradients on the device at most (activations not counted); None without streaming.
+            "device_peak_bytes": self.streamer.meter.high_water if stream else None,
+            "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, sum(
+                p.numel() for g in opt.param_groups for p in g["params"])),
             "host_pool_peak_bytes": store.pool.high_water,
             "host_pool_budget_bytes": store.pool.budget,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
@@ -333,9 +340,10 @@ class FuyouEngine:
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
             f"median step {s['median_step_seconds']:.3f} s",
-        ] + ([f"  frozen weights streamed: {format_bytes(s['weight_bytes_streamed'])} in "
-              f"{len(s['weight_tiers'])} blocks {s['weight_tiers']}, device peak "
-              f"{format_bytes(s['weight_device_peak_bytes'])}"] if s["weight_tiers"] else []))
+        ] + ([f"  weights streamed: {format_bytes(s['weight_bytes_streamed'])} in {len(s['weight_tiers'])} blocks "
+              f"{s['weight_tiers']} ({format_bytes(s['weight_bytes_trainable_streamed'])} trainable), device peak "
+              f"{format_bytes(s['weight_device_peak_bytes'])} of streamed weights, "
+              f"{format_bytes(s['device_peak_bytes'])} of weights and gradients"] if s["weight_tiers"] else []))
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:

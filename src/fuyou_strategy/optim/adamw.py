@@ -42,7 +42,7 @@ import torch
 from torch.optim.adamw import adamw as adamw_for_loop
 
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
-from ..storage import SHADOW, HostBuffer, TensorStore, gather
+from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
 
@@ -72,6 +72,7 @@ class StepStats:
     commits: int = 0  # speculative update kept as is
     redos: int = 0  # clipping bit: update recomputed with the clip coefficient
     skips: int = 0  # a gradient was not finite: step skipped
+    clipped: int = 0  # steps whose gradients clipping scaled down (a redo with two state slots)
     last_grad_norm: float = float("nan")  # global L2 norm of the last step's gradients (before clipping)
 
     @property
@@ -87,6 +88,7 @@ class _Param:
     entry: str
     elems_per_chunk: int
     nchunks: int
+    grads: str | None = None  # the store entry of a streamed parameter's gradient (see attach_weights)
 
     @property
     def numel(self) -> int:
@@ -200,6 +202,9 @@ class FuyouAdamW(torch.optim.Optimizer):
             self.close()
             raise
         self._queued: dict[int, torch.Tensor | None] = {}  # index -> grad norm, for this step
+        self._partial: set[int] = set()  # streamed parameters whose gradient entry holds this window's sum so far
+        self._weights: Any = None  # the WeightStreamer whose tier copies hold streamed parameters (attach_weights)
+        self._grad_keep_free = shares.optimizer_readahead  # a streamed gradient's host copy leaves the worker room
         # Switches that the user-facing methods (zero_grad, no_update) change live in a mutable
         # holder, mutated in place: a wrapper that borrows this class's methods but has its own
         # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
@@ -214,7 +219,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         for ps in self._params:
             self.state[ps.param]["step"] = torch.tensor(0.0)
             self.store.create(ps.entry, (ps.numel * _FLOATS_PER_ELEMENT,), torch.float32,
-                              chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES)
+                              chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES, slots=self.config.state_slots)
             flat = ps.param.detach().reshape(-1)
             writes = []
             for k in range(ps.nchunks):
@@ -227,65 +232,163 @@ class FuyouAdamW(torch.optim.Optimizer):
                 writes.append(self.store.write_chunk(ps.entry, k, buf, slot="active"))
             gather(writes).result()  # raises if any write failed
 
+    # -- streamed weights ---------------------------------------------------------------------------
+    def chunk_elements(self) -> dict[torch.nn.Parameter, int]:
+        """Each trainable parameter's state chunk length (elements): a `WeightStreamer` chunks the tier
+        copies of the parameters it streams alike, so that `publish` writes whole chunks."""
+        return {ps.param: ps.elems_per_chunk for ps in self._params}
+
+    def attach_weights(self, streamer: Any) -> None:
+        """Publish the parameters ``streamer`` streams (``streamer.streams(p)``) into their tier copies.
+
+        From now on, for those parameters: each gradient leaves the device as soon as it is final
+        (copied into a host pool buffer; ``p.grad`` is set to ``None``), partial sums of an
+        accumulation window and the gradients a clipping redo (or ``state_slots=1``) needs wait
+        in a store entry of the gradient's dtype, and every new weight goes to the tier copy
+        (``streamer.publish``), never into the released device storage. Call it between steps.
+        """
+        self._check_idle("attach_weights")
+        self._weights = streamer
+        for ps in self._params:
+            if streamer.streams(ps.param) and ps.grads is None:
+                ps.grads = f"grads.{ps.index}"
+                self.store.create(ps.grads, (ps.numel,), ps.param.dtype, slots=1,
+                                  chunk_bytes=ps.elems_per_chunk * ps.param.element_size())
+
     # -- the hook: queue an update as soon as a gradient is final -------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._flags["updates"]:
-            return
         ps = self._by_param[param]
+        if ps.grads is not None:
+            self._take_grad(ps)
+            return
+        if not self._flags["updates"] or self.config.state_slots == 1:
+            return  # accumulating; with one state slot resident parameters are updated in step()
         if ps.index in self._queued:
-            # A second accumulation after the update was queued: that update used a partial
-            # gradient. Never silently wrong: step() will roll back and raise.
-            self._flags["late_error"] = self._flags["late_error"] or RuntimeError(
-                f"the gradient of parameter {ps.index} {tuple(param.shape)} was accumulated again after its "
-                "update was queued; wrap every micro-batch but the last in `with optimizer.no_update():`"
-            )
+            self._late(ps)
             return
         self._queue_update(ps)
 
-    def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None) -> None:
-        grad = ps.param.grad
+    def _late(self, ps: _Param) -> None:
+        # A second accumulation after the update was queued: that update used a partial
+        # gradient. Never silently wrong: step() will roll back and raise.
+        self._flags["late_error"] = self._flags["late_error"] or RuntimeError(
+            f"the gradient of parameter {ps.index} {tuple(ps.param.shape)} was accumulated again after its "
+            "update was queued; wrap every micro-batch but the last in `with optimizer.no_update():`"
+        )
+
+    def _take_grad(self, ps: _Param) -> None:
+        """A streamed parameter's gradient is final for this backward: move it off the device and queue
+        what it is for (add to the window's partial sum, then keep it, or update with it)."""
+        param = ps.param
+        grad, param.grad = param.grad, None
+        final = self.config.state_slots == 2 and self._flags["updates"]
+        if final and ps.index in self._queued:
+            self._late(ps)
+            return
+        meter = self._weights.meter
+        nbytes = grad.numel() * grad.element_size()
+        meter.add(nbytes)  # on the device from its accumulation until this copy
+        try:
+            host = self.store.pool.acquire(nbytes, timeout=self.config.io_timeout, keep_free=self._grad_keep_free)
+            host.view(grad.dtype)[: grad.numel()].copy_(grad.reshape(-1))
+        finally:
+            del grad
+            meter.sub(nbytes)
+        flat = host.view(param.dtype)[: ps.numel]
+        if ps.index in self._partial:
+
+            def add(k: int, buf: HostBuffer) -> None:  # grad += partial: bitwise autograd's accumulation
+                start, n = ps.span(k)
+                with buf:
+                    flat[start : start + n].add_(buf.view(param.dtype)[:n])
+
+            self._pipeline.submit(ChunkJob(ps.grads, ps.nchunks, add, fence=True))  # after the last write of it
+        if final:
+            self._partial.discard(ps.index)
+            self._queue_update(ps, host=host)
+            return
+        self._partial.add(ps.index)
+        norms, norm = self._queued, self.config.state_slots == 1  # one slot: step() needs the window's norm
+        if norm:
+            norms[ps.index] = None
+        last, store = ps.nchunks - 1, self.store
+
+        def keep(k: int) -> Future:
+            if k == 0 and norm:
+                norms[ps.index] = torch.linalg.vector_norm(flat.view(param.shape), 2, dtype=torch.float32)
+            start, n = ps.span(k)
+            fut = _write_grad(store, ps, k, flat[start : start + n])
+            if k == last:
+                host.release()
+            return fut
+
+        self._pipeline.submit(ChunkJob(None, ps.nchunks, keep))
+
+    def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None, *, host: HostBuffer | None = None,
+                      norm: bool | None = None) -> None:
+        """Queue ``ps``'s AdamW update, chunk by chunk, on the worker.
+
+        The gradient is ``ps.param.grad`` (resident parameters), ``host`` (a streamed one's gradient
+        just moved off the device; released at the end), or the gradient entry in the store (a
+        streamed parameter's redo, or its update in step() with one state slot). The update goes to
+        the shadow slot (the active one with ``state_slots=1``), the weight to `_publish`. ``norm``
+        (default: when the update is speculative) records the gradient's norm for step().
+        """
+        param = ps.param
+        from_store = ps.grads is not None and host is None
+        grad_flat = (host.view(param.dtype)[: ps.numel] if host is not None
+                     else None if from_store else param.grad.reshape(-1))
         norms = self._queued  # filled in by the worker, so the hook itself stays cheap
-        if coef is None:
+        norm = coef is None and not from_store if norm is None else norm
+        if norm:
             norms[ps.index] = None
         group = ps.group
         beta1, beta2 = group["betas"]
-        step = self.state[ps.param]["step"]
+        step = self.state[param]["step"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         fused = self.fused
-        grad_flat = grad.reshape(-1)
-        weight_flat = ps.param.detach().view(-1)
         last = ps.nchunks - 1
-        release = self.release_grads and coef is None
-        write_chunk = self.store.write_chunk  # the job must not hold the optimizer (see close())
+        slot = ACTIVE if self.config.state_slots == 1 else SHADOW
+        release = self.release_grads and coef is None and ps.grads is None
+        keep = host is not None and self.max_grad_norm is not None  # a redo may need this gradient again
+        weights, store = self._weights, self.store  # the job must not hold the optimizer (see close())
 
-        def update(k: int, buf: HostBuffer) -> Future:
-            if k == 0 and coef is None:
+        def update(k: int, buf: HostBuffer, stored: HostBuffer | None = None) -> Future:
+            if k == 0 and norm:
                 # The same op clip_grad_norm_ uses per tensor on the CPU.
-                norms[ps.index] = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+                norms[ps.index] = torch.linalg.vector_norm(grad_flat.view(param.shape), 2, dtype=torch.float32)
             start, n = ps.span(k)
             state = buf.view(torch.float32)
             master, exp_avg, exp_avg_sq = state[:n], state[n : 2 * n], state[2 * n :]
-            g = grad_flat[start : start + n].to(device="cpu", dtype=torch.float32)
+            raw = stored.view(param.dtype)[:n] if stored is not None else grad_flat[start : start + n]
+            g = raw.to(device="cpu", dtype=torch.float32)
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             adamw_kernel(master, g, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
-            weight_flat[start : start + n].copy_(master)  # publish; backward is done with this weight
-            del state, master, exp_avg, exp_avg_sq  # no view may outlive the buffer, which the write gives back
-            if release and k == last:
-                ps.param.grad = None
-            return write_chunk(ps.entry, k, buf, slot=SHADOW)
+            futures = [_publish(weights, ps, k, master)]
+            if keep:
+                futures.append(_write_grad(store, ps, k, raw))
+            del state, master, exp_avg, exp_avg_sq, raw, g  # no view may outlive a buffer given back
+            if stored is not None:
+                stored.release()
+            if k == last:
+                if host is not None:
+                    host.release()
+                if release:
+                    param.grad = None
+            futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
+            return gather([f for f in futures if f is not None])
 
-        self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, update))
+        self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, update, extra=(ps.grads,) if from_store else ()))
 
     def _restore_weights(self, params: Iterable[_Param]) -> None:
-        """Copy the active master weights back into the parameters (after a skip or failure)."""
+        """Publish the active master weights again (after a skip or failure, or a checkpoint load)."""
+        weights = self._weights
         for ps in params:
-            weight_flat = ps.param.detach().view(-1)
 
-            def restore(k: int, buf: HostBuffer, ps: _Param = ps, weight_flat: torch.Tensor = weight_flat) -> None:
-                start, n = ps.span(k)
+            def restore(k: int, buf: HostBuffer, ps: _Param = ps) -> Future | None:
                 with buf:
-                    weight_flat[start : start + n].copy_(buf.view(torch.float32)[:n])
+                    return _publish(weights, ps, k, buf.view(torch.float32)[: ps.span(k)[1]])
 
             self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
         self._pipeline.drain()
@@ -296,14 +399,18 @@ class FuyouAdamW(torch.optim.Optimizer):
         """Finish the step whose updates ran during backward: commit, redo with clipping, or skip.
 
         Parameters whose gradient was set without backward hooks firing (e.g. assigned by
-        hand) are updated here. Returns the closure's loss, if a closure was given.
+        hand) are updated here. With ``state_slots=1`` every update runs here, in place, once the
+        gradient norm is known. Returns the closure's loss, if a closure was given.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.config.state_slots == 1:
+            self._step_in_place()
+            return loss
         for ps in self._params:
-            if ps.param.grad is not None and ps.index not in self._queued:
+            if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued:
                 self._queue_update(ps)
         if not self._queued:
             return loss
@@ -311,42 +418,99 @@ class FuyouAdamW(torch.optim.Optimizer):
         norms, self._queued = self._queued, {}
         late, self._flags["late_error"] = self._flags["late_error"], None
         self._drain_or_undo(queued, late)
-        # The global norm exactly as clip_grad_norm_ computes it: the norm of per-tensor norms.
-        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in queued]), 2)
-        self.stats.last_grad_norm = float(total)
-        if not math.isfinite(self.stats.last_grad_norm):
+        total = self._total_norm(norms, queued)
+        if total is None:
             self._undo(queued)
-            self.stats.skips += 1
             return loss
-        if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-            if coef < 1.0:
-                self.store.rollback()
-                for ps in queued:
-                    self._queue_update(ps, coef)
-                self._drain_or_undo(queued)
-                self.stats.redos += 1
-                self._commit(queued)
-                return loss
+        coef = self._clip_coef(total)
+        if coef is not None:
+            self.store.rollback()
+            for ps in queued:
+                self._queue_update(ps, coef)
+            self._drain_or_undo(queued)
+            self.stats.redos += 1
+            self.stats.clipped += 1
+            self._commit(queued)
+            return loss
         self.stats.commits += 1
         self._commit(queued)
         return loss
 
+    def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:
+        """The global norm exactly as clip_grad_norm_ computes it (the norm of per-tensor norms);
+        ``None`` (and the step counted as skipped) when it is not finite."""
+        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in params]), 2)
+        self.stats.last_grad_norm = float(total)
+        if not math.isfinite(self.stats.last_grad_norm):
+            self.stats.skips += 1
+            return None
+        return total
+
+    def _clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
+        """clip_grad_norm_'s clamped coefficient when it scales the gradients down, else ``None``."""
+        if self.max_grad_norm is None:
+            return None
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        return coef if coef < 1.0 else None
+
+    def _step_in_place(self) -> None:
+        """``state_slots=1``: the window's gradients are all known; update every parameter in place."""
+        try:
+            self._pipeline.drain()  # streamed gradients written, their norms known
+            late = self._flags["late_error"]
+            if late is not None:
+                raise late
+        except BaseException:
+            self._forget_window()
+            raise
+        norms, self._queued = dict(self._queued), {}
+        self._partial.clear()
+        for ps in self._params:
+            if ps.grads is None and ps.param.grad is not None:
+                norms[ps.index] = torch.linalg.vector_norm(ps.param.grad, 2, dtype=torch.float32)
+        params = [ps for ps in self._norm_order if ps.index in norms]
+        if not params:
+            return
+        total = self._total_norm(norms, params)
+        if total is None:
+            return  # nothing was written: state and weights are as they were
+        coef = self._clip_coef(total)
+        for ps in params:
+            self._queue_update(ps, coef, norm=False)
+        try:
+            self._pipeline.drain()
+        except BaseException as exc:
+            raise RuntimeError(
+                "FuyouAdamW (state_slots=1): the in-place update failed part way, so the optimizer state on SSD is "
+                "partly updated; resume from the last checkpoint (or use state_slots=2, which rolls back)") from exc
+        for ps in params:
+            self.state[ps.param]["step"] += 1
+        self.stats.commits += 1
+        self.stats.clipped += coef is not None
+
+    def _forget_window(self) -> None:
+        """Drop this window's streamed partial sums and queued norms (one state slot: nothing to undo)."""
+        self._queued.clear()
+        self._partial.clear()
+        self._flags["late_error"] = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients; between backward and `step()` this also discards the speculative updates."""
-        if self._queued or self._flags["late_error"] is not None:
+        """Clear gradients; between backward and `step()` this also discards the speculative updates
+        (and the streamed gradients accumulated so far)."""
+        if self._queued or self._partial or self._flags["late_error"] is not None:
             queued = [ps for ps in self._params if ps.index in self._queued]
             try:
                 self._pipeline.drain()  # the worker writes into _queued: clear it only afterwards
             finally:
-                self._queued.clear()  # in place (see _flags)
-                self._flags["late_error"] = None
-                self._undo(queued)
+                self._forget_window()  # in place (see _flags)
+                if self.config.state_slots == 2:
+                    self._undo(queued)
         super().zero_grad(set_to_none=set_to_none)
 
     def _undo(self, queued: list[_Param]) -> None:
         """Discard the shadow writes and put the committed weights back into the parameters."""
         self.store.rollback()
+        self._partial.clear()
         self._restore_weights(queued)
 
     def _drain_or_undo(self, queued: list[_Param], error: BaseException | None = None) -> None:
@@ -447,7 +611,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         checkpoint.load(self, checkpoint.newest(folder))
 
     def _check_idle(self, what: str) -> None:
-        if self._queued:
+        if self._queued or self._partial:
             raise RuntimeError(f"{what}() between backward and step(): call step() (or zero_grad()) first")
 
     # -- reading state back (tests, checkpoints) -----------------------------------------------------
@@ -482,6 +646,22 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _publish(weights: Any, ps: _Param, k: int, master: torch.Tensor) -> Future | None:
+    """The new value of chunk ``k`` of ``ps``'s weight: into the parameter, or (streamed) its tier copy."""
+    if ps.grads is not None:
+        return weights.publish(ps.param, k, master)
+    start, n = ps.span(k)
+    ps.param.detach().view(-1)[start : start + n].copy_(master)  # backward is done with this weight
+    return None
+
+
+def _write_grad(store: TensorStore, ps: _Param, k: int, grad: torch.Tensor) -> Future:
+    """Chunk ``k`` of streamed ``ps``'s gradient (its dtype) into its store entry."""
+    buf = store.pool.acquire(grad.numel() * grad.element_size(), timeout=store.config.io_timeout)
+    buf.view(grad.dtype)[: grad.numel()].copy_(grad)
+    return store.write_chunk(ps.grads, k, buf)
 
 
 def _release(hooks: list[Any], store: TensorStore, pipelines: list[ChunkPipeline]) -> None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from ..storage import SHADOW, HostBuffer, byte_view, gather
+from ..storage import ACTIVE, SHADOW, HostBuffer, byte_view, gather
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, owner_gone, write_owner
 from .pipeline import ChunkJob
 
@@ -240,6 +240,24 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
     for ps, pm in zip(opt._params, meta["params"]):
         if list(ps.param.shape) != pm["shape"]:
             raise CheckpointError(f"{folder}: parameter {ps.index} has shape {pm['shape']} there, {list(ps.param.shape)} here")
+    if opt.config.state_slots == 1:  # no shadow slot to stage in: verify every checksum first, then write
+        _stream_state(opt, folder, meta, write=False)
+    _stream_state(opt, folder, meta, write=True)
+    opt.store.commit([ps.entry for ps in opt._params])
+    for ps, pm in zip(opt._params, meta["params"]):
+        opt.state[ps.param]["step"] = torch.tensor(pm["step"])
+    restore_groups(opt, meta["param_groups"])
+    if "stats" in meta:
+        opt.stats = type(opt.stats)(**meta["stats"])  # commit / redo / skip counts carry on
+    opt._restore_weights(opt._params)
+    return meta
+
+
+def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -> None:
+    """Read every parameter's state from the save, checking its checksums; with ``write``, into the
+    store's shadow slot (the active one with ``state_slots=1``, once a pass without ``write`` found
+    every checksum good). Raises `CheckpointError` on a mismatch, with nothing committed."""
+    slot = ACTIVE if opt.config.state_slots == 1 else SHADOW
     files = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
     writes: list[Future] = []
     bad = []
@@ -261,7 +279,10 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
                     buf.release()
                     raise
                 del state, view  # no view may outlive the buffer, which the write gives back to the pool
-                writes.append(opt.store.write_chunk(ps.entry, k, buf, slot=SHADOW))
+                if write:
+                    writes.append(opt.store.write_chunk(ps.entry, k, buf, slot=slot))
+                else:
+                    buf.release()
             for kind in KINDS:
                 if digest[kind].hexdigest() != pm["sha256"][kind]:
                     bad.append(f"{kind}.bin parameter {ps.index}")
@@ -278,14 +299,6 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
         if error is not None:
             raise error
         raise CheckpointError(f"{folder}: checksum mismatch in {', '.join(bad[:5])}; nothing was loaded")
-    opt.store.commit([ps.entry for ps in opt._params])
-    for ps, pm in zip(opt._params, meta["params"]):
-        opt.state[ps.param]["step"] = torch.tensor(pm["step"])
-    restore_groups(opt, meta["param_groups"])
-    if "stats" in meta:
-        opt.stats = type(opt.stats)(**meta["stats"])  # commit / redo / skip counts carry on
-    opt._restore_weights(opt._params)
-    return meta
 
 
 def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:

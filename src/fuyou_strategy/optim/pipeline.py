@@ -1,7 +1,9 @@
 """`ChunkPipeline`: one worker thread that streams tensor-store chunks through a function.
 
 Jobs name a store entry and a function ``fn(k, buf)`` called for each of its chunks, in
-order, with the chunk's bytes already read into a pool buffer. Reads run ahead of the
+order, with the chunk's bytes already read into a pool buffer (``fn(k, buf, *extra)`` when the
+job also names ``extra`` entries chunked alike, read alongside; ``fn(k)`` when it names no
+entry at all: a job that only writes). Reads run ahead of the
 function by up to ``depth`` chunks (across jobs), so the drive is busy while the CPU
 computes. ``fn`` either hands the buffer on (e.g. to `TensorStore.write_chunk`, which
 returns a future and releases it when written) or releases it; returned futures are kept
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..storage import ACTIVE, HostBuffer, TensorStore, gather
+from ..storage.aio import then
 
 __all__ = ["ChunkJob", "ChunkPipeline", "PipelineError"]
 
@@ -39,12 +42,20 @@ class PipelineError(RuntimeError):
 
 @dataclass
 class ChunkJob:
-    """Stream every chunk of store entry ``entry`` (slot ``slot``) through ``fn(k, buf)``."""
+    """Stream every chunk of store entry ``entry`` (slot ``slot``) through ``fn(k, buf)``.
 
-    entry: str
+    ``extra`` entries (same chunking, active slot) are read alongside and passed after ``buf``;
+    with ``entry=None`` nothing is read for the entry itself. ``fence=True``: nothing of this job
+    is read before every earlier job ran and the futures they returned (writes) completed — for a
+    job that reads what an earlier one writes (read-ahead would otherwise read the old bytes).
+    """
+
+    entry: str | None
     nchunks: int
-    fn: Callable[[int, HostBuffer], "Future | None"]
+    fn: Callable[..., "Future | None"]
     slot: str = ACTIVE
+    extra: tuple[str, ...] = ()
+    fence: bool = False
 
 
 class ChunkPipeline:
@@ -155,10 +166,15 @@ class ChunkPipeline:
                 todo.extend((item, k) for k in range(item.nchunks))
                 continue  # take everything already queued before working
             while todo and len(pending) < self.depth:
-                job, k = todo.popleft()
+                job, k = todo[0]
+                if job.fence and k == 0 and (pending or not self._writes_done()):
+                    break
+                todo.popleft()
                 pending.append((job, k, self._read(job, k)))
             if pending:
                 self._process(*pending.popleft())
+            elif todo:  # a fenced job waits for the writes before it
+                self._wait_writes(todo[0][0])
             if not todo and not pending and self._waiters:
                 first, *rest = self._waiters
                 first.set_result((self._error, self._futures))
@@ -185,13 +201,41 @@ class ChunkPipeline:
             if not w.done():
                 w.set_exception(self._stopped_error())
 
+    def _writes_done(self) -> bool:
+        return self._error is not None or all(f.done() for f in self._futures)
+
+    def _wait_writes(self, job: ChunkJob) -> None:
+        if not wait(self._futures, timeout=self.timeout).not_done:
+            return
+        self._error = self._error or TimeoutError(
+            f"{self.name}: the writes before job {job.entry or '(write-only)'!r} did not complete within "
+            f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise FuyouConfig.io_timeout"
+        )
+
     def _read(self, job: ChunkJob, k: int) -> Future:
+        """A future of the chunk's buffers: the entry's (if it names one), then the extras'."""
+        reads = []
         try:
-            return self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout)
+            if job.entry is not None:
+                reads.append(self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout))
+            for name in job.extra:
+                reads.append(self.store.read_chunk(name, k, timeout=self.timeout))
         except BaseException as exc:  # noqa: BLE001 - handed to drain()
+            for fut in reads:
+                fut.add_done_callback(_release_buffer)
             failed: Future = Future()
             failed.set_exception(exc)
             return failed
+
+        def collect(f: Future) -> tuple[HostBuffer, ...]:
+            if f.exception() is not None:  # a failed read released its own buffer: give back the others
+                for r in reads:
+                    if r.exception() is None:
+                        r.result().release()
+                f.result()
+            return tuple(r.result() for r in reads)
+
+        return then(gather(reads), collect)
 
     def _process(self, job: ChunkJob, k: int, fut: Future) -> None:
         if self._error is not None:  # after a failure, only give back what is in flight
@@ -207,11 +251,12 @@ class ChunkPipeline:
         if fut.exception() is not None:
             self._error = fut.exception()
             return
-        buf = fut.result()
+        bufs = fut.result()
         try:
-            out = job.fn(k, buf)
+            out = job.fn(k, *bufs)
         except BaseException as exc:  # noqa: BLE001 - handed to drain()
-            buf.release()
+            for buf in bufs:
+                buf.release()
             self._error = exc
             return
         if isinstance(out, Future):
@@ -222,6 +267,7 @@ class ChunkPipeline:
 
 
 def _release_buffer(fut: Future) -> None:
-    """Done-callback of a read whose buffer nobody will use: give it back to the pool."""
+    """Done-callback of a read whose buffers nobody will use: give them back to the pool."""
     if not fut.cancelled() and fut.exception() is None:
-        fut.result().release()
+        for buf in fut.result() if isinstance(fut.result(), tuple) else (fut.result(),):
+            buf.release()

@@ -1,5 +1,5 @@
-"""Compute weights: streaming a block's frozen weights from host memory or SSD."""
+"""Compute weights: streaming each block's weights from host memory or SSD."""
 
-from .streaming import StreamStats, Tier, WeightStreamer
+from .streaming import DeviceMeter, StreamStats, Tier, WeightStreamer
 
-__all__ = ["StreamStats", "Tier", "WeightStreamer"]
+__all__ = ["DeviceMeter", "StreamStats", "Tier", "WeightStreamer"]

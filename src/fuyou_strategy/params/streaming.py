@@ -1,23 +1,33 @@
-"""`WeightStreamer`: a block's frozen weights are on the device only while the block runs.
+"""`WeightStreamer`: a block's weights are on the device only while the block runs.
 
 ::
 
     streamer = WeightStreamer(model, FuyouConfig(weights="ssd"), store=store)
-    streamer.install()          # copies the frozen weights to their tier, frees their device memory
+    streamer.install()          # copies the blocks' weights to their tier, frees their device memory
     ...                         # train / evaluate as usual
-    streamer.close()            # every weight resident again, equal to the original bits
+    streamer.close()            # every weight resident again, equal to its tier copy
 
-Only *frozen* parameters (``requires_grad=False`` at install, e.g. a LoRA base model) of the
-repeated blocks are streamed, read-only: their tier copy is written once at install and never
-written back. A block's trainable parameters (LoRA adapters), parameters outside the blocks
-(embeddings, final norm, head) and parameters shared by two places (tied weights) stay resident.
+Each repeated block's parameters are streamed from their tier (``"host"``: a host pool buffer,
+``"ssd"``: a tensor-store entry, one per parameter):
+
+- *frozen* ones (``requires_grad=False``, e.g. a LoRA base model) are read-only: their tier copy
+  is written once at install and never written back;
+- *trainable* ones are streamed when the optimizer that owns them is given (``trainable``: each
+  parameter's optimizer chunk length, e.g. `FuyouAdamW.chunk_elements`); the optimizer then
+  publishes every new value into the tier copy (`publish`, chunk by chunk, aligned with its own
+  state chunks) and moves each gradient off the device as it becomes final
+  (`FuyouAdamW.attach_weights`). Other trainable parameters stay resident.
+
+Parameters outside the blocks (embeddings, final norm, head) and parameters shared by two places
+(tied weights) stay resident.
 
 Mechanism (FSDP's): a weight is released with ``p.untyped_storage().resize_(0)`` and
 rematerialised with ``resize_(nbytes)`` and a copy through ``p.data``. The storage object stays
 the same, so every tensor autograd saved for backward (the weight, ``w.t()``) sees the bytes
 again; a ``.data`` copy does not bump the parameter's version counter, so autograd does not
 refuse them. Reading a released weight outside the hooks is undefined (on the CPU it can crash):
-`state_dict` is served from the tier copies, `load_state_dict` into a streamed block is refused.
+`state_dict` is served from the tier copies, and `load_state_dict` into a streamed block
+materialises it, loads, and writes the loaded values to the tier copies.
 
 Schedule with ``k = config.weight_prefetch_blocks``:
 
@@ -28,9 +38,17 @@ Schedule with ``k = config.weight_prefetch_blocks``:
   wait for block ``i``, issue reads for ``i-1 … i-k``; the end of backward releases the rest.
 - an exception inside a block's forward releases everything.
 
-So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``); the streamer
-counts the bytes materialised and their high-water mark (`stats`). Host copies ("host" tier)
-and the staging buffers of SSD reads come from the store's host buffer pool.
+Exactness: a block is read at its forward and at its backward; the optimizer publishes a
+parameter only after its gradient is final (after the block's backward), and ``step()`` waits
+for every publish before it returns, so the next forward reads the new weights, never a stale or
+half-written one (futures, not timing).
+
+So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``). `meter` counts
+the device bytes of weights and gradients: resident parameters, buffers and resident gradients
+(counted as always present), the streamed weights materialised now, and streamed gradients until
+the optimizer has copied them off the device; its high-water mark is what ``device_memory_budget``
+is checked against. Activations are not counted. Host copies ("host" tier), the staging buffers of
+SSD reads and the gradients' host copies come from the store's host buffer pool.
 """
 
 from __future__ import annotations
@@ -40,7 +58,7 @@ import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -49,24 +67,23 @@ from ..activations.swap import first_tensor
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..storage import HostBuffer, TensorStore, round_up
 
-__all__ = ["Tier", "WeightStreamer", "StreamStats"]
-
-_ALIGN = 64  # each weight's offset in its block's packed bytes: any dtype can view it
+__all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter"]
 
 
 class Tier(str, enum.Enum):
-    """Where a block's frozen weights live while the block is not running."""
+    """Where a block's streamed weights live while the block is not running."""
 
     DEVICE = "device"  # resident, left alone
-    HOST = "host"  # a buffer of the host pool
-    SSD = "ssd"  # an entry of the tensor store, read through a pool buffer
+    HOST = "host"  # a buffer of the host pool per parameter
+    SSD = "ssd"  # an entry of the tensor store per parameter, read through pool buffers
 
 
 @dataclass
 class StreamStats:
     """Counters over the streamer's lifetime; bytes are the weights' own sizes."""
 
-    streamed_bytes: int = 0  # frozen weight bytes of streamed blocks (their sum over blocks)
+    streamed_bytes: int = 0  # weight bytes of streamed blocks (their sum over blocks)
+    trainable_bytes: int = 0  # of which trainable (published by the optimizer)
     resident_bytes: int = 0  # parameter and buffer bytes that stay on the device
     window_bytes: int = 0  # the most streamed bytes on the device at once: the k + 1 largest blocks
     materialized_bytes: int = 0  # streamed bytes on the device now
@@ -76,33 +93,53 @@ class StreamStats:
     tiers: dict[int, str] = field(default_factory=dict)  # block index -> tier, streamed blocks only
 
 
-class _Block:
-    """One block's streamed weights: their layout in the packed bytes and where the bytes are."""
+class DeviceMeter:
+    """Device bytes of weights and gradients now, and the most ever (thread-safe)."""
 
-    def __init__(self, index: int, tier: Tier, params: list[tuple[str, torch.nn.Parameter]]) -> None:
-        self.index, self.tier, self.params = index, tier, params
-        self.offsets: list[int] = []
-        offset = 0
-        for _, p in params:
-            self.offsets.append(offset)
-            offset = round_up(offset + _nbytes(p), _ALIGN)
-        self.nbytes = offset
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = self.high_water = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.now += nbytes
+            self.high_water = max(self.high_water, self.now)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.now -= nbytes
+
+
+class _Weight:
+    """One streamed parameter: where its tier copy is and how it is chunked there."""
+
+    def __init__(self, name: str, param: torch.nn.Parameter, chunk_elems: int, trainable: bool) -> None:
+        self.name, self.param, self.trainable = name, param, trainable
+        self.numel, self.dtype = param.numel(), param.dtype
+        self.nbytes = _nbytes(param)
+        self.chunk_elems = min(chunk_elems, self.numel)
+        self.nchunks = -(-self.numel // self.chunk_elems)
         self.host: HostBuffer | None = None  # the host tier's copy
         self.entry: str | None = None  # the SSD tier's store entry
-        self.read: Future | None = None  # an SSD read in flight: its result is a pool buffer
+
+    def span(self, k: int) -> tuple[int, int]:
+        start = k * self.chunk_elems
+        return start, min(self.chunk_elems, self.numel - start)
+
+    def flat(self) -> torch.Tensor:
+        return self.param.data.view(-1)
+
+
+class _Block:
+    """One block's streamed weights and the reads in flight for them."""
+
+    def __init__(self, index: int, tier: Tier, weights: list[_Weight]) -> None:
+        self.index, self.tier, self.weights = index, tier, weights
+        self.params = [(w.name, w.param) for w in weights]
+        self.nbytes = sum(w.nbytes for w in weights)
+        self.staging = sum(round_up(w.span(k)[1] * w.param.element_size()) for w in weights for k in range(w.nchunks))
+        self.reads: list[tuple[_Weight, int, Future]] | None = None  # SSD reads in flight (results: pool buffers)
         self.resident = True  # the weights' device storage holds their bytes
-
-    def packed(self) -> torch.Tensor:
-        """The weights' bytes in the block's layout (a new CPU tensor)."""
-        out = torch.zeros(self.nbytes, dtype=torch.uint8)
-        for (_, p), offset in zip(self.params, self.offsets):
-            out[offset: offset + _nbytes(p)].copy_(p.detach().reshape(-1).view(torch.uint8).cpu())
-        return out
-
-    def weights_from(self, raw: torch.Tensor) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
-        """(relative name, parameter, its bytes in ``raw`` viewed as the parameter)."""
-        return [(name, p, raw[offset: offset + _nbytes(p)].view(p.dtype).view(p.shape))
-                for (name, p), offset in zip(self.params, self.offsets)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -115,33 +152,42 @@ def _in_backward() -> bool:
 
 
 class WeightStreamer:
-    """Streams the repeated blocks' frozen weights from host memory or SSD; see the module docstring.
+    """Streams the repeated blocks' weights from host memory or SSD; see the module docstring.
 
     Args:
         model: the model; its repeated blocks are found by `discover_blocks` (or ``config.blocks``).
         config: ``weights`` (a tier for all blocks or ``{index: tier}``), ``weight_prefetch_blocks``,
-            ``device_memory_budget`` (checked at install: resident bytes plus the window must fit)
-            and the storage knobs.
+            ``device_memory_budget`` (checked at install: resident bytes, the window and the largest
+            streamed gradient must fit) and the storage knobs.
         store: the tensor store (and its host pool) to use, e.g. the optimizer's; by default the
             streamer makes its own and closes it in `close()`.
         blocks: the blocks, in forward order, instead of discovering them.
+        trainable: the trainable parameters to stream, each with the optimizer's chunk length
+            (elements); the optimizer must then publish their updates (`publish`). Trainable
+            parameters not listed stay resident.
 
-    Raises `ConfigError` at `install` when the host tier or the staging buffers cannot fit
-    ``host_memory_budget``, or the window cannot fit ``device_memory_budget``.
+    Raises `ConfigError` at `install` when the host tier, the staging buffers and the gradients'
+    host copies cannot fit ``host_memory_budget``, or the window cannot fit ``device_memory_budget``.
     """
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None,
-                 blocks: list[torch.nn.Module] | None = None) -> None:
+                 blocks: list[torch.nn.Module] | None = None,
+                 trainable: Mapping[torch.nn.Parameter, int] | None = None) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.model = model
         self.blocks = list(blocks) if blocks is not None else discover_blocks(model, config.blocks)
         self.tiers = resolve_per_block("weights", config.weights, len(self.blocks), Tier, Tier.DEVICE)
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
+        self.trainable = dict(trainable or {})
         self._own_store = store is None and any(t is not Tier.DEVICE for t in self.tiers)
         self.store = TensorStore(config) if self._own_store else store
+        # SSD prefetches never take the optimizer's read-ahead share: its worker must always move.
+        self._keep_free = host_budget_split(config).optimizer_readahead if self.trainable else 0
         self.stats = StreamStats()
+        self.meter = DeviceMeter()
         self._units: dict[int, _Block] = {}
+        self._weights: dict[torch.nn.Parameter, _Weight] = {}  # trainable streamed parameters
         self._handles: list[Any] = []
         self._lock = threading.RLock()  # backward hooks may run on another thread (CUDA's autograd engine)
         self._callback_queued = False
@@ -149,7 +195,7 @@ class WeightStreamer:
 
     # -- installing --------------------------------------------------------------------------------
     def install(self) -> None:
-        """Copy each streamed block's frozen weights to its tier, free their device memory, add the hooks."""
+        """Copy each streamed block's weights to its tier, free their device memory, add the hooks."""
         if self._active:
             raise RuntimeError("WeightStreamer is already installed")
         units = self._plan_units()
@@ -169,13 +215,19 @@ class WeightStreamer:
             self._handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out),
                                                              always_call=True))
             if i in self._units:
-                self._handles.append(block.register_state_dict_post_hook(self._state_dict_hook(self._units[i])))
-                self._handles.append(block.register_load_state_dict_pre_hook(self._refuse_load(i)))
+                unit = self._units[i]
+                self._handles.append(block.register_state_dict_post_hook(self._state_dict_hook(unit)))
+                self._handles.append(block.register_load_state_dict_pre_hook(
+                    lambda *args, unit=unit: self._load_begin(unit)))
+                self._handles.append(block.register_load_state_dict_post_hook(
+                    lambda module, keys, unit=unit: self._load_end(unit)))
+        self._weights = {w.param: w for u in self._units.values() for w in u.weights if w.trainable}
         self.stats.tiers = {i: u.tier.value for i, u in self._units.items()}
+        self.meter.add(self.stats.resident_bytes + self._resident_grad_bytes())
         self._active = True
 
     def _plan_units(self) -> dict[int, _Block]:
-        """Per streamed block, its frozen parameters that are safe to release (see the module docstring)."""
+        """Per streamed block, its parameters that are safe to release (see the module docstring)."""
         prefixes = {}
         for name, module in self.model.named_modules(remove_duplicate=False):
             for i, block in enumerate(self.blocks):
@@ -189,63 +241,79 @@ class WeightStreamer:
         for t in {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values():
             ptr = t.untyped_storage().data_ptr()
             storages[ptr] = storages.get(ptr, 0) + 1
+        frozen_elems = max(1, self.config.chunk_size)  # bytes; per parameter below
         units = {}
         for i, (block, tier) in enumerate(zip(self.blocks, self.tiers)):
             if tier is Tier.DEVICE:
                 continue
-            params = [(name, p) for name, p in block.named_parameters()
-                      if not p.requires_grad and owners.get(id(p)) == {i} and p.numel() > 0 and p.is_contiguous()
-                      and p.storage_offset() == 0 and p.untyped_storage().nbytes() == _nbytes(p)
-                      and storages[p.untyped_storage().data_ptr()] == 1]
-            if params:
-                units[i] = _Block(i, tier, params)
+            weights = []
+            for name, p in block.named_parameters():
+                streamable = (owners.get(id(p)) == {i} and p.numel() > 0 and p.is_contiguous()
+                              and p.storage_offset() == 0 and p.untyped_storage().nbytes() == _nbytes(p)
+                              and storages[p.untyped_storage().data_ptr()] == 1)
+                if streamable and not p.requires_grad:
+                    weights.append(_Weight(name, p, frozen_elems // p.element_size(), trainable=False))
+                elif streamable and p in self.trainable:
+                    weights.append(_Weight(name, p, self.trainable[p], trainable=True))
+            if weights:
+                units[i] = _Block(i, tier, weights)
         return units
 
+    def _resident_grad_bytes(self) -> int:
+        streamed = {id(w.param) for u in self._units.values() for w in u.weights}
+        return sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad and id(p) not in streamed)
+
     def _check_budgets(self, units: dict[int, _Block]) -> None:
-        streamed = {id(p) for u in units.values() for _, p in u.params}
+        streamed = {id(w.param) for u in units.values() for w in u.weights}
         resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()] if id(t) not in streamed}
         largest = sorted((u.nbytes for u in units.values()), reverse=True)
+        grad = max((w.nbytes for u in units.values() for w in u.weights if w.trainable), default=0)
         s = self.stats
         s.streamed_bytes = sum(largest)
+        s.trainable_bytes = sum(w.nbytes for u in units.values() for w in u.weights if w.trainable)
         s.resident_bytes = sum(resident.values())
         s.window_bytes = sum(largest[: self.k + 1])
+        resident_grads = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad and id(p) not in streamed)
+        need = s.resident_bytes + resident_grads + s.window_bytes + grad
         budget = self.config.device_memory_budget
-        if budget is not None and s.resident_bytes + s.window_bytes > budget:
+        if budget is not None and need > budget:
             raise ConfigError(
                 f"device_memory_budget: got {format_bytes(budget)}, but the resident weights "
-                f"({format_bytes(s.resident_bytes)}) plus {self.k + 1} streamed blocks' weights "
-                f"({format_bytes(s.window_bytes)}) need {format_bytes(s.resident_bytes + s.window_bytes)}; raise "
-                "device_memory_budget, lower weight_prefetch_blocks, or stream more blocks (weights='ssd')"
+                f"({format_bytes(s.resident_bytes)}) and their gradients ({format_bytes(resident_grads)}), plus "
+                f"{self.k + 1} streamed blocks' weights ({format_bytes(s.window_bytes)}) and the largest streamed "
+                f"gradient ({format_bytes(grad)}) need {format_bytes(need)}; raise device_memory_budget, lower "
+                "weight_prefetch_blocks, or stream more blocks (weights='ssd')"
             )
         if not units:
             return
         pool = self.store.pool
-        host = sum(round_up(u.nbytes) for u in units.values() if u.tier is Tier.HOST)
-        staging = max((round_up(u.nbytes) for u in units.values() if u.tier is Tier.SSD), default=0)
+        host = sum(round_up(w.nbytes) for u in units.values() if u.tier is Tier.HOST for w in u.weights)
+        staging = max((u.staging for u in units.values() if u.tier is Tier.SSD), default=0)
         # Weights draw on the share host-policy activations would otherwise use: the optimizer's
-        # read-ahead and the activation staging keep theirs (`host_budget_split`).
+        # read-ahead and the activation staging keep theirs (`host_budget_split`). A streamed
+        # gradient's host copy waits for room (the optimizer frees them as it goes): one must fit.
         free = min(host_budget_split(self.config).host_activations, pool.budget - pool.lent)
-        if host + staging > free:
+        if host + staging + round_up(grad) > free:
             raise ConfigError(
-                f"host_memory_budget: the host tier needs {format_bytes(host)} and SSD reads a staging buffer of "
-                f"{format_bytes(staging)}, but only {format_bytes(free)} of {format_bytes(pool.budget)} is left after "
-                "the optimizer's and the activations' shares (host_budget_split); raise host_memory_budget or put "
-                "fewer blocks on the host tier (weights={block: 'ssd'})"
+                f"host_memory_budget: the host tier needs {format_bytes(host)}, SSD reads a staging buffer of "
+                f"{format_bytes(staging)} and the largest streamed gradient's host copy {format_bytes(grad)}, but only "
+                f"{format_bytes(free)} of {format_bytes(pool.budget)} is left after the optimizer's and the "
+                "activations' shares (host_budget_split); raise host_memory_budget or put fewer blocks on the host "
+                "tier (weights={block: 'ssd'})"
             )
 
     def _to_tier(self, unit: _Block) -> None:
-        packed = unit.packed()
-        if unit.tier is Tier.HOST:
-            unit.host = self.store.pool.acquire(unit.nbytes, timeout=self.timeout)
-            unit.host.view().copy_(packed)
-        else:
-            name = f"weights.{unit.index}"
-            # One chunk: a block's weights are read whole into one staging buffer (the engine still
-            # splits the transfer over the directory's I/O threads; blocks alternate directories).
-            self.store.create(name, (unit.nbytes,), torch.uint8, slots=1, chunk_bytes=round_up(unit.nbytes))
-            unit.entry = name
-            self.store.write(name, packed, timeout=self.timeout).result(timeout=self.timeout)
+        for w in unit.weights:
+            source = w.param.detach().reshape(-1)
+            if unit.tier is Tier.HOST:
+                w.host = self.store.pool.acquire(w.nbytes, timeout=self.timeout)
+                w.host.view(w.dtype)[: w.numel].copy_(source)
+            else:
+                w.entry = f"weights.{unit.index}.{w.name}"
+                self.store.create(w.entry, (w.numel,), w.dtype, slots=1,
+                                  chunk_bytes=round_up(w.chunk_elems * w.param.element_size()))
+                self.store.write(w.entry, source, timeout=self.timeout).result(timeout=self.timeout)
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_forward(self, i: int) -> None:
@@ -296,66 +364,102 @@ class WeightStreamer:
             self.release_all()
 
     # -- moving bytes --------------------------------------------------------------------------------
+    def _chunks(self, unit: _Block) -> list[tuple[_Weight, int, int]]:
+        return [(w, k, w.span(k)[1] * w.param.element_size()) for w in unit.weights for k in range(w.nchunks)]
+
     def _prefetch(self, i: int) -> bool:
-        """Issue the read of block ``i``'s SSD copy if there is a staging buffer now; False if not."""
+        """Issue the reads of block ``i``'s SSD copies if there are staging buffers now; False if not."""
         unit = self._units.get(i)
-        if unit is None or unit.resident or unit.tier is not Tier.SSD or unit.read is not None:
+        if unit is None or unit.resident or unit.tier is not Tier.SSD or unit.reads is not None:
             return True
-        buf = self.store.pool.try_acquire(unit.nbytes)  # never wait here: our own reads may hold the pool
-        if buf is None:
-            return False
-        self._read(unit, buf)
+        bufs = []
+        for _w, _k, nbytes in self._chunks(unit):  # never wait here: our own reads may hold the pool
+            buf = self.store.pool.try_acquire(nbytes, keep_free=self._keep_free)
+            if buf is None:
+                for b in bufs:
+                    b.release()
+                return False
+            bufs.append(buf)
+        self._read(unit, bufs)
         self.stats.prefetched += 1
         return True
 
-    def _read(self, unit: _Block, buf: HostBuffer) -> None:
-        # One chunk per block (see `_to_tier`): the future gives ``buf`` back, or releases it on failure.
-        unit.read = self.store.read_chunk(unit.entry, 0, into=buf)
+    def _read(self, unit: _Block, bufs: list[HostBuffer]) -> None:
+        # Each future gives its buffer back, or releases it on failure.
+        unit.reads = [(w, k, self.store.read_chunk(w.entry, k, into=buf))
+                      for (w, k, _), buf in zip(self._chunks(unit), bufs)]
 
-    def _take_read(self, unit: _Block) -> HostBuffer:
-        """Wait for the block's SSD read (issuing it now if it was not); the caller releases the buffer."""
-        if unit.read is None:
-            self._read(unit, self.store.pool.acquire(unit.nbytes, timeout=self.timeout))
-        read, unit.read = unit.read, None
-        try:
-            return read.result(timeout=self.timeout)
-        except FutureTimeout:
-            read.add_done_callback(lambda f: f.exception() is None and f.result().release())
-            raise TimeoutError(f"weights of block {unit.index}: the read of store entry {unit.entry!r} "
-                               f"({format_bytes(unit.nbytes)}) took over {self.timeout:.0f} s") from None
+    def _take_reads(self, unit: _Block) -> list[tuple[_Weight, int, HostBuffer]]:
+        """Wait for the block's SSD reads (issuing them now if they were not); the caller releases the buffers."""
+        if unit.reads is None:
+            bufs = []
+            try:
+                for _w, _k, nbytes in self._chunks(unit):
+                    bufs.append(self.store.pool.acquire(nbytes, timeout=self.timeout))
+            except BaseException:
+                for b in bufs:
+                    b.release()
+                raise
+            self._read(unit, bufs)
+        reads, unit.reads = unit.reads, None
+        done, error = [], None
+        for w, k, fut in reads:
+            try:
+                if error is None:
+                    done.append((w, k, fut.result(timeout=self.timeout)))
+                    continue
+            except FutureTimeout:
+                error = TimeoutError(f"weights of block {unit.index}: the read of store entry {w.entry!r} "
+                                     f"({format_bytes(w.nbytes)}) took over {self.timeout:.0f} s")
+            except BaseException as exc:  # noqa: BLE001 - raised once every buffer is accounted for
+                error = exc
+            fut.add_done_callback(_release_read)
+        if error is not None:
+            for _w, _k, buf in done:
+                buf.release()
+            raise error
+        return done
 
     def _materialize(self, i: int) -> None:
         unit = self._units.get(i)
         if unit is None or unit.resident:
             return
-        buf = unit.host if unit.tier is Tier.HOST else self._take_read(unit)
-        try:
-            for _, p, src in unit.weights_from(buf.view()):
-                p.untyped_storage().resize_(_nbytes(p))
-                p.data.copy_(src)  # through .data: the version counter autograd checks is not bumped
-        finally:
-            if unit.tier is Tier.SSD:
-                buf.release()
+        for w in unit.weights:
+            w.param.untyped_storage().resize_(w.nbytes)
+        if unit.tier is Tier.HOST:
+            for w in unit.weights:  # through .data: the version counter autograd checks is not bumped
+                w.flat().copy_(w.host.view(w.dtype)[: w.numel])
+        else:
+            try:
+                reads = self._take_reads(unit)
+            except BaseException:
+                for w in unit.weights:
+                    w.param.untyped_storage().resize_(0)
+                raise
+            for w, k, buf in reads:
+                with buf:
+                    start, n = w.span(k)
+                    w.flat()[start: start + n].copy_(buf.view(w.dtype)[:n])
         unit.resident = True
         if self._active:
             self.stats.reads += 1
             self.stats.materialized_bytes += unit.nbytes
             self.stats.high_water_bytes = max(self.stats.high_water_bytes, self.stats.materialized_bytes)
+            self.meter.add(unit.nbytes)
 
     def _release(self, unit: _Block) -> None:
-        """Free the block's device bytes; a read in flight is waited for and its buffer returned."""
-        if unit.read is not None:
-            read, unit.read = unit.read, None
-            try:
-                read.result(timeout=self.timeout).release()
-            except Exception:  # noqa: BLE001 - the bytes are not needed; a later read reports a real fault
-                pass
+        """Free the block's device bytes; reads in flight are waited for and their buffers returned."""
+        if unit.reads is not None:
+            reads, unit.reads = unit.reads, None
+            for _w, _k, fut in reads:
+                fut.add_done_callback(_release_read)
         if unit.resident:
-            for _, p in unit.params:
-                p.untyped_storage().resize_(0)
+            for w in unit.weights:
+                w.param.untyped_storage().resize_(0)
             unit.resident = False
             if self._active:
                 self.stats.materialized_bytes -= unit.nbytes
+                self.meter.sub(unit.nbytes)
 
     def release_all(self) -> None:
         """Free every streamed block's device bytes (after an exception, or a forward never run backward)."""
@@ -363,32 +467,65 @@ class WeightStreamer:
             for unit in self._units.values():
                 self._release(unit)
 
+    # -- the optimizer's side --------------------------------------------------------------------------
+    def streams(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` is a trainable parameter whose value lives in a tier copy."""
+        return param in self._weights
+
+    def publish(self, param: torch.nn.Parameter, k: int, values: torch.Tensor) -> Future | None:
+        """Make ``values`` chunk ``k`` of trainable ``param``'s tier copy (cast to its dtype).
+
+        The host tier copies at once (returns ``None``); the SSD tier writes through a pool
+        buffer and returns the write's future. Called by the optimizer once ``param``'s gradient
+        is final; the next materialisation of the block reads the new value.
+        """
+        w = self._weights[param]
+        start, n = w.span(k)
+        if w.host is not None:
+            w.host.view(w.dtype)[start: start + n].copy_(values)
+            return None
+        buf = self.store.pool.acquire(n * param.element_size(), timeout=self.timeout)
+        buf.view(w.dtype)[:n].copy_(values)
+        return self.store.write_chunk(w.entry, k, buf)
+
     # -- state dicts -----------------------------------------------------------------------------------
+    def _tier_copy(self, w: _Weight) -> torch.Tensor:
+        """The weight's value from its tier copy, as a new CPU tensor."""
+        if w.host is not None:
+            return w.host.view(w.dtype)[: w.numel].clone().view(w.param.shape)
+        return self.store.read(w.entry, timeout=self.timeout).result(timeout=self.timeout).view(w.param.shape)
+
     def _state_dict_hook(self, unit: _Block) -> Any:
         def hook(module: torch.nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
             with self._lock:
                 if unit.resident or not self._active:
                     return
-                buf = unit.host if unit.tier is Tier.HOST else None
-                if buf is None:
-                    raw = self.store.read(unit.entry, timeout=self.timeout).result(timeout=self.timeout)
-                for name, p, src in unit.weights_from(buf.view() if buf is not None else raw):
-                    if prefix + name in state:  # a released weight is served from its tier copy, on the CPU
-                        state[prefix + name] = src.clone()
+                for w in unit.weights:
+                    if prefix + w.name in state:  # a released weight is served from its tier copy, on the CPU
+                        state[prefix + w.name] = self._tier_copy(w)
         return hook
 
-    def _refuse_load(self, i: int) -> Any:
-        def hook(module: torch.nn.Module, state: dict, prefix: str, *args: Any) -> None:
-            names = [prefix + name for name, _ in self._units[i].params]
-            if any(n in state for n in names):
-                raise ConfigError(f"weights: block {i} streams its frozen weights ({self._units[i].tier.value} tier), "
-                                  "so loading a state dict into them is not supported yet; load the weights before "
-                                  "the streamer is installed, or use weights='device'")
-        return hook
+    def _load_begin(self, unit: _Block) -> None:
+        """Before ``load_state_dict`` reaches the block: its weights are there to be copied into."""
+        with self._lock:
+            self._lock.acquire()  # held until _load_end: no hook may release the block meanwhile
+            self._materialize(unit.index)
+
+    def _load_end(self, unit: _Block) -> None:
+        """After the block loaded: the loaded values become the tier copies; the block is released."""
+        try:
+            for w in unit.weights:
+                if w.host is not None:
+                    w.host.view(w.dtype)[: w.numel].copy_(w.flat())
+                else:
+                    self.store.write(w.entry, w.flat(), timeout=self.timeout).result(timeout=self.timeout)
+            self._release(unit)
+        finally:
+            self._lock.release()
 
     # -- removing --------------------------------------------------------------------------------------
     def uninstall(self, *, force: bool = False) -> None:
-        """Remove the hooks and make every streamed weight resident again (bitwise its original bytes)."""
+        """Remove the hooks and make every streamed weight resident again (bitwise its tier copy)."""
         if not self._active and not force:
             return
         with self._lock:
@@ -397,21 +534,31 @@ class WeightStreamer:
             self._handles = []
             self._active = False
             for unit in self._units.values():
-                if unit.read is not None:
-                    self._release(unit)  # returns the buffer of a read in flight
-                if not unit.resident and (unit.host is not None or unit.entry in self.store.entries):
+                if unit.reads is not None:
+                    self._release(unit)  # returns the buffers of reads in flight
+                copies = all(w.host is not None or w.entry in self.store.entries for w in unit.weights)
+                if not unit.resident and copies:
                     self._materialize(unit.index)
-                if unit.host is not None:
-                    unit.host.release()
-                    unit.host = None
-                if unit.entry is not None and unit.entry in self.store.entries:
-                    self.store.delete(unit.entry)
-                unit.entry = None
+                for w in unit.weights:
+                    if w.host is not None:
+                        w.host.release()
+                        w.host = None
+                    if w.entry is not None and w.entry in self.store.entries:
+                        self.store.delete(w.entry)
+                    w.entry = None
             self._units = {}
+            self._weights = {}
             self.stats.materialized_bytes = 0
+            self.meter.sub(self.meter.now)
 
     def close(self) -> None:
         """`uninstall`, and close the store if the streamer made it."""
         self.uninstall()
         if self._own_store and self.store is not None:
             self.store.close()
+
+
+def _release_read(fut: Future) -> None:
+    """Done-callback of a weight read nobody will use: give its buffer back."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().release()

@@ -38,7 +38,8 @@ ends (every micro-batch), and its update starts from them. The updated weight go
 tier (written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
 device; frozen weights are never written back. With ``blocking_weight_copy``, as the runtime does
 today, the copy onto the device runs on the compute resource as the block starts (only the SSD
-read ahead is asynchronous). Device-resident weights are not touched by any of this.
+read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
+weights are not touched by any of this.
 
 When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a second,
 unoverlapped pass over every parameter; that is added in proportion. With
@@ -126,8 +127,9 @@ class Profile:
     # The runtime copies a swapped tensor out inside the forward (the pack hook), on the compute
     # thread or stream; only the SSD write is asynchronous. False models a side-stream copy.
     blocking_swap_out: bool = True
-    # Likewise the streamer copies a block's weights onto the device as the block starts, on the compute
-    # thread; only the SSD read ahead is asynchronous. False models a side-stream copy read ahead too.
+    # Likewise the streamer copies a block's weights onto the device as the block starts, and the optimizer
+    # its gradients off it, on the compute thread; only the SSD reads ahead are asynchronous. False models
+    # side-stream copies over the link.
     blocking_weight_copy: bool = True
     device_budget: int | None = None
     host_budget: int | None = None
@@ -250,7 +252,10 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
             t = s.run("compute", b.bwd_s, t, back_ready[i])
             grads = t
             if b.streamed and b.grad_bytes:  # a streamed block's gradients leave
-                grads = s.run("link", b.grad_bytes / link, t)
+                if profile.blocking_weight_copy:
+                    grads = t = s.run("compute", b.grad_bytes / link, t)
+                else:
+                    grads = s.run("link", b.grad_bytes / link, t)
             if last and overlap_optimizer:
                 updates_done.append(_update(s, profile, b.params, grads, b))
         backward_end = t
@@ -339,7 +344,8 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
     plus the device-tier blocks' weights and gradients and, with streamed weights, a window of the
     ``k + 1`` largest streamed blocks' weights in flight and the largest one's gradients on their way
     out. Host-tier weights count in the host's peak, with one staging buffer for the reads of
-    SSD-tier weights (the largest block's); SSD-tier weights count in the SSD's.
+    SSD-tier weights and one for streamed gradients on their way to the optimizer (each the
+    largest block's); SSD-tier weights count in the SSD's.
     """
     k = profile.prefetch_blocks
     acts = [b.act_bytes for b in blocks]
@@ -360,7 +366,8 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
     device = profile.device_base_bytes + resident + window + peak
     host = (profile.optimizer_host_bytes + sum(a for a, p in zip(acts, policies) if p is Policy.HOST)
             + sum(b.weight_bytes for b in blocks if b.weight_tier == "host")
-            + max((b.weight_bytes for b in blocks if b.weight_tier == "ssd"), default=0))
+            + max((b.weight_bytes for b in blocks if b.weight_tier == "ssd"), default=0)
+            + max((b.grad_bytes for b in streamed), default=0))
     ssd = (OPTIMIZER_SSD_SLOTS * STATE_BYTES_PER_PARAM * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
            + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))

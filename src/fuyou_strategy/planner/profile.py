@@ -6,7 +6,7 @@
   bytes of saved activations a host/ssd policy would move (a counting saved-tensor hook with
   the swapper's own rules), and backward time — the interval between backward entering the
   block and entering the one before it (a hook on the block's output gradient); its weights'
-  bytes as the weight streamer packs them, and how many of them are trainable (their gradients),
+  bytes as the weight streamer holds them, and how many of them are trainable (their gradients),
   with the tier ``weights`` gives them (``"auto"``: device, for the solver to change);
 - the rest of the model: from the last block's forward to backward entering it (head, loss
   and their backward);
@@ -194,11 +194,11 @@ class WarmupProfiler:
 
 
 def _packed_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
-    """A block's weights in bytes as the weight streamer packs them (each parameter 64-byte
-    aligned, in whole pages: what a host-tier copy or an SSD staging buffer takes), and the bytes of
-    its trainable ones (as many again for their gradients)."""
+    """A block's weights in bytes as the weight streamer holds them (each parameter in whole pages:
+    what its host-tier copies or SSD staging buffers take), and the bytes of its trainable ones (as
+    many again for their gradients)."""
     params = list(block.parameters())
-    return round_up(sum(round_up(_nbytes(p), 64) for p in params)), sum(_nbytes(p) for p in params if p.requires_grad)
+    return sum(round_up(_nbytes(p)) for p in params), sum(_nbytes(p) for p in params if p.requires_grad)
 
 
 def _nbytes(t: torch.Tensor) -> int:

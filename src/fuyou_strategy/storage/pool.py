@@ -99,16 +99,22 @@ class HostBufferPool:
         return self._lent
 
     # -- lending ----------------------------------------------------------------------------------
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+    def acquire(self, nbytes: int, timeout: float | None = None, keep_free: int = 0) -> HostBuffer:
         """Lend a buffer of at least ``nbytes`` (capacity rounded up to 4 KiB).
 
-        Blocks while the budget is in use by other buffers; raises `HostBudgetError` at once
-        if ``nbytes`` exceeds the whole budget, or after ``timeout`` seconds of waiting.
+        Blocks while the budget is in use by other buffers (or while lending it would leave less
+        than ``keep_free`` bytes of the budget for others); raises `HostBudgetError` at once if
+        ``nbytes`` plus ``keep_free`` exceeds the whole budget, or after ``timeout`` seconds of waiting.
         """
         capacity = self._capacity(nbytes)
+        if capacity + keep_free > self.budget:
+            raise HostBudgetError(
+                f"{self.name}: a buffer of {format_bytes(capacity)} with {format_bytes(keep_free)} kept free for "
+                f"others can never fit in the budget of {format_bytes(self.budget)}; raise {self.name}"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (data := self._take(capacity, keep_free=0)) is None:
+            while (data := self._take(capacity, keep_free=keep_free)) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise HostBudgetError(
