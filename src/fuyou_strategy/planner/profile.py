@@ -175,8 +175,8 @@ class WarmupProfiler:
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
-            blocks=[BlockProfile(f, b, a, p, weight_bytes=w, weight_tier=tier, frozen_weight_bytes=w - g)
-                    for f, b, a, p, (w, g), tier in zip(fwd, bwd, act, params, packed, tiers)],
+            blocks=[BlockProfile(f, b, a, p, weight_bytes=w, weight_tier=tier, frozen_weight_bytes=frozen)
+                    for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
             link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
             adam_params_per_s=adam_throughput(self.optimizer.fused),
@@ -195,10 +195,10 @@ class WarmupProfiler:
 
 def _packed_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
     """A block's weights in bytes as the weight streamer holds them (each parameter in whole pages:
-    what its host-tier copies or SSD staging buffers take), and the bytes of its trainable ones (as
-    many again for their gradients)."""
+    what its host-tier copies, SSD staging buffers and gradients' host copies take), and of them
+    the frozen ones'."""
     params = list(block.parameters())
-    return sum(round_up(_nbytes(p)) for p in params), sum(_nbytes(p) for p in params if p.requires_grad)
+    return sum(round_up(_nbytes(p)) for p in params), sum(round_up(_nbytes(p)) for p in params if not p.requires_grad)
 
 
 def _nbytes(t: torch.Tensor) -> int:
