@@ -175,7 +175,7 @@ def test_an_exception_in_a_block_releases_everything_and_uninstall_restores(tmp_
 
 
 def test_bad_configuration_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"weights: got 'disk'; expected one of \['device', 'host', 'ssd'\]"):
+    with pytest.raises(ConfigError, match=r"weights: got 'disk'; expected 'auto', one of \['device', 'host', 'ssd'\]"):
         FuyouConfig(weights="disk")
     with pytest.raises(ConfigError, match="weights: got 'auto'"):
         FuyouConfig(weights="auto")
