@@ -63,7 +63,7 @@ from typing import Any, Mapping
 import torch
 
 from ..activations.blocks import discover_blocks, resolve_per_block
-from ..activations.swap import first_tensor
+from ..activations.swap import first_tensor, storage_id
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize
@@ -148,8 +148,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    """What tells storages apart: the address, or for a meta tensor (no storage) the tensor itself."""
-    return id(t) if t.is_meta else t.untyped_storage().data_ptr()
+    """What tells storages apart: `storage_id`, or for a meta tensor (no storage) the tensor itself."""
+    return id(t) if t.is_meta else storage_id(t)
 
 
 def _in_backward() -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..activations.blocks import resolve_per_block
-from ..activations.swap import first_tensor, swappable
+from ..activations.swap import first_tensor, storage_id, swappable
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
 from ..optim.adamw import adamw_kernel
@@ -57,7 +57,7 @@ class WarmupProfiler:
         self.model, self.blocks, self.config, self.optimizer = model, blocks, config, optimizer
         self.steps = steps
         self.device = next(model.parameters()).device
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_storages = {storage_id(p) for p in model.parameters()}
         self._micro: list[dict] = []  # one record per micro-batch
         self._steps_seen = 0
         self._first_redos = self._first_steps = 0
