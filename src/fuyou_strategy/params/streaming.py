@@ -530,20 +530,17 @@ class WeightStreamer:
     def _load_begin(self, unit: _Block) -> None:
         """Before ``load_state_dict`` reaches the block: its weights are there to be copied into."""
         with self._lock:
-            self._lock.acquire()  # held until _load_end: no hook may release the block meanwhile
             self._materialize(unit.index)
 
     def _load_end(self, unit: _Block) -> None:
         """After the block loaded: the loaded values become the tier copies; the block is released."""
-        try:
+        with self._lock:
             for w in unit.weights:
                 if w.host is not None:
                     w.host.view(w.dtype)[: w.numel].copy_(w.flat())
                 else:
                     self.store.write(w.entry, w.flat(), timeout=self.timeout).result(timeout=self.timeout)
             self._release(unit)
-        finally:
-            self._lock.release()
 
     # -- removing --------------------------------------------------------------------------------------
     def uninstall(self, *, force: bool = False) -> None:
