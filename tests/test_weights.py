@@ -79,11 +79,13 @@ def test_lora_trains_bitwise_like_resident_weights(tmp_path, family, weights):
 
 @pytest.mark.parametrize("activations", ["ssd", {0: "ssd", 1: "recompute"}], ids=["ssd", "ssd+recompute"])
 def test_with_activation_swapping(tmp_path, activations):
-    ref_losses, reference, _ = train(lora_model(), config(tmp_path))
+    ref_losses, reference, ref_summary = train(lora_model(), config(tmp_path, activations=activations))
     losses, ours, summary = train(lora_model(), config(tmp_path, "ssd", activations=activations))
     assert [x.item() for x in losses] == [x.item() for x in ref_losses]
     assert_equal(ours, reference)
     assert summary["activation_bytes_to_ssd"] > 0 and summary["weight_bytes_streamed"] > 0
+    # A streamed weight's storage moves when it is materialised again: still a weight, never an activation.
+    assert summary["activation_bytes_to_ssd"] == ref_summary["activation_bytes_to_ssd"]
 
 
 def test_streamed_weights_leave_the_device_and_the_window_bounds_the_peak(tmp_path):
@@ -175,7 +177,7 @@ def test_an_exception_in_a_block_releases_everything_and_uninstall_restores(tmp_
 
 
 def test_bad_configuration_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"weights: got 'disk'; expected one of \['device', 'host', 'ssd'\]"):
+    with pytest.raises(ConfigError, match=r"weights: got 'disk'; expected 'auto', one of \['device', 'host', 'ssd'\]"):
         FuyouConfig(weights="disk")
     with pytest.raises(ConfigError, match="weights: got 'auto'"):
         FuyouConfig(weights="auto")

@@ -262,3 +262,22 @@ def test_a_model_built_on_the_meta_device_is_never_whole_in_memory_and_trains_li
     engine, losses = train(model, None, engine=engine)
     engine.close()
     assert_same(model, resident, losses, ref_losses)
+
+
+def test_fabric_with_streamed_weights_equals_resident(tmp_path):
+    import warnings
+
+    from test_lightning import fabric_train
+
+    from fuyou_strategy import FuyouFabricStrategy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resident = fabric_train(FuyouFabricStrategy(swap_dirs=[str(tmp_path)], max_grad_norm=1.0))
+        strategy = FuyouFabricStrategy(swap_dirs=[str(tmp_path)], max_grad_norm=1.0, weights="ssd")
+        streamed = fabric_train(strategy)
+    assert strategy.engine.summary()["weight_bytes_trainable_streamed"] > 0
+    ours = streamed.state_dict()  # still streamed: served from the tier copies
+    for name, t in resident.state_dict().items():
+        assert torch.equal(t, ours[name]), name
+    strategy.teardown()

@@ -133,7 +133,8 @@ class FuyouConfig:
             minimise predicted step time within the budgets (``device_memory_budget`` bounds
             the device tier). Default ``"keep"``.
         plan: a plan JSON (``Plan.save``, ``fuyou plan --save``) to apply from the first step
-            instead of planning: a pinned plan.
+            instead of planning: a pinned plan, its activation policies and its weight tiers (a plan
+            that streams weights needs ``weights`` left at ``"device"`` or ``"auto"``).
         planner_warmup_steps: optimizer steps profiled before ``"auto"`` plans (the first
             is discarded as warm-up). Default 3.
         blocks: the model's repeated blocks, as a dotted path to a ``ModuleList`` or a list of
@@ -149,7 +150,11 @@ class FuyouConfig:
             `fuyou_strategy.params.WeightStreamer`): frozen ones (a LoRA base) are read-only,
             trainable ones are published into their tier copy by the optimizer, and their
             gradients leave the device as they become final. Parameters outside the blocks
-            (embeddings, final norm, head) and tied weights stay resident.
+            (embeddings, final norm, head) and tied weights stay resident. ``"auto"``: the planner
+            chooses each block's tier with its activation policy (the cheapest that fits: device,
+            then host, then ssd), which needs ``activations="auto"`` (the warm-up runs with every
+            weight resident, then the plan's tiers are installed) or a pinned ``plan`` (its tiers);
+            anything else is a `ConfigError`.
         weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
             backward), and the last ``k`` blocks stay on the device from forward into backward.
             The device holds at most ``k + 1`` blocks' streamed weights. Default 2.
@@ -235,7 +240,7 @@ class FuyouConfig:
             raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
         self.activations = _per_block("activations", self.activations, ("keep", "host", "ssd", "recompute"),
                                       auto=True)
-        self.weights = _per_block("weights", self.weights, ("device", "host", "ssd"), auto=False)
+        self.weights = _per_block("weights", self.weights, ("device", "host", "ssd"), auto=True)
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
@@ -256,9 +261,17 @@ class FuyouConfig:
             from .planner.solver import Plan, PlanError  # the plan's format is the planner's (a layer above)
 
             try:
-                Plan.load(self.plan)  # a bad plan fails here, where it is written, not at the first step
+                plan = Plan.load(self.plan)  # a bad plan fails here, where it is written, not at the first step
             except PlanError as exc:
                 raise ConfigError(f"plan: {exc}") from None
+            if plan.weights and self.weights not in ("device", "auto"):
+                raise ConfigError(f"weights: got {self.weights!r}, but the plan {self.plan!r} chooses the weight tiers "
+                                  f"{plan.weights}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
+                                  "a plan that keeps every block's weights on the device")
+        elif self.weights == "auto" and self.activations != "auto":
+            raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "
+                              "planner choose each block's tier, so set activations='auto' (it chooses both) or "
+                              "plan='plan.json' (a plan's tiers), or name a tier: 'device', 'host' or 'ssd'")
         if not isinstance(self.preallocate, bool):
             raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
 

@@ -13,7 +13,8 @@ its framework's events into four calls:
   a new activation pass;
 - with ``activations="auto"`` the first ``planner_warmup_steps`` steps are profiled, then the
   planner's `Plan` is applied (and logged, with predicted vs measured step time a few steps
-  later); ``plan="plan.json"`` applies a pinned plan from the first step;
+  later), with ``weights="auto"`` its weight tiers too (the streamer is installed then);
+  ``plan="plan.json"`` applies a pinned plan, policies and weight tiers, from the first step;
 - the framework calls ``optimizer.step()`` as usual: the optimizer commits, redoes with the
   clip coefficient, or skips; the engine's step hook then releases whatever activations a
   backward left behind and times the step;
@@ -39,7 +40,7 @@ from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize
-from .planner import Plan, PlanError, solve
+from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
 log = logging.getLogger("fuyou_strategy")
@@ -186,13 +187,16 @@ class FuyouEngine:
         self._plan_applied_at: int | None = None
         self._plan_reported = False
         try:
-            if config.weights != "device":
-                self._install_streamer(config.weights)
+            if config.plan is not None:  # pinned
+                self.plan = Plan.load(config.plan)
+            weights = self.plan.weights if self.plan is not None and config.weights in ("device", "auto") \
+                else config.weights
+            if weights not in ("device", "auto", {}):  # "auto" without a plan: after the warm-up
+                self._install_streamer(weights)
             if has_meta(model):  # the rest of a model built on the meta device: resident
                 materialize(model, self.device, init_weights)
             self.optimizer.initialise_materialized()
-            if config.plan is not None:  # pinned
-                self.plan = Plan.load(config.plan)
+            if self.plan is not None:
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
@@ -213,14 +217,15 @@ class FuyouEngine:
     def _install_streamer(self, weights: str | dict) -> None:
         """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
         the trainable ones' updates there."""
-        self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights), store=self.optimizer.store,
-                                       trainable=self.optimizer.chunk_elements(), device=self.device,
-                                       init_weights=self.init_weights)
+        self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights, plan=None),
+                                       store=self.optimizer.store, trainable=self.optimizer.chunk_elements(),
+                                       device=self.device, init_weights=self.init_weights)
         self.streamer.install()
         self.optimizer.attach_weights(self.streamer)
 
     def _install_swapper(self, activations: str | dict) -> None:
-        config = self.config.replace(activations=activations, plan=None)
+        # The swapper applies only the activation policies (the engine applies the plan's weight tiers).
+        config = self.config.replace(activations=activations, plan=None, weights="device")
         self.swapper = ActivationSwapper(self.model, config, store=self.optimizer.store)
         self.swapper.install()
 
@@ -258,19 +263,25 @@ class FuyouEngine:
                             f"(median of {len(measured)} steps): {m / self.plan.predicted_step_s:.2f}x")
 
     def _plan_from_warmup(self) -> None:
-        """Solve on the warm-up's profile and switch the activation policies to the plan."""
+        """Solve on the warm-up's profile and switch the activation policies (and, with
+        ``weights="auto"``, the weight tiers) to the plan."""
         profiler, self.profiler = self.profiler, None
         profiler.remove()
         self.report(f"fuyou planner: profiled {profiler.steps} warm-up steps; measuring bandwidths and planning ...")
         profile = profiler.profile()
-        # On the CPU the device tier *is* host memory: the host policy would free nothing.
-        allowed = [p for p in Policy if not (p is Policy.HOST and profiler.device.type == "cpu")]
+        # On the CPU the device tier *is* host memory: the host policy and the host tier would free nothing.
+        cpu = profiler.device.type == "cpu"
+        allowed = [p for p in Policy if not (p is Policy.HOST and cpu)]
+        tiers = [t for t in WEIGHT_TIERS if not (t == "host" and cpu)] if self.config.weights == "auto" else None
         try:
-            self.plan = solve(profile, allowed=allowed)
+            self.plan = solve(profile, allowed=allowed, weight_tiers=tiers)
         except PlanError as exc:
-            raise ConfigError(f"activations='auto': {exc}") from None
+            fields = "activations='auto', weights='auto'" if tiers else "activations='auto'"
+            raise ConfigError(f"{fields}: {exc}") from None
         self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
                     f"{self.plan.table(compact=True)}")
+        if tiers and self.plan.weights:
+            self._install_streamer(self.plan.weights)
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
         self._plan_applied_at = len(self.step_times)

@@ -291,10 +291,17 @@ def _is_autocast_weight(t: torch.Tensor) -> bool:
             and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None))
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` views: the storage object itself, not its address, which changes when a
+    streamed weight is released and materialised again (`WeightStreamer` resizes its storage)."""
+    return t.untyped_storage()._cdata
+
+
 def swappable(t: torch.Tensor, param_storages: set[int], min_bytes: int) -> bool:
-    """Whether a saved tensor is one a host/ssd policy moves (see the module docstring)."""
+    """Whether a saved tensor is one a host/ssd policy moves (see the module docstring); ``param_storages``
+    holds the parameters' `storage_id`."""
     nbytes = t.numel() * t.element_size()
-    return not (nbytes == 0 or nbytes < min_bytes or t.untyped_storage().data_ptr() in param_storages
+    return not (nbytes == 0 or nbytes < min_bytes or storage_id(t) in param_storages
                 or not _is_dense(t) or _is_autocast_weight(t))
 
 
@@ -351,7 +358,7 @@ class ActivationSwapper:
         """Put the forward wrappers on the blocks (``with swapper:`` does this and `uninstall`)."""
         if self._active:
             raise RuntimeError("ActivationSwapper is already installed; it cannot be nested")
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_storages = {storage_id(p) for p in self.model.parameters()}
         # A forward set on the instance by someone else (e.g. another library's hooks) is kept aside
         # and put back on exit; otherwise our instance attribute shadows the class's method.
         self._instance_forwards = {}

@@ -63,7 +63,7 @@ from typing import Any, Mapping
 import torch
 
 from ..activations.blocks import discover_blocks, resolve_per_block
-from ..activations.swap import first_tensor
+from ..activations.swap import first_tensor, storage_id
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize
@@ -148,8 +148,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    """What tells storages apart: the address, or for a meta tensor (no storage) the tensor itself."""
-    return id(t) if t.is_meta else t.untyped_storage().data_ptr()
+    """What tells storages apart: `storage_id`, or for a meta tensor (no storage) the tensor itself."""
+    return id(t) if t.is_meta else storage_id(t)
 
 
 def _in_backward() -> bool:
@@ -530,20 +530,17 @@ class WeightStreamer:
     def _load_begin(self, unit: _Block) -> None:
         """Before ``load_state_dict`` reaches the block: its weights are there to be copied into."""
         with self._lock:
-            self._lock.acquire()  # held until _load_end: no hook may release the block meanwhile
             self._materialize(unit.index)
 
     def _load_end(self, unit: _Block) -> None:
         """After the block loaded: the loaded values become the tier copies; the block is released."""
-        try:
+        with self._lock:
             for w in unit.weights:
                 if w.host is not None:
                     w.host.view(w.dtype)[: w.numel].copy_(w.flat())
                 else:
                     self.store.write(w.entry, w.flat(), timeout=self.timeout).result(timeout=self.timeout)
             self._release(unit)
-        finally:
-            self._lock.release()
 
     # -- removing --------------------------------------------------------------------------------------
     def uninstall(self, *, force: bool = False) -> None:

@@ -29,14 +29,17 @@ updates of the blocks that receive their gradients last, and of the rest of the 
 the step.
 
 Weights of a block whose ``weight_tier`` is ``host`` or ``ssd`` are streamed as the runtime
-streams them (issue 11): entering a block in forward issues the reads of the weights of that
-block and the next ``prefetch_blocks`` (from SSD, then over the link; the block's forward waits
-for them); the last ``prefetch_blocks + 1`` blocks' weights are still on the device when
-backward starts, and backward reads the others again, ``prefetch_blocks`` ahead in reverse
-order; each streamed block's gradients leave over the link as soon as its backward ends (every
-micro-batch), and its update starts from them. The updated weight goes back to its tier
-(written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
-device. Device-resident weights are not touched by any of this.
+(`params.WeightStreamer`) streams them, with ``k = weight_prefetch_blocks``: entering a block in
+forward issues the reads of the weights of that block and the next ``k`` (from SSD, then over the
+link; the block's forward waits for them); the last ``k`` blocks' weights are still on the device
+when backward starts, and backward reads the others again, ``k`` ahead in reverse order; each
+streamed block's gradients (of its trainable weights) leave over the link as soon as its backward
+ends (every micro-batch), and its update starts from them. The updated weight goes back to its
+tier (written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
+device; frozen weights are never written back. With ``blocking_weight_copy``, as the runtime does
+today, the copy onto the device runs on the compute resource as the block starts (only the SSD
+read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
+weights are not touched by any of this.
 
 When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a second,
 unoverlapped pass over every parameter; that is added in proportion. With
@@ -46,8 +49,8 @@ schedule, for comparison).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Sequence
 
 from ..activations.blocks import Policy
 from ..optim.adamw import STATE_BYTES_PER_PARAM
@@ -63,9 +66,10 @@ WEIGHT_TIERS = ("device", "host", "ssd")  # where a block's compute weights live
 class BlockProfile:
     """One repeated block (a transformer layer) for one micro-batch.
 
-    ``weight_bytes`` are the block's compute weights (its gradients are as large) and
-    ``weight_tier`` where they live between uses: ``"device"`` (resident; counted in
-    `Profile.device_base_bytes`), ``"host"`` or ``"ssd"`` (streamed per block, see `predict`).
+    ``weight_bytes`` are the block's compute weights, ``frozen_weight_bytes`` the part of them
+    that is frozen (no gradients, never written back; the rest has gradients as large), and
+    ``weight_tier`` where they live between uses: ``"device"`` (resident, with the gradients),
+    ``"host"`` or ``"ssd"`` (streamed per block, see `predict`).
     """
 
     fwd_s: float
@@ -74,11 +78,15 @@ class BlockProfile:
     params: int  # trainable parameters in the block
     weight_bytes: int = 0
     weight_tier: str = "device"
+    frozen_weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.weight_tier not in WEIGHT_TIERS:
             raise ValueError(f"BlockProfile.weight_tier: got {self.weight_tier!r}; expected one of "
                              f"{', '.join(WEIGHT_TIERS)}")
+        if not 0 <= self.frozen_weight_bytes <= self.weight_bytes:
+            raise ValueError(f"BlockProfile.frozen_weight_bytes: got {self.frozen_weight_bytes}; expected 0 to "
+                             f"weight_bytes ({self.weight_bytes})")
 
     @property
     def recompute_s(self) -> float:
@@ -87,6 +95,11 @@ class BlockProfile:
     @property
     def streamed(self) -> bool:
         return self.weight_tier != "device"
+
+    @property
+    def grad_bytes(self) -> int:
+        """The gradients of the block's trainable weights."""
+        return self.weight_bytes - self.frozen_weight_bytes
 
 
 @dataclass
@@ -102,16 +115,22 @@ class Profile:
     ssd_write_bytes_per_s: float = 2e9
     adam_params_per_s: float = 1e9  # CPU AdamW throughput (parameters per second)
     weight_upload_bytes_per_param: float = 0.0  # copying an updated resident weight to the device (0: device is host)
-    # What stays on the device regardless of policies: resident weights and their gradients, the rest of the
-    # model, the runtime. Not the weights of streamed blocks: `predict` adds their window in flight.
+    # What stays on the device regardless of policies and weight tiers: the weights outside the blocks and
+    # their gradients, the runtime. Not the blocks' weights: `predict` adds those of device-tier blocks
+    # (with their gradients) and the window of streamed ones in flight.
     device_base_bytes: int = 0
     optimizer_host_bytes: int = 0  # host pool bytes host-policy activations leave free (HostShares.reserved)
     micro_batches: int = 1
-    prefetch_blocks: int = 2
+    prefetch_blocks: int = 2  # activations read back ahead in backward
+    weight_prefetch_blocks: int | None = None  # streamed weights read ahead; None: prefetch_blocks
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
     # The runtime copies a swapped tensor out inside the forward (the pack hook), on the compute
     # thread or stream; only the SSD write is asynchronous. False models a side-stream copy.
     blocking_swap_out: bool = True
+    # Likewise the streamer copies a block's weights onto the device as the block starts, and the optimizer
+    # its gradients off it, on the compute thread; only the SSD reads ahead are asynchronous. False models
+    # side-stream copies over the link.
+    blocking_weight_copy: bool = True
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -125,6 +144,17 @@ class Profile:
     @property
     def params(self) -> int:
         return self.other_params + sum(b.params for b in self.blocks)
+
+    @property
+    def weight_window(self) -> int:
+        """``k`` of the weight streaming: blocks read ahead, and kept from forward into backward."""
+        return self.prefetch_blocks if self.weight_prefetch_blocks is None else self.weight_prefetch_blocks
+
+    def with_weight_tiers(self, tiers: Sequence[str]) -> list[BlockProfile]:
+        """The blocks with these weight tiers, one per block."""
+        if len(tiers) != self.num_blocks:
+            raise ValueError(f"{len(tiers)} weight tiers for {self.num_blocks} blocks")
+        return [b if b.weight_tier == t else replace(b, weight_tier=t) for b, t in zip(self.blocks, tiers)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,12 +201,15 @@ class _Schedule:
         return end
 
 
-def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: bool = True) -> Prediction:
-    """Predicted step time and peaks for one policy per block (see the module docstring)."""
-    blocks, n = profile.blocks, profile.num_blocks
+def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Sequence[str] | None = None,
+            overlap_optimizer: bool = True) -> Prediction:
+    """Predicted step time and peaks for one policy per block (see the module docstring), with the
+    profile's weight tiers or ``weight_tiers`` (one per block)."""
+    blocks = profile.blocks if weight_tiers is None else profile.with_weight_tiers(weight_tiers)
+    n = len(blocks)
     if len(policies) != n:
         raise ValueError(f"{len(policies)} policies for {n} blocks")
-    k = profile.prefetch_blocks
+    k, kw = profile.prefetch_blocks, profile.weight_window
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     s = _Schedule()
     t = 0.0  # end of the previous phase on the compute resource
@@ -186,14 +219,11 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
         #    activations leave asynchronously.
         out_done = [0.0] * n
-        weights_ready = [0.0] * n
-        weights_issued = [not b.streamed for b in blocks]
+        weights = _WeightReads(s, profile, blocks, issued=[not b.streamed for b in blocks])
         for i, (b, p) in enumerate(zip(blocks, policies)):
-            for j in range(i, min(n, i + k + 1)):  # entering block i issues the weight reads for i .. i+k
-                if not weights_issued[j]:
-                    weights_issued[j] = True
-                    weights_ready[j] = _read_weights(s, profile, blocks[j], t)
-            t = s.run("compute", b.fwd_s, t, weights_ready[i])
+            weights.issue(range(i, min(n, i + kw + 1)), t)  # entering block i issues the reads for i .. i+k
+            t = weights.wait(i, t)
+            t = s.run("compute", b.fwd_s, t)
             if p in (Policy.HOST, Policy.SSD):
                 if profile.blocking_swap_out:
                     copied = t = s.run("compute", b.act_bytes / link, t)
@@ -204,13 +234,11 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         # -- backward: blocks in reverse; prefetch k blocks ahead; updates follow each block's gradients.
         back_ready = [0.0] * n
         issued = [False] * n
-        weights_issued = [not b.streamed or i >= n - k - 1 for i, b in enumerate(blocks)]  # last ones still here
+        weights = _WeightReads(s, profile, blocks, issued=[not b.streamed or i >= n - kw for i, b in enumerate(blocks)])
         updates_done = []
         for i in range(n - 1, -1, -1):
-            for j in range(i, max(-1, i - k - 1), -1):  # entering block i issues the reads for i .. i-k
-                if not weights_issued[j]:
-                    weights_issued[j] = True
-                    weights_ready[j] = _read_weights(s, profile, blocks[j], t)
+            weights.issue(range(i, max(-1, i - kw - 1), -1), t)  # entering block i issues the reads for i .. i-k
+            for j in range(i, max(-1, i - k - 1), -1):  # ... and the activations' for i .. i-k
                 if not issued[j] and policies[j] in (Policy.HOST, Policy.SSD):
                     issued[j] = True
                     ready = max(out_done[j], t)
@@ -218,10 +246,16 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
                         ready = s.run("ssd", blocks[j].act_bytes / rd, ready)
                     back_ready[j] = s.run("link", blocks[j].act_bytes / link, ready)
             b, p = blocks[i], policies[i]
+            t = weights.wait(i, t)
             if p is Policy.RECOMPUTE:
-                t = s.run("compute", b.recompute_s, t, weights_ready[i])
-            t = s.run("compute", b.bwd_s, t, back_ready[i], weights_ready[i])
-            grads = s.run("link", b.weight_bytes / link, t) if b.streamed else t  # a streamed block's grads leave
+                t = s.run("compute", b.recompute_s, t)
+            t = s.run("compute", b.bwd_s, t, back_ready[i])
+            grads = t
+            if b.streamed and b.grad_bytes:  # a streamed block's gradients leave
+                if profile.blocking_weight_copy:
+                    grads = t = s.run("compute", b.grad_bytes / link, t)
+                else:
+                    grads = s.run("link", b.grad_bytes / link, t)
             if last and overlap_optimizer:
                 updates_done.append(_update(s, profile, b.params, grads, b))
         backward_end = t
@@ -240,7 +274,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
         redo = max(redo, _update(s, profile, profile.other_params, step))
         step += profile.redo_fraction * (redo - step)
 
-    device_peak, host_peak, ssd_peak = _peaks(profile, policies)
+    device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
     over = {}
     for tier, peak, budget in (("device", device_peak, profile.device_budget), ("host", host_peak, profile.host_budget),
                                ("ssd", ssd_peak, profile.ssd_budget)):
@@ -250,11 +284,35 @@ def predict(profile: Profile, policies: Sequence[Policy], *, overlap_optimizer: 
                       s.busy["cpu"], step - backward_end, over)
 
 
-def _read_weights(s: _Schedule, profile: Profile, block: BlockProfile, after: float) -> float:
-    """A streamed block's weights onto the device: from SSD first for the ``ssd`` tier, then over the link."""
-    if block.weight_tier == "ssd":
-        after = s.run("ssd", block.weight_bytes / profile.ssd_read_bytes_per_s, after)
-    return s.run("link", block.weight_bytes / profile.link_bytes_per_s, after)
+class _WeightReads:
+    """Streamed blocks' weights on their way to the device during one pass (forward or backward)."""
+
+    def __init__(self, s: _Schedule, profile: Profile, blocks: list[BlockProfile], issued: list[bool]) -> None:
+        self.s, self.profile, self.blocks, self.issued = s, profile, blocks, issued
+        self.ready: dict[int, float] = {}  # block -> when its read ahead is done
+
+    def issue(self, indices: Iterable[int], after: float) -> None:
+        """Read ahead the weights of these blocks that are not on the device: from SSD first for the
+        ``ssd`` tier, then over the link (or, with ``blocking_weight_copy``, when the block starts)."""
+        for j in indices:
+            if self.issued[j]:
+                continue
+            self.issued[j] = True
+            block, ready = self.blocks[j], after
+            if block.weight_tier == "ssd":
+                ready = self.s.run("ssd", block.weight_bytes / self.profile.ssd_read_bytes_per_s, ready)
+            if not self.profile.blocking_weight_copy:
+                ready = self.s.run("link", block.weight_bytes / self.profile.link_bytes_per_s, ready)
+            self.ready[j] = ready
+
+    def wait(self, i: int, t: float) -> float:
+        """When block ``i`` can start on the compute resource, free at ``t``: its weights are there."""
+        if i not in self.ready:
+            return t
+        ready = self.ready.pop(i)
+        if self.profile.blocking_weight_copy:
+            return self.s.run("compute", self.blocks[i].weight_bytes / self.profile.link_bytes_per_s, t, ready)
+        return max(t, ready)
 
 
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None) -> float:
@@ -267,14 +325,14 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     done = s.run("cpu", params / profile.adam_params_per_s, read)
     written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done)
     tier = block.weight_tier if block is not None else "device"
-    if tier == "ssd":
-        written = s.run("ssd", block.weight_bytes / profile.ssd_write_bytes_per_s, done)
+    if tier == "ssd" and block.grad_bytes:  # frozen weights are never written back
+        written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done)
     elif tier == "device" and profile.weight_upload_bytes_per_param:
         done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done)
     return max(written, done)
 
 
-def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]:
+def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy]) -> tuple[int, int, int]:
     """Peak bytes per tier. The device's is the largest of the moments of the step:
 
     - forward at block ``i``: kept activations of blocks ``<= i`` plus block ``i``'s own
@@ -283,11 +341,13 @@ def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]
       activations of swapped blocks ``i-k .. i`` already read back, and block ``i``'s own
       (recomputed, if so);
 
-    plus, with streamed weights, a window of ``k + 2`` of the largest streamed blocks' weights
-    (``k + 1`` blocks' weights in flight and one block's gradients on their way out). Host-tier
-    weights count in the host's peak, SSD-tier weights in the SSD's.
+    plus the device-tier blocks' weights and gradients and, with streamed weights, a window of the
+    ``k + 1`` largest streamed blocks' weights in flight and the largest one's gradients on their way
+    out. Host-tier weights count in the host's peak, with one staging buffer for the reads of
+    SSD-tier weights and one for streamed gradients on their way to the optimizer (each the
+    largest block's); SSD-tier weights count in the SSD's.
     """
-    blocks, k = profile.blocks, profile.prefetch_blocks
+    k = profile.prefetch_blocks
     acts = [b.act_bytes for b in blocks]
     kept_upto, total = [], 0
     for a, p in zip(acts, policies):
@@ -299,10 +359,15 @@ def _peaks(profile: Profile, policies: Sequence[Policy]) -> tuple[int, int, int]
         peak = max(peak, kept_upto[i] + own)  # forward
         fetched = sum(acts[j] for j in range(max(0, i - k), i + 1) if policies[j] in (Policy.HOST, Policy.SSD))
         peak = max(peak, kept_upto[i] + fetched + (own if p is Policy.RECOMPUTE else 0))  # backward
-    window = (k + 2) * max((b.weight_bytes for b in blocks if b.streamed), default=0)
-    device = profile.device_base_bytes + window + peak
+    streamed = [b for b in blocks if b.streamed]
+    window = ((profile.weight_window + 1) * max((b.weight_bytes for b in streamed), default=0)
+              + max((b.grad_bytes for b in streamed), default=0))
+    resident = sum(b.weight_bytes + b.grad_bytes for b in blocks if not b.streamed)
+    device = profile.device_base_bytes + resident + window + peak
     host = (profile.optimizer_host_bytes + sum(a for a, p in zip(acts, policies) if p is Policy.HOST)
-            + sum(b.weight_bytes for b in blocks if b.weight_tier == "host"))
+            + sum(b.weight_bytes for b in blocks if b.weight_tier == "host")
+            + max((b.weight_bytes for b in blocks if b.weight_tier == "ssd"), default=0)
+            + max((b.grad_bytes for b in streamed), default=0))
     ssd = (OPTIMIZER_SSD_SLOTS * STATE_BYTES_PER_PARAM * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
            + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))

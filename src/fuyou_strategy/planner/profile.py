@@ -5,7 +5,9 @@
 - per block, forward time (forward pre/post hooks, the device synchronised on CUDA), the
   bytes of saved activations a host/ssd policy would move (a counting saved-tensor hook with
   the swapper's own rules), and backward time — the interval between backward entering the
-  block and entering the one before it (a hook on the block's output gradient);
+  block and entering the one before it (a hook on the block's output gradient); its weights'
+  bytes as the weight streamer holds them, and how many of them are trainable (their gradients),
+  with the tier ``weights`` gives them (``"auto"``: device, for the solver to change);
 - the rest of the model: from the last block's forward to backward entering it (head, loss
   and their backward);
 - then, once: device↔host copy bandwidth, SSD read and write bandwidth of the swap
@@ -31,11 +33,13 @@ from typing import Any
 
 import torch
 
-from ..activations.swap import first_tensor, swappable
+from ..activations.blocks import resolve_per_block
+from ..activations.swap import first_tensor, storage_id, swappable
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
 from ..optim.adamw import adamw_kernel
-from ..storage import HostBuffer, HostBufferPool
+from ..params.streaming import Tier
+from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
 
@@ -53,7 +57,7 @@ class WarmupProfiler:
         self.model, self.blocks, self.config, self.optimizer = model, blocks, config, optimizer
         self.steps = steps
         self.device = next(model.parameters()).device
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_storages = {storage_id(p) for p in model.parameters()}
         self._micro: list[dict] = []  # one record per micro-batch
         self._steps_seen = 0
         self._first_redos = self._first_steps = 0
@@ -156,30 +160,49 @@ class WarmupProfiler:
         other = med(r["enter"][n - 1] - r["end"][n - 1] for r in records)
         params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        packed = [_packed_weight_bytes(b) for b in self.blocks]
+        tiers = ["device"] * n if self.config.weights == "auto" else \
+            [t.value for t in resolve_per_block("weights", self.config.weights, n, Tier, Tier.DEVICE)]
         micro_batches = max(1, round(sum(1 for r in self._micro if r["step"] >= 1) / max(1, self._steps_seen - 1)))
         store = self.optimizer.store
         config = self.config
         device_budget = config.device_memory_budget or device_memory_bytes(self.device)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        weights = sum(_nbytes(p) for p in self.model.parameters())
+        grads = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
+        in_blocks = {id(p): p for b in self.blocks for p in b.parameters()}.values()
+        outside = weights + grads - sum(_nbytes(p) * (1 + p.requires_grad) for p in in_blocks)
         rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout)
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
-            blocks=[BlockProfile(f, b, a, p) for f, b, a, p in zip(fwd, bwd, act, params)],
+            blocks=[BlockProfile(f, b, a, p, weight_bytes=w, weight_tier=tier, frozen_weight_bytes=frozen)
+                    for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
             link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
             adam_params_per_s=adam_throughput(self.optimizer.fused),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
-            device_base_bytes=weights + grads,
+            device_base_bytes=outside,  # the blocks' weights and gradients count per tier (`cost.predict`)
             # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
             optimizer_host_bytes=host_budget_split(config).reserved,
-            micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks, redo_fraction=redo_fraction,
+            micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks,
+            weight_prefetch_blocks=config.weight_prefetch_blocks, redo_fraction=redo_fraction,
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",
             notes={"device": str(self.device), "measured_step_s": self.step_times[1:] or self.step_times},
         )
+
+
+def _packed_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
+    """A block's weights in bytes as the weight streamer holds them (each parameter in whole pages:
+    what its host-tier copies, SSD staging buffers and gradients' host copies take), and of them
+    the frozen ones'."""
+    params = list(block.parameters())
+    return sum(round_up(_nbytes(p)) for p in params), sum(round_up(_nbytes(p)) for p in params if not p.requires_grad)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20, *,

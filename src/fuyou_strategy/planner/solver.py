@@ -1,17 +1,22 @@
-"""The solver: per-block policies that minimise predicted step time within the budgets, as a `Plan`.
+"""The solver: per-block policies (and weight tiers) that minimise predicted step time within the
+budgets, as a `Plan`.
 
-Search, on the cost model of `cost.predict`:
+Search, on the cost model of `cost.predict`, over each block's activation policy and, when asked
+(``weight_tiers``), the tier of its weights too:
 
-1. **Fit.** Start with every block kept. While a tier is over budget, apply the single-block
-   change that frees the most over-budget bytes per second of predicted step time it adds.
+1. **Fit.** Start with every block kept and its weights on the device. While a tier is over
+   budget, apply the single-block change (of a policy or of a weight tier) that frees the most
+   over-budget bytes per second of predicted step time it adds.
 2. **Improve.** Apply the single-block change that lowers the predicted step time the most
-   and keeps every tier within budget; repeat until none does.
+   and keeps every tier within budget; repeat until none does. Between plans of the same
+   predicted time, the one with weights on cheaper tiers (device, then host, then ssd) wins.
 
-Blocks with the same activation size are interchangeable except for their position, so each
-round tries, per (current policy, new policy), the earliest and the latest such block — early
-blocks' activations are needed last in backward, so they are the cheapest to send to SSD —
+Blocks with the same activation (or weight) size are interchangeable except for their position,
+so each round tries, per (current value, new value), the earliest and the latest such block —
+early blocks' activations are needed last in backward, so they are the cheapest to send to SSD —
 and the whole group at once (the device peak can sit on a plateau, such as the prefetch
-window, that no single change lowers). That keeps a 96-layer search to seconds.
+window, that no single change lowers: streaming one block's weights adds the window of ``k + 1``
+blocks before it frees anything). That keeps a 96-layer search to seconds.
 
 If no assignment fits, `PlanError` says which tier is short and by how much at best.
 """
@@ -25,7 +30,7 @@ from typing import Iterable, Sequence
 
 from ..activations.blocks import Policy
 from ..config import did_you_mean, format_bytes
-from .cost import Prediction, Profile, predict
+from .cost import WEIGHT_TIERS, Prediction, Profile, predict
 
 __all__ = ["Plan", "PlanError", "solve", "fixed_plan"]
 
@@ -38,7 +43,11 @@ class PlanError(RuntimeError):
 
 @dataclass
 class Plan:
-    """Per-block activation policies, why, and what the cost model predicts for them."""
+    """Per-block activation policies and weight tiers, why, and what the cost model predicts for them.
+
+    ``weight_tiers`` holds one of `cost.WEIGHT_TIERS` per block; a plan file without it (written
+    before weight tiers were planned) means every block's weights on the device.
+    """
 
     policies: list[str]
     act_bytes: list[int]
@@ -50,17 +59,27 @@ class Plan:
     budgets: dict[str, int | None]
     source: str = "solver"
     profile: dict = field(default_factory=dict, repr=False)
+    weight_tiers: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.weight_tiers:
+            self.weight_tiers = ["device"] * len(self.policies)
 
     @property
     def activations(self) -> dict[int, str]:
         """The `FuyouConfig.activations` mapping that applies this plan."""
         return dict(enumerate(self.policies))
 
+    @property
+    def weights(self) -> dict[int, str]:
+        """The `FuyouConfig.weights` mapping that applies this plan: the streamed blocks' tiers."""
+        return {i: tier for i, tier in enumerate(self.weight_tiers) if tier != "device"}
+
     def table(self, *, compact: bool = False) -> str:
-        """One row per block (block, activation size, policy, reason); ``compact`` merges runs of
-        consecutive blocks with the same row into one ``first-last`` row."""
-        rows = [(str(i), format_bytes(nbytes), policy, reason)
-                for i, (nbytes, policy, reason) in enumerate(zip(self.act_bytes, self.policies, self.reasons))]
+        """One row per block (block, activation size, policy, weight tier, reason); ``compact`` merges
+        runs of consecutive blocks with the same row into one ``first-last`` row."""
+        rows = [(str(i), format_bytes(nbytes), policy, tier, reason) for i, (nbytes, policy, tier, reason)
+                in enumerate(zip(self.act_bytes, self.policies, self.weight_tiers, self.reasons))]
         if compact:
             merged: list[list] = []
             for i, row in enumerate(rows):
@@ -69,13 +88,13 @@ class Plan:
                 else:
                     merged.append(list(row))
             rows = [tuple(r) for r in merged]
-        lines = [f"{'block':>7}  {'activations':>12}  {'policy':<9}  reason", "-" * 78]
-        lines += [f"{b:>7}  {a:>12}  {p:<9}  {r}" for b, a, p, r in rows]
+        lines = [f"{'block':>7}  {'activations':>12}  {'policy':<9}  {'weights':<7}  reason", "-" * 78]
+        lines += [f"{b:>7}  {a:>12}  {p:<9}  {w:<7}  {r}" for b, a, p, w, r in rows]
         budget = {k: (format_bytes(v) if v is not None else "no limit") for k, v in self.budgets.items()}
-        counts = {p.value: self.policies.count(p.value) for p in Policy if self.policies.count(p.value)}
         lines += [
             "-" * 78,
-            f"policies: {', '.join(f'{v} {k}' for k, v in counts.items())}; predicted step {self.predicted_step_s:.3f} s",
+            f"policies: {_counts(self.policies, [p.value for p in Policy])}; weights: "
+            f"{_counts(self.weight_tiers, WEIGHT_TIERS)}; predicted step {self.predicted_step_s:.3f} s",
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
             f"{format_bytes(self.host_peak)} (budget {budget.get('host')}), ssd {format_bytes(self.ssd_peak)} "
             f"(budget {budget.get('ssd')})",
@@ -134,8 +153,9 @@ _FIELDS = {
                 lambda v: isinstance(v, dict) and all(b is None or _is_int(b) for b in v.values())),
     "source": _TEXT,
     "profile": ("an object", lambda v: isinstance(v, dict)),
+    "weight_tiers": (f"one of {list(WEIGHT_TIERS)}", lambda v: v in WEIGHT_TIERS),
 }
-_PER_BLOCK = ("policies", "act_bytes", "reasons")
+_PER_BLOCK = ("policies", "act_bytes", "reasons", "weight_tiers")
 
 
 def _shape_problem(values: object) -> str | None:
@@ -162,35 +182,49 @@ def _shape_problem(values: object) -> str | None:
                 return f"{where}: got {item!r} ({type(item).__name__}); expected {what}"
     blocks = len(values["policies"])
     for key in _PER_BLOCK[1:]:
-        if len(values[key]) != blocks:
+        if key in values and len(values[key]) != blocks:
             return f"policies has {blocks} entries but {key} has {len(values[key])}: one entry per block"
     return None
 
 
-def fixed_plan(profile: Profile, policies: Sequence[Policy | str], *, reason: str = "given",
-               overlap_optimizer: bool = True) -> Plan:
-    """A `Plan` for given policies (e.g. all-ssd), with the cost model's prediction."""
-    policies = [Policy(p) for p in policies]
-    return _plan(profile, policies, predict(profile, policies, overlap_optimizer=overlap_optimizer),
-                 [reason] * len(policies), "fixed")
+def fixed_plan(profile: Profile, policies: Sequence[Policy | str], *, weight_tiers: Sequence[str] | None = None,
+               reason: str = "given", overlap_optimizer: bool = True) -> Plan:
+    """A `Plan` for given policies (e.g. all-ssd) and weight tiers (default: the profile's), with the
+    cost model's prediction."""
+    state = ([Policy(p) for p in policies],
+             list(weight_tiers) if weight_tiers is not None else [b.weight_tier for b in profile.blocks])
+    pred = predict(profile, state[0], weight_tiers=state[1], overlap_optimizer=overlap_optimizer)
+    return _plan(profile, state, pred, [reason] * len(state[0]), "fixed")
 
 
-def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy), overlap_optimizer: bool = True) -> Plan:
-    """The policies that minimise predicted step time within the budgets (see the module docstring)."""
+def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy),
+          weight_tiers: Iterable[str] | None = None, overlap_optimizer: bool = True) -> Plan:
+    """The policies that minimise predicted step time within the budgets (see the module docstring).
+
+    ``allowed``: the activation policies to choose from. ``weight_tiers``: the tiers (of
+    `cost.WEIGHT_TIERS`) to choose each block's weights from, jointly with the policies; ``None``
+    keeps each block's `BlockProfile.weight_tier`. Raises `PlanError` when nothing fits, naming the
+    tier that is short and by how much at best.
+    """
     allowed = [Policy(p) for p in allowed]
+    tiers = None if weight_tiers is None else list(weight_tiers)
+    if tiers is not None and (not tiers or any(t not in WEIGHT_TIERS for t in tiers)):
+        raise ValueError(f"weight_tiers: got {tiers!r}; expected some of {list(WEIGHT_TIERS)}")
+    tiers = [t for t in WEIGHT_TIERS if t in tiers] if tiers is not None else []  # cheapest first
     n = profile.num_blocks
     if n == 0:
         raise PlanError("the profile has no blocks to plan")
 
-    def evaluate(policies: list[Policy]) -> Prediction:
-        return predict(profile, policies, overlap_optimizer=overlap_optimizer)
+    def evaluate(state: _State) -> Prediction:
+        return predict(profile, state[0], weight_tiers=state[1], overlap_optimizer=overlap_optimizer)
 
-    current = [Policy.KEEP if Policy.KEEP in allowed else allowed[0]] * n
+    current = ([Policy.KEEP if Policy.KEEP in allowed else allowed[0]] * n,
+               [tiers[0]] * n if tiers else [b.weight_tier for b in profile.blocks])
     best = evaluate(current)
     # 1. Fit.
     while not best.fits:
         choice = None
-        for candidate, pred in _moves(profile, current, allowed, evaluate):
+        for candidate, pred in _moves(profile, current, allowed, tiers, evaluate):
             freed = sum(best.over.values()) - sum(pred.over.values())
             if freed <= 0:
                 continue
@@ -201,32 +235,55 @@ def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy), 
         if choice is None:
             short = ", ".join(f"{tier} needs {format_bytes(nbytes)} more" for tier, nbytes in best.over.items())
             raise PlanError(
-                f"does not fit: {short} (with the best policies found: "
-                f"{_counts(current)}; device peak {format_bytes(best.device_peak)}, host {format_bytes(best.host_peak)}, "
-                f"ssd {format_bytes(best.ssd_peak)}); raise that budget, shorten the sequence or shrink the batch"
+                f"does not fit: {short} (with the best policies found: {_counts(current[0], list(Policy))}; "
+                f"weights {_counts(current[1], WEIGHT_TIERS)}; device peak {format_bytes(best.device_peak)}, host "
+                f"{format_bytes(best.host_peak)}, ssd {format_bytes(best.ssd_peak)}); raise that budget, shorten the "
+                "sequence or shrink the batch"
             )
         _, current, best = choice
-    # 2. Improve.
+    # 2. Improve: faster, or as fast with the weights on cheaper tiers.
     while True:
         choice = None
-        for candidate, pred in _moves(profile, current, allowed, evaluate):
-            if pred.fits and pred.step_s < best.step_s - _TOLERANCE * max(1.0, best.step_s):
-                if choice is None or pred.step_s < choice[1].step_s:
+        for candidate, pred in _moves(profile, current, allowed, tiers, evaluate):
+            if not pred.fits:
+                continue
+            faster = pred.step_s < best.step_s - _TOLERANCE * max(1.0, best.step_s)
+            if faster or pred.step_s <= best.step_s and _tier_rank(candidate) < _tier_rank(current):
+                if choice is None or (pred.step_s, _tier_rank(candidate)) < (choice[1].step_s, _tier_rank(choice[0])):
                     choice = (candidate, pred)
         if choice is None:
             break
         current, best = choice
-    return _plan(profile, current, best, _reasons(profile, current, best, allowed, evaluate), "solver")
+    return _plan(profile, current, best, _reasons(current, best, allowed, tiers, evaluate), "solver")
 
 
-def _moves(profile: Profile, current: list[Policy], allowed: list[Policy], evaluate) -> Iterable[tuple[list[Policy], Prediction]]:
-    """Single-block changes worth trying: per (size, current policy, new policy), the first and last block."""
-    groups: dict[tuple[int, Policy], list[int]] = {}
-    for i, (b, p) in enumerate(zip(profile.blocks, current)):
-        groups.setdefault((b.act_bytes, p), []).append(i)
-    for (_size, policy), indices in groups.items():
+_State = tuple[list[Policy], list[str]]  # per block: activation policy, weight tier
+
+
+def _tier_rank(state: _State) -> int:
+    """How far the weights are from the device, in all (0: every block's on the device)."""
+    return sum(WEIGHT_TIERS.index(t) for t in state[1])
+
+
+def _moves(profile: Profile, current: _State, allowed: list[Policy], tiers: list[str],
+           evaluate) -> Iterable[tuple[_State, Prediction]]:
+    """Single-block changes worth trying, of a policy or of a weight tier (see `_changes`)."""
+    policies, weights = current
+    for candidate in _changes([b.act_bytes for b in profile.blocks], policies, allowed):
+        yield (candidate, weights), evaluate((candidate, weights))
+    for candidate in _changes([b.weight_bytes for b in profile.blocks], weights, tiers):
+        yield (policies, candidate), evaluate((policies, candidate))
+
+
+def _changes(sizes: list[int], current: list, allowed: list) -> Iterable[list]:
+    """Per (size, current value, new value), the first and the last block of that size and value
+    changed, and all of them; then every block at once to each allowed value."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (size, value) in enumerate(zip(sizes, current)):
+        groups.setdefault((size, value), []).append(i)
+    for (_size, value), indices in groups.items():
         for target in allowed:
-            if target is policy:
+            if target == value:
                 continue
             # One block (the first or the last of its group), or the whole group at once: the
             # device peak can sit on a plateau (e.g. the prefetch window) that no single move lowers.
@@ -234,35 +291,47 @@ def _moves(profile: Profile, current: list[Policy], allowed: list[Policy], evalu
                 candidate = list(current)
                 for index in change:
                     candidate[index] = target
-                yield candidate, evaluate(candidate)
+                yield candidate
     for target in allowed:  # and every block at once: the uniform plans are always considered
-        if any(p is not target for p in current):
-            candidate = [target] * len(current)
-            yield candidate, evaluate(candidate)
+        if any(v != target for v in current):
+            yield [target] * len(current)
 
 
-def _reasons(profile: Profile, policies: list[Policy], best: Prediction, allowed: list[Policy], evaluate) -> list[str]:
-    """Why each block has its policy: what each alternative would cost or break."""
+def _reasons(state: _State, best: Prediction, allowed: list[Policy], tiers: list[str], evaluate) -> list[str]:
+    """Why each block has its policy (and, when the solver chose them, its weight tier): what each
+    alternative would cost or break."""
+    policies, weights = state
     reasons = []
     for i, policy in enumerate(policies):
-        alternatives = []
-        for other in allowed:
-            if other is policy:
-                continue
-            candidate = list(policies)
-            candidate[i] = other
-            pred = evaluate(candidate)
-            if not pred.fits:
-                tier, nbytes = next(iter(pred.over.items()))
-                alternatives.append(f"{other.value}: {tier} over by {format_bytes(nbytes)}")
-            else:
-                alternatives.append(f"{other.value} {pred.step_s - best.step_s:+.3f} s")
         why = "fastest that fits" if policy is Policy.KEEP else "frees device memory at least cost"
-        reasons.append(f"{why} ({'; '.join(alternatives)})")
+        reason = f"{why} ({_alternatives(state, i, 0, allowed, best, evaluate)})"
+        if tiers:
+            why = "resident, fastest that fits" if weights[i] == "device" else "streamed, frees device memory"
+            reason += f"; weights {why} ({_alternatives(state, i, 1, tiers, best, evaluate) or 'no other tier'})"
+        reasons.append(reason)
     return reasons
 
 
-def _plan(profile: Profile, policies: list[Policy], pred: Prediction, reasons: list[str], source: str) -> Plan:
+def _alternatives(state: _State, i: int, which: int, options: list, best: Prediction, evaluate) -> str:
+    """What giving block ``i`` each other of ``options`` (for ``state[which]``) would cost or break."""
+    notes = []
+    for other in options:
+        if other == state[which][i]:
+            continue
+        values = list(state[which])
+        values[i] = other
+        pred = evaluate((values, state[1]) if which == 0 else (state[0], values))
+        name = getattr(other, "value", other)
+        if not pred.fits:
+            tier, nbytes = next(iter(pred.over.items()))
+            notes.append(f"{name}: {tier} over by {format_bytes(nbytes)}")
+        else:
+            notes.append(f"{name} {pred.step_s - best.step_s:+.3f} s")
+    return "; ".join(notes)
+
+
+def _plan(profile: Profile, state: _State, pred: Prediction, reasons: list[str], source: str) -> Plan:
+    policies, weights = state
     return Plan(
         policies=[p.value for p in policies],
         act_bytes=[b.act_bytes for b in profile.blocks],
@@ -274,8 +343,10 @@ def _plan(profile: Profile, policies: list[Policy], pred: Prediction, reasons: l
         budgets={"device": profile.device_budget, "host": profile.host_budget, "ssd": profile.ssd_budget},
         source=source,
         profile=profile.to_dict(),
+        weight_tiers=list(weights),
     )
 
 
-def _counts(policies: Sequence[Policy]) -> str:
-    return ", ".join(f"{sum(p is q for p in policies)} {q.value}" for q in Policy if any(p is q for p in policies))
+def _counts(values: Sequence[str], order: Iterable[str]) -> str:
+    """``"6 keep, 2 ssd"``: how many of ``values`` are each of ``order`` (those that occur)."""
+    return ", ".join(f"{values.count(v)} {getattr(v, 'value', v)}" for v in order if values.count(v))

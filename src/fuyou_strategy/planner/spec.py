@@ -201,7 +201,7 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
     block = BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=model.block_params,
                          weight_bytes=2 * model.block_params, weight_tier=tier)
     head_fwd = 2 * tokens * model.vocab * model.hidden / rate
-    device_base = 4 * (model.params if tier == "device" else model.other_params)
+    device_base = 4 * model.other_params  # the blocks' weights and gradients: `cost.predict` adds them per tier
     notes = {"weights": "device" if tier == "device" else f"streamed from {tier}"}
     return Profile(
         blocks=[block] * model.layers, other_fwd_s=head_fwd, other_bwd_s=2 * head_fwd, other_params=model.other_params,
@@ -210,7 +210,8 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
         device_base_bytes=device_base, optimizer_host_bytes=min(hw.host_memory, host_reserve),
         micro_batches=micro_batches, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
         host_budget=hw.host_memory,
-        blocking_swap_out=False,  # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
+        # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
+        blocking_swap_out=False, blocking_weight_copy=False,
         ssd_budget=None, source="analytic",
         notes={**notes, "model": model.name, "hardware": hw.name, "batch": batch, "seq": seq,
                "flops_per_step": step_flops(model, batch, seq) * micro_batches,

@@ -1,0 +1,216 @@
+"""The planner chooses weight tiers (weights="auto") jointly with the activation policies: on synthetic
+profiles, in plan files, in the config, and in training (a LoRA GPT-2 streaming its frozen base)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
+from fuyou_strategy.activations import Policy
+from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, predict, solve
+from test_planner import MiB, assert_within_budgets, synthetic
+from conftest import tiny_causal_lm
+from test_weights import frozen, ids, lora_model
+
+GiB = 2**30
+
+
+def weighty(**fields):
+    """8 blocks of 100 MiB activations and 100 MiB of trainable weights (as many gradients), 200 MiB besides."""
+    return synthetic(weight_bytes=100 * MiB, **fields)
+
+
+# -- solver -----------------------------------------------------------------------------------------------------
+def test_weights_stay_on_the_device_when_they_fit():
+    plan = solve(weighty(device=10 * GiB), weight_tiers=WEIGHT_TIERS)
+    assert plan.weight_tiers == ["device"] * 8 and plan.weights == {} and plan.policies == ["keep"] * 8
+    assert plan.device_peak == 200 * MiB + 8 * 200 * MiB + 8 * 100 * MiB  # base, weights and gradients, activations
+
+
+@pytest.mark.parametrize("host,tier", [(10 * GiB, "host"), (250 * MiB, "ssd")], ids=["host-has-room", "host-holds-one-block"])
+def test_blocks_stream_when_all_resident_does_not_fit(host, tier):
+    # Resident weights and gradients alone (200 + 1600 MiB) are over the budget: no activation policy helps.
+    profile = weighty(device=1200 * MiB, host=host)
+    with pytest.raises(PlanError, match="does not fit: device needs"):
+        solve(profile)  # the profile's tiers (all device) kept
+    plan = solve(profile, weight_tiers=WEIGHT_TIERS)
+    assert_within_budgets(plan)
+    streamed = plan.weights
+    assert streamed and set(streamed.values()) == {tier}, "the cheapest tier that fits"
+    assert "streamed" in plan.reasons[next(iter(streamed))]
+    assert plan.predicted_step_s == pytest.approx(
+        predict(profile, [Policy(p) for p in plan.policies], weight_tiers=plan.weight_tiers).step_s)
+
+
+def test_only_the_offered_tiers_are_chosen():
+    plan = solve(weighty(device=1200 * MiB, host=10 * GiB), weight_tiers=["device", "ssd"])  # e.g. on the CPU
+    assert set(plan.weights.values()) == {"ssd"}
+
+
+def test_the_read_cost_of_streamed_weights_is_in_the_prediction():
+    # Blocks streamed from SSD: a slower drive, a slower predicted step (reads, not only the optimizer's traffic).
+    fast, slow = (solve(weighty(device=2000 * MiB, host=250 * MiB, ssd_bw=bw), weight_tiers=["device", "ssd"],
+                        allowed=["keep"]) for bw in (10e9, 0.5e9))
+    assert fast.weights and fast.weights == slow.weights and fast.policies == slow.policies
+    tiers = [Policy.KEEP] * 8
+    assert slow.predicted_step_s - fast.predicted_step_s > (
+        predict(weighty(ssd_bw=0.5e9), tiers).step_s - predict(weighty(ssd_bw=10e9), tiers).step_s), \
+        "more than the optimizer's state traffic alone slows down"
+
+
+def test_nothing_fits_is_a_plan_error_naming_the_tier_and_the_weights():
+    with pytest.raises(PlanError, match=r"does not fit: device needs .* more \(.*weights 8 ssd"):
+        solve(weighty(device=300 * MiB, host=0), weight_tiers=WEIGHT_TIERS)
+    with pytest.raises(ValueError, match=r"weight_tiers: got \['gpu'\]"):
+        solve(weighty(), weight_tiers=["gpu"])
+
+
+# -- plans ------------------------------------------------------------------------------------------------------
+def test_plan_json_round_trip_with_weight_tiers_and_old_plans_without_them(tmp_path):
+    plan = solve(weighty(device=1200 * MiB, host=10 * GiB), weight_tiers=WEIGHT_TIERS)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    table = plan.table()
+    assert "weights" in table.splitlines()[0] and " host " in table and "weights: " in table
+    old = dataclasses.asdict(plan)
+    del old["weight_tiers"]  # a plan file written before weight tiers were planned
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Plan.load(tmp_path / "old.json").weight_tiers == ["device"] * 8
+    bad = dict(old, weight_tiers=["device"] * 7 + ["gpu"])
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(PlanError, match=r"weight_tiers\[7\]: got 'gpu' \(str\); expected one of \['device', 'host', "
+                                        r"'ssd'\]"):
+        Plan.load(tmp_path / "bad.json")
+    (tmp_path / "short.json").write_text(json.dumps(dict(old, weight_tiers=["device"])))
+    with pytest.raises(PlanError, match="policies has 8 entries but weight_tiers has 1"):
+        Plan.load(tmp_path / "short.json")
+
+
+def test_config_weights_auto_needs_the_planner_or_a_plan(tmp_path):
+    assert FuyouConfig(weights="auto", activations="auto").weights == "auto"
+    with pytest.raises(ConfigError, match=r"weights: got 'auto' with activations='ssd' and no plan; .*activations='auto'"):
+        FuyouConfig(weights="auto", activations="ssd")
+    path = tmp_path / "plan.json"
+    fixed_plan(weighty(n=2), ["keep", "ssd"], weight_tiers=["ssd", "device"]).save(path)
+    for weights in ("auto", "device"):
+        assert FuyouConfig(weights=weights, plan=str(path)).plan == str(path)
+    with pytest.raises(ConfigError, match=r"weights: got 'host', but the plan .* chooses the weight tiers \{0: 'ssd'\}"):
+        FuyouConfig(weights="host", plan=str(path))
+    fixed_plan(weighty(n=2), ["keep", "ssd"]).save(path)  # every block's weights on the device
+    assert FuyouConfig(weights="host", plan=str(path)).weights == "host"
+
+
+# -- in training ----------------------------------------------------------------------------------------------------
+def run(model, config, steps):
+    """``steps`` engine steps on a fixed batch schedule; the engine (open: the caller closes it) and the losses."""
+    engine = FuyouEngine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                         config=config)
+    losses = []
+    try:
+        for step in range(steps):
+            engine.begin_micro_batch(update=True)
+            loss = model(input_ids=ids(step), labels=ids(step)).loss
+            loss.backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            losses.append(loss.item())
+    except BaseException:
+        engine.close()
+        raise
+    return engine, losses
+
+
+def losses_of(model, config, steps):
+    engine, losses = run(model, config, steps)
+    engine.close()
+    return losses
+
+
+def auto(tmp_path, **fields):
+    return FuyouConfig(swap_dirs=[str(tmp_path)], activations="auto", weights="auto", planner_warmup_steps=2,
+                       weight_prefetch_blocks=0, chunk_size="8KiB", host_memory_budget="4MiB",
+                       activation_min_bytes=0, **fields)
+
+
+def test_auto_streams_the_frozen_base_when_the_device_budget_is_small_and_changes_no_number(tmp_path):
+    engine, reference = run(lora_model(), auto(tmp_path), steps=5)  # no device budget on the CPU: all resident
+    roomy = engine.plan
+    engine.close()
+    assert roomy.weight_tiers == ["device", "device"] and engine.streamer is None, "weights fit: nothing streams"
+    profile = roomy.profile
+    assert all(b["weight_bytes"] > b["frozen_weight_bytes"] > 0 for b in profile["blocks"]), "LoRA: mostly frozen"
+    # Below what any activation policy reaches with every weight resident, above the all-streamed minimum.
+    measured = Profile.from_dict(profile)
+    lowest = {tiers: min(predict(measured, [p] * 2, weight_tiers=[tiers] * 2).device_peak for p in (Policy.RECOMPUTE,
+                                                                                                     Policy.SSD))
+              for tiers in ("device", "ssd")}
+    assert lowest["ssd"] < lowest["device"]
+    budget = (lowest["ssd"] + lowest["device"]) // 2
+
+    model = lora_model()
+    base = frozen(model)
+    engine, losses = run(model, auto(tmp_path, device_memory_budget=budget), steps=5)
+    try:
+        plan = engine.plan
+        measured = Profile.from_dict(plan.profile)
+        assert plan.weights and set(plan.weights.values()) == {"ssd"} and plan.device_peak <= budget
+        assert engine.streamer is not None and engine.streamer.config.weights == plan.weights
+        summary = engine.summary()
+        assert summary["weight_tiers"] == plan.weights and summary["weight_bytes_streamed"] > 0
+        # The prediction includes reading the streamed blocks at the measured SSD and copy bandwidths.
+        assert summary["plan_predicted_step_seconds"] == plan.predicted_step_s > predict(
+            measured, [Policy(p) for p in plan.policies], weight_tiers=["device", "device"]).step_s
+        assert plan.profile["ssd_read_bytes_per_s"] > 0
+        assert all(b["weight_tier"] == "device" for b in plan.profile["blocks"]), \
+            "the profile is measured with the weights resident; the plan's tiers are the solver's"
+    finally:
+        engine.close()
+    assert losses == reference, "streaming the frozen base changes no number"
+    for name, p in base.items():
+        assert torch.equal(dict(model.named_parameters())[name], p), name
+
+
+def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
+    resident_model = tiny_causal_lm("gpt2")
+    engine, reference = run(resident_model, auto(tmp_path), steps=5)
+    roomy = Profile.from_dict(engine.plan.profile)
+    engine.close()
+    assert all(b.frozen_weight_bytes == 0 < b.weight_bytes for b in roomy.blocks), "every weight trainable"
+    # Weights and gradients resident, with the least activations: over; every block streamed: fits.
+    resident, streamed = (predict(roomy, [Policy.RECOMPUTE] * 2, weight_tiers=[tier] * 2).device_peak
+                          for tier in ("device", "ssd"))
+    assert streamed < resident
+    model = tiny_causal_lm("gpt2")
+    engine, losses = run(model, auto(tmp_path, device_memory_budget=(streamed + resident) // 2), steps=5)
+    try:
+        plan = engine.plan
+        assert set(plan.weights.values()) == {"ssd"} and engine.summary()["weight_tiers"] == plan.weights
+        assert engine.streamer.stats.trainable_bytes > 0, "the trainable weights are streamed"
+    finally:
+        engine.close()
+    assert losses == reference, "streaming the trainable weights changes no number"
+    for (name, p), (_, q) in zip(resident_model.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_auto_that_cannot_fit_is_a_config_error_naming_both_fields(tmp_path):
+    with pytest.raises(ConfigError, match=r"activations='auto', weights='auto': does not fit: device needs"):
+        run(lora_model(), auto(tmp_path, device_memory_budget="16KiB"), steps=3)
+    assert not any(p.name.startswith("fuyou-run") for p in tmp_path.iterdir())
+
+
+def test_a_pinned_plan_with_weight_tiers_streams_from_the_first_step(tmp_path):
+    path = tmp_path / "plan.json"
+    fixed_plan(weighty(n=2), ["keep", "recompute"], weight_tiers=["ssd", "device"]).save(path)
+    reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=2)
+    engine, losses = run(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)], plan=str(path), chunk_size="8KiB",
+                                                  host_memory_budget="4MiB"), steps=2)
+    try:
+        assert engine.streamer.stats.tiers == {0: "ssd"} and engine.summary()["weight_bytes_streamed"] > 0
+        assert engine.swapper.policies == [Policy.KEEP, Policy.RECOMPUTE]
+    finally:
+        engine.close()
+    assert losses == reference
+
