@@ -588,3 +588,26 @@ def test_a_run_directory_that_cannot_be_removed_is_reported(tmp_path, monkeypatc
     monkeypatch.undo()
     rundir.remove_run_dir(path)
     assert not os.path.exists(path)
+
+
+def test_a_chunk_can_be_read_while_another_chunk_of_the_same_slot_is_being_written(small_config, monkeypatch):
+    """With one slot (state_slots=1) the optimizer writes chunk k in place while it reads chunk k+1 ahead."""
+    release = threading.Event()
+    real = aio._pwritev
+    monkeypatch.setattr(aio, "_pwritev", lambda fd, bufs, off: (release.wait(10), real(fd, bufs, off))[1])
+    with TensorStore(small_config) as store:
+        store.create("x", (2 * small_config.chunk_size // 4,), torch.float32, slots=1)
+        release.set()
+        store.write("x", torch.arange(2 * small_config.chunk_size // 4, dtype=torch.float32)).result(timeout=10)
+        release.clear()
+        buf = store.pool.acquire(small_config.chunk_size)
+        buf.view(torch.float32).fill_(-1)
+        writing = store.write_chunk("x", 0, buf)  # held in flight until released
+        with store.read_chunk("x", 1).result(timeout=10) as other:  # another chunk: readable
+            assert other.view(torch.float32)[0].item() == small_config.chunk_size // 4
+        with pytest.raises(StorageError, match="chunk 0 not written yet"):  # the chunk being written: refused
+            store.read_chunk("x", 0)
+        release.set()
+        writing.result(timeout=10)
+        with store.read_chunk("x", 0).result(timeout=10) as chunk:
+            assert chunk.view(torch.float32)[0].item() == -1

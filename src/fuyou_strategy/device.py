@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["PAGE_SIZE", "cuda_available", "alloc_host_buffer", "HostBufferUsage", "host_buffer_usage",
-           "reset_host_buffer_high_water", "Upload"]
+           "reset_host_buffer_high_water", "Upload", "copy_to_device", "claim_for_current_stream"]
 
 PAGE_SIZE = 4096
 
@@ -101,20 +101,37 @@ class Upload:
 
     def copy(self, offset: int, src: torch.Tensor) -> None:
         """Copy the ``uint8`` host tensor ``src`` into the tensor's bytes at ``offset``."""
-        dst = self.tensor[offset : offset + src.numel()]
-        if self._stream is None:
-            dst.copy_(src)
-            return
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        done.synchronize()
+        copy_to_device(self.tensor[offset : offset + src.numel()], src)
 
     def result(self) -> torch.Tensor:
         if self._stream is not None:
             self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
         return self.tensor
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy host tensor ``src`` into device tensor ``dst`` from any thread; returns once the bytes are there.
+
+    With CUDA: a ``non_blocking`` copy on the device's side stream (from pinned memory, as the
+    host pool's buffers are), waited for through an event, so the caller's thread — not the
+    compute stream — waits. On the CPU a plain copy (it releases the GIL).
+    """
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
+    stream = _side_stream(dst.device)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+
+
+def claim_for_current_stream(t: torch.Tensor) -> None:
+    """Tell CUDA's caching allocator that the current stream uses ``t`` (filled on a side stream), so its
+    memory is not handed out again before that stream is done with it; nothing to do on the CPU."""
+    if t.device.type == "cuda" and t.untyped_storage().nbytes():
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 _side_streams: dict[int, "torch.cuda.Stream"] = {}

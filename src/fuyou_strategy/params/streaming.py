@@ -56,7 +56,7 @@ from __future__ import annotations
 import enum
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -65,6 +65,7 @@ import torch
 from ..activations.blocks import discover_blocks, resolve_per_block
 from ..activations.swap import first_tensor, storage_id
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
+from ..device import claim_for_current_stream, copy_to_device
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize
 
@@ -139,8 +140,8 @@ class _Block:
         self.params = [(w.name, w.param) for w in weights]
         self.nbytes = sum(w.nbytes for w in weights)
         self.staging = sum(round_up(w.span(k)[1] * w.param.element_size()) for w in weights for k in range(w.nchunks))
-        self.reads: list[tuple[_Weight, int, Future]] | None = None  # SSD reads in flight (results: pool buffers)
-        self.resident = True  # the weights' device storage holds their bytes
+        self.upload: Future | None = None  # the weights on their way to the device (`WeightStreamer._prefetch`)
+        self.resident = True  # the weights' device storage holds their bytes (or will, once ``upload`` is done)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -207,6 +208,7 @@ class WeightStreamer:
         self._lock = threading.RLock()  # backward hooks may run on another thread (CUDA's autograd engine)
         self._callback_queued = False
         self._active = False
+        self._uploader: ThreadPoolExecutor | None = None
 
     # -- installing --------------------------------------------------------------------------------
     def install(self) -> None:
@@ -216,6 +218,7 @@ class WeightStreamer:
         units = self._plan_units()
         self._check_budgets(units)
         self._units = {}
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="fuyou-weights")  # copies onto the device ahead
         try:
             for unit in units.values():
                 self._to_tier(unit)
@@ -386,40 +389,35 @@ class WeightStreamer:
         return [(w, k, w.span(k)[1] * w.param.element_size()) for w in unit.weights for k in range(w.nchunks)]
 
     def _prefetch(self, i: int) -> bool:
-        """Issue the reads of block ``i``'s SSD copies if there are staging buffers now; False if not."""
+        """Start putting block ``i``'s weights on the device ahead of its use: SSD reads into staging
+        buffers (if the pool has room now; never waits), then, on the upload thread, the copy into
+        the weights' device storage (`device.copy_to_device`: a side stream on CUDA). Returns False
+        when there was no room for the staging buffers."""
         unit = self._units.get(i)
-        if unit is None or unit.resident or unit.tier is not Tier.SSD or unit.reads is not None:
+        if unit is None or unit.resident:
             return True
-        bufs = []
-        for _w, _k, nbytes in self._chunks(unit):  # never wait here: our own reads may hold the pool
-            buf = self.store.pool.try_acquire(nbytes, keep_free=self._keep_free)
-            if buf is None:
-                for b in bufs:
-                    b.release()
-                return False
-            bufs.append(buf)
-        self._read(unit, bufs)
+        reads = None
+        if unit.tier is Tier.SSD:
+            bufs = []
+            for _w, _k, nbytes in self._chunks(unit):  # never wait here: our own reads may hold the pool
+                buf = self.store.pool.try_acquire(nbytes, keep_free=self._keep_free)
+                if buf is None:
+                    for b in bufs:
+                        b.release()
+                    return False
+                bufs.append(buf)
+            reads = self._read(unit, bufs)
+        self._count_resident(unit)  # the device bytes are taken from now on
+        unit.upload = self._uploader.submit(self._upload, unit, reads)
         self.stats.prefetched += 1
         return True
 
-    def _read(self, unit: _Block, bufs: list[HostBuffer]) -> None:
+    def _read(self, unit: _Block, bufs: list[HostBuffer]) -> list[tuple[_Weight, int, Future]]:
         # Each future gives its buffer back, or releases it on failure.
-        unit.reads = [(w, k, self.store.read_chunk(w.entry, k, into=buf))
-                      for (w, k, _), buf in zip(self._chunks(unit), bufs)]
+        return [(w, k, self.store.read_chunk(w.entry, k, into=buf)) for (w, k, _), buf in zip(self._chunks(unit), bufs)]
 
-    def _take_reads(self, unit: _Block) -> list[tuple[_Weight, int, HostBuffer]]:
-        """Wait for the block's SSD reads (issuing them now if they were not); the caller releases the buffers."""
-        if unit.reads is None:
-            bufs = []
-            try:
-                for _w, _k, nbytes in self._chunks(unit):
-                    bufs.append(self.store.pool.acquire(nbytes, timeout=self.timeout))
-            except BaseException:
-                for b in bufs:
-                    b.release()
-                raise
-            self._read(unit, bufs)
-        reads, unit.reads = unit.reads, None
+    def _wait_reads(self, unit: _Block, reads: list[tuple[_Weight, int, Future]]) -> list[tuple[_Weight, int, HostBuffer]]:
+        """The block's finished SSD reads; on any failure every buffer is given back and the error raised."""
         done, error = [], None
         for w, k, fut in reads:
             try:
@@ -438,26 +436,31 @@ class WeightStreamer:
             raise error
         return done
 
-    def _materialize(self, i: int) -> None:
-        unit = self._units.get(i)
-        if unit is None or unit.resident:
-            return
-        for w in unit.weights:
-            w.param.untyped_storage().resize_(w.nbytes)
-        if unit.tier is Tier.HOST:
-            for w in unit.weights:  # through .data: the version counter autograd checks is not bumped
-                w.flat().copy_(w.host.view(w.dtype)[: w.numel])
-        else:
-            try:
-                reads = self._take_reads(unit)
-            except BaseException:
-                for w in unit.weights:
-                    w.param.untyped_storage().resize_(0)
-                raise
-            for w, k, buf in reads:
-                with buf:
-                    start, n = w.span(k)
-                    w.flat()[start: start + n].copy_(buf.view(w.dtype)[:n])
+    def _upload(self, unit: _Block, reads: list[tuple[_Weight, int, Future]] | None) -> None:
+        """Fill the block's device storage from its host copies or its SSD reads (any thread)."""
+        try:
+            done = self._wait_reads(unit, reads) if reads is not None else []
+        except BaseException:
+            for w in unit.weights:
+                w.param.untyped_storage().resize_(0)
+            raise
+        try:
+            for w in unit.weights:
+                w.param.untyped_storage().resize_(w.nbytes)
+            for w in unit.weights if unit.tier is Tier.HOST else ():
+                copy_to_device(w.flat(), w.host.view(w.dtype)[: w.numel])
+            for w, k, buf in done:
+                start, n = w.span(k)
+                copy_to_device(w.flat()[start: start + n], buf.view(w.dtype)[:n])
+        except BaseException:
+            for w in unit.weights:
+                w.param.untyped_storage().resize_(0)
+            raise
+        finally:
+            for _w, _k, buf in done:
+                buf.release()
+
+    def _count_resident(self, unit: _Block) -> None:
         unit.resident = True
         if self._active:
             self.stats.reads += 1
@@ -465,12 +468,55 @@ class WeightStreamer:
             self.stats.high_water_bytes = max(self.stats.high_water_bytes, self.stats.materialized_bytes)
             self.meter.add(unit.nbytes)
 
+    def _wait_upload(self, unit: _Block) -> None:
+        """Wait for the block's upload; it may not be left running (its storage is about to be used or freed)."""
+        try:
+            unit.upload.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"weights of block {unit.index}: putting {format_bytes(unit.nbytes)} on the device "
+                               f"took over {self.timeout:.0f} s (the SSD reads or the copy are stuck)") from None
+        finally:
+            if unit.upload.done():
+                unit.upload = None
+
+    def _materialize(self, i: int) -> None:
+        """Block ``i``'s weights on the device now: its upload waited for, or done here."""
+        unit = self._units.get(i)
+        if unit is None:
+            return
+        if unit.upload is not None:
+            try:
+                self._wait_upload(unit)
+            except BaseException:
+                if unit.upload is None:  # it failed (and freed the storage): count it released
+                    self._release(unit)
+                raise
+        elif not unit.resident:
+            reads = None
+            if unit.tier is Tier.SSD:
+                bufs = []
+                try:
+                    for _w, _k, nbytes in self._chunks(unit):
+                        bufs.append(self.store.pool.acquire(nbytes, timeout=self.timeout))
+                except BaseException:
+                    for b in bufs:
+                        b.release()
+                    raise
+                reads = self._read(unit, bufs)
+            self._upload(unit, reads)
+            self._count_resident(unit)
+        for w in unit.weights:
+            claim_for_current_stream(w.param)
+
     def _release(self, unit: _Block) -> None:
-        """Free the block's device bytes; reads in flight are waited for and their buffers returned."""
-        if unit.reads is not None:
-            reads, unit.reads = unit.reads, None
-            for _w, _k, fut in reads:
-                fut.add_done_callback(_release_read)
+        """Free the block's device bytes (an upload in flight is waited for first)."""
+        if unit.upload is not None:
+            try:
+                self._wait_upload(unit)
+            except TimeoutError:
+                raise
+            except BaseException:  # noqa: BLE001 - the bytes are not needed; a later read reports a real fault
+                pass
         if unit.resident:
             for w in unit.weights:
                 w.param.untyped_storage().resize_(0)
@@ -553,8 +599,8 @@ class WeightStreamer:
             self._handles = []
             self._active = False
             for unit in self._units.values():
-                if unit.reads is not None:
-                    self._release(unit)  # returns the buffers of reads in flight
+                if unit.upload is not None:
+                    self._release(unit)  # waits for the upload in flight
                 copies = all(w.host is not None or w.entry in self.store.entries for w in unit.weights)
                 if not unit.resident and copies:
                     self._materialize(unit.index)
@@ -569,6 +615,9 @@ class WeightStreamer:
             self._weights = {}
             self.stats.materialized_bytes = 0
             self.meter.sub(self.meter.now)
+            if self._uploader is not None:
+                self._uploader.shutdown(wait=True)  # every upload was waited for above
+                self._uploader = None
 
     def close(self) -> None:
         """`uninstall`, and close the store if the streamer made it."""

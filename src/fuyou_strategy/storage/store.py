@@ -65,6 +65,7 @@ class Entry:
     written: list[set[int]] = field(default_factory=lambda: [set(), set()])
     failed: list[str | None] = field(default_factory=lambda: [None, None])
     inflight: list[int] = field(default_factory=lambda: [0, 0])
+    writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
 
     @property
     def stride(self) -> int:
@@ -306,10 +307,14 @@ class TensorStore:
         with self._lock:
             entry.written[phys].discard(k)
             entry.inflight[phys] += 1
+            entry.writing[phys][k] = entry.writing[phys].get(k, 0) + 1
 
     def _end_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
         with self._lock:
             entry.inflight[phys] -= 1
+            entry.writing[phys][k] -= 1
+            if not entry.writing[phys][k]:
+                del entry.writing[phys][k]
             if fut.exception() is None:
                 entry.written[phys].add(k)
             elif entry.failed[phys] is None:
@@ -320,7 +325,8 @@ class TensorStore:
             if entry.failed[phys] is not None:
                 raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid: {entry.failed[phys]}")
             missing = k not in entry.written[phys] if k is not None else len(entry.written[phys]) < entry.nchunks
-            if missing or entry.inflight[phys]:
+            busy = entry.inflight[phys] if k is None else k in entry.writing[phys]
+            if missing or busy:
                 what = f"chunk {k}" if k is not None else "its chunks"
                 raise StorageError(f"entry {entry.name!r}: {what} not written yet (or a write is still in flight)")
 
