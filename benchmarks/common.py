@@ -20,7 +20,9 @@ JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 def allocator(use_jemalloc: bool = True) -> str:
     """The allocator the child processes will use."""
     preloaded = "jemalloc" in os.environ.get("LD_PRELOAD", "")
-    return "jemalloc" if preloaded or (use_jemalloc and os.path.exists(JEMALLOC)) else "glibc malloc"
+    name = "jemalloc" if preloaded or (use_jemalloc and os.path.exists(JEMALLOC)) else "glibc malloc"
+    conf = os.environ.get("MALLOC_CONF")  # e.g. dirty_decay_ms:-1: freed pages kept for reuse (no page faults)
+    return f"{name} (MALLOC_CONF={conf})" if conf and name == "jemalloc" else name
 
 
 def run_fresh(script: str, argv: list[str], use_jemalloc: bool = True) -> dict:
