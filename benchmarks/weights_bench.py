@@ -253,11 +253,7 @@ def plot_bars(path: Path, configs: list[str], results: dict, ref_s: float, title
         ax.annotate(f"{s / ref_s:.2f}x", (bar.get_x() + bar.get_width() / 2, s), ha="center", va="bottom")
     ax.set_xlabel("weights=")
     ax.set_ylabel("median step time (s)")
-    ax.set_title(title, fontsize=8, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
+    return _save(plt, fig, ax, title, path)
 
 
 # -- scale ------------------------------------------------------------------------------------------
@@ -341,6 +337,11 @@ def plot_rss(path: Path, rows: list[dict], title: str) -> str:
         ax.annotate(r["size"], (r["params"] / 1e9, r["peak_rss"] / 2**30), textcoords="offset points", xytext=(4, 4))
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("peak RSS (GiB)")
+    return _save(plt, fig, ax, title, path)
+
+
+def _save(plt, fig, ax, title: str, path) -> str:
+    """Title, layout, write ``path``; the line the report prints."""
     ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
