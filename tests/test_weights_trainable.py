@@ -104,6 +104,12 @@ def test_full_fine_tune_with_streamed_weights_is_bitwise_torch(tmp_path, family,
     assert not any(p.name.startswith("fuyou-run") for p in tmp_path.iterdir())
 
 
+def test_with_activation_swapping_and_recompute(tmp_path):
+    summary = streamed_run(tmp_path, "llama", MIX, torch.float32, activations={0: "ssd", 1: "recompute"},
+                           activation_min_bytes=0)
+    assert summary["activation_bytes_to_ssd"] > 0 and summary["weight_bytes_trainable_streamed"] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_state_slot_updates_in_step_bitwise(tmp_path, dtype):
     summary = streamed_run(tmp_path, "gpt2", MIX, dtype, state_slots=1)
