@@ -357,6 +357,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("mode", choices=("compare", "scale"))
     parser.add_argument("--quick", action="store_true", help="a model of a few MB (shape and step defaults below change)")
     parser.add_argument("--worker", choices=TIERS, help=argparse.SUPPRESS)
+    parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a written weights_<mode>.json again")
     parser.add_argument("--configs", default=",".join(TIERS), help="compare: comma list of weight tiers, device first")
     parser.add_argument("--sizes", default="0.35B,1B,2B,4B", help=f"scale: comma list of {', '.join(SIZES)}")
     parser.add_argument("--layers", type=int, default=18)
@@ -394,8 +395,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def replot(path: Path) -> str:
+    """Draw the PNG of a written ``weights_<mode>.json`` again (e.g. once matplotlib is installed)."""
+    data = json.loads(Path(path).read_text())
+    png, title = Path(path).with_suffix(".png"), data["table"].splitlines()[0]
+    if data["mode"] == "compare":
+        results = data["results"]
+        configs = data["args"]["configs"].split(",")
+        ref_s = statistics.median(results[configs[0]]["step_s"])
+        return plot_bars(png, configs, results, ref_s, title)
+    return plot_rss(png, data["rows"], title)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.replot:
+        print(replot(args.replot))
+        return
     if args.worker:
         print(json.dumps(worker(args)))
         return
