@@ -142,7 +142,8 @@ def worker(args: argparse.Namespace) -> dict:
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     config = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget,
                          device_memory_budget=args.device_budget, weights=args.worker,
-                         weight_prefetch_blocks=args.prefetch_blocks, state_slots=args.state_slots)
+                         weight_prefetch_blocks=args.prefetch_blocks, state_slots=args.state_slots,
+                         activations=args.activations)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     try:
         engine = FuyouEngine(model, optimizer, config=config, init_weights=model._init_weights if meta else None)
@@ -377,6 +378,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", default="4GiB", help="FuyouConfig.host_memory_budget")
     parser.add_argument("--device-budget", help="FuyouConfig.device_memory_budget (compare: none, scale: 2GiB)")
     parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.weight_prefetch_blocks")
+    parser.add_argument("--activations", choices=("keep", "ssd", "recompute"), default="keep",
+                        help="FuyouConfig.activations for every block (ssd/recompute keep RSS flat across sizes)")
     parser.add_argument("--state-slots", type=int, choices=(1, 2), default=2,
                         help="FuyouConfig.state_slots: 1 halves the optimizer state on SSD (no overlapped updates)")
     parser.add_argument("--build", choices=("memory", "meta"),
@@ -432,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
         f"compute dtype: {args.dtype} ({dtype_reason})",
         f"optimizer: torch.optim.AdamW(fused=True) converted by FuyouEngine (state on SSD, "
         f"{args.state_slots} slot(s)); host budget "
-        f"{args.host_budget}; device budget {args.device_budget or 'none'}; weight prefetch {args.prefetch_blocks} block(s)",
+        f"{args.host_budget}; device budget {args.device_budget or 'none'}; weight prefetch {args.prefetch_blocks} block(s); "
+        f"activations {args.activations}",
         f"swap dir: {args.swap_dir} ({gib(shutil.disk_usage(args.swap_dir).free)} GiB free); allocator: "
         f"{allocator(not args.no_jemalloc)}",
     ]
