@@ -186,6 +186,9 @@ class WarmupProfiler:
             optimizer_host_bytes=host_budget_split(config).reserved,
             micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks,
             weight_prefetch_blocks=config.weight_prefetch_blocks, redo_fraction=redo_fraction,
+            # The streamer copies prefetched blocks onto the device on its upload thread (a side
+            # stream on CUDA), not on the compute thread.
+            blocking_weight_copy=False,
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",
