@@ -31,11 +31,13 @@ materialises it, loads, and writes the loaded values to the tier copies.
 
 Schedule with ``k = config.weight_prefetch_blocks``:
 
-- forward of block ``i``: wait for its weights, issue reads for blocks ``i+1 … i+k``; after the
+- forward of block ``i``: wait for its weights, put blocks ``i+1 … i+k`` on the device ahead (SSD
+  reads into pool staging buffers, then the copy into their device storage on the streamer's
+  upload thread — a side stream on CUDA — so the compute thread only waits); after the
   block, release its weights unless it is one of the last ``k`` blocks (backward needs them first,
   when grad is enabled). The first block's forward releases whatever an earlier pass left.
 - backward entering block ``i`` (the gradient of its output is ready): release block ``i+1``,
-  wait for block ``i``, issue reads for ``i-1 … i-k``; the end of backward releases the rest.
+  wait for block ``i``, put ``i-1 … i-k`` on the device ahead; the end of backward releases the rest.
 - an exception inside a block's forward releases everything.
 
 Exactness: a block is read at its forward and at its backward; the optimizer publishes a
@@ -43,7 +45,8 @@ parameter only after its gradient is final (after the block's backward), and ``s
 for every publish before it returns, so the next forward reads the new weights, never a stale or
 half-written one (futures, not timing).
 
-So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``). `meter` counts
+So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``); a block put on
+the device ahead counts from the moment its upload starts. `meter` counts
 the device bytes of weights and gradients: resident parameters, buffers and resident gradients
 (counted as always present), the streamed weights materialised now, and streamed gradients until
 the optimizer has copied them off the device; its high-water mark is what ``device_memory_budget``
@@ -90,8 +93,8 @@ class StreamStats:
     window_bytes: int = 0  # the most streamed bytes on the device at once: the k + 1 largest blocks
     materialized_bytes: int = 0  # streamed bytes on the device now
     high_water_bytes: int = 0  # the most streamed bytes ever on the device at once
-    reads: int = 0  # block materialisations
-    prefetched: int = 0  # SSD reads issued ahead of their block
+    reads: int = 0  # block materialisations (ahead or on demand)
+    prefetched: int = 0  # blocks put on the device ahead of their use (upload thread)
     tiers: dict[int, str] = field(default_factory=dict)  # block index -> tier, streamed blocks only
 
 
