@@ -86,7 +86,7 @@ def test_host_policy_activations_stay_within_their_share(tmp_path):
     swapper.close()
 
 
-@pytest.mark.parametrize("activations, budget", [({0: "ssd", 1: "host"}, 160 * KiB), ("ssd", 48 * KiB), ("ssd", 24 * KiB)],
+@pytest.mark.parametrize("activations, budget", [({0: "ssd", 1: "host"}, 220 * KiB), ("ssd", 48 * KiB), ("ssd", 24 * KiB)],
                          ids=["ssd-and-host", "ssd-tight", "ssd-a-chunk-at-a-time"])
 def test_host_buffers_process_wide_never_exceed_the_budget_while_training(tmp_path, activations, budget):
     cfg = config(tmp_path, activations, budget)
