@@ -39,7 +39,7 @@ from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .params import WeightStreamer
-from .params.materialize import has_meta, materialize
+from .params.materialize import has_meta, materialize, model_device
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 
@@ -173,8 +173,7 @@ class FuyouEngine:
         self.report = report if report is not None else log.info
         self.model = model
         self.init_weights = init_weights
-        self.device = torch.device(device) if device is not None else next(
-            (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else model_device(model)
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads)

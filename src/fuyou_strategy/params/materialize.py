@@ -20,10 +20,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["materialize", "has_meta", "Init"]
+__all__ = ["materialize", "has_meta", "model_device", "Init"]
 
 _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # hooks a Parameter holds (e.g. FuyouAdamW's)
 Init = Callable[[torch.nn.Module], None]  # called on each materialised module, as ``module.apply(init)`` does
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s weights live: its first parameter not on the meta device, else the CPU."""
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
 def has_meta(module: torch.nn.Module, recurse: bool = True) -> bool:

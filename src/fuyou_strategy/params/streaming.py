@@ -70,7 +70,7 @@ from ..activations.swap import first_tensor, storage_id
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..device import claim_for_current_stream, copy_to_device
 from ..storage import HostBuffer, TensorStore, round_up
-from .materialize import Init, has_meta, materialize
+from .materialize import Init, has_meta, materialize, model_device
 
 __all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter"]
 
@@ -90,6 +90,7 @@ class StreamStats:
     streamed_bytes: int = 0  # weight bytes of streamed blocks (their sum over blocks)
     trainable_bytes: int = 0  # of which trainable (published by the optimizer)
     resident_bytes: int = 0  # parameter and buffer bytes that stay on the device
+    resident_grad_bytes: int = 0  # gradients of the trainable parameters that stay on the device
     window_bytes: int = 0  # the most streamed bytes on the device at once: the k + 1 largest blocks
     materialized_bytes: int = 0  # streamed bytes on the device now
     high_water_bytes: int = 0  # the most streamed bytes ever on the device at once
@@ -196,8 +197,7 @@ class WeightStreamer:
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
         self.trainable = dict(trainable or {})
-        self.device = device if device is not None else next(
-            (p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+        self.device = device if device is not None else model_device(model)
         self.init_weights = init_weights
         self._own_store = store is None and any(t is not Tier.DEVICE for t in self.tiers)
         self.store = TensorStore(config) if self._own_store else store
@@ -244,7 +244,7 @@ class WeightStreamer:
                     lambda module, keys, unit=unit: self._load_end(unit)))
         self._weights = {w.param: w for u in self._units.values() for w in u.weights if w.trainable}
         self.stats.tiers = {i: u.tier.value for i, u in self._units.items()}
-        self.meter.add(self.stats.resident_bytes + self._resident_grad_bytes())
+        self.meter.add(self.stats.resident_bytes + self.stats.resident_grad_bytes)
         self._active = True
 
     def _plan_units(self) -> dict[int, _Block]:
@@ -280,10 +280,6 @@ class WeightStreamer:
                 units[i] = _Block(i, tier, weights)
         return units
 
-    def _resident_grad_bytes(self) -> int:
-        streamed = {id(w.param) for u in self._units.values() for w in u.weights}
-        return sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad and id(p) not in streamed)
-
     def _check_budgets(self, units: dict[int, _Block]) -> None:
         streamed = {id(w.param) for u in units.values() for w in u.weights}
         resident = {_storage_key(t): t.untyped_storage().nbytes()
@@ -295,7 +291,8 @@ class WeightStreamer:
         s.trainable_bytes = sum(w.nbytes for u in units.values() for w in u.weights if w.trainable)
         s.resident_bytes = sum(resident.values())
         s.window_bytes = sum(largest[: self.k + 1])
-        resident_grads = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad and id(p) not in streamed)
+        s.resident_grad_bytes = resident_grads = sum(_nbytes(p) for p in self.model.parameters()
+                                                     if p.requires_grad and id(p) not in streamed)
         need = s.resident_bytes + resident_grads + s.window_bytes + grad
         budget = self.config.device_memory_budget
         if budget is not None and need > budget:
@@ -401,19 +398,33 @@ class WeightStreamer:
             return True
         reads = None
         if unit.tier is Tier.SSD:
-            bufs = []
-            for _w, _k, nbytes in self._chunks(unit):  # never wait here: our own reads may hold the pool
-                buf = self.store.pool.try_acquire(nbytes, keep_free=self._keep_free)
-                if buf is None:
-                    for b in bufs:
-                        b.release()
-                    return False
-                bufs.append(buf)
+            bufs = self._staging(unit, wait=False)  # never wait here: our own reads may hold the pool
+            if bufs is None:
+                return False
             reads = self._read(unit, bufs)
         self._count_resident(unit)  # the device bytes are taken from now on
         unit.upload = self._uploader.submit(self._upload, unit, reads)
         self.stats.prefetched += 1
         return True
+
+    def _staging(self, unit: _Block, *, wait: bool) -> list[HostBuffer] | None:
+        """A pool buffer per chunk of the block's SSD copies: waiting up to ``io_timeout`` for them, or
+        (``wait=False``) only if they fit now beside the optimizer's share, else ``None``."""
+        bufs: list[HostBuffer] = []
+        complete = False
+        try:
+            for _w, _k, nbytes in self._chunks(unit):
+                buf = (self.store.pool.acquire(nbytes, timeout=self.timeout) if wait
+                       else self.store.pool.try_acquire(nbytes, keep_free=self._keep_free))
+                if buf is None:
+                    return None
+                bufs.append(buf)
+            complete = True
+            return bufs
+        finally:
+            if not complete:
+                for b in bufs:
+                    b.release()
 
     def _read(self, unit: _Block, bufs: list[HostBuffer]) -> list[tuple[_Weight, int, Future]]:
         # Each future gives its buffer back, or releases it on failure.
@@ -495,17 +506,7 @@ class WeightStreamer:
                     self._release(unit)
                 raise
         elif not unit.resident:
-            reads = None
-            if unit.tier is Tier.SSD:
-                bufs = []
-                try:
-                    for _w, _k, nbytes in self._chunks(unit):
-                        bufs.append(self.store.pool.acquire(nbytes, timeout=self.timeout))
-                except BaseException:
-                    for b in bufs:
-                        b.release()
-                    raise
-                reads = self._read(unit, bufs)
+            reads = self._read(unit, self._staging(unit, wait=True)) if unit.tier is Tier.SSD else None
             self._upload(unit, reads)
             self._count_resident(unit)
         for w in unit.weights:
