@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
+from fuyou_strategy import ConfigError, FuyouConfig
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, predict, solve
 from test_planner import MiB, assert_within_budgets, synthetic
 from conftest import tiny_causal_lm
-from test_weights import frozen, ids, lora_model
+from test_weights import engine_for, frozen, lora_model, run_steps
 
 GiB = 2**30
 
@@ -105,21 +105,12 @@ def test_config_weights_auto_needs_the_planner_or_a_plan(tmp_path):
 # -- in training ----------------------------------------------------------------------------------------------------
 def run(model, config, steps):
     """``steps`` engine steps on a fixed batch schedule; the engine (open: the caller closes it) and the losses."""
-    engine = FuyouEngine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
-                         config=config)
-    losses = []
+    engine = engine_for(model, config)
     try:
-        for step in range(steps):
-            engine.begin_micro_batch(update=True)
-            loss = model(input_ids=ids(step), labels=ids(step)).loss
-            loss.backward()
-            engine.optimizer.step()
-            engine.optimizer.zero_grad()
-            losses.append(loss.item())
+        return engine, [loss.item() for loss in run_steps(engine, model, steps)]
     except BaseException:
         engine.close()
         raise
-    return engine, losses
 
 
 def losses_of(model, config, steps):

@@ -32,19 +32,30 @@ def ids(seed):
     return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
+def engine_for(model, cfg, **kwargs):
+    """A FuyouEngine over the model's trainable parameters."""
+    return FuyouEngine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                       config=cfg, **kwargs)
+
+
+def run_steps(engine, model, n):
+    """``n`` engine steps on a fixed batch schedule; the losses."""
+    losses = []
+    for step in range(n):
+        engine.begin_micro_batch(update=True)
+        loss = model(input_ids=ids(step), labels=ids(step)).loss
+        loss.backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def train(model, cfg, steps=3):
     """A few engine steps (clipping on); the losses, the trainable weights and the engine's summary."""
-    engine = FuyouEngine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
-                         config=cfg, max_grad_norm=1e-3)
+    engine = engine_for(model, cfg, max_grad_norm=1e-3)
     try:
-        losses = []
-        for step in range(steps):
-            engine.begin_micro_batch(update=True)
-            loss = model(input_ids=ids(step), labels=ids(step)).loss
-            loss.backward()
-            engine.optimizer.step()
-            engine.optimizer.zero_grad()
-            losses.append(loss.detach())
+        losses = run_steps(engine, model, steps)
         summary = engine.summary()
     finally:
         engine.close()
