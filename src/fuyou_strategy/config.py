@@ -21,6 +21,7 @@ __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "par
 
 PAGE = 4096
 STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
+SCHEDULES = ("auto", "backward", "next_forward")  # FuyouConfig.optimizer_schedule
 STATE_CHUNK_ELEMENTS = 2048  # state chunks hold whole multiples of this many parameters: 2048 bf16 values fill a page
 
 _UNITS = {
@@ -165,7 +166,18 @@ class FuyouConfig:
             ``step()`` updates in place once the gradient norm is known (12 bytes per parameter
             plus the streamed gradients): half the state footprint, no redo, but the update no
             longer overlaps backward. A failure inside that in-place pass leaves the state
-            half-updated: resume from a checkpoint.
+            half-updated: resume from a checkpoint. One slot implies
+            ``optimizer_schedule="next_forward"``.
+        optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
+            way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
+            at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update
+            with the clip coefficient (a second, unoverlapped pass over the state) or skip.
+            ``"next_forward"``: backward only moves gradients out of the way; ``step()`` knows the
+            global norm, so each update is exact at once and runs in forward order ahead of the
+            next forward, which waits per module only for the weights it is about to use (no redo,
+            no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
+            per step from the measured cost of a redo, how often clipping or a non-finite gradient
+            forced one recently, and the measured waits under each schedule (`StepStats`).
     """
 
     swap_dirs: list[str] | None = None
@@ -185,6 +197,7 @@ class FuyouConfig:
     weights: str | dict = "device"
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
+    optimizer_schedule: str = "auto"
     plan: str | None = None
     planner_warmup_steps: int = 3
 
@@ -247,6 +260,12 @@ class FuyouConfig:
         if self.state_slots not in (1, 2) or isinstance(self.state_slots, bool):
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
                               "slot) or 1 (updates in step(), half the SSD state)")
+        if self.optimizer_schedule not in SCHEDULES:
+            raise ConfigError(f"optimizer_schedule: got {self.optimizer_schedule!r}; expected one of "
+                              f"{', '.join(map(repr, SCHEDULES))}")
+        if self.optimizer_schedule == "backward" and self.state_slots == 1:
+            raise ConfigError("optimizer_schedule: got 'backward' with state_slots=1; speculative updates during "
+                              "backward need the shadow slot: use state_slots=2, or optimizer_schedule='next_forward'")
         self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
         if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
             raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")

@@ -150,6 +150,11 @@ class FuyouEngine:
             materialised one at a time straight into their tier, so the model is never whole in
             memory; everything else is materialised on ``device``.
         device: where a meta model's resident parameters go (default: the CPU).
+        defer_updates: under the ``next_forward`` schedule, let ``optimizer.step()`` return before its
+            updates landed: the next forward waits, module by module, for the weights it reads
+            (`FuyouAdamW.attach_model`), and ``state_dict``, checkpoints and `flush` land them first.
+            ``False`` for a loop that may read the weights anywhere after ``step()`` (Fabric's):
+            ``step()`` then lands them itself.
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -168,6 +173,7 @@ class FuyouEngine:
         report: Callable[[str], Any] | None = None,
         init_weights: Callable[[torch.nn.Module], None] | None = None,
         device: torch.device | str | None = None,
+        defer_updates: bool = True,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
@@ -179,6 +185,8 @@ class FuyouEngine:
                                     release_grads=release_grads)
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
+        if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
+            self.optimizer.attach_model(model)
         self.swapper: ActivationSwapper | None = None
         self.streamer: WeightStreamer | None = None
         self.plan: Plan | None = None
@@ -290,6 +298,11 @@ class FuyouEngine:
         for scheduler in schedulers:
             rebind_scheduler(scheduler, self.optimizer)
 
+    def flush(self) -> None:
+        """Land the updates the last step left for the next forward (``optimizer_schedule``
+        ``"next_forward"``): before anything reads the weights outside a training forward."""
+        self.optimizer.flush()
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, folder: str, *, keep_previous: bool = False) -> dict[str, Any]:
         """Stream the optimizer's SSD state into a new save in ``folder``; returns the torch-style
@@ -318,7 +331,14 @@ class FuyouEngine:
             "optimizer_steps": stats.steps,
             "commits": stats.commits,
             "redos": stats.redos,
+            "deferred": stats.deferred,  # next_forward steps: exact at once, no rollback possible
             "skips": stats.skips,
+            "clipped": stats.clipped,
+            "rollbacks": stats.rollbacks,
+            "rollback_rate": stats.rollback_rate,
+            "schedule_steps": dict(stats.schedules),
+            "schedule_next": opt._window,
+            "schedule_reason": stats.last_reason,
             "last_grad_norm": stats.last_grad_norm,
             # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
             "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
@@ -347,9 +367,13 @@ class FuyouEngine:
     def format_summary(self) -> str:
         """`summary` as a few human-readable lines."""
         s = self.summary()
+        mix = ", ".join(f"{n} {name}" for name, n in s["schedule_steps"].items() if n)
         return "\n".join([
-            f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed, {s['redos']} redone for "
-            f"clipping, {s['skips']} skipped), last grad norm {s['last_grad_norm']:.4g}",
+            f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed as computed during backward, "
+            f"{s['redos']} redone for clipping, {s['deferred']} updated ahead of the next forward, {s['skips']} "
+            f"skipped), {s['clipped']} clipped, last grad norm {s['last_grad_norm']:.4g}",
+            f"  schedule: {mix or 'no step yet'}; rollback rate {s['rollback_rate']:.0%} ({s['rollbacks']} "
+            f"rollbacks); next step {s['schedule_next']} ({s['schedule_reason']})",
             f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])} (swap files "
             f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
@@ -362,7 +386,7 @@ class FuyouEngine:
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Take the hooks off the model and optimizer and delete the swap files."""
+        """Land pending updates, take the hooks off the model and optimizer and delete the swap files."""
         if getattr(self, "_step_hook", None) is not None:
             self._step_hook.remove()
             self._step_hook = None

@@ -12,6 +12,9 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
 - before each training forward (a forward pre-hook on the model): accelerate's
   ``GradientState.sync_gradients``, which the Trainer sets per micro-batch, says whether the
   micro-batch ends the accumulation window, i.e. whether its backward runs the updates.
+- ``on_step_end``: before an evaluation or a save, the updates that the ``next_forward``
+  schedule leaves for the next forward are landed (the model's ``state_dict`` and the
+  optimizer's checkpoint would also land them; evaluation forwards would wait per module).
 - ``on_save``: the SSD state (fp32 masters and moments) is streamed, checksummed, into
   ``<checkpoint-N>/fuyou_optimizer/``; checkpoint rotation removes it with its folder.
 - resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams it back
@@ -178,6 +181,12 @@ class FuyouCallback(TrainerCallback):
             f"{[os.path.join(c, STATE_FOLDER) for c in candidates]}); pass FuyouCallback(resume_from=<checkpoint folder>) "
             "if the checkpoint is elsewhere"
         )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer's own flow callback ran first: it says whether evaluation or a save follows now.
+        # Land the updates left for the next forward before either reads the weights.
+        if self.engine is not None and (control.should_evaluate or control.should_save):
+            self.engine.flush()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -279,9 +279,31 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         super().remove_checkpoint(filepath)
         shutil.rmtree(sidecar(filepath), ignore_errors=True)
 
+    # -- pending updates: landed before anything reads the weights outside a training forward ---------------
+    def _flush(self) -> None:
+        if self.engine is not None and not self.engine.optimizer.closed:
+            self.engine.flush()
+
+    def on_validation_start(self) -> None:
+        self._flush()  # the forward would wait module by module; landing them first is simpler to reason about
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self._flush()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._flush()
+        super().on_predict_start()
+
+    def on_train_end(self) -> None:
+        self._flush()
+        super().on_train_end()
+
     # -- teardown ----------------------------------------------------------------------------------------------
     def teardown(self) -> None:
         if self.engine is not None:
+            self._flush()  # the model outlives fit with its final weights
             self.engine.optimizer.updates_enabled = False  # a stray backward after fit queues nothing
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
@@ -318,8 +340,10 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
         module = self.setup_module(module)
         self._close_engine()  # a second setup replaces the first one's engine and hook
+        # Fabric's loop is the user's own and may read the weights anywhere after optimizer.step(), as
+        # torch.optim promises: step() lands every update itself (next_forward then saves the redo, not the wait).
         self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,
-                                  where="fabric.setup", report=rank_zero_info)
+                                  where="fabric.setup", report=rank_zero_info, defer_updates=False)
         if scheduler is not None:
             self.engine.rebind_schedulers([scheduler])
         self._hook = module.register_forward_pre_hook(self._before_forward)

@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import os
+import time
 import weakref
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -46,6 +49,9 @@ from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budge
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
+from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FuyouAdamW", "StepStats", "STATE_BYTES_PER_PARAM", "adamw_kernel"]
 
@@ -68,17 +74,41 @@ def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 @dataclass
 class StepStats:
-    """What happened to the optimizer steps so far."""
+    """What happened to the optimizer steps so far (one step: one accumulation window)."""
 
-    commits: int = 0  # speculative update kept as is
-    redos: int = 0  # clipping bit: update recomputed with the clip coefficient
-    skips: int = 0  # a gradient was not finite: step skipped
-    clipped: int = 0  # steps whose gradients clipping scaled down (a redo with two state slots)
+    commits: int = 0  # backward schedule: the speculative update kept as is
+    redos: int = 0  # backward schedule, clipping bit: rolled back, every update recomputed with the coefficient
+    deferred: int = 0  # next_forward schedule: exact updates run ahead of the next forward (clipped or not)
+    skips: int = 0  # a gradient was not finite: step skipped (a rollback under the backward schedule)
+    rollbacks: int = 0  # backward schedule: speculative updates discarded (redos + its skips)
+    clipped: int = 0  # steps whose gradients clipping scaled down
+    schedules: dict = field(default_factory=lambda: {BACKWARD: 0, NEXT_FORWARD: 0})  # steps per schedule
+    last_schedule: str = ""  # the schedule of the last step
+    last_reason: str = ""  # why the next step uses the schedule it does ("auto")
+    history: deque = field(default_factory=lambda: deque(maxlen=256))  # (schedule, outcome) of recent steps
     last_grad_norm: float = float("nan")  # global L2 norm of the last step's gradients (before clipping)
 
     @property
     def steps(self) -> int:
-        return self.commits + self.redos
+        """Steps whose update was applied (skipped ones excluded)."""
+        return self.commits + self.redos + self.deferred
+
+    @property
+    def rollback_rate(self) -> float:
+        """Rollbacks per step taken (applied or skipped): the share of steps that paid a second pass."""
+        return self.rollbacks / max(1, self.steps + self.skips)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (checkpoints)."""
+        return {**vars(self), "schedules": dict(self.schedules), "history": [list(h) for h in self.history]}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StepStats":
+        """The inverse of `to_dict`; fields a checkpoint of an older version lacks keep their defaults."""
+        known = {f.name for f in fields(cls)} - {"history"}
+        stats = cls(**{k: v for k, v in values.items() if k in known})
+        stats.history.extend(tuple(h) for h in values.get("history", ()))
+        return stats
 
 
 @dataclass(eq=False)
@@ -218,6 +248,15 @@ class FuyouAdamW(torch.optim.Optimizer):
         # holder, mutated in place: a wrapper that borrows this class's methods but has its own
         # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
         self._flags: dict[str, Any] = {"updates": True, "late_error": None}
+        # The schedule of the window being accumulated now (decided when the last one ended), the
+        # updates left for the next forward, and the order they run in (forward order: attach_model).
+        self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2)
+        self._window, self.stats.last_reason = self.chooser.choose()
+        self.landing = PendingUpdates(self._pipeline)
+        self._update_order = list(self._params)
+        self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
+        self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
+        self._last_clipped = False
         on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
         self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
                            for ps in self._params)
@@ -264,6 +303,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """
         self._check_idle("attach_weights")
         self._weights = streamer
+        streamer.updates = self.landing  # it reads a tier copy only once the update pending for it landed
         # The tier copies live in this store: a model that outlives the optimizer gets its weights
         # back first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
         self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
@@ -275,12 +315,14 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- the hook: queue an update as soon as a gradient is final -------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self.landing.jobs:  # the last step's updates land before this backward's touch their state
+            self.landing.wait_all()
         ps = self._by_param[param]
         if ps.grads is not None:
             self._take_grad(ps)
             return
-        if not self._flags["updates"] or self.config.state_slots == 1:
-            return  # accumulating; with one state slot resident parameters are updated in step()
+        if not self._flags["updates"] or self._window != BACKWARD:
+            return  # accumulating; or next_forward: the gradient waits on the parameter for step()
         if ps.index in self._queued:
             self._late(ps)
             return
@@ -299,7 +341,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         what it is for (add to the window's partial sum, then keep it, or update with it)."""
         param = ps.param
         grad, param.grad = param.grad, None
-        final = self.config.state_slots == 2 and self._flags["updates"]
+        final = self._window == BACKWARD and self._flags["updates"]
         if final and ps.index in self._queued:
             self._late(ps)
             return
@@ -326,7 +368,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._queue_update(ps, host=host)
             return
         self._partial.add(ps.index)
-        norms, norm = self._queued, self.config.state_slots == 1  # one slot: step() needs the window's norm
+        # next_forward: step() needs the window's norm (the last micro-batch's sum: a later one overwrites it)
+        norms, norm = self._queued, self._window == NEXT_FORWARD
         if norm:
             norms[ps.index] = None
         last, store = ps.nchunks - 1, self.store
@@ -343,31 +386,32 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._pipeline.submit(ChunkJob(None, ps.nchunks, keep))
 
     def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None, *, host: HostBuffer | None = None,
-                      norm: bool | None = None) -> None:
-        """Queue ``ps``'s AdamW update, chunk by chunk, on the worker.
+                      exact: bool = False) -> ChunkJob:
+        """Queue ``ps``'s AdamW update, chunk by chunk, on the worker; returns the job.
 
         The gradient is ``ps.param.grad`` (resident parameters), ``host`` (a streamed one's gradient
         just moved off the device; released at the end), or the gradient entry in the store (a
-        streamed parameter's redo, or its update in step() with one state slot). The update goes to
-        the shadow slot (the active one with ``state_slots=1``), the weight to `_publish`. ``norm``
-        (default: when the update is speculative) records the gradient's norm for step().
+        streamed parameter's redo, or its exact update). ``exact=False``: a speculative update
+        (backward schedule), into the shadow slot, recording the gradient's norm for step();
+        ``exact=True``: the global norm is known (``coef`` applied), the update goes to the active
+        slot in place and the job's ``done`` completes once it landed. The weight goes to `_publish`.
         """
         param = ps.param
         from_store = ps.grads is not None and host is None
         grad_flat = (host.view(param.dtype)[: ps.numel] if host is not None
                      else None if from_store else param.grad.reshape(-1))
         norms = self._queued  # filled in by the worker, so the hook itself stays cheap
-        norm = coef is None and not from_store if norm is None else norm
+        norm = coef is None and not from_store and not exact
         if norm:
             norms[ps.index] = None
         group = ps.group
         beta1, beta2 = group["betas"]
-        step = self.state[param]["step"]
+        step = self.state[param]["step"].clone()  # the count before this update, whenever it runs
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         fused = self.fused
         last = ps.nchunks - 1
-        slot = ACTIVE if self.config.state_slots == 1 else SHADOW
-        release = self.release_grads and coef is None and ps.grads is None
+        slot = ACTIVE if exact else SHADOW
+        release = self.release_grads and coef is None and ps.grads is None and not exact
         keep = host is not None and self.max_grad_norm is not None  # a redo may need this gradient again
         weights, store = self._weights, self.store  # the job must not hold the optimizer (see close())
 
@@ -397,7 +441,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
             return gather([f for f in futures if f is not None])
 
-        self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, update, extra=(ps.grads,) if from_store else ()))
+        job = ChunkJob(ps.entry, ps.nchunks, update, extra=(ps.grads,) if from_store else (),
+                       done=Future() if exact else None)
+        self._pipeline.submit(job)
+        return job
 
     def _restore_weights(self, params: Iterable[_Param]) -> None:
         """Publish the active master weights again (after a skip or failure, or a checkpoint load)."""
@@ -411,14 +458,48 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
         self._pipeline.drain()
 
+    # -- the model: updates left for the next forward ---------------------------------------------------
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Let ``step()`` leave the ``next_forward`` schedule's updates to run ahead of the next forward.
+
+        Registers a forward pre-hook on every module that owns trainable parameters of this
+        optimizer: the module waits for their updates (and only theirs) before it runs, so the
+        forward never reads a stale weight while later blocks' updates still run. A state-dict and
+        a load-state-dict pre-hook on ``model`` land every pending update first (`flush`). Updates
+        then run in the order of ``model.parameters()`` (forward order for the usual models).
+        Without this, ``step()`` runs the ``next_forward`` schedule's updates itself and returns
+        when they landed, as ``torch.optim`` does. A weight read outside a module's forward (not
+        through the module that owns it) must be preceded by `flush`; such a read saved for
+        backward is caught by autograd's version check.
+        """
+        if self._gated:
+            return
+        landing = self.landing
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self._by_param]
+            if own:
+                self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: landing.wait(own)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: landing.wait_all()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: landing.wait_all()))
+        rank = {p: i for i, p in enumerate(model.parameters())}
+        self._update_order = sorted(self._params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
+        self._gated = True
+
+    def flush(self) -> None:
+        """Land every update ``step()`` left for the next forward (``next_forward`` schedule). Reading
+        the weights outside a forward (evaluation by hand, saving them) needs it first; the
+        integrations, `state_dict`, checkpoints and the model's own ``state_dict`` do it themselves."""
+        self.landing.wait_all()
+
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Finish the step whose updates ran during backward: commit, redo with clipping, or skip.
+        """Finish the accumulation window: under the ``backward`` schedule commit the updates that ran
+        during backward, redo them with clipping, or skip; under ``next_forward`` queue every exact
+        update (run here and waited for, unless `attach_model` lets the next forward wait), or skip.
 
-        Parameters whose gradient was set without backward hooks firing (e.g. assigned by
-        hand) are updated here. With ``state_slots=1`` every update runs here, in place, once the
-        gradient norm is known. Returns the closure's loss, if a closure was given.
+        Parameters whose gradient was set without backward hooks firing (e.g. assigned by hand) are
+        updated here. Returns the closure's loss, if a closure was given.
         """
         loss = None
         if closure is not None:
@@ -428,35 +509,104 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"FuyouAdamW: {len(self._pending)} parameters are still on the meta device (the first has "
                                f"shape {tuple(self._pending[0].param.shape)}); materialise them and call "
                                "initialise_materialized() before training (FuyouEngine does both)")
-        if self.config.state_slots == 1:
-            self._step_in_place()
-            return loss
+        self.landing.wait_all()  # normally the forward waited for all of them already
+        if self._deferred_wait is not None:  # the last next_forward window's wait: its step() and the forward's
+            self.chooser.record_wait(NEXT_FORWARD, self._deferred_wait + self.landing.take_stall())
+            self._deferred_wait = None
+        start = time.perf_counter()
+        schedule = self._window
+        outcome, rollback_s = (self._step_speculative() if schedule == BACKWARD else self._step_exact())
+        if outcome is None:
+            return loss  # no gradient in this window: nothing happened, the schedule stays
+        wait = time.perf_counter() - start - (rollback_s or 0.0)
+        if schedule == BACKWARD:
+            self.chooser.record_wait(BACKWARD, wait)
+        else:
+            self._deferred_wait = wait
+            self.landing.take_stall()
+        self.chooser.record(rolled=outcome in ("redo", "skip") or (outcome == "deferred" and self._last_clipped),
+                            rollback_s=rollback_s)
+        stats = self.stats
+        stats.schedules[schedule] += 1
+        stats.last_schedule = schedule
+        stats.history.append((schedule, outcome))
+        self._window, reason = self.chooser.choose()
+        if self._window != schedule or reason != stats.last_reason:
+            level = logging.INFO if self._window != schedule else logging.DEBUG
+            log.log(level, "FuyouAdamW: schedule %s for the next step (%s)", self._window, reason)
+        stats.last_reason = reason
+        log.debug("FuyouAdamW: step %d used %s: %s", stats.steps + stats.skips, schedule, outcome)
+        return loss
+
+    def _step_speculative(self) -> tuple[str | None, float | None]:
+        """The ``backward`` schedule's end: commit, redo with the clip coefficient, or skip."""
         for ps in self._params:
             if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued:
                 self._queue_update(ps)
         if not self._queued:
-            return loss
+            return None, None
         queued = [ps for ps in self._norm_order if ps.index in self._queued]
         norms, self._queued = self._queued, {}
         late, self._flags["late_error"] = self._flags["late_error"], None
         self._drain_or_undo(queued, late)
         total = self._total_norm(norms, queued)
         if total is None:
+            start = time.perf_counter()
             self._undo(queued)
-            return loss
+            self.stats.rollbacks += 1
+            return "skip", time.perf_counter() - start
         coef = self._clip_coef(total)
         if coef is not None:
+            start = time.perf_counter()
             self.store.rollback()
             for ps in queued:
                 self._queue_update(ps, coef)
             self._drain_or_undo(queued)
-            self.stats.redos += 1
-            self.stats.clipped += 1
             self._commit(queued)
-            return loss
+            self.stats.redos += 1
+            self.stats.rollbacks += 1
+            self.stats.clipped += 1
+            return "redo", time.perf_counter() - start
         self.stats.commits += 1
         self._commit(queued)
-        return loss
+        return "commit", None
+
+    def _step_exact(self) -> tuple[str | None, None]:
+        """The ``next_forward`` schedule's end: the window's gradients are all known; queue every exact
+        update in forward order (taking the resident gradients off the parameters), or skip."""
+        self._last_clipped = False
+        try:
+            self._pipeline.drain()  # streamed gradients written, their norms known
+            late = self._flags["late_error"]
+            if late is not None:
+                raise late
+        except BaseException:
+            self._forget_window()
+            raise
+        norms, self._queued = dict(self._queued), {}
+        self._partial.clear()
+        for ps in self._params:
+            if ps.grads is None and ps.param.grad is not None:
+                norms[ps.index] = torch.linalg.vector_norm(ps.param.grad, 2, dtype=torch.float32)
+        params = [ps for ps in self._norm_order if ps.index in norms]
+        if not params:
+            return None, None
+        total = self._total_norm(norms, params)
+        if total is None:
+            return "skip", None  # nothing was written: state and weights are as they were
+        coef = self._clip_coef(total)
+        self._last_clipped = coef is not None
+        for ps in (ps for ps in self._update_order if ps.index in norms):
+            job = self._queue_update(ps, coef, exact=True)
+            self.landing.add(ps.param, job, f"the update of parameter {ps.index} {tuple(ps.param.shape)}")
+            if ps.grads is None:
+                ps.param.grad = None  # the job holds it: a new backward accumulates afresh, zero_grad has nothing to do
+            self.state[ps.param]["step"] += 1
+        self.stats.deferred += 1
+        self.stats.clipped += coef is not None
+        if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
+            self.landing.wait_all()
+        return "deferred", None
 
     def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:
         """The global norm exactly as clip_grad_norm_ computes it (the norm of per-tensor norms);
@@ -475,41 +625,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         return coef if coef < 1.0 else None
 
-    def _step_in_place(self) -> None:
-        """``state_slots=1``: the window's gradients are all known; update every parameter in place."""
-        try:
-            self._pipeline.drain()  # streamed gradients written, their norms known
-            late = self._flags["late_error"]
-            if late is not None:
-                raise late
-        except BaseException:
-            self._forget_window()
-            raise
-        norms, self._queued = dict(self._queued), {}
-        self._partial.clear()
-        for ps in self._params:
-            if ps.grads is None and ps.param.grad is not None:
-                norms[ps.index] = torch.linalg.vector_norm(ps.param.grad, 2, dtype=torch.float32)
-        params = [ps for ps in self._norm_order if ps.index in norms]
-        if not params:
-            return
-        total = self._total_norm(norms, params)
-        if total is None:
-            return  # nothing was written: state and weights are as they were
-        coef = self._clip_coef(total)
-        for ps in params:
-            self._queue_update(ps, coef, norm=False)
-        try:
-            self._pipeline.drain()
-        except BaseException as exc:
-            raise RuntimeError(
-                "FuyouAdamW (state_slots=1): the in-place update failed part way, so the optimizer state on SSD is "
-                "partly updated; resume from the last checkpoint (or use state_slots=2, which rolls back)") from exc
-        for ps in params:
-            self.state[ps.param]["step"] += 1
-        self.stats.commits += 1
-        self.stats.clipped += coef is not None
-
     def _forget_window(self) -> None:
         """Drop this window's streamed partial sums and queued norms (one state slot: nothing to undo)."""
         self._queued.clear()
@@ -525,7 +640,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self._pipeline.drain()  # the worker writes into _queued: clear it only afterwards
             finally:
                 self._forget_window()  # in place (see _flags)
-                if self.config.state_slots == 2:
+                if self._window == BACKWARD:
                     self._undo(queued)
         super().zero_grad(set_to_none=set_to_none)
 
@@ -633,12 +748,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         checkpoint.load(self, checkpoint.newest(folder))
 
     def _check_idle(self, what: str) -> None:
+        self.landing.wait_all()
         if self._queued or self._partial:
             raise RuntimeError(f"{what}() between backward and step(): call step() (or zero_grad()) first")
 
     # -- reading state back (tests, checkpoints) -----------------------------------------------------
     def read_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         """The committed fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` of one parameter (in RAM)."""
+        self.landing.wait_all()
         ps = self._by_param[param]
         out = {name: torch.empty(ps.numel, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
 
@@ -655,9 +772,13 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks, stop the worker and delete the swap files (also done when the
-        optimizer is garbage collected)."""
-        self._finalizer()
+        """Land the updates left for the next forward, remove the hooks, stop the worker and delete the
+        swap files (also done when the optimizer is garbage collected)."""
+        if self._finalizer.alive:
+            try:
+                self.landing.wait_all()
+            finally:
+                self._finalizer()
 
     @property
     def closed(self) -> bool:

@@ -119,7 +119,8 @@ def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [opt._by_param[p].index for p in g["params"]]}
               for g in opt.param_groups]
     meta = {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
-            "param_groups": groups, "params": params, "stats": vars(opt.stats).copy(), "max_grad_norm": opt.max_grad_norm}
+            "param_groups": groups, "params": params, "stats": opt.stats.to_dict(), "schedule": opt.chooser.state_dict(),
+            "max_grad_norm": opt.max_grad_norm}
     with open(into / META, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
@@ -248,7 +249,9 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
         opt.state[ps.param]["step"] = torch.tensor(pm["step"])
     restore_groups(opt, meta["param_groups"])
     if "stats" in meta:
-        opt.stats = type(opt.stats)(**meta["stats"])  # commit / redo / skip counts carry on
+        opt.stats = type(opt.stats).from_dict(meta["stats"])  # commit / redo / skip counts carry on
+    opt.chooser.load_state_dict(meta.get("schedule", {}))
+    opt._window, opt.stats.last_reason = opt.chooser.choose()
     opt._restore_weights(opt._params)
     return meta
 

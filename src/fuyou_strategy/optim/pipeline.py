@@ -25,7 +25,8 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..storage import ACTIVE, HostBuffer, TensorStore, gather
@@ -48,6 +49,9 @@ class ChunkJob:
     with ``entry=None`` nothing is read for the entry itself. ``fence=True``: nothing of this job
     is read before every earlier job ran and the futures they returned (writes) completed — for a
     job that reads what an earlier one writes (read-ahead would otherwise read the old bytes).
+    ``done``: completed (result ``None``) once every chunk ran and every future returned for it
+    completed, or with the error that stopped the job (its own, or an earlier job's failure that
+    made the worker skip it, or the worker stopping).
     """
 
     entry: str | None
@@ -56,6 +60,8 @@ class ChunkJob:
     slot: str = ACTIVE
     extra: tuple[str, ...] = ()
     fence: bool = False
+    done: Future | None = None
+    _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
 class ChunkPipeline:
@@ -84,6 +90,7 @@ class ChunkPipeline:
         self._pending: deque[tuple[ChunkJob, int, Future]] = deque()
         self._waiters: list[Future] = []
         self._stopped: tuple[str, BaseException | None] | None = None  # (why, cause) once the worker stopped
+        self._progress = time.monotonic()  # when the worker last processed a chunk (`wait_job`)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -92,6 +99,26 @@ class ChunkPipeline:
         if not isinstance(job, ChunkJob) or not isinstance(job.nchunks, int) or job.nchunks < 0 or not callable(job.fn):
             raise TypeError(f"{self.name}: got {job!r}; expected a ChunkJob with an int nchunks >= 0 and a callable fn")
         self._put(job)
+        if job.nchunks == 0 and job.done is not None:
+            job.done.set_result(None)
+
+    def wait_job(self, job: ChunkJob, what: str) -> None:
+        """Wait for ``job.done`` while later jobs go on; raises the job's error.
+
+        The way out: `PipelineError` if the worker stops, `TimeoutError` if the worker made no
+        progress (no chunk processed) for ``io_timeout`` seconds while the job is not done.
+        ``what`` names the job in the errors (e.g. "the update of parameter 3").
+        """
+        assert job.done is not None, "wait_job needs a job submitted with done=Future()"
+        since = time.monotonic()
+        while not wait([job.done], timeout=_LIVENESS_POLL).done:
+            if not self._thread.is_alive() and not job.done.done():
+                raise self._stopped_error()
+            if time.monotonic() - max(since, self._progress) > self.timeout:
+                raise TimeoutError(f"{self.name}: {what} is not done and the worker has made no progress for "
+                                   f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise "
+                                   "FuyouConfig.io_timeout")
+        job.done.result()
 
     def drain(self) -> None:
         """Wait until every submitted job ran and every future it returned completed.
@@ -185,6 +212,7 @@ class ChunkPipeline:
     def _stop(self, why: str, cause: BaseException | None) -> None:
         """Refuse further work, fail every waiter (queued ones too) and give back read buffers."""
         self._stopped = (why, cause)
+        jobs = [job for job, _k, _fut in self._pending] + [job for job, _k in self._todo]
         for _job, _k, fut in self._pending:
             fut.add_done_callback(_release_buffer)
         self._todo.clear()
@@ -197,6 +225,10 @@ class ChunkPipeline:
                 break
             if isinstance(item, Future):
                 waiters.append(item)
+            elif isinstance(item, ChunkJob):
+                jobs.append(item)
+        for job in jobs:
+            _fail(job, self._stopped_error())
         for w in waiters:
             if not w.done():
                 w.set_exception(self._stopped_error())
@@ -238,6 +270,15 @@ class ChunkPipeline:
         return then(gather(reads), collect)
 
     def _process(self, job: ChunkJob, k: int, fut: Future) -> None:
+        self._progress = time.monotonic()
+        self._process_chunk(job, k, fut)
+        if self._error is not None:
+            _fail(job, self._error)
+        elif k == job.nchunks - 1 and job.done is not None:
+            then(gather(job._outs), lambda f, done=job.done: _complete(done, f))
+            job._outs = []
+
+    def _process_chunk(self, job: ChunkJob, k: int, fut: Future) -> None:
         if self._error is not None:  # after a failure, only give back what is in flight
             fut.add_done_callback(_release_buffer)
             return
@@ -261,9 +302,27 @@ class ChunkPipeline:
             return
         if isinstance(out, Future):
             self._futures.append(out)
+            if job.done is not None:
+                job._outs.append(out)
         elif out is not None:
             self._error = TypeError(f"{self.name}: the function of job {job.entry!r} returned {type(out).__name__} "
                                     f"for chunk {k}; it must return a Future or None")
+
+
+def _fail(job: ChunkJob, error: BaseException) -> None:
+    """The job will not (all) run: its ``done`` gets the error that stopped it."""
+    if job.done is not None and not job.done.done():
+        job.done.set_exception(error)
+        job._outs = []
+
+
+def _complete(done: Future, written: Future) -> None:
+    """``done`` of a job whose chunks all ran: once their futures completed, with their first error."""
+    if not done.done():
+        if written.exception() is not None:
+            done.set_exception(written.exception())
+        else:
+            done.set_result(None)
 
 
 def _release_buffer(fut: Future) -> None:

@@ -41,9 +41,12 @@ Schedule with ``k = config.weight_prefetch_blocks``:
 - an exception inside a block's forward releases everything.
 
 Exactness: a block is read at its forward and at its backward; the optimizer publishes a
-parameter only after its gradient is final (after the block's backward), and ``step()`` waits
-for every publish before it returns, so the next forward reads the new weights, never a stale or
-half-written one (futures, not timing).
+parameter only after its gradient is final (after the block's backward). Under the ``backward``
+schedule ``step()`` waits for every publish before it returns; under ``next_forward`` the updates
+run after ``step()``, and the streamer reads a block's tier copies only once their updates landed
+(``updates``, the optimizer's `PendingUpdates`: a block whose updates are still running is not
+put on the device ahead, and its forward waits for them). Either way the next forward reads the
+new weights, never a stale or half-written one (futures, not timing).
 
 So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``); a block put on
 the device ahead counts from the moment its upload starts. `meter` counts
@@ -144,6 +147,7 @@ class _Block:
         self.params = [(w.name, w.param) for w in weights]
         self.nbytes = sum(w.nbytes for w in weights)
         self.staging = sum(round_up(w.span(k)[1] * w.param.element_size()) for w in weights for k in range(w.nchunks))
+        self.trainable = [w.param for w in weights if w.trainable]  # their tier copies take the optimizer's updates
         self.upload: Future | None = None  # the weights on their way to the device (`WeightStreamer._prefetch`)
         self.resident = True  # the weights' device storage holds their bytes (or will, once ``upload`` is done)
 
@@ -212,6 +216,9 @@ class WeightStreamer:
         self._callback_queued = False
         self._active = False
         self._uploader: ThreadPoolExecutor | None = None
+        # Updates still to land in the tier copies (`FuyouAdamW.attach_weights` sets its PendingUpdates):
+        # anything with ``pending(params) -> bool`` and ``wait(params)``.
+        self.updates: Any = None
 
     # -- installing --------------------------------------------------------------------------------
     def install(self) -> None:
@@ -396,6 +403,8 @@ class WeightStreamer:
         unit = self._units.get(i)
         if unit is None or unit.resident:
             return True
+        if self.updates is not None and self.updates.pending(unit.trainable):
+            return False  # its tier copies are still being updated: its forward reads them once they landed
         reads = None
         if unit.tier is Tier.SSD:
             bufs = self._staging(unit, wait=False)  # never wait here: our own reads may hold the pool
@@ -506,6 +515,8 @@ class WeightStreamer:
                     self._release(unit)
                 raise
         elif not unit.resident:
+            if self.updates is not None:
+                self.updates.wait(unit.trainable)
             reads = self._read(unit, self._staging(unit, wait=True)) if unit.tier is Tier.SSD else None
             self._upload(unit, reads)
             self._count_resident(unit)

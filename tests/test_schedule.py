@@ -1,0 +1,213 @@
+"""Optimizer schedules: "backward", "next_forward" and "auto" give bitwise the same weights.
+
+The training: tiny GPT-2 and Llama, decay / no-decay groups, a warm-up LR schedule, 3 accumulated
+micro-batches per step, clipping to 0.5 that bites on some steps and not others, and one step whose
+gradient is not finite (skipped). The reference is torch: ``clip_grad_norm_`` then
+``AdamW(fused=True)``, the step skipped when the norm is not finite (GradScaler's rule).
+"""
+
+import copy
+import math
+import time
+
+import pytest
+import torch
+
+from conftest import decay_groups, tiny_causal_lm
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.optim import adamw
+from fuyou_strategy.optim.schedule import BACKWARD, NEXT_FORWARD, ScheduleChooser
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+SCHEDULES = ["backward", "next_forward", "auto"]
+STEPS, ACCUMULATE, MAX_NORM = 6, 3, 0.5
+LOSS_SCALE = [0.01, 1.0, math.inf, 0.01, 1.0, 1.0]  # x1: clipping bites; x0.01: it does not; inf: skipped
+INF_MICRO = 1  # the micro-batch of the inf step whose loss is scaled by inf
+
+
+def ids(step, micro):
+    return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step * 10 + micro))
+
+
+def loss_of(model, step, micro):
+    x = ids(step, micro)
+    scale = LOSS_SCALE[step] if (LOSS_SCALE[step] != math.inf or micro == INF_MICRO) else 1.0
+    return model(input_ids=x, labels=x).loss * scale / ACCUMULATE
+
+
+def warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+
+def config(tmp_path, schedule, **overrides):
+    values = dict(swap_dirs=[str(tmp_path)], chunk_size="24KiB", host_memory_budget="1MiB", io_threads=2,
+                  optimizer_schedule=schedule)
+    values.update(overrides)
+    return FuyouConfig(**values)
+
+
+def reference(model):
+    """torch: clip_grad_norm_ in param-group order, fused AdamW, a non-finite step skipped."""
+    opt = torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True)
+    sched, params = warmup(opt), [p for g in opt.param_groups for p in g["params"]]
+    losses = []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATE):
+            loss = loss_of(model, step, micro)
+            loss.backward()
+            losses.append(loss.item())
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        if math.isfinite(norm):
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+    return losses
+
+
+def train(model, opt, begin=None, steps=range(STEPS)):
+    """The same loop through FuyouAdamW (``begin(update)`` before each micro-batch: the engine's)."""
+    sched = warmup(opt)
+    for _ in range(steps.start):
+        sched.step()
+    losses = []
+    for step in steps:
+        for micro in range(ACCUMULATE):
+            last = micro == ACCUMULATE - 1
+            if begin is not None:
+                begin(last)
+            with opt.no_update() if not last else torch.enable_grad():
+                loss = loss_of(model, step, micro)
+                loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return losses
+
+
+@pytest.fixture
+def slow_updates(monkeypatch):
+    """Every chunk's AdamW takes 3 ms longer: the next forward catches up with the updates, so a forward
+    that did not wait for them would read stale weights (and the losses would differ)."""
+    real = adamw.adamw_kernel
+
+    def slowly(*args, **kwargs):
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adamw, "adamw_kernel", slowly)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("via", ["optimizer", "engine"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_schedule_is_bitwise_torch(tmp_path, family, via, schedule, slow_updates):
+    model = tiny_causal_lm(family)
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    if via == "optimizer":  # no model attached: step() lands the updates itself
+        opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path, schedule))
+        closer, begin = opt, None
+    else:  # the engine attaches the model: the next forward waits, module by module
+        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
+                             config=config(tmp_path, schedule),
+                             max_grad_norm=MAX_NORM)
+        opt, closer = engine.optimizer, engine
+        begin = lambda last: engine.begin_micro_batch(update=last)  # noqa: E731
+    losses = train(model, opt, begin)
+    stats = opt.stats
+    closer.close()  # lands what the last step left pending
+    assert losses == ref_losses, "every forward read the updated weights"
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    assert stats.skips == 1 and stats.steps == STEPS - 1 and stats.clipped >= 1
+    assert sum(stats.schedules.values()) == STEPS and len(stats.history) == STEPS
+    if schedule == "backward":
+        assert stats.redos >= 1 and stats.commits >= 1 and stats.deferred == 0
+        assert stats.rollbacks == stats.redos + stats.skips
+    elif schedule == "next_forward":
+        assert stats.deferred == STEPS - 1 and stats.rollbacks == stats.redos == stats.commits == 0
+    else:  # auto: it speculated while nothing had rolled back, and tried next_forward after the first rollback
+        assert stats.schedules[BACKWARD] >= 1 and stats.schedules[NEXT_FORWARD] >= 1, stats.history
+        assert stats.history[0][0] == BACKWARD and stats.history[2][0] == NEXT_FORWARD, stats.history
+
+
+def test_a_forward_waits_only_for_the_modules_it_runs(tmp_path, slow_updates):
+    """After step(), updates are pending; the first block's forward waits for its own weights, not for
+    the head's, which are still being written (forward order)."""
+    model = tiny_causal_lm("llama")
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         config=config(tmp_path, "next_forward"))
+    opt = engine.optimizer
+    train(model, opt, lambda last: engine.begin_micro_batch(update=last), steps=range(1))
+    pending = set(opt.landing.jobs)
+    assert pending == set(p for g in opt.param_groups for p in g["params"]), "every update left for the forward"
+    first = model.model.embed_tokens.weight
+    model.model.embed_tokens(ids(0, 0))
+    assert first not in opt.landing.jobs, "the embedding waited for its update"
+    assert opt.landing.pending([model.lm_head.weight]), "the head's update (last in forward order) still runs"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = model.state_dict()  # lands everything first
+    assert not opt.landing.jobs
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "updates landed after the read"
+    assert all(torch.equal(sd[n], p) for n, p in model.named_parameters())
+    engine.close()
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "auto"])
+def test_a_checkpoint_saved_with_updates_pending_resumes_exactly(tmp_path, schedule, slow_updates):
+    def engine_for(model, where):
+        return FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3),
+                           config=config(tmp_path / where, schedule), max_grad_norm=MAX_NORM)
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    model = tiny_causal_lm("gpt2")
+    resumed_model = copy.deepcopy(model)
+    engine = engine_for(model, "a")
+    begin = lambda last: engine.begin_micro_batch(update=last)  # noqa: E731
+    train(model, engine.optimizer, begin, steps=range(2))
+    if schedule == "next_forward":
+        assert engine.optimizer.landing.jobs, "the save comes while the last step's updates are pending"
+    engine.save(str(tmp_path / "ckpt"))
+    train(model, engine.optimizer, begin, steps=range(2, STEPS))
+    engine.close()
+
+    resumed = engine_for(resumed_model, "b")
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.optimizer.stats.steps == 2
+    train(resumed_model, resumed.optimizer, lambda last: resumed.begin_micro_batch(update=last),
+          steps=range(2, STEPS))
+    resumed.close()
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_auto_chooses_from_measured_costs():
+    chooser = ScheduleChooser("auto", can_speculate=True, history=4)
+    assert chooser.choose()[0] == BACKWARD, "nothing rolled back yet"
+    chooser.record_wait(BACKWARD, 0.1)
+    chooser.record(rolled=True, rollback_s=2.0)
+    schedule, why = chooser.choose()
+    assert schedule == NEXT_FORWARD and "measure" in why, "a rollback seen, next_forward not measured yet"
+    chooser.record_wait(NEXT_FORWARD, 0.5)
+    chooser.record(rolled=True)
+    assert chooser.choose()[0] == NEXT_FORWARD, "0.1 + 1.0 x 2.0 s expected against 0.5 s"
+    for _ in range(3):
+        chooser.record(rolled=False)
+    schedule, why = chooser.choose()
+    assert schedule == NEXT_FORWARD and "rollback rate 0.25" in why, "0.1 + 0.25 x 2.0 = 0.6 s against 0.5 s"
+    chooser.record_wait(NEXT_FORWARD, 0.7)  # averaged: 0.6
+    chooser.record(rolled=False)  # rate 0: backward at once
+    assert chooser.choose()[0] == BACKWARD, "no rollback in the recent history"
+    assert ScheduleChooser("auto", can_speculate=False).choose()[0] == NEXT_FORWARD, "one state slot"
+    assert ScheduleChooser("backward", can_speculate=True).choose() == (BACKWARD, "configured")
+
+
+def test_backward_with_one_state_slot_is_refused():
+    from fuyou_strategy import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer_schedule: got 'backward' with state_slots=1"):
+        FuyouConfig(optimizer_schedule="backward", state_slots=1)
+    with pytest.raises(ConfigError, match="optimizer_schedule: got 'later'"):
+        FuyouConfig(optimizer_schedule="later")
