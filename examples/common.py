@@ -79,8 +79,11 @@ def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: 
         f"{title}: {summary['optimizer_steps']} optimizer steps in {seconds:.1f} s "
         f"({tokens / seconds:,.0f} tokens/s); held-out next-token accuracy {accuracy:.3f}",
         f"  trainable parameters {summary['trainable_parameters']:,}; median step {summary['median_step_seconds']:.3f} s",
-        f"  gradient clipping: {summary['commits']} steps committed as computed during backward, "
-        f"{summary['redos']} redone with the clip coefficient, {summary['skips']} skipped (non-finite)",
+        f"  gradient clipping: {summary['clipped']} steps clipped; {summary['commits']} committed as computed during "
+        f"backward, {summary['redos']} redone with the clip coefficient, {summary['deferred']} updated exactly ahead of "
+        f"the next forward, {summary['skips']} skipped (non-finite)",
+        f"  optimizer schedule: {', '.join(f'{n} {s}' for s, n in summary['schedule_steps'].items() if n)}; rollback "
+        f"rate {summary['rollback_rate']:.0%} ({summary['rollbacks']} steps paid a second pass over the state)",
         f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])}, swap files "
         f"{format_bytes(summary['ssd_file_bytes'])} at most; activations written "
         f"{format_bytes(summary['activation_bytes_to_ssd'])} (to host {format_bytes(summary['activation_bytes_to_host'])})",

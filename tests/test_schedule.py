@@ -211,3 +211,80 @@ def test_backward_with_one_state_slot_is_refused():
         FuyouConfig(optimizer_schedule="backward", state_slots=1)
     with pytest.raises(ConfigError, match="optimizer_schedule: got 'later'"):
         FuyouConfig(optimizer_schedule="later")
+
+
+# -- through the integrations --------------------------------------------------------------------------------
+class Validated:
+    """Mixed into the Lightning test module: validation_step records the weights it sees (before its forward)."""
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.seen.append([p.detach().clone() for p in self.parameters()])
+        return self.model(input_ids=batch, labels=batch).loss
+
+
+def lightning_run(tmp_path, schedule):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from fuyou_strategy import FuyouStrategy
+    from test_lightning import CausalLM, token_batches
+
+    class Module(Validated, CausalLM):
+        pass
+
+    torch.manual_seed(0)
+    module = Module()
+    module.seen = []
+    trainer = L.Trainer(strategy=FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB",
+                                               optimizer_schedule=schedule),
+                        accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=1.0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, val_check_interval=4, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(token_batches(), batch_size=2), DataLoader(token_batches(2, seed=1), batch_size=2))
+    summary = trainer.strategy.engine.summary()
+    trainer.strategy.engine.close()
+    return module, summary
+
+
+def test_lightning_schedules_are_bitwise_equal_and_validation_sees_the_updated_weights(tmp_path):
+    runs = {s: lightning_run(tmp_path, s) for s in SCHEDULES}
+    ref, ref_summary = runs["backward"]  # its updates are all in place when step() returns
+    assert ref_summary["redos"] >= 1 and ref_summary["commits"] >= 1, "clipping bit on some steps, not all"
+    assert len(ref.seen) >= 2, "validation ran in the middle of the epoch"
+    for schedule, (module, summary) in runs.items():
+        if schedule != "auto":
+            assert summary["schedule_steps"][schedule] == 6, summary
+        for when, (theirs, ours) in enumerate(zip(ref.seen, module.seen)):
+            assert all(torch.equal(a, b) for a, b in zip(theirs, ours)), f"{schedule}: validation {when}"
+        for (name, p), q in zip(module.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"{schedule}: {name}"
+    assert runs["auto"][1]["schedule_steps"]["next_forward"] >= 1, "auto switched after the first rollback"
+
+
+def test_hf_schedules_are_bitwise_equal_with_evaluation_in_between(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from fuyou_strategy import FuyouCallback
+    from test_hf import dataset
+
+    results = {}
+    for schedule in SCHEDULES:
+        model = tiny_causal_lm("gpt2")
+        args = TrainingArguments(output_dir=str(tmp_path / schedule / "out"), max_steps=6, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-2, warmup_steps=2,
+                                 weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
+                                 seed=0, disable_tqdm=True, eval_strategy="steps", eval_steps=2)
+        callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule=schedule)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset(4, seed=1),
+                          callbacks=[callback])
+        trainer.train()
+        evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        results[schedule] = (model, evals, callback.summary)
+    ref, ref_evals, ref_summary = results["backward"]
+    assert len(ref_evals) == 3 and ref_summary["redos"] >= 1
+    for schedule, (model, evals, summary) in results.items():
+        assert evals == ref_evals, f"{schedule}: evaluation saw other weights"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"{schedule}: {name}"
+    assert results["next_forward"][2]["deferred"] == 6 and results["next_forward"][2]["rollbacks"] == 0
