@@ -255,3 +255,56 @@ def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_p
 def test_io_timeout_is_validated(value):
     with pytest.raises(ConfigError, match=r"io_timeout: got .*; expected seconds > 0, e.g. 600"):
         FuyouConfig(io_timeout=value)
+
+
+# -- one job's completion (`ChunkJob.done`, `wait_job`): what the next_forward schedule waits on --------------
+def test_a_job_completes_after_its_writes_while_later_jobs_wait(pipe, store):
+    store.create("y", (5000,), torch.float32)
+    written = []
+
+    def copy(k, buf):
+        fut = store.write_chunk("y", k, buf)
+        written.append(fut)
+        return fut
+
+    first, second = ChunkJob("x", 3, copy, done=Future()), ChunkJob("x", 3, release, done=Future())
+    pipe.submit(first)
+    pipe.submit(second)
+    pipe.wait_job(first, "the first job")
+    assert len(written) == 3 and all(f.done() for f in written), "done only after every write it returned"
+    assert torch.equal(store.read("y").result(), torch.arange(5000, dtype=torch.float32))
+    pipe.wait_job(second, "the second job")
+    pipe.drain()
+
+
+def test_a_failed_job_and_the_jobs_it_makes_the_worker_skip_fail_their_waiters(pipe):
+    def fail(k, buf):
+        buf.release()
+        raise ValueError("bad chunk")
+
+    bad, skipped = ChunkJob("x", 3, fail, done=Future()), ChunkJob("x", 3, release, done=Future())
+    pipe.submit(bad)
+    pipe.submit(skipped)
+    assert isinstance(outcome(lambda: pipe.wait_job(bad, "the bad job")), ValueError)
+    assert isinstance(outcome(lambda: pipe.wait_job(skipped, "the skipped job")), ValueError)
+    with pytest.raises(ValueError, match="bad chunk"):
+        pipe.drain()  # the error is forgotten once drain() raised it: the pipeline goes on
+    after = ChunkJob("x", 3, release, done=Future())
+    pipe.submit(after)
+    assert outcome(lambda: pipe.wait_job(after, "a later job")) is None
+
+
+def test_wait_job_has_a_way_out_when_the_worker_stops_or_hangs(store, monkeypatch):
+    pipe = ChunkPipeline(store, depth=2, name="fuyou-test")
+    end = hang_reads(store, monkeypatch)
+    try:
+        job = ChunkJob("x", 3, release, done=Future())
+        pipe.submit(job)
+        error = outcome(lambda: pipe.wait_job(job, "the update of parameter 7"))
+        assert isinstance(error, TimeoutError) and "the update of parameter 7" in str(error)
+    finally:
+        end()
+        pipe.close()
+    assert job.done.done() and job.done.exception() is not None, "a stopped worker fails the jobs it holds"
+    with pytest.raises(ValueError, match="done=Future"):
+        pipe.wait_job(ChunkJob("x", 3, release), "a job without done")

@@ -23,6 +23,13 @@ How a step runs:
    - a non-finite gradient: **skip** — the shadow is discarded, weights are restored from
      the active master, and state and step counts are untouched.
 
+That is the ``"backward"`` schedule. Under ``"next_forward"`` (`FuyouConfig.optimizer_schedule`;
+see `fuyou_strategy.optim.schedule`) backward only moves gradients out of the way; ``step()``
+knows the global norm at once, so every update is exact the first time (no shadow slot, no
+redo): it queues them in forward order and — when `attach_model` has given it the model — returns,
+the next forward waiting module by module for the weights it reads. ``"auto"`` picks one of the
+two per step from measured costs; all three give bitwise the same weights.
+
 The result is bitwise equal to ``torch.optim.AdamW`` with the same kernel applied to the same
 gradients after ``clip_grad_norm_``: ``fused=True`` (the default here) to ``AdamW(fused=True)``,
 ``fused=False`` to the default for-loop ``AdamW()`` (tests check both).
@@ -161,8 +168,13 @@ class FuyouAdamW(torch.optim.Optimizer):
     ``differentiable`` (when true) and fp16 weights are refused; ``foreach`` is accepted and
     ignored (chunks are updated one at a time either way).
 
-    Statistics are in ``opt.stats`` (`StepStats`); call ``close()`` (or use ``with``) to
-    release the swap files.
+    ``config.optimizer_schedule`` decides when updates run (module docstring); with
+    ``"next_forward"`` chosen, ``step()`` lands its updates before it returns unless
+    `attach_model` lets the next forward wait for them (then `flush` before reading weights
+    outside a forward; ``state_dict`` and checkpoints do it themselves).
+
+    Statistics are in ``opt.stats`` (`StepStats`: outcomes, rollback rate, schedule per step);
+    call ``close()`` (or use ``with``) to release the swap files.
     """
 
     def __init__(

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, wait
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -109,7 +109,8 @@ class ChunkPipeline:
         progress (no chunk processed) for ``io_timeout`` seconds while the job is not done.
         ``what`` names the job in the errors (e.g. "the update of parameter 3").
         """
-        assert job.done is not None, "wait_job needs a job submitted with done=Future()"
+        if job.done is None:
+            raise ValueError(f"{self.name}: wait_job needs a job submitted with done=Future(); got {job!r}")
         since = time.monotonic()
         while not wait([job.done], timeout=_LIVENESS_POLL).done:
             if not self._thread.is_alive() and not job.done.done():
