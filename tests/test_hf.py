@@ -216,3 +216,22 @@ def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path, caplog):
     assert callback.plan.policies[0] != "keep" and callback.plan.device_peak <= budget
     assert callback.summary["plan_predicted_step_seconds"] > 0
     assert max_relative_difference(reference, ours) <= TOLERANCE
+
+
+def test_fp16_is_scaled_in_the_optimizer_and_matches_the_trainer_without_fuyou(tmp_path):
+    """HF on the CPU: ``fp16=True`` is fp16 autocast with no GradScaler (accelerate has none there). With
+    the callback FuyouAdamW scales the model's loss by 2**16 and unscales exactly (a power of two), so the
+    weights match the Trainer's own run; with accelerate's GradScaler (CUDA) it would be disabled."""
+    reference, _ = train(tmp_path, fp16=True)
+    assert_clean = lambda: not run_dirs(tmp_path)  # noqa: E731
+    callback = FuyouCallback(**swap_config(tmp_path))
+    model, trainer = train(tmp_path, callback, fp16=True)
+    assert callback.summary["loss_scale"] == 2.0**16 and callback.summary["optimizer_steps"] == 6
+    assert max_relative_difference(reference, model) <= TOLERANCE
+    assert not model._forward_hooks and assert_clean(), "the scaling hook and the swap files are gone"
+
+
+def test_fp16_with_label_smoothing_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0.1"):
+        train(tmp_path, FuyouCallback(**swap_config(tmp_path)), fp16=True, label_smoothing_factor=0.1)
+    assert not run_dirs(tmp_path)

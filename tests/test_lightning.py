@@ -315,7 +315,7 @@ def test_unsupported_optimizer_is_refused(tmp_path):
     assert run_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["64-true"])
 def test_unsupported_precision_is_refused(tmp_path, precision):
     with pytest.raises(ConfigError, match=f"precision: got '{precision}'"):
         fit(FuyouStrategy(swap_dirs=[str(tmp_path)]), steps=1, precision=precision)

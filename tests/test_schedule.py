@@ -288,3 +288,149 @@ def test_hf_schedules_are_bitwise_equal_with_evaluation_in_between(tmp_path):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), f"{schedule}: {name}"
     assert results["next_forward"][2]["deferred"] == 6 and results["next_forward"][2]["rollbacks"] == 0
+
+
+# -- fp16 with dynamic loss scaling: GradScaler's semantics --------------------------------------------------
+FP16_SCALE = [1.0, 1.0, math.inf, 0.01, 1.0, 1.0]  # clipping bites on the x1 steps; step 2 overflows
+
+
+def fp16_loss(model, step, micro):
+    x = ids(step, micro)
+    scale = FP16_SCALE[step] if (FP16_SCALE[step] != math.inf or micro == INF_MICRO) else 1.0
+    return model(input_ids=x, labels=x).loss * scale / ACCUMULATE
+
+
+SCALER = dict(init_scale=2.0**12, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+
+
+def gradscaler_reference(model):
+    """torch: fp16 forward/backward, fp32 masters, GradScaler + clip_grad_norm_ after unscale_ + fused AdamW."""
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    index = {p: m for p, m in zip(params, masters)}
+    groups = [{**g, "params": [index[p] for p in g["params"]]} for g in decay_groups(model)]
+    opt = torch.optim.AdamW(groups, lr=3e-3, fused=True)
+    scaler, sched = torch.amp.GradScaler("cpu", **SCALER), warmup(opt)
+    scales = []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATE):
+            scaler.scale(fp16_loss(model, step, micro)).backward()
+        for p, m in zip(params, masters):
+            m.grad, p.grad = p.grad.float(), None
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([m for g in opt.param_groups for m in g["params"]], MAX_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        sched.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        scales.append(scaler.get_scale())
+    return masters, scales
+
+
+def fp16_train(model, opt, begin=None, steps=range(STEPS)):
+    sched = warmup(opt)
+    for _ in range(steps.start):
+        sched.step()
+    scales = []
+    for step in steps:
+        for micro in range(ACCUMULATE):
+            last = micro == ACCUMULATE - 1
+            if begin is not None:
+                begin(last)
+            with opt.no_update() if not last else torch.enable_grad():
+                opt.scale_loss(fp16_loss(model, step, micro)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        scales.append(opt.scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fp16_loss_scaling_is_gradscaler_and_adamw_bitwise(tmp_path, schedule):
+    model = tiny_causal_lm("llama", dtype=torch.float16)
+    ref_model = copy.deepcopy(model)
+    masters, ref_scales = gradscaler_reference(ref_model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path, schedule),
+                     loss_scaling=SCALER)
+    scales = fp16_train(model, opt)
+    assert scales == ref_scales, "the scale backed off and grew as GradScaler's did"
+    steps = list(zip(scales, scales[1:]))
+    assert any(b > a for a, b in steps) and any(b < a for a, b in steps), "both growth and backoff happened"
+    assert opt.stats.skips == 1 and opt.stats.clipped >= 1 and opt.stats.steps == STEPS - 1
+    for (name, p), q, m in zip(model.named_parameters(), ref_model.parameters(), masters):
+        assert p.dtype == torch.float16 and torch.equal(p, q), name
+        assert torch.equal(opt.read_state(p)["master"], m.detach()), name
+    opt.close()
+
+
+def test_fp16_scaler_state_resumes_exactly(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    model = tiny_causal_lm("gpt2", dtype=torch.float16)
+    resumed_model = copy.deepcopy(model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
+                     config=config(tmp_path / "a", "next_forward"), loss_scaling=SCALER)
+    fp16_train(model, opt, steps=range(3))  # through the overflow: the scale has backed off
+    sd = opt.state_dict(str(tmp_path / "ckpt"))
+    scales = fp16_train(model, opt, steps=range(3, STEPS))
+    opt.close()
+    resumed = FuyouAdamW(decay_groups(resumed_model), lr=3e-3, max_grad_norm=MAX_NORM,
+                         config=config(tmp_path / "b", "next_forward"), loss_scaling=True)  # state comes from the save
+    resumed.load_state_dict(sd)
+    expected = {k: v for k, v in SCALER.items() if k != "init_scale"} | {"scale": 2.0**12, "_growth_tracker": 0}
+    assert resumed.scaler.state_dict() == expected, "backed off at the overflow, as saved"
+    assert fp16_train(resumed_model, resumed, steps=range(3, STEPS)) == scales
+    resumed.close()
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_fp16_without_loss_scaling_is_refused(tmp_path):
+    from fuyou_strategy import ConfigError
+
+    model = tiny_causal_lm("gpt2", dtype=torch.float16)
+    with pytest.raises(ConfigError, match="pass loss_scaling=True"):
+        FuyouAdamW(model.parameters(), config=config(tmp_path, "auto"))
+
+
+@pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
+def test_lightning_fp16_scales_in_the_optimizer_bitwise_across_schedules(tmp_path, precision):
+    """Lightning on the CPU: "16-true" makes the weights fp16 and has no GradScaler: FuyouAdamW scales the
+    loss, unscales, clips and skips, with GradScaler's rules. "16-mixed" Lightning itself turns into
+    "bf16-mixed" on the CPU (fp16 autocast is a CUDA feature there): no loss scaling is needed or used.
+    On CUDA the strategy's copy of the plugin drops Lightning's GradScaler and the optimizer scales."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from fuyou_strategy import FuyouStrategy
+    from test_lightning import CausalLM, token_batches
+
+    results = {}
+    for schedule in SCHEDULES:
+        torch.manual_seed(0)
+        module = CausalLM()
+        trainer = L.Trainer(strategy=FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB",
+                                                   optimizer_schedule=schedule),
+                            accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=1.0,
+                            precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(module, DataLoader(token_batches(), batch_size=2))
+        engine = trainer.strategy.engine
+        results[schedule] = (module, engine.summary())
+        plugin = trainer.strategy.precision_plugin
+        if precision == "16-true":
+            assert engine.optimizer.scaler is not None and plugin.precision == "16-true"
+        else:
+            assert plugin.precision == "bf16-mixed" and engine.optimizer.scaler is None, "Lightning's CPU fallback"
+        engine.close()
+    ref, ref_summary = results["backward"]
+    assert ref_summary["optimizer_steps"] == 4
+    assert ref_summary["loss_scale"] == (2.0**16 if precision == "16-true" else None)
+    dtype = torch.float16 if precision == "16-true" else torch.float32
+    for schedule, (module, summary) in results.items():
+        assert summary["loss_scale"] == ref_summary["loss_scale"]
+        for (name, p), q in zip(module.named_parameters(), ref.parameters()):
+            assert p.dtype == dtype and torch.isfinite(p).all() and torch.equal(p, q), f"{schedule}: {name}"

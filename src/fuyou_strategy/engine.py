@@ -155,6 +155,8 @@ class FuyouEngine:
             (`FuyouAdamW.attach_model`), and ``state_dict``, checkpoints and `flush` land them first.
             ``False`` for a loop that may read the weights anywhere after ``step()`` (Fabric's):
             ``step()`` then lands them itself.
+        loss_scaling: fp16 dynamic loss scaling in the optimizer (`FuyouAdamW`'s ``loss_scaling``);
+            the loop must then backward ``optimizer.scale_loss(loss)`` (or ``scale_backward``).
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -174,6 +176,7 @@ class FuyouEngine:
         init_weights: Callable[[torch.nn.Module], None] | None = None,
         device: torch.device | str | None = None,
         defer_updates: bool = True,
+        loss_scaling: Any = None,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
@@ -182,7 +185,7 @@ class FuyouEngine:
         self.device = torch.device(device) if device is not None else model_device(model)
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
-                                    release_grads=release_grads)
+                                    release_grads=release_grads, loss_scaling=loss_scaling)
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
@@ -340,6 +343,7 @@ class FuyouEngine:
             "schedule_next": opt._window,
             "schedule_reason": stats.last_reason,
             "last_grad_norm": stats.last_grad_norm,
+            "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
             # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
             "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
                                              if name.startswith("adamw.")),

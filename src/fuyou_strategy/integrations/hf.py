@@ -69,8 +69,19 @@ class _Run:
         if scheduler is not None:
             rebind_scheduler(scheduler, engine.optimizer)
         self.hook = model.register_forward_pre_hook(self._before_forward)
+        self.scaling_hook, self.accelerate_scaler = None, None
+        if engine.optimizer.scaler is not None:  # fp16: the optimizer scales, unscales and skips, not accelerate
+            self.scaling_hook = model.register_forward_hook(self._scale_loss)
+            scaler = getattr(wrapper, "scaler", None)  # accelerate's GradScaler (CUDA), shared with the Accelerator
+            if scaler is not None and getattr(scaler, "_enabled", False):
+                self.accelerate_scaler, scaler._enabled = scaler, False  # disabled: scale/unscale_/step pass through
         args.max_grad_norm = 0.0
         _unended.append(self)
+
+    def _scale_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+        if module.training and torch.is_grad_enabled() and loss is not None and loss.requires_grad:
+            self.engine.optimizer.scale_backward(loss)  # the Trainer logs the real loss, backward runs scaled
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
@@ -83,6 +94,10 @@ class _Run:
             return
         _unended.remove(self)
         self.hook.remove()
+        if self.scaling_hook is not None:
+            self.scaling_hook.remove()
+        if self.accelerate_scaler is not None:
+            self.accelerate_scaler._enabled = True
         self.args.max_grad_norm = self.max_grad_norm
         converted = self.engine.optimizer
         if len(self.original.param_groups) == len(converted.param_groups):
@@ -115,7 +130,10 @@ class FuyouCallback(TrainerCallback):
     ``adam_beta1/2``, ``adam_epsilon``, ``lr_scheduler_type`` and warm-up,
     ``gradient_accumulation_steps``, ``max_grad_norm`` (exact; ``grad_norm`` still logged),
     ``bf16``, checkpoints and ``resume_from_checkpoint``, PEFT models (only trainable, e.g.
-    LoRA, weights are optimised). Refused: ``fp16=True``, optimizers other than AdamW/Adam.
+    LoRA, weights are optimised), ``fp16=True`` (the optimizer does the loss scaling with GradScaler's
+    rules: a forward hook makes the backward of the model's ``outputs.loss`` run scaled, and
+    accelerate's own GradScaler, on CUDA, is disabled for the run). Refused: optimizers other
+    than AdamW/Adam, fp16 with label smoothing (the loss must be the model's).
     After training, ``callback.summary`` holds the engine's summary (and ``callback.plan`` the
     planner's `Plan` with ``activations="auto"``).
 
@@ -146,8 +164,10 @@ class FuyouCallback(TrainerCallback):
         for run in [r for r in _unended if r is self._run or r.model is model or r.args is args]:
             run.end()
         self._run = None
-        if args.fp16:
-            raise ConfigError("fp16: got True; fp16 needs loss scaling, which FuyouAdamW does not do: use bf16=True")
+        if args.fp16 and getattr(args, "label_smoothing_factor", 0):
+            raise ConfigError(f"fp16: got True with label_smoothing_factor={args.label_smoothing_factor}; FuyouCallback "
+                              "scales the loss the model returns (outputs.loss), so the loss must come from the model: "
+                              "drop label smoothing, or use bf16=True")
         if optimizer is None or not hasattr(optimizer, "optimizer"):
             raise ConfigError("FuyouCallback: the Trainer gave no accelerate-wrapped optimizer to replace; "
                               "let the Trainer create the optimizer (do not pass optimizers=...)")
@@ -155,7 +175,7 @@ class FuyouCallback(TrainerCallback):
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
         engine = FuyouEngine(model, optimizer.optimizer, config=self.config, max_grad_norm=max_norm,
-                             release_grads=False, norm_order=model.parameters(),
+                             release_grads=False, norm_order=model.parameters(), loss_scaling=True if args.fp16 else None,
                              where=f"TrainingArguments(optim={optim_name!r})", report=log.info)
         try:
             if resume is not None:

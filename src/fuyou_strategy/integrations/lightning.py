@@ -15,6 +15,9 @@
   does with its own precision plugin, the check lives in the precision plugin's class: the
   strategy uses a copy of the plugin Lightning gives it, of a subclass with that check; the
   user's plugin instance is never changed;
+- fp16 (``precision="16-true"``/``"16-mixed"``): the optimizer does the loss scaling with
+  ``GradScaler``'s rules (`FuyouAdamW`'s ``loss_scaling``): ``backward`` scales the loss, and the
+  strategy's copy of a ``16-mixed`` plugin drops Lightning's own ``GradScaler``;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
   ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/`` (checksummed); the ``.ckpt`` records the
   token, and the earlier saves there are removed only once the ``.ckpt`` is written, so the
@@ -52,18 +55,18 @@ from ..optim.checkpoint import discard, find, remove_versions
 __all__ = ["FuyouStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
 
 SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
-_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+_FP16 = ("16-mixed", "16-true")  # the optimizer scales the loss (FuyouAdamW's loss_scaling), not Lightning's GradScaler
 _PRECISION_FIX = {
-    "16-mixed": "fp16 needs loss scaling, which FuyouAdamW does not do; use precision='bf16-mixed'",
-    "16-true": "fp16 weights need loss scaling, which FuyouAdamW does not do; use precision='bf16-true'",
-    "64-true": "FuyouAdamW trains float32 or bfloat16 weights; use precision='32-true'",
+    "64-true": "FuyouAdamW trains float32, bfloat16 or float16 weights; use precision='32-true'",
 }
 
 
-def _check_precision(precision: str) -> None:
-    if precision not in _PRECISIONS:
-        fix = _PRECISION_FIX.get(precision, f"use one of {list(_PRECISIONS)}")
-        raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(_PRECISIONS)}: {fix}")
+def _check_precision(precision: str, supported: tuple[str, ...] = _PRECISIONS,
+                     fixes: dict[str, str] = _PRECISION_FIX) -> None:
+    if precision not in supported:
+        fix = fixes.get(precision, f"use one of {list(supported)}")
+        raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(supported)}: {fix}")
 
 
 class _OneDevice:
@@ -125,6 +128,8 @@ def _clipping_in_optimizer(plugin: Precision) -> Precision:
         return plugin
     ours = copy.copy(plugin)
     ours.__class__ = _clipping_class(type(plugin))
+    if getattr(ours, "scaler", None) is not None:  # 16-mixed: FuyouAdamW scales, unscales and skips itself
+        ours.scaler = None
     return ours
 
 
@@ -214,9 +219,10 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
                 "AdamW (use param groups for different hyper-parameters)"
             )
         clip = trainer.gradient_clip_val
+        fp16 = str(self.precision_plugin.precision) in _FP16
         self.engine = FuyouEngine(self.lightning_module, self.optimizers[0], config=self.fuyou_config,
                                   max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
-                                  report=rank_zero_info)
+                                  report=rank_zero_info, loss_scaling=True if fp16 else None)
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
 
@@ -226,6 +232,11 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
             # The last micro-batch of a window runs as optimizer_step's closure; the others do not.
             self.engine.begin_micro_batch(update=self._in_optimizer_step)
         return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.engine is not None and self.engine.optimizer.scaler is not None:  # fp16: GradScaler.scale's place
+            closure_loss = self.engine.optimizer.scale_loss(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self._in_optimizer_step = True
@@ -335,7 +346,10 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
         self._check_single_device()
-        _check_precision(str(self.precision.precision))
+        fp16_fix = ("with Fabric, fp16 loss scaling is not wired yet: use bf16, the Trainer's strategy, or "
+                    "FuyouAdamW(loss_scaling=True) directly")
+        _check_precision(str(self.precision.precision), tuple(p for p in _PRECISIONS if p not in _FP16),
+                         {**_PRECISION_FIX, **dict.fromkeys(_FP16, fp16_fix)})
         if len(optimizers) != 1:
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
         module = self.setup_module(module)

@@ -56,6 +56,7 @@ from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budge
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .pipeline import ChunkJob, ChunkPipeline
+from .scaler import LossScaler
 from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
 
 log = logging.getLogger(__name__)
@@ -162,11 +163,16 @@ class FuyouAdamW(torch.optim.Optimizer):
             (fastest; bitwise equal to ``AdamW(fused=True)``), ``False`` the for-loop kernel
             (bitwise equal to the default ``AdamW()`` on the CPU). The update is elementwise,
             so chunking never changes a bit.
+        loss_scaling: dynamic loss scaling with ``torch.amp.GradScaler``'s semantics (`LossScaler`):
+            ``True`` for GradScaler's defaults, or a dict of its arguments. Needed for fp16
+            weights (fp32 and bf16 may use it too). Backward ``opt.scale_loss(loss)``; ``step()``
+            unscales, clips the unscaled gradients, skips on inf/NaN and updates the scale —
+            bitwise as ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``, ``scaler.update``.
 
     Costs: SSD traffic of 12 bytes read + 12 bytes written per parameter per step; host
     memory of at most ``config.host_memory_budget``. ``amsgrad``, ``maximize``, ``capturable``,
-    ``differentiable`` (when true) and fp16 weights are refused; ``foreach`` is accepted and
-    ignored (chunks are updated one at a time either way).
+    ``differentiable`` (when true) and fp16 weights without ``loss_scaling`` are refused;
+    ``foreach`` is accepted and ignored (chunks are updated one at a time either way).
 
     ``config.optimizer_schedule`` decides when updates run (module docstring); with
     ``"next_forward"`` chosen, ``step()`` lands its updates before it returns unless
@@ -189,6 +195,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         config: FuyouConfig | None = None,
         release_grads: bool = True,
         fused: bool = True,
+        loss_scaling: "bool | dict | LossScaler | None" = None,
         **unsupported: Any,
     ) -> None:
         for name, value in unsupported.items():
@@ -198,7 +205,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 continue  # chunks are updated one at a time either way
             raise ConfigError(
                 f"FuyouAdamW: {name}={value!r} is not supported; remove it "
-                "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads, fused)"
+                "(supported: lr, betas, eps, weight_decay, max_grad_norm, config, release_grads, fused, loss_scaling)"
             )
         if not 0.0 <= lr:
             raise ConfigError(f"lr: got {lr}; expected a learning rate >= 0")
@@ -211,6 +218,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.release_grads = release_grads and max_grad_norm is None
         self.fused = bool(fused)
+        self.scaler = LossScaler.resolve(loss_scaling)
         self.stats = StepStats()
         self.config = config = config if config is not None else FuyouConfig()
 
@@ -220,7 +228,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         elems = shares.state_chunk // _ELEMENT_BYTES
         for group in self.param_groups:
             for p in group["params"]:
-                _check_param(p, len(self._params))
+                _check_param(p, len(self._params), scaled=self.scaler is not None)
                 n = p.numel()
                 ps = _Param(len(self._params), p, group, f"adamw.{len(self._params)}", elems, -(-n // elems))
                 self._params.append(ps)
@@ -384,11 +392,11 @@ class FuyouAdamW(torch.optim.Optimizer):
         norms, norm = self._queued, self._window == NEXT_FORWARD
         if norm:
             norms[ps.index] = None
-        last, store = ps.nchunks - 1, self.store
+        last, store, inv = ps.nchunks - 1, self.store, self._inv_scale()
 
         def keep(k: int) -> Future:
             if k == 0 and norm:
-                norms[ps.index] = torch.linalg.vector_norm(flat.view(param.shape), 2, dtype=torch.float32)
+                norms[ps.index] = _grad_norm(flat.view(param.shape), inv)
             start, n = ps.span(k)
             fut = _write_grad(store, ps, k, flat[start : start + n])
             if k == last:
@@ -426,16 +434,18 @@ class FuyouAdamW(torch.optim.Optimizer):
         release = self.release_grads and coef is None and ps.grads is None and not exact
         keep = host is not None and self.max_grad_norm is not None  # a redo may need this gradient again
         weights, store = self._weights, self.store  # the job must not hold the optimizer (see close())
+        inv = self._inv_scale()  # loss scaling: the scale is fixed for the window
 
         def update(k: int, buf: HostBuffer, stored: HostBuffer | None = None) -> Future:
             if k == 0 and norm:
-                # The same op clip_grad_norm_ uses per tensor on the CPU.
-                norms[ps.index] = torch.linalg.vector_norm(grad_flat.view(param.shape), 2, dtype=torch.float32)
+                norms[ps.index] = _grad_norm(grad_flat.view(param.shape), inv)
             start, n = ps.span(k)
             state = buf.view(torch.float32)
             master, exp_avg, exp_avg_sq = state[:n], state[n : 2 * n], state[2 * n :]
             raw = stored.view(param.dtype)[:n] if stored is not None else grad_flat[start : start + n]
             g = raw.to(device="cpu", dtype=torch.float32)
+            if inv is not None:
+                g = g * inv  # GradScaler.unscale_
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             adamw_kernel(master, g, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
@@ -469,6 +479,29 @@ class FuyouAdamW(torch.optim.Optimizer):
 
             self._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
         self._pipeline.drain()
+
+    # -- loss scaling (fp16) ------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (``GradScaler.scale``): backward this instead of ``loss`` under ``loss_scaling``."""
+        if self.scaler is None:
+            raise RuntimeError("FuyouAdamW.scale_loss: no loss scaling configured; pass loss_scaling=True")
+        self._flags["scaled"] = True
+        return self.scaler.scale(loss)
+
+    def scale_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Make the backward of ``loss`` (or of anything the loop derives from it, e.g. ``loss / k``)
+        run as if ``scale_loss(loss)`` had been backwarded: the gradient reaching ``loss`` is multiplied
+        by the scale (the same values: the scale is a power of two). For a loop that backwards a loss
+        it builds itself (the HF Trainer's); returns ``loss`` unchanged, so logs see the real loss."""
+        if self.scaler is None:
+            raise RuntimeError("FuyouAdamW.scale_backward: no loss scaling configured; pass loss_scaling=True")
+        scale = self.scaler._scale
+        loss.register_hook(lambda grad: (grad * scale.to(grad.device)).to(grad.dtype))
+        self._flags["scaled"] = True
+        return loss
+
+    def _inv_scale(self) -> torch.Tensor | None:
+        return self.scaler.inv_scale() if self.scaler is not None else None
 
     # -- the model: updates left for the next forward ---------------------------------------------------
     def attach_model(self, model: torch.nn.Module) -> None:
@@ -522,6 +555,12 @@ class FuyouAdamW(torch.optim.Optimizer):
                                f"shape {tuple(self._pending[0].param.shape)}); materialise them and call "
                                "initialise_materialized() before training (FuyouEngine does both)")
         self.landing.wait_all()  # normally the forward waited for all of them already
+        if self.scaler is not None and not self._flags.get("scaled") and (self._queued or self._partial or any(
+                ps.param.grad is not None for ps in self._params)):
+            self.zero_grad()  # the updates used gradients taken as scaled: discard them
+            raise RuntimeError("FuyouAdamW (loss_scaling): this step's backward was not scaled; backward "
+                               "opt.scale_loss(loss) (or call opt.scale_backward(loss) before backward)")
+        self._flags["scaled"] = False
         if self._deferred_wait is not None:  # the last next_forward window's wait: its step() and the forward's
             self.chooser.record_wait(NEXT_FORWARD, self._deferred_wait + self.landing.take_stall())
             self._deferred_wait = None
@@ -530,6 +569,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         outcome, rollback_s = (self._step_speculative() if schedule == BACKWARD else self._step_exact())
         if outcome is None:
             return loss  # no gradient in this window: nothing happened, the schedule stays
+        if self.scaler is not None:  # GradScaler.update: back off after inf/NaN, else count towards growth
+            self.scaler.update(found_inf=outcome == "skip")
         wait = time.perf_counter() - start - (rollback_s or 0.0)
         if schedule == BACKWARD:
             self.chooser.record_wait(BACKWARD, wait)
@@ -597,9 +638,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise
         norms, self._queued = dict(self._queued), {}
         self._partial.clear()
+        inv = self._inv_scale()
         for ps in self._params:
             if ps.grads is None and ps.param.grad is not None:
-                norms[ps.index] = torch.linalg.vector_norm(ps.param.grad, 2, dtype=torch.float32)
+                norms[ps.index] = _grad_norm(ps.param.grad, inv)
         params = [ps for ps in self._norm_order if ps.index in norms]
         if not params:
             return None, None
@@ -803,6 +845,17 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.close()
 
 
+def _unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """A gradient as the update and the norm see it: in fp32 times ``1/scale`` under loss scaling
+    (``GradScaler.unscale_``'s in-place multiply, which is exact: the scale is a power of two)."""
+    return grad if inv_scale is None else grad.to(torch.float32) * inv_scale
+
+
+def _grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The per-tensor norm ``clip_grad_norm_`` computes on the CPU (of the unscaled gradient)."""
+    return torch.linalg.vector_norm(_unscaled(grad, inv_scale), 2, dtype=torch.float32)
+
+
 def _publish(weights: Any, ps: _Param, k: int, master: torch.Tensor) -> Future | None:
     """The new value of chunk ``k`` of ``ps``'s weight: into the parameter, or (streamed) its tier copy."""
     if ps.grads is not None:
@@ -862,13 +915,15 @@ def _trainable(params: Iterable[Any]) -> list[Any]:
     return [p for p in params if p.requires_grad] or [{"params": []}]
 
 
-def _check_param(p: torch.Tensor, index: int) -> None:
-    if p.dtype == torch.float16:
+def _check_param(p: torch.Tensor, index: int, *, scaled: bool) -> None:
+    if p.dtype == torch.float16 and not scaled:
         raise ConfigError(
-            f"parameter {index} {tuple(p.shape)} is float16: fp16 compute weights need loss scaling, which "
-            "FuyouAdamW does not do; use bfloat16 (or float32) weights"
+            f"parameter {index} {tuple(p.shape)} is float16: fp16 compute weights need loss scaling; pass "
+            "loss_scaling=True (torch.amp.GradScaler's defaults, or a dict of its arguments) and scale the loss with "
+            "opt.scale_loss(loss), or use bfloat16 weights"
         )
-    if p.dtype not in _COMPUTE_DTYPES:
-        raise ConfigError(f"parameter {index} {tuple(p.shape)} is {p.dtype}; FuyouAdamW trains float32 or bfloat16 weights")
+    if p.dtype not in _COMPUTE_DTYPES and p.dtype != torch.float16:
+        raise ConfigError(f"parameter {index} {tuple(p.shape)} is {p.dtype}; FuyouAdamW trains float32, bfloat16 "
+                          "or (with loss_scaling) float16 weights")
     if not p.is_contiguous():
         raise ConfigError(f"parameter {index} {tuple(p.shape)} is not contiguous; call .contiguous() on it before training")

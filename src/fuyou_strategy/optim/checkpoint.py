@@ -120,6 +120,7 @@ def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
               for g in opt.param_groups]
     meta = {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
             "param_groups": groups, "params": params, "stats": opt.stats.to_dict(), "schedule": opt.chooser.state_dict(),
+            "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
             "max_grad_norm": opt.max_grad_norm}
     with open(into / META, "w") as f:
         json.dump(meta, f, indent=1)
@@ -251,6 +252,8 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
     if "stats" in meta:
         opt.stats = type(opt.stats).from_dict(meta["stats"])  # commit / redo / skip counts carry on
     opt.chooser.load_state_dict(meta.get("schedule", {}))
+    if opt.scaler is not None and meta.get("scaler") is not None:
+        opt.scaler.load_state_dict(meta["scaler"])
     opt._window, opt.stats.last_reason = opt.chooser.choose()
     opt._restore_weights(opt._params)
     return meta
