@@ -83,7 +83,8 @@ def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: 
         f"backward, {summary['redos']} redone with the clip coefficient, {summary['deferred']} updated exactly ahead of "
         f"the next forward, {summary['skips']} skipped (non-finite)",
         f"  optimizer schedule: {', '.join(f'{n} {s}' for s, n in summary['schedule_steps'].items() if n)}; rollback "
-        f"rate {summary['rollback_rate']:.0%} ({summary['rollbacks']} steps paid a second pass over the state)",
+        f"rate {summary['rollback_rate']:.0%} ({summary['rollbacks']} of {summary['optimizer_steps'] + summary['skips']} "
+        "steps paid a second pass over the state)",
         f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])}, swap files "
         f"{format_bytes(summary['ssd_file_bytes'])} at most; activations written "
         f"{format_bytes(summary['activation_bytes_to_ssd'])} (to host {format_bytes(summary['activation_bytes_to_host'])})",
