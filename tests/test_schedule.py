@@ -65,25 +65,27 @@ def reference(model):
     return losses
 
 
-def train(model, opt, begin=None, steps=range(STEPS)):
-    """The same loop through FuyouAdamW (``begin(update)`` before each micro-batch: the engine's)."""
+def train(model, opt, begin=None, steps=range(STEPS), loss_fn=None):
+    """The same loop through FuyouAdamW (``begin(update)`` before each micro-batch: the engine's; the
+    loss scaled under ``loss_scaling``). Returns the losses and, per step, the loss scale after it."""
     sched = warmup(opt)
     for _ in range(steps.start):
         sched.step()
-    losses = []
+    losses, scales = [], []
     for step in steps:
         for micro in range(ACCUMULATE):
             last = micro == ACCUMULATE - 1
             if begin is not None:
                 begin(last)
             with opt.no_update() if not last else torch.enable_grad():
-                loss = loss_of(model, step, micro)
-                loss.backward()
+                loss = (loss_fn or loss_of)(model, step, micro)
+                (opt.scale_loss(loss) if opt.scaler is not None else loss).backward()
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
         sched.step()
-    return losses
+        scales.append(opt.scaler.get_scale() if opt.scaler is not None else None)
+    return losses, scales
 
 
 @pytest.fixture
@@ -115,7 +117,7 @@ def test_every_schedule_is_bitwise_torch(tmp_path, family, via, schedule, slow_u
                              max_grad_norm=MAX_NORM)
         opt, closer = engine.optimizer, engine
         begin = lambda last: engine.begin_micro_batch(update=last)  # noqa: E731
-    losses = train(model, opt, begin)
+    losses, _ = train(model, opt, begin)
     stats = opt.stats
     closer.close()  # lands what the last step left pending
     assert losses == ref_losses, "every forward read the updated weights"
@@ -330,25 +332,6 @@ def gradscaler_reference(model):
     return masters, scales
 
 
-def fp16_train(model, opt, begin=None, steps=range(STEPS)):
-    sched = warmup(opt)
-    for _ in range(steps.start):
-        sched.step()
-    scales = []
-    for step in steps:
-        for micro in range(ACCUMULATE):
-            last = micro == ACCUMULATE - 1
-            if begin is not None:
-                begin(last)
-            with opt.no_update() if not last else torch.enable_grad():
-                opt.scale_loss(fp16_loss(model, step, micro)).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        scales.append(opt.scaler.get_scale())
-    return scales
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_fp16_loss_scaling_is_gradscaler_and_adamw_bitwise(tmp_path, schedule):
     model = tiny_causal_lm("llama", dtype=torch.float16)
@@ -356,7 +339,7 @@ def test_fp16_loss_scaling_is_gradscaler_and_adamw_bitwise(tmp_path, schedule):
     masters, ref_scales = gradscaler_reference(ref_model)
     opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path, schedule),
                      loss_scaling=SCALER)
-    scales = fp16_train(model, opt)
+    _, scales = train(model, opt, loss_fn=fp16_loss)
     assert scales == ref_scales, "the scale backed off and grew as GradScaler's did"
     steps = list(zip(scales, scales[1:]))
     assert any(b > a for a, b in steps) and any(b < a for a, b in steps), "both growth and backoff happened"
@@ -373,16 +356,16 @@ def test_fp16_scaler_state_resumes_exactly(tmp_path):
     resumed_model = copy.deepcopy(model)
     opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
                      config=config(tmp_path / "a", "next_forward"), loss_scaling=SCALER)
-    fp16_train(model, opt, steps=range(3))  # through the overflow: the scale has backed off
+    train(model, opt, steps=range(3), loss_fn=fp16_loss)  # through the overflow: the scale has backed off
     sd = opt.state_dict(str(tmp_path / "ckpt"))
-    scales = fp16_train(model, opt, steps=range(3, STEPS))
+    _, scales = train(model, opt, steps=range(3, STEPS), loss_fn=fp16_loss)
     opt.close()
     resumed = FuyouAdamW(decay_groups(resumed_model), lr=3e-3, max_grad_norm=MAX_NORM,
                          config=config(tmp_path / "b", "next_forward"), loss_scaling=True)  # state comes from the save
     resumed.load_state_dict(sd)
     expected = {k: v for k, v in SCALER.items() if k != "init_scale"} | {"scale": 2.0**12, "_growth_tracker": 0}
     assert resumed.scaler.state_dict() == expected, "backed off at the overflow, as saved"
-    assert fp16_train(resumed_model, resumed, steps=range(3, STEPS)) == scales
+    assert train(resumed_model, resumed, steps=range(3, STEPS), loss_fn=fp16_loss)[1] == scales
     resumed.close()
     for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
         assert torch.equal(p, q), name
