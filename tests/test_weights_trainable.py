@@ -101,6 +101,7 @@ def test_full_fine_tune_with_streamed_weights_is_bitwise_torch(tmp_path, family,
     assert summary["weight_tiers"] == ({0: "ssd", 1: "ssd"} if weights == "ssd" else MIX)
     assert summary["weight_bytes_trainable_streamed"] == summary["weight_bytes_streamed"] > 0, "all trainable"
     assert summary["redos"] > 0 and summary["commits"] > 0, "both paths ran with streamed weights"
+    assert summary["deferred"] > 0, "auto tried next_forward after the first redo: the streamer waited for updates"
     assert not any(p.name.startswith("fuyou-run") for p in tmp_path.iterdir())
 
 
