@@ -164,3 +164,18 @@ def fit_gpt2_lightning(args: argparse.Namespace, strategy, total_steps: int, *, 
                         callbacks=[timer])
     trainer.fit(Module(), DataLoader(data, batch_size=args.batch))
     return [b - a for a, b in zip(timer.marks, timer.marks[1:])], trainer
+
+
+def choose_dtype(requested: str, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
+    """``(dtype, why)``: bf16 where the CPU computes it natively, else fp32; ``requested`` overrides."""
+    if requested != "auto":
+        return requested, "--dtype"
+    try:
+        with open(cpuinfo) as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        flags = set()
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return "bf16", f"/proc/cpuinfo flags include {', '.join(native)}"
+    return "fp32", "no avx512_bf16 or amx_bf16 in /proc/cpuinfo: bf16 matmuls would be emulated"

@@ -27,18 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (add_gpt2_arguments, allocator, parse_or_work, peak_rss_bytes, run_interleaved,  # noqa: E402
-                    temporary_swap_dir, worker_argv, write_results)
+from common import (add_gpt2_arguments, allocator, choose_dtype, parse_or_work, peak_rss_bytes,  # noqa: E402
+                    run_interleaved, temporary_swap_dir, worker_argv, write_results)
 
 CLIP = {"noclip": None, "bites": 1e-3, "never": 1e6}
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -52,7 +44,7 @@ def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
                                        vocab_size=args.vocab, n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)).to(getattr(torch, args.dtype))
+                                       attn_pdrop=0.0)).to({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget,
                       optimizer_schedule=schedule or "auto")
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), config=cfg,
@@ -103,14 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_gpt2_arguments(parser, "schedule_bench", layers=20, hidden=1024, vocab=50257, seq=256, batch=4, steps=4,
                        warmup=3, rounds=2, host_budget="1GiB")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype (default: bfloat16 where the CPU has bf16 instructions, else float32)")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="compute dtype; auto: bf16 where the CPU has avx512_bf16 or amx_bf16, else fp32")
     parser.add_argument("--configs", default="noclip,bites-backward,bites-next_forward,bites-auto,never-backward,"
                                              "never-auto")
     args = parse_or_work(parser, worker)
     if args is None:
         return
-    args.dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
+    args.dtype, _ = choose_dtype(args.dtype)
     temporary_swap_dir(args, "fuyou-schedbench-")
     configs = args.configs.split(",")
     if configs[0] != "noclip":

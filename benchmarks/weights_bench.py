@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, run_fresh, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
+from common import allocator, choose_dtype, run_fresh, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
 
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -85,21 +85,6 @@ def gpt2_config(args: argparse.Namespace):
 
     return GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                       n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-def choose_dtype(requested: str, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
-    """``(dtype, why)``: bf16 where the CPU computes it natively, else fp32; ``requested`` overrides."""
-    if requested != "auto":
-        return requested, "--dtype"
-    try:
-        with open(cpuinfo) as f:
-            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-    except OSError:
-        flags = set()
-    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    if native:
-        return "bf16", f"/proc/cpuinfo flags include {', '.join(native)}"
-    return "fp32", "no avx512_bf16 or amx_bf16 in /proc/cpuinfo: bf16 matmuls would be emulated"
 
 
 def proc_bytes(path: str, field: str) -> int:
