@@ -276,7 +276,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._update_order = list(self._params)
         self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
         self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
-        self._last_clipped = False
         on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
         self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
                            for ps in self._params)
@@ -566,6 +565,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._deferred_wait = None
         start = time.perf_counter()
         schedule = self._window
+        clipped = self.stats.clipped
         outcome, rollback_s = (self._step_speculative() if schedule == BACKWARD else self._step_exact())
         if outcome is None:
             return loss  # no gradient in this window: nothing happened, the schedule stays
@@ -577,7 +577,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         else:
             self._deferred_wait = wait
             self.landing.take_stall()
-        self.chooser.record(rolled=outcome in ("redo", "skip") or (outcome == "deferred" and self._last_clipped),
+        # Whether the backward schedule rolled back, or would have: a non-finite gradient, or clipping bit.
+        self.chooser.record(rolled=outcome == "skip" or self.stats.clipped > clipped,
                             rollback_s=rollback_s)
         stats = self.stats
         stats.schedules[schedule] += 1
@@ -627,7 +628,6 @@ class FuyouAdamW(torch.optim.Optimizer):
     def _step_exact(self) -> tuple[str | None, None]:
         """The ``next_forward`` schedule's end: the window's gradients are all known; queue every exact
         update in forward order (taking the resident gradients off the parameters), or skip."""
-        self._last_clipped = False
         try:
             self._pipeline.drain()  # streamed gradients written, their norms known
             late = self._flags["late_error"]
@@ -649,7 +649,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         if total is None:
             return "skip", None  # nothing was written: state and weights are as they were
         coef = self._clip_coef(total)
-        self._last_clipped = coef is not None
         for ps in (ps for ps in self._update_order if ps.index in norms):
             job = self._queue_update(ps, coef, exact=True)
             self.landing.add(ps.param, job, f"the update of parameter {ps.index} {tuple(ps.param.shape)}")
