@@ -4,16 +4,18 @@
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))   # shapes only
-    with SafetensorsInit(model, folder) as init:
-        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(weights="ssd"),
-                             init_weights=init)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(weights="ssd"),
+                         init_weights=SafetensorsInit(model, folder))
 
 Used as ``init_weights``, it is called by `materialize` on each module as that module gets memory
 (each streamed block in turn, straight into its tier), and copies the module's own parameters and
-persistent buffers from the checkpoint's safetensors shards. The shards are memory-mapped
-(``safe_open``) and each tensor is read when its module asks for it, so the checkpoint is never
-whole in memory either. Everything that can be checked without reading a tensor (that each file
-exists, every key the model needs is there with the model's shape) is checked when it is built.
+persistent buffers from the checkpoint's safetensors shards, so the checkpoint is never whole in
+memory either. Everything that can be checked without reading a tensor (that each file exists,
+every key the model needs is there with the model's shape) is checked when it is built.
+
+A shard is opened (``safe_open``, memory-mapped) for one module's tensors and closed again: the
+pages of a mapping count in the process's RSS until it is closed, so a shard kept open while the
+model loads would bring the whole shard into RSS (and ``save_pretrained`` writes up to 50 GB per shard).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import re
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -48,8 +50,8 @@ class SafetensorsInit:
 
     Pass it as ``init_weights`` (`FuyouEngine`, `WeightStreamer`, `materialize`): called on a module,
     it copies the module's own parameters and persistent buffers from the checkpoint, cast to their
-    dtype (a model built in bf16 loads an fp32 checkpoint). Each tensor is read from its memory-mapped
-    shard when its module asks for it; the shards stay open until `close` (or the ``with`` block ends).
+    dtype (a model built in bf16 loads an fp32 checkpoint). Each tensor is read when its module asks
+    for it; no file stays open between two calls.
 
     Args:
         model: the model, built on the meta device, before any wrapper renames its modules (build this
@@ -78,29 +80,23 @@ class SafetensorsInit:
     def __init__(self, model: torch.nn.Module, folder: str | Path, *, fallback: Init | None = None) -> None:
         self.folder = folder = Path(folder)
         self.fallback = fallback
-        self._model = weakref.ref(model)  # to name a module in an error
+        self._model = model  # to name a module in an error
         # Non-persistent buffers are computed, never saved: by the model's own init where it has one.
         self._buffer_init: Init | None = getattr(model, "_init_weights", None) or fallback
-        weight_map = self._weight_map(folder)
-        self._handles: dict[str, Any] | None = {}
-        try:
-            for name in sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]:
-                self._handles[name] = safe_open(str(folder / name), framework="pt")
-            # key -> shard file name; a single file's keys are in its header
-            self._where = weight_map if weight_map is not None else dict.fromkeys(self._handles[SINGLE].keys(), SINGLE)
-            self._plan_modules(model)
-        except BaseException:
-            self.close()
-            raise
+        self._where = self._weight_map(folder)  # key -> shard file name
+        self._plan_modules(model)
         if self.missing_keys:
-            log.warning("%s: not in the checkpoint, initialised by the fallback: %s", folder, _listed(self.missing_keys))
+            log.warning("%s: not in the checkpoint, initialised by the fallback: %s", folder,
+                        _listed(self.missing_keys))
         if self.unexpected_keys:
             log.warning("%s: checkpoint keys the model does not have, not loaded: %s", folder,
                         _listed(self.unexpected_keys))
 
-    @staticmethod
-    def _weight_map(folder: Path) -> dict[str, str] | None:
-        """The index's ``weight_map`` (key -> shard), or ``None`` for a single ``model.safetensors``."""
+    def _open(self, shard: str) -> Any:
+        return safe_open(str(self.folder / shard), framework="pt")
+
+    def _weight_map(self, folder: Path) -> dict[str, str]:
+        """The index's ``weight_map`` (key -> shard), or a single ``model.safetensors``'s keys."""
         if not folder.is_dir():
             raise FileNotFoundError(f"SafetensorsInit: the checkpoint folder {folder} does not exist; pass the folder "
                                     "model.save_pretrained() wrote")
@@ -108,11 +104,12 @@ class SafetensorsInit:
             weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
             for shard in sorted(set(weight_map.values())):
                 if not (folder / shard).is_file():
-                    raise FileNotFoundError(f"SafetensorsInit: {folder / INDEX} names the shard {shard}, which is not in "
-                                            f"{folder}; copy the whole checkpoint folder")
+                    raise FileNotFoundError(f"SafetensorsInit: {folder / INDEX} names the shard {shard}, which is "
+                                            f"not in {folder}; copy the whole checkpoint folder")
             return weight_map
         if (folder / SINGLE).is_file():
-            return None
+            with self._open(SINGLE) as handle:  # its keys are in its header
+                return dict.fromkeys(handle.keys(), SINGLE)
         raise FileNotFoundError(f"SafetensorsInit: {folder} holds neither {SINGLE} nor {INDEX}; save the model with "
                                 "model.save_pretrained(folder) (safetensors, its default)")
 
@@ -130,20 +127,23 @@ class SafetensorsInit:
                 aliases.setdefault(id(tensor), []).append(f"{prefix}.{name}" if prefix else name)
                 owned.append((module, name, id(tensor)))
         to_key = self._key_convention(model, [n for names in aliases.values() for n in names])
-        keys = {tid: next((to_key(n) for n in names if to_key(n) in self._where), None) for tid, names in aliases.items()}
+        keys = {tid: next((to_key(n) for n in names if to_key(n) in self._where), None)
+                for tid, names in aliases.items()}
 
         self.missing_keys = [names[0] for tid, names in aliases.items() if keys[tid] is None]
         if self.missing_keys and self.fallback is None:
             raise ValueError(f"SafetensorsInit: {_listed(self.missing_keys)} not in the checkpoint {self.folder}; "
                              "check that the model was built from the checkpoint's config, or pass fallback= "
                              "(e.g. model._init_weights) to initialise them")
-        for tid, key in keys.items():
-            if key is not None:
-                shape = tuple(self._handles[self._where[key]].get_slice(key).get_shape())
-                if shape != tuple(tensors[tid].shape):
-                    raise ValueError(f"SafetensorsInit: {key} in {self.folder / self._where[key]} has shape {shape}, "
-                                     f"the model's {aliases[tid][0]} {tuple(tensors[tid].shape)}; build the model "
-                                     "from the checkpoint's config.json")
+        for shard, shard_keys in self._by_shard(keys.items()).items():
+            with self._open(shard) as handle:  # shapes are in the header: nothing is read
+                for tid, key in shard_keys:
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    if shape != tuple(tensors[tid].shape):
+                        raise ValueError(
+                            f"SafetensorsInit: {key} in {self.folder / shard} has shape {shape}, the model's "
+                            f"{aliases[tid][0]} {tuple(tensors[tid].shape)}; build the model from the checkpoint's "
+                            "config.json")
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         used = set(keys.values())
         self.unexpected_keys = sorted(k for k in self._where if k not in used and not any(p.search(k) for p in ignore))
@@ -151,6 +151,14 @@ class SafetensorsInit:
         self._plan: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
         for module, name, tid in owned:
             self._plan.setdefault(module, {})[name] = keys[tid]
+
+    def _by_shard(self, items: Iterable[tuple[Any, str | None]]) -> dict[str, list[tuple[Any, str]]]:
+        """``(x, key)`` pairs grouped by the shard that holds the key; ``None`` keys left out."""
+        shards: dict[str, list[tuple[Any, str]]] = {}
+        for x, key in items:
+            if key is not None:
+                shards.setdefault(self._where[key], []).append((x, key))
+        return shards
 
     def _key_convention(self, model: torch.nn.Module, names: list[str]) -> Callable[[str], str]:
         """How a model name reads in the checkpoint: Hugging Face saves a base model without its
@@ -168,8 +176,6 @@ class SafetensorsInit:
     def __call__(self, module: torch.nn.Module) -> None:
         """Initialise ``module``'s own parameters and buffers (they have memory): from the checkpoint,
         and with ``fallback`` (or the model's ``_init_weights``) what the checkpoint does not hold."""
-        if self._handles is None:
-            raise RuntimeError(f"SafetensorsInit({self.folder}) is closed: initialise the model before closing it")
         keys = self._plan.get(module, {})
         tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         unfilled = [n for n, _ in tensors if keys.get(n) is None]
@@ -178,26 +184,13 @@ class SafetensorsInit:
             if unfilled:
                 init = self.fallback if len(computed) < len(unfilled) else self._buffer_init
                 if init is None:
-                    model = self._model()
-                    where = next((f"{n}." for n, m in model.named_modules() if m is module), "") if model else ""
+                    where = next((f"{n}." for n, m in self._model.named_modules() if m is module), "")
                     raise ValueError(
                         f"SafetensorsInit: {_listed([where + n for n in unfilled])} ({type(module).__name__}) not in "
                         f"the checkpoint {self.folder}: a module added after SafetensorsInit was built (e.g. a LoRA "
                         "adapter) or a non-persistent buffer; pass fallback= to initialise them")
                 init(module)
-            for name, tensor in tensors:
-                key = keys.get(name)
-                if key is not None:
-                    tensor.copy_(self._handles[self._where[key]].get_tensor(key))
-
-    def close(self) -> None:
-        """Close the shards (idempotent); initialising a module afterwards is an error."""
-        handles, self._handles = self._handles, None
-        for handle in (handles or {}).values():
-            handle.__exit__(None, None, None)
-
-    def __enter__(self) -> "SafetensorsInit":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            for shard, shard_keys in self._by_shard((t, keys.get(n)) for n, t in tensors).items():
+                with self._open(shard) as handle:
+                    for tensor, key in shard_keys:
+                        tensor.copy_(handle.get_tensor(key))
