@@ -11,13 +11,14 @@ from .activations import ActivationSwapper, Policy, SwapStats
 from .config import ConfigError, FuyouConfig
 from .engine import FuyouEngine
 from .optim import FuyouAdamW, StepStats
+from .params import SafetensorsInit
 from .storage import HostBufferPool, IOEngine, TensorStore
 
 __version__ = "0.1.0"
 __all__ = [
     "ActivationSwapper", "ConfigError", "FuyouAdamW", "FuyouCallback", "FuyouConfig", "FuyouEngine",
-    "FuyouFabricStrategy", "FuyouStrategy", "HostBufferPool", "IOEngine", "Policy", "StepStats", "SwapStats",
-    "TensorStore", "__version__",
+    "FuyouFabricStrategy", "FuyouStrategy", "HostBufferPool", "IOEngine", "Policy", "SafetensorsInit", "StepStats",
+    "SwapStats", "TensorStore", "__version__",
 ]
 
 try:

@@ -146,7 +146,8 @@ class FuyouEngine:
             their framework's channel (Lightning's ``rank_zero_info``, transformers' logger).
         init_weights: for a model built on the meta device (``with torch.device("meta"):``), how to
             initialise each module once it has memory (``module.apply``-style, e.g. a Hugging Face
-            model's ``_init_weights``; default ``reset_parameters()``). Streamed blocks are
+            model's ``_init_weights``, or `SafetensorsInit` to load a local checkpoint lazily;
+            default ``reset_parameters()``). Streamed blocks are
             materialised one at a time straight into their tier, so the model is never whole in
             memory; everything else is materialised on ``device``.
         device: where a meta model's resident parameters go (default: the CPU).
