@@ -25,12 +25,17 @@ def allocator(use_jemalloc: bool = True) -> str:
     return f"{name} (MALLOC_CONF={conf})" if conf and name == "jemalloc" else name
 
 
-def run_fresh(script: str, argv: list[str], use_jemalloc: bool = True) -> dict:
-    """Run ``script argv`` in a new Python process (jemalloc preloaded when installed); parse its last line as JSON."""
+def fresh_env(use_jemalloc: bool = True) -> dict[str, str]:
+    """The environment of a child process: this one's, with jemalloc preloaded when installed and wanted."""
     env = dict(os.environ)
     if use_jemalloc and os.path.exists(JEMALLOC) and "jemalloc" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = JEMALLOC
-    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env)
+    return env
+
+
+def run_fresh(script: str, argv: list[str], use_jemalloc: bool = True) -> dict:
+    """Run ``script argv`` in a new Python process (jemalloc preloaded when installed); parse its last line as JSON."""
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=fresh_env(use_jemalloc))
     if proc.returncode != 0:
         raise SystemExit(f"{script} {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

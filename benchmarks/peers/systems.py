@@ -1,0 +1,358 @@
+"""The systems the peer benchmark trains with, each run in its own process by ``run.py --worker``.
+
+Every system trains the same model (built from a config with ``torch.manual_seed(0)``, or loaded
+from a local folder), on the same generated tokens, with the same AdamW hyper-parameters (lr
+1e-4, betas (0.9, 0.999), eps 1e-8, no weight decay, no clipping, constant learning rate), for
+``warmup + steps`` optimizer steps, and reports the wall time of each step, each step's loss, its
+process's peak RSS and the bytes its swap directory holds at the end.
+
+A system whose library is missing or refuses the machine raises `Unavailable` with the reason;
+the parent turns that (and any crash, timeout or memory overrun) into a row that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
+
+# name: (layers, hidden, heads) of GPT-2's published sizes; Llama uses the same widths and depths.
+# "tiny" (with a 512-token vocabulary) is for the harness's own test.
+SIZES = {"tiny": (2, 64, 2), "124M": (12, 768, 12), "350M": (24, 1024, 16), "774M": (36, 1280, 20), "1.5B": (48, 1600, 25),
+         "2.7B": (32, 2560, 32)}
+
+
+class Unavailable(RuntimeError):
+    """The system cannot run here (library missing, refused by the machine); the message says why."""
+
+
+@dataclass
+class Job:
+    """What one worker trains: the parent's options, as the worker sees them."""
+    arch: str
+    size: str
+    model: str | None
+    dtype: str
+    batch: int
+    seq: int
+    steps: int  # all optimizer steps, warm-up included
+    swap_dir: str
+
+    def build_model(self):
+        """The model, identical in every process: built from config under seed 0, or read from ``model``;
+        dropout off, so every system computes the same losses from the same weights."""
+        import torch
+        torch.manual_seed(0)
+        model = self._build()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        return model
+
+    def _build(self):
+        import torch
+        if self.model is not None:
+            from transformers import AutoModelForCausalLM
+            return AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, dtype=torch.float32)
+        layers, hidden, heads = SIZES[self.size]
+        vocab = {"gpt2": 50257, "llama": 32000}[self.arch] if self.size != "tiny" else 512
+        if self.arch == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+            return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                                              n_positions=max(1024, self.seq), bos_token_id=None,
+                                              eos_token_id=None))
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                            intermediate_size=(hidden * 8 // 3 + 255) // 256 * 256, vocab_size=vocab,
+                                            max_position_embeddings=max(2048, self.seq), bos_token_id=None,
+                                            eos_token_id=None))
+
+    def batches(self, vocab: int):
+        """``steps`` batches of random tokens, the same in every process."""
+        import torch
+        g = torch.Generator().manual_seed(1234)
+        return [torch.randint(0, vocab, (self.batch, self.seq), generator=g) for _ in range(self.steps)]
+
+
+@dataclass
+class Trace:
+    """What a worker measured."""
+    step_s: list[float]  # wall time of each optimizer step (forward, backward, update), in order
+    losses: list[float]
+    driver: str  # how the system was driven (through Lightning, the HF Trainer, its own engine)
+    summary: dict | None = None  # fuyou's engine summary (plan, schedule, waits): why a step costs what it does
+
+
+def _autocast(job: Job):
+    import contextlib
+
+    import torch
+    return torch.autocast("cpu", dtype=torch.bfloat16) if job.dtype == "bf16" else contextlib.nullcontext()
+
+
+def _loop(job: Job, model, step: Callable, driver: str) -> Trace:
+    """Train with a plain loop: ``step(batch) -> loss tensor`` does forward, backward and update."""
+    times, losses = [], []
+    for batch in job.batches(model.config.vocab_size):
+        start = time.perf_counter()
+        loss = step(batch)
+        losses.append(float(loss))
+        times.append(time.perf_counter() - start)
+    return Trace(times, losses, driver)
+
+
+def torch_adamw(job: Job) -> Trace:
+    """The reference: ``torch.optim.AdamW(fused=True)``, everything in memory."""
+    import torch
+    model = job.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+
+    def step(batch):
+        with _autocast(job):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return _loop(job, model, step, "plain loop")
+
+
+def _fuyou_fields(job: Job, everything_on_ssd: bool) -> dict:
+    if everything_on_ssd:
+        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd")
+    # the default plan: the planner profiles the first steps and places activations and weights
+    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2)
+
+
+def fuyou_lightning(job: Job, everything_on_ssd: bool = False) -> Trace:
+    """``Trainer(strategy=FuyouStrategy(...))`` on the CPU."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from fuyou_strategy import FuyouStrategy
+
+    model = job.build_model()
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+
+    class Recorder(L.Callback):
+        def __init__(self) -> None:
+            self.times, self.losses, self.start = [], [], 0.0
+
+        def on_train_batch_start(self, *args) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+            self.times.append(time.perf_counter() - self.start)
+
+    recorder = Recorder()
+    trainer = L.Trainer(strategy=FuyouStrategy(**_fuyou_fields(job, everything_on_ssd)), accelerator="cpu", devices=1,
+                        max_steps=job.steps, precision="bf16-mixed" if job.dtype == "bf16" else "32-true",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[recorder])
+    trainer.fit(Module(), DataLoader(job.batches(model.config.vocab_size), batch_size=None))
+    return Trace(recorder.times, recorder.losses, 'Lightning Trainer(strategy="fuyou")',
+                 trainer.strategy.engine.summary())
+
+
+def fuyou_hf(job: Job) -> Trace:
+    """The Hugging Face ``Trainer`` with `FuyouCallback` (sequential batches, constant learning rate)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from fuyou_strategy import FuyouCallback
+
+    model = job.build_model()
+    # the Trainer would divide the summed loss by the tokens in the batch (batch x seq), not by the
+    # predicted ones (batch x (seq - 1)) as the model and every other system here do
+    model.accepts_loss_kwargs = False
+    data = [{"input_ids": row, "labels": row} for b in job.batches(model.config.vocab_size) for row in b]
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.times, self.losses, self.start = [], [], 0.0
+
+        def on_step_begin(self, *args, **kwargs) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    class InOrder(Trainer):  # the same batches in the same order as every other system
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    recorder = Recorder()
+    with tempfile.TemporaryDirectory(prefix="fuyou-peers-hf-") as out:
+        targs = TrainingArguments(output_dir=out, max_steps=job.steps, per_device_train_batch_size=job.batch,
+                                  learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+                                  weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=0.0,
+                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                  bf16=job.dtype == "bf16", dataloader_drop_last=True, disable_tqdm=True)
+        callback = FuyouCallback(**_fuyou_fields(job, False))
+        trainer = InOrder(model=model, args=targs, train_dataset=data, callbacks=[callback, recorder])
+        trainer.train()
+    return Trace(recorder.times, recorder.losses, "HF Trainer + FuyouCallback", callback.summary)
+
+
+def _lightning_refusal(strategy: str) -> str | None:
+    """Lightning's own error for ``Trainer(strategy=strategy)`` on this machine, or ``None`` if it accepts it."""
+    import lightning as L
+    try:
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+        trainer.strategy.setup_environment()
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _infinity_buffers(job: Job) -> dict:
+    """ZeRO-Infinity's parameter swap buffers: each must hold the largest parameter, so they are sized
+    to it instead of DeepSpeed's default 1e8 elements (with ``buffer_count=64`` that default made a
+    model of a few MB reach 13 GB of RSS here); their number comes from ``DS_BUFFER_COUNT`` (default 5,
+    DeepSpeed's own)."""
+    largest = max(p.numel() for p in job.build_model().parameters())
+    return {"buffer_size": largest, "buffer_count": int(os.environ.get("DS_BUFFER_COUNT", "5"))}
+
+
+def deepspeed_zero(job: Job, variant: str) -> Trace:
+    """DeepSpeed ZeRO driven by ``deepspeed.initialize`` in one gloo process on the CPU.
+
+    ``variant``: ``"offload"`` (ZeRO-2, optimizer on the CPU: ZeRO-Offload), ``"zero3-cpu"`` (ZeRO-3,
+    parameters and optimizer on the CPU) or ``"infinity"`` (ZeRO-3, both on NVMe).
+    """
+    lightning_name = {"offload": "deepspeed_stage_2_offload", "zero3-cpu": "deepspeed_stage_3_offload",
+                      "infinity": "deepspeed_stage_3_offload_nvme"}[variant]
+    refusal = _lightning_refusal(lightning_name)
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise Unavailable(f"deepspeed is not installed ({e}); run benchmarks/peers/install.sh") from e
+    driver = "deepspeed.initialize" + (f" (Lightning {lightning_name!r} refused: {refusal})" if refusal else "")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    zero: dict = {"stage": 2 if variant == "offload" else 3}
+    if variant == "offload":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif variant == "zero3-cpu":
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    else:  # ZeRO-Infinity
+        nvme = {"device": "nvme", "nvme_path": job.swap_dir}
+        zero.update(offload_optimizer=dict(nvme), offload_param=dict(nvme, **_infinity_buffers(job)))
+    config = {"train_micro_batch_size_per_gpu": job.batch, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                        "weight_decay": 0.0}},
+              "zero_optimization": zero, "bf16": {"enabled": job.dtype == "bf16"},
+              "aio": {"block_size": 1 << 20, "queue_depth": 16, "single_submit": False, "overlap_events": True},
+              "wall_clock_breakdown": False, "steps_per_print": 1 << 30}
+    model = job.build_model()
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(batch):
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach().float()
+    return _loop(job, model, step, driver)
+
+
+def _colossal_cpu_adam():
+    """Colossal-AI's HybridAdam with its CPU Adam kernel built here (see colossal_cpu_adam.py)."""
+    try:
+        import colossalai.nn.optimizer.cpu_adam as cpu_adam
+        from colossalai.nn.optimizer import HybridAdam
+    except ImportError as e:
+        raise Unavailable(f"colossalai is not installed ({e}); run benchmarks/peers/install.sh") from e
+    from colossal_cpu_adam import build_without_cuda
+    kernel = build_without_cuda()
+    cpu_adam.CPUAdamLoader.load = lambda self: kernel
+    return HybridAdam
+
+
+def colossal(job: Job, variant: str) -> Trace:
+    """Colossal-AI: ``"cpu"`` HybridAdam (its CPU Adam kernel) on the CPU, ``"nvme"`` HybridAdam with
+    every optimizer state on NVMe (``nvme_offload_fraction=1``), ``"gemini"`` the Gemini plugin
+    through its ``Booster``."""
+    HybridAdam = _colossal_cpu_adam()
+    model = job.build_model()
+    nvme = dict(nvme_offload_fraction=1.0, nvme_offload_dir=job.swap_dir) if variant == "nvme" else {}
+    if variant == "gemini":
+        import colossalai
+        from colossalai.booster import Booster
+        from colossalai.booster.plugin import GeminiPlugin
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        colossalai.launch_from_torch(backend="gloo")
+        booster = Booster(plugin=GeminiPlugin(placement_policy="static", offload_optim_frac=1.0,
+                                              offload_param_frac=1.0))
+        opt = HybridAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+        model, opt, *_ = booster.boost(model, opt)
+        backward, driver = (lambda loss: booster.backward(loss, opt)), "colossalai Booster(GeminiPlugin)"
+    else:
+        try:
+            opt = HybridAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, **nvme)
+        except ModuleNotFoundError as e:  # the NVMe optimizer needs tensornvme
+            raise Unavailable(f"{e} (benchmarks/peers/install.sh builds it; it needs libaio-dev)") from e
+        backward, driver = (lambda loss: loss.backward()), "HybridAdam in a plain loop (no Lightning strategy exists)"
+
+    def step(batch):
+        with _autocast(job):
+            loss = model(input_ids=batch, labels=batch).loss
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach().float()
+    return _loop(job, model, step, driver)
+
+
+# name -> (run, what the row means)
+SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
+    "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
+    "fuyou-lightning": (fuyou_lightning, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
+    "fuyou-hf": (fuyou_hf, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-ssd": (lambda job: fuyou_lightning(job, everything_on_ssd=True),
+                  "fuyou, Lightning strategy, activations and weights on SSD"),
+    "ds-offload": (lambda job: deepspeed_zero(job, "offload"), "DeepSpeed ZeRO-2 + CPU optimizer (ZeRO-Offload)"),
+    "ds-zero3-cpu": (lambda job: deepspeed_zero(job, "zero3-cpu"), "DeepSpeed ZeRO-3, params + optimizer on CPU"),
+    "ds-infinity": (lambda job: deepspeed_zero(job, "infinity"), "DeepSpeed ZeRO-Infinity, params + optimizer on NVMe"),
+    "colossal-cpu": (lambda job: colossal(job, "cpu"), "Colossal-AI HybridAdam, CPU optimizer"),
+    "colossal-nvme": (lambda job: colossal(job, "nvme"), "Colossal-AI HybridAdam, optimizer states on NVMe"),
+    "colossal-gemini": (lambda job: colossal(job, "gemini"), "Colossal-AI Gemini, params + optimizer offloaded"),
+}
+
+
+def run(name: str, job: Job) -> Trace:
+    """Train ``job`` with system ``name``, quietly (the peers' warnings go to stderr, not the table)."""
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    Path(job.swap_dir).mkdir(parents=True, exist_ok=True)
+    return SYSTEMS[name][0](job)

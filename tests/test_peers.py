@@ -1,0 +1,55 @@
+"""The peer benchmark's harness (benchmarks/peers) at tiny scale: it trains torch and fuyou alike, and
+reports a peer it cannot run as such. No figure is checked (no timing assertions)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def run_peers(tmp_path, *argv):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--sizes", "tiny", "--rounds", "1",
+                           "--steps", "1", "--warmup", "3", "--swap-dir", str(tmp_path / "swap"),
+                           "--out", str(tmp_path / "out"), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "out" / "peers-gpt2-fp32.json").read_text()), proc.stdout
+
+
+def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path):
+    systems = ["torch", "fuyou-lightning", "fuyou-hf", "ds-offload", "colossal-cpu"]
+    result, stdout = run_peers(tmp_path, "--systems", ",".join(systems))
+    rows = result["sizes"]["tiny"]
+    assert list(rows) == systems
+    torch_row = rows["torch"]
+    assert torch_row["status"] == "ok" and len(torch_row["losses"]) == 4
+    for name in ("fuyou-lightning", "fuyou-hf"):
+        row = rows[name]
+        assert row["status"] == "ok", row
+        # same weights, data and hyper-parameters: FuyouAdamW computes what torch's AdamW does
+        # (bitwise here; the reference is the fused kernel, so allow its last-bit differences)
+        assert row["losses"] == pytest.approx(torch_row["losses"], rel=1e-6, abs=0)
+        assert row["ssd_peak_bytes"] > 0, "the optimizer state was on SSD while it ran"
+        assert row["peak_rss"] > 0 and row["median_s"] > 0
+    assert rows["torch"]["ssd_peak_bytes"] == 0
+    for name, module in (("ds-offload", "deepspeed"), ("colossal-cpu", "colossalai")):
+        if importlib.util.find_spec(module) is None:
+            assert rows[name]["status"] == "unavailable"
+            assert f"{module} is not installed" in rows[name]["reason"] and "install.sh" in rows[name]["reason"]
+            assert f"| {name} | **unavailable** |" in stdout
+    assert not os.listdir(tmp_path / "swap"), "every run's swap files are removed"
+    assert (tmp_path / "out" / "peers-gpt2-fp32.md").read_text().startswith("# gpt2, fp32")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "out" / "peers-gpt2-fp32.png").stat().st_size > 0
+
+
+def test_a_run_past_the_memory_limit_is_stopped_and_not_tried_at_larger_sizes(tmp_path):
+    result, stdout = run_peers(tmp_path, "--systems", "torch", "--sizes", "tiny,124M", "--memory-limit", "0.05")
+    tiny, larger = result["sizes"]["tiny"]["torch"], result["sizes"]["124M"]["torch"]
+    assert tiny["status"] == "out of memory" and "GiB limit" in tiny["reason"]
+    assert larger == {"status": "skipped", "reason": "ran out of memory at tiny"}
