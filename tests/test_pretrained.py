@@ -11,6 +11,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
 from conftest import tiny_causal_lm
+from test_weights import ids, run_steps
 from fuyou_strategy import FuyouConfig, FuyouEngine, SafetensorsInit
 from fuyou_strategy.params import pretrained
 
@@ -45,20 +46,9 @@ def engine_for(model, cfg, init=None):
                        config=cfg, max_grad_norm=0.5, init_weights=init)
 
 
-def ids(step):
-    return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
-
-
 def train(engine, model, steps=3):
-    """``steps`` engine steps (clipping on), then ``close``: every weight resident again. The losses."""
-    losses = []
-    for step in range(steps):
-        engine.begin_micro_batch(update=True)
-        loss = model(input_ids=ids(step), labels=ids(step)).loss
-        loss.backward()
-        engine.optimizer.step()
-        engine.optimizer.zero_grad()
-        losses.append(loss.item())
+    """``steps`` engine steps (clipping on, `run_steps`), then ``close``: every weight resident again. The losses."""
+    losses = [loss.item() for loss in run_steps(engine, model, steps)]
     engine.close()
     return losses
 

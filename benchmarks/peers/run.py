@@ -38,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from common import allocator, choose_dtype, fresh_env, peak_rss_bytes  # noqa: E402
+from fuyou_strategy.storage.rundir import dir_bytes  # noqa: E402
 from systems import SIZES, SYSTEMS, Job, Unavailable, run  # noqa: E402
 
 GiB = 2**30
@@ -101,17 +102,6 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _disk_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:  # removed while we looked
-                pass
-    return total
-
-
 def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemalloc: bool) -> dict:
     """Run a worker (``run.py --worker ...``) and watch it: its RSS against ``limit``, its time
     against ``timeout``, and its swap directory's size. Returns the worker's result with
@@ -127,7 +117,7 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
         reader.start()
         while proc.poll() is None:
             rss = _rss(proc.pid)
-            peak_disk = max(peak_disk, _disk_bytes(swap_dir))
+            peak_disk = max(peak_disk, dir_bytes(str(swap_dir)))
             if rss > limit:
                 stopped = f"out of memory: RSS reached {rss / GiB:.2f} GiB > the {limit / GiB:.2f} GiB limit"
             elif time.monotonic() - start > timeout:
