@@ -119,9 +119,9 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
             rss = _rss(proc.pid)
             peak_disk = max(peak_disk, dir_bytes(str(swap_dir)))
             if rss > limit:
-                stopped = f"out of memory: RSS reached {rss / GiB:.2f} GiB > the {limit / GiB:.2f} GiB limit"
+                stopped = "out of memory", f"RSS reached {rss / GiB:.2f} GiB > the {limit / GiB:.2f} GiB limit"
             elif time.monotonic() - start > timeout:
-                stopped = f"timed out after {timeout:.0f} s"
+                stopped = "timed out", f"stopped after {timeout:.0f} s"
             if stopped:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)
@@ -133,8 +133,7 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
     shutil.rmtree(swap_dir, ignore_errors=True)
     elapsed = time.monotonic() - start
     if stopped:
-        return {"status": "out of memory" if stopped.startswith("out of") else "timed out", "reason": stopped,
-                "ssd_peak_bytes": peak_disk, "wall_s": elapsed}
+        return {"status": stopped[0], "reason": stopped[1], "ssd_peak_bytes": peak_disk, "wall_s": elapsed}
     try:
         result = json.loads(out[-1])
     except (IndexError, json.JSONDecodeError):
