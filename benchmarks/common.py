@@ -41,6 +41,15 @@ def run_fresh(script: str, argv: list[str], use_jemalloc: bool = True) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def proc_bytes(path: str, field: str) -> int:
+    """A ``Field:  N kB`` line of a /proc file, in bytes."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{path} has no {field} line")
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, choose_dtype, run_fresh, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
+from common import (allocator, choose_dtype, proc_bytes, run_fresh, run_interleaved, temporary_swap_dir,  # noqa: E402
+                    worker_argv)
 
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -85,15 +86,6 @@ def gpt2_config(args: argparse.Namespace):
 
     return GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                       n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-def proc_bytes(path: str, field: str) -> int:
-    """A ``Field:  N kB`` line of a /proc file, in bytes."""
-    with open(path) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{path} has no {field} line")
 
 
 def vm_hwm_bytes() -> int:

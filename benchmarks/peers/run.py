@@ -37,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from common import allocator, choose_dtype, fresh_env, peak_rss_bytes  # noqa: E402
+from common import allocator, choose_dtype, fresh_env, peak_rss_bytes, proc_bytes  # noqa: E402
 from fuyou_strategy.storage.rundir import dir_bytes  # noqa: E402
 from systems import SIZES, SYSTEMS, Job, Unavailable, run  # noqa: E402
 
@@ -96,9 +96,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 def _rss(pid: int) -> int:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
+        return proc_bytes(f"/proc/{pid}/status", "VmRSS")
+    except (OSError, RuntimeError):  # gone, or a zombie (no VmRSS line)
         return 0
 
 
@@ -294,8 +293,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return proc_bytes("/proc/meminfo", "MemTotal")
 
 
 def report(results: dict, args: argparse.Namespace, out: Path, stem: str, limit: int) -> None:

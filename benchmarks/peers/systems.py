@@ -229,18 +229,21 @@ def _lightning_refusal(strategy: str) -> str | None:
     return None
 
 
-def _free_port() -> str:
+def _one_process_group() -> None:
+    """The environment ``torch.distributed``'s env:// rendezvous reads, for a world of this process alone
+    (DeepSpeed and Colossal-AI both initialise a process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        port = str(s.getsockname()[1])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def _infinity_buffers(job: Job) -> dict:
+def _infinity_buffers(model) -> dict:
     """ZeRO-Infinity's parameter swap buffers: each must hold the largest parameter, so they are sized
     to it instead of DeepSpeed's default 1e8 elements (with ``buffer_count=64`` that default made a
     model of a few MB reach 13 GB of RSS here); their number comes from ``DS_BUFFER_COUNT`` (default 5,
     DeepSpeed's own)."""
-    largest = max(p.numel() for p in job.build_model().parameters())
+    largest = max(p.numel() for p in model.parameters())
     return {"buffer_size": largest, "buffer_count": int(os.environ.get("DS_BUFFER_COUNT", "5"))}
 
 
@@ -258,7 +261,8 @@ def deepspeed_zero(job: Job, variant: str) -> Trace:
     except ImportError as e:
         raise Unavailable(f"deepspeed is not installed ({e}); run benchmarks/peers/install.sh") from e
     driver = "deepspeed.initialize" + (f" (Lightning {lightning_name!r} refused: {refusal})" if refusal else "")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    _one_process_group()
+    model = job.build_model()
     zero: dict = {"stage": 2 if variant == "offload" else 3}
     if variant == "offload":
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -266,14 +270,13 @@ def deepspeed_zero(job: Job, variant: str) -> Trace:
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     else:  # ZeRO-Infinity
         nvme = {"device": "nvme", "nvme_path": job.swap_dir}
-        zero.update(offload_optimizer=dict(nvme), offload_param=dict(nvme, **_infinity_buffers(job)))
+        zero.update(offload_optimizer=dict(nvme), offload_param=dict(nvme, **_infinity_buffers(model)))
     config = {"train_micro_batch_size_per_gpu": job.batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                         "weight_decay": 0.0}},
               "zero_optimization": zero, "bf16": {"enabled": job.dtype == "bf16"},
               "aio": {"block_size": 1 << 20, "queue_depth": 16, "single_submit": False, "overlap_events": True},
               "wall_clock_breakdown": False, "steps_per_print": 1 << 30}
-    model = job.build_model()
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
@@ -309,8 +312,7 @@ def colossal(job: Job, variant: str) -> Trace:
         import colossalai
         from colossalai.booster import Booster
         from colossalai.booster.plugin import GeminiPlugin
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        _one_process_group()
         colossalai.launch_from_torch(backend="gloo")
         booster = Booster(plugin=GeminiPlugin(placement_policy="static", offload_optim_frac=1.0,
                                               offload_param_frac=1.0))
