@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -147,8 +146,8 @@ class SafetensorsInit:
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         used = set(keys.values())
         self.unexpected_keys = sorted(k for k in self._where if k not in used and not any(p.search(k) for p in ignore))
-        # Weak keys: the plan neither keeps a module alive nor mistakes a later one for it.
-        self._plan: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str | None]] = weakref.WeakKeyDictionary()
+        # Keyed by the module itself (not its id): a module created later is never mistaken for one planned here.
+        self._plan: dict[torch.nn.Module, dict[str, str | None]] = {}
         for module, name, tid in owned:
             self._plan.setdefault(module, {})[name] = keys[tid]
 
