@@ -294,7 +294,12 @@ def test_a_failed_job_and_the_jobs_it_makes_the_worker_skip_fail_their_waiters(p
     assert outcome(lambda: pipe.wait_job(after, "a later job")) is None
 
 
-def test_wait_job_has_a_way_out_when_the_worker_stops_or_hangs(store, monkeypatch):
+@pytest.mark.parametrize("poll", [0.05, 3.0], ids=["poll-50ms", "poll-3s"])
+def test_wait_job_has_a_way_out_when_the_worker_stops_or_hangs(store, monkeypatch, poll):
+    # The worker's read wait and wait_job's progress check both give up after io_timeout (1 s); which
+    # notices first is a race (with a 3 s poll, always the worker). Either way the error names what
+    # was waited for. (A hang only wait_job can notice: test_wait_job_times_out_when_the_job_function_hangs.)
+    monkeypatch.setattr("fuyou_strategy.optim.pipeline._LIVENESS_POLL", poll)
     pipe = ChunkPipeline(store, depth=2, name="fuyou-test")
     end = hang_reads(store, monkeypatch)
     try:
@@ -308,3 +313,20 @@ def test_wait_job_has_a_way_out_when_the_worker_stops_or_hangs(store, monkeypatc
     assert job.done.done() and job.done.exception() is not None, "a stopped worker fails the jobs it holds"
     with pytest.raises(ValueError, match="done=Future"):
         pipe.wait_job(ChunkJob("x", 3, release), "a job without done")
+
+
+def test_wait_job_times_out_when_the_job_function_hangs(pipe):
+    # The worker is alive but stuck inside a job's function: only wait_job's progress check notices.
+    stuck = threading.Event()
+
+    def hang(k, buf):
+        buf.release()
+        stuck.wait(DEADLINE)
+
+    job = ChunkJob("x", 3, hang, done=Future())
+    pipe.submit(job)
+    try:
+        error = outcome(lambda: pipe.wait_job(job, "the update of parameter 2"))
+        assert isinstance(error, TimeoutError) and "no progress" in str(error) and "parameter 2" in str(error)
+    finally:
+        stuck.set()

@@ -107,7 +107,9 @@ class ChunkPipeline:
 
         The way out: `PipelineError` if the worker stops, `TimeoutError` if the worker made no
         progress (no chunk processed) for ``io_timeout`` seconds while the job is not done.
-        ``what`` names the job in the errors (e.g. "the update of parameter 3").
+        ``what`` names the job in the errors (e.g. "the update of parameter 3"), including a
+        `TimeoutError` the worker's own wait raised first (it times out after the same
+        ``io_timeout``, so which of the two notices a hung drive first is a race).
         """
         if job.done is None:
             raise ValueError(f"{self.name}: wait_job needs a job submitted with done=Future(); got {job!r}")
@@ -119,6 +121,9 @@ class ChunkPipeline:
                 raise TimeoutError(f"{self.name}: {what} is not done and the worker has made no progress for "
                                    f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise "
                                    "FuyouConfig.io_timeout")
+        error = job.done.exception()
+        if isinstance(error, TimeoutError):
+            raise TimeoutError(f"{self.name}: {what} did not complete: {error}") from error
         job.done.result()
 
     def drain(self) -> None:
