@@ -295,9 +295,21 @@ def scale(args: argparse.Namespace, argv: list[str], header: list[str]) -> dict:
                      f"{gib(r['summary'].get('weight_bytes_streamed')):>13} "
                      f"{gib(r['summary'].get('ssd_file_bytes')):>14} {gib(free):>14}")
     lines += ["", RSS_NOTE + "; B/param: steps RSS per parameter"] + notes + rss_reset_notes(rows)
+    lines += [growth] if (growth := rss_growth(rows)) else []
     lines += [stopped] if stopped else []
-    lines.append(plot_rss(Path(args.out) / f"{args.stem}.png", rows, header[0]))
+    lines.append(plot_rss(Path(args.out) / f"{args.stem}.png", rows,
+                          f"{header[0]}; allocator: {allocator(not args.no_jemalloc)}"))
     return {"rows": rows, "stopped": stopped, "table": "\n".join(lines)}
+
+
+def rss_growth(rows: list[dict]) -> str | None:
+    """How far the steps' peak RSS moves across the sizes that ran (the 'flat' figure)."""
+    done = [r for r in rows if "step_s" in r]
+    if len(done) < 2:
+        return None
+    low, high = min(r["peak_rss"] for r in done), max(r["peak_rss"] for r in done)
+    return (f"steps RSS from {done[0]['size']} to {done[-1]['size']} ({done[-1]['params'] / done[0]['params']:.1f}x "
+            f"the parameters): {gib(low)} to {gib(high)} GiB, a spread of {gib(high - low)} GiB")
 
 
 def plot_rss(path: Path, rows: list[dict], title: str) -> str:
@@ -313,8 +325,9 @@ def plot_rss(path: Path, rows: list[dict], title: str) -> str:
     ax.plot([r["params"] / 1e9 for r in done], [r["peak_rss"] / 2**30 for r in done], marker="o")
     for r in done:
         ax.annotate(r["size"], (r["params"] / 1e9, r["peak_rss"] / 2**30), textcoords="offset points", xytext=(4, 4))
+    ax.set_ylim(0, max(r["peak_rss"] for r in done) / 2**30 * 1.25 if done else 1)
     ax.set_xlabel("parameters (billions)")
-    ax.set_ylabel("peak RSS (GiB)")
+    ax.set_ylabel("peak RSS over a step (GiB)")
     return _save(plt, fig, ax, title, path)
 
 
@@ -384,7 +397,7 @@ def replot(path: Path) -> str:
         configs = data["args"]["configs"].split(",")
         ref_s = statistics.median(results[configs[0]]["step_s"])
         return plot_bars(png, configs, results, ref_s, title)
-    return plot_rss(png, data["rows"], title)
+    return plot_rss(png, data["rows"], f"{title}; allocator: {data['allocator']}")
 
 
 def main(argv: list[str] | None = None) -> None:
