@@ -38,6 +38,7 @@ import torch
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
+from .optim.schedule import NEXT_FORWARD
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
@@ -222,6 +223,8 @@ class FuyouEngine:
             raise
         self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
         self._last_step_end: float | None = None
+        self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
+        self._metrics: dict[str, float] = {}
         self.step_times: list[float] = []  # seconds between consecutive optimizer steps
         self.micro_batches = 0
 
@@ -260,6 +263,7 @@ class FuyouEngine:
         now = time.perf_counter()
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
+            self._metrics = self._step_metrics(now - self._last_step_end)
         self._last_step_end = now
         if self.profiler is not None:
             self.profiler.after_step()
@@ -323,6 +327,48 @@ class FuyouEngine:
                 for p in group["params"] if p.dtype != torch.float32}
 
     # -- reporting ------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """The last optimizer step's figures, for a training logger (keys under ``fuyou/``; empty
+        before the first step). Plain floats read from counters the step keeps anyway: reading
+        them never waits for the device or the drive.
+
+        Per step (since the previous step ended): ``step_seconds``; ``ssd_read_bytes`` and
+        ``ssd_write_bytes`` (completed transfers of every kind: optimizer state, activations,
+        weights, gradients) and ``ssd_read_gbps`` / ``ssd_write_gbps`` (those bytes over the step's
+        wall time, 1e9 bytes/s); ``activation_bytes_to_ssd`` / ``activation_bytes_to_host``.
+        Of the step itself: ``grad_norm`` (global, before clipping), ``clipped``, ``skipped`` and
+        ``rolled_back`` (1 or 0), ``schedule_next_forward`` (1: the step's updates ran ahead of the
+        next forward, 0: during backward). Over the run: ``rollback_rate``, ``host_pool_peak_bytes``,
+        ``device_peak_bytes`` (weights and gradients, with weight streaming), and with a plan
+        ``plan_predicted_step_seconds``.
+        """
+        return dict(self._metrics)
+
+    def _counters(self) -> dict[str, float]:
+        stats, engine = self.optimizer.stats, self.optimizer.store.engine
+        swap = self.swapper.stats if self.swapper is not None else None
+        return {"ssd_read_bytes": engine.bytes_read, "ssd_write_bytes": engine.bytes_written,
+                "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
+                "activation_bytes_to_host": swap.host_bytes if swap else 0,
+                "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
+
+    def _step_metrics(self, seconds: float) -> dict[str, float]:
+        now = self._counters()
+        # A swapper installed by the planner starts its own counts: never a negative difference.
+        delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
+        self._counted = now
+        stats = self.optimizer.stats
+        out = {"step_seconds": seconds, **delta,
+               "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+               "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+               "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
+               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": self.optimizer.store.pool.high_water}
+        if self.streamer is not None:
+            out["device_peak_bytes"] = self.streamer.meter.high_water
+        if self.plan is not None:
+            out["plan_predicted_step_seconds"] = self.plan.predicted_step_s
+        return {f"fuyou/{k}": float(v) for k, v in out.items()}
+
     def summary(self) -> dict[str, Any]:
         """What the run did: steps, clipping outcomes, bytes on SSD, peak host memory, step time."""
         opt, store = self.optimizer, self.optimizer.store

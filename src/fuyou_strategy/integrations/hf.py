@@ -125,6 +125,8 @@ class FuyouCallback(TrainerCallback):
             override it, e.g. ``FuyouCallback(swap_dirs=["/nvme0"], activations="ssd")``.
         resume_from: the checkpoint folder to resume from when it is not
             ``<output_dir>/checkpoint-<step>`` (the Trainer does not tell callbacks).
+        log_metrics: add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the
+            Trainer's training logs (`on_log`).
 
     Honoured: ``learning_rate``, ``weight_decay`` (with the Trainer's no-decay groups),
     ``adam_beta1/2``, ``adam_epsilon``, ``lr_scheduler_type`` and warm-up,
@@ -145,9 +147,10 @@ class FuyouCallback(TrainerCallback):
     """
 
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, resume_from: str | None = None,
-                 **config_fields: Any) -> None:
+                 log_metrics: bool = True, **config_fields: Any) -> None:
         self.config = FuyouConfig.resolve(config, **config_fields)
         self.resume_from = resume_from
+        self.log_metrics = log_metrics
         self.summary: dict[str, Any] | None = None
         self.plan = None  # the planner's Plan after training with activations="auto"
         self._run: _Run | None = None
@@ -201,6 +204,18 @@ class FuyouCallback(TrainerCallback):
             f"{[os.path.join(c, STATE_FOLDER) for c in candidates]}); pass FuyouCallback(resume_from=<checkpoint folder>) "
             "if the checkpoint is elsewhere"
         )
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the Trainer's logs of a
+        training step, and to the entry the Trainer just put in ``state.log_history``. Reporting
+        callbacks placed after this one (``callbacks=[FuyouCallback(...), ...]``) see them; the
+        Trainer's own ``report_to`` integrations run before user callbacks and do not."""
+        if self.engine is None or logs is None or "loss" not in logs or not self.log_metrics:
+            return  # evaluation logs and the closing train_runtime line carry no step
+        metrics = self.engine.metrics()
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer's own flow callback ran first: it says whether evaluation or a save follows now.

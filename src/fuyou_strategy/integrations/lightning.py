@@ -161,6 +161,10 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
     ``gradient_clip_val`` with the ``"norm"`` algorithm, one device (CPU or one GPU).
     Refused with a clear error: fp16 precisions, ``gradient_clip_algorithm="value"``, manual
     optimization, several optimizers or devices, optimizers other than Adam/AdamW.
+
+    Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
+    GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
+    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
     """
 
     strategy_name = "fuyou"
@@ -173,12 +177,14 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        log_metrics: bool = True,
         **config_fields: Any,
     ) -> None:
         super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._init_one_device(device, config, config_fields)
         self._in_optimizer_step = False
+        self.log_metrics = log_metrics
 
     @property
     def precision_plugin(self) -> Precision:
@@ -241,9 +247,21 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self._in_optimizer_step = True
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._in_optimizer_step = False
+        self._log_metrics()
+        return out
+
+    def _log_metrics(self) -> None:
+        """The step's `FuyouEngine.metrics` to the Trainer's loggers (every ``log_every_n_steps``, as
+        Lightning logs ``on_step`` values); ``fuyou/ssd_write_gbps`` also on the progress bar."""
+        module = self.lightning_module
+        metrics = self.engine.metrics() if self.engine is not None and self.log_metrics else {}
+        if not metrics or module is None or getattr(module, "_current_fx_name", None) is None:
+            return  # no step yet, or called outside the Trainer's loop (nothing to log into)
+        for name, value in metrics.items():
+            module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "fuyou/ssd_write_gbps", logger=True)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

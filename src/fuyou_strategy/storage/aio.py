@@ -211,6 +211,18 @@ class IOEngine:
             _Directory(i, d, threads_per_dir, self._probe_direct(d, direct_io)) for i, d in enumerate(dirs)
         ]
         self._closed = False
+        self._counted = threading.Lock()
+        self._bytes = [0, 0]  # [read, written], completed transfers only
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the swap files so far (completed transfers; for metrics)."""
+        return self._bytes[0]
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written to the swap files so far (completed transfers; for metrics)."""
+        return self._bytes[1]
 
     def is_direct(self, index: int) -> bool:
         return self._dirs[index].direct
@@ -320,6 +332,8 @@ class IOEngine:
                 _move(f.buffered_fd(), False, block, offset, write)
         except _Failed as exc:
             raise self._error(exc.errno, exc.strerror, op, f, exc.offset, exc.nbytes) from exc
+        with self._counted:
+            self._bytes[write] += len(block)
         if not f.direct:
             self._bound_page_cache(f, offset, len(block), write)
 

@@ -1,0 +1,112 @@
+"""Per-step metrics (`FuyouEngine.metrics`) and where they reach users: Lightning's loggers, the HF Trainer's logs."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_causal_lm
+from fuyou_strategy import FuyouCallback, FuyouConfig, FuyouEngine, FuyouStrategy
+from fuyou_strategy.storage import round_up
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+KEYS = {"fuyou/step_seconds", "fuyou/ssd_read_bytes", "fuyou/ssd_write_bytes", "fuyou/ssd_read_gbps",
+        "fuyou/ssd_write_gbps", "fuyou/grad_norm", "fuyou/clipped", "fuyou/skipped", "fuyou/rolled_back",
+        "fuyou/schedule_next_forward", "fuyou/rollback_rate", "fuyou/host_pool_peak_bytes",
+        "fuyou/activation_bytes_to_ssd", "fuyou/activation_bytes_to_host"}
+
+
+def state_slot_bytes(engine):
+    """Bytes one pass over every parameter's [master | exp_avg | exp_avg_sq] chunks moves: each chunk
+    rounded up to the 4 KiB that O_DIRECT transfers."""
+    return sum(round_up(e.chunk_len(k)) for name, e in engine.optimizer.store.entries.items()
+               if name.startswith("adamw.") for k in range(e.nchunks))
+
+
+def engine_steps(tmp_path, steps=3, max_grad_norm=None, **fields):
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward", **fields)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
+                         max_grad_norm=max_grad_norm)
+    g, seen = torch.Generator().manual_seed(0), []
+    try:
+        assert engine.metrics() == {}, "no step yet"
+        for _ in range(steps):
+            ids = torch.randint(0, 101, (2, 16), generator=g)
+            engine.begin_micro_batch(update=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad(set_to_none=True)
+            seen.append(engine.metrics())
+        return seen, state_slot_bytes(engine), engine.optimizer.stats.last_grad_norm
+    finally:
+        engine.close()
+
+
+def test_a_committed_step_writes_and_reads_one_slot_of_optimizer_state(tmp_path):
+    seen, slot, last_norm = engine_steps(tmp_path)
+    assert len(seen) == 3 and all(KEYS <= set(m) for m in seen)
+    for m in seen[1:]:  # the first step's figures include the set-up (the engine's clock starts at the first forward)
+        # the speculative update read the active slot and wrote the shadow slot, once: nothing else moved
+        assert m["fuyou/ssd_write_bytes"] == slot and m["fuyou/ssd_read_bytes"] == slot
+        assert m["fuyou/ssd_write_gbps"] == pytest.approx(slot / m["fuyou/step_seconds"] / 1e9)
+        assert (m["fuyou/clipped"], m["fuyou/rolled_back"], m["fuyou/skipped"]) == (0, 0, 0)
+        assert m["fuyou/schedule_next_forward"] == 0 and 0 < m["fuyou/host_pool_peak_bytes"]
+    assert seen[-1]["fuyou/grad_norm"] == last_norm and math.isfinite(last_norm) and last_norm > 0
+
+
+def test_a_step_that_clipping_rolls_back_says_so_and_moves_the_state_twice(tmp_path):
+    seen, slot, _ = engine_steps(tmp_path, max_grad_norm=1e-6)
+    m = seen[-1]
+    assert (m["fuyou/clipped"], m["fuyou/rolled_back"]) == (1, 1)
+    # the speculative pass and the redo each read and wrote one slot
+    assert m["fuyou/ssd_write_bytes"] == 2 * slot and m["fuyou/ssd_read_bytes"] == 2 * slot
+    assert m["fuyou/rollback_rate"] > 0
+
+
+def test_activations_on_ssd_are_counted_in_the_step(tmp_path):
+    seen, slot, _ = engine_steps(tmp_path, activations="ssd", activation_min_bytes=0)
+    m = seen[-1]
+    assert m["fuyou/activation_bytes_to_ssd"] > 0
+    assert m["fuyou/ssd_write_bytes"] >= slot + m["fuyou/activation_bytes_to_ssd"]
+
+
+def test_lightning_logs_the_metrics_to_the_trainers_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    from test_lightning import fit
+
+    logger = CSVLogger(str(tmp_path / "logs"), name="run")
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward"),
+                     logger=logger, log_every_n_steps=1)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("fuyou/grad_norm")]
+    assert len(rows) == 6, "one row per optimizer step"
+    assert KEYS <= set(rows[0])
+    writes = [float(r["fuyou/ssd_write_bytes"]) for r in rows]
+    assert all(w > 0 for w in writes) and all(float(r["fuyou/grad_norm"]) > 0 for r in rows)
+    clipped = [float(r["fuyou/clipped"]) for r in rows]
+    assert set(clipped) <= {0.0, 1.0}
+    # every step after the first that was not rolled back wrote one slot of state: the same bytes
+    kept = {w for w, r in zip(writes[1:], rows[1:]) if float(r["fuyou/rolled_back"]) == 0}
+    assert len(kept) == 1, (writes, [r["fuyou/rolled_back"] for r in rows])
+
+
+def test_hf_trainer_logs_carry_the_metrics_and_its_grad_norm_agrees(tmp_path):
+    from test_hf import train
+
+    # "backward": every step's state writes complete before step() returns, so each step counts its own
+    # (under next_forward they run after it, and land in whichever step they complete in)
+    callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward")
+    _, trainer = train(tmp_path, callback)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 6 and all(KEYS <= set(h) for h in logged)
+    for h in logged:
+        # the Trainer computes its grad_norm from the gradients it keeps; fuyou's is the optimizer's own
+        assert h["fuyou/grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-5)
+        assert h["fuyou/ssd_write_bytes"] > 0 and h["fuyou/schedule_next_forward"] == 0
+    quiet = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", log_metrics=False)
+    _, trainer = train(tmp_path, quiet)
+    assert not any(k.startswith("fuyou/") for h in trainer.state.log_history for k in h)
