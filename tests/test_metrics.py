@@ -80,7 +80,7 @@ def test_lightning_logs_the_metrics_to_the_trainers_loggers(tmp_path):
 
     logger = CSVLogger(str(tmp_path / "logs"), name="run")
     fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward"),
-                     logger=logger, log_every_n_steps=1)
+        logger=logger, log_every_n_steps=1)
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("fuyou/grad_norm")]
     assert len(rows) == 6, "one row per optimizer step"

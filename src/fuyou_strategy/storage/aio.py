@@ -211,7 +211,8 @@ class IOEngine:
             _Directory(i, d, threads_per_dir, self._probe_direct(d, direct_io)) for i, d in enumerate(dirs)
         ]
         self._closed = False
-        self._counted = threading.Lock()
+        # One uncontended lock per block (1 MiB by default) on the I/O threads: `+=` is not atomic.
+        self._count_lock = threading.Lock()
         self._bytes = [0, 0]  # [read, written], completed transfers only
 
     @property
@@ -332,7 +333,7 @@ class IOEngine:
                 _move(f.buffered_fd(), False, block, offset, write)
         except _Failed as exc:
             raise self._error(exc.errno, exc.strerror, op, f, exc.offset, exc.nbytes) from exc
-        with self._counted:
+        with self._count_lock:
             self._bytes[write] += len(block)
         if not f.direct:
             self._bound_page_cache(f, offset, len(block), write)
