@@ -4,8 +4,10 @@ reports a peer it cannot run as such. No figure is checked (no timing assertions
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +55,48 @@ def test_a_run_past_the_memory_limit_is_stopped_and_not_tried_at_larger_sizes(tm
     tiny, larger = result["sizes"]["tiny"]["torch"], result["sizes"]["124M"]["torch"]
     assert tiny["status"] == "out of memory" and "GiB limit" in tiny["reason"]
     assert larger == {"status": "skipped", "reason": "ran out of memory at tiny"}
+
+
+def _workers_under(path) -> list[int]:
+    """Pids of live processes whose command line names ``path`` (the harness's workers get their swap dir there)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(path) in cmd and "--worker" in cmd and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def test_a_stopped_harness_kills_its_worker_and_reports_what_ran(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peers", "--sizes", "tiny", "--rounds", "1",
+                             "--steps", "1", "--warmup", "3", "--systems", "torch,fuyou-lightning",
+                             "--swap-dir", str(tmp_path / "swap"), "--out", str(tmp_path / "out")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # wait until the second run's worker is up
+            seen.append(line)
+            if "fuyou-lightning ..." in line:
+                break
+        deadline = time.monotonic() + 120
+        while not _workers_under(tmp_path / "swap") and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert _workers_under(tmp_path / "swap"), "".join(seen)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, rest[-3000:]
+    finally:
+        proc.kill()
+    assert not _workers_under(tmp_path / "swap"), "the running worker went down with the harness"
+    result = json.loads((tmp_path / "out" / "peers-gpt2-fp32.json").read_text())
+    assert result["partial"] == "interrupted after 1 of 2 runs"
+    assert result["sizes"]["tiny"]["torch"]["status"] == "ok"
+    assert "fuyou-lightning" not in result["sizes"]["tiny"]
+    assert "[PARTIAL: interrupted after 1 of 2 runs]" in (tmp_path / "out" / "peers-gpt2-fp32.md").read_text()
+    assert not list((tmp_path / "out").glob(".*tmp*")), "no temporary report file is left"

@@ -114,18 +114,21 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
         out: list[str] = []
         reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
         reader.start()
-        while proc.poll() is None:
-            rss = _rss(proc.pid)
-            peak_disk = max(peak_disk, dir_bytes(str(swap_dir)))
-            if rss > limit:
-                stopped = "out of memory", f"RSS reached {rss / GiB:.2f} GiB > the {limit / GiB:.2f} GiB limit"
-            elif time.monotonic() - start > timeout:
-                stopped = "timed out", f"stopped after {timeout:.0f} s"
-            if stopped:
+        try:
+            while proc.poll() is None:
+                rss = _rss(proc.pid)
+                peak_disk = max(peak_disk, dir_bytes(str(swap_dir)))
+                if rss > limit:
+                    stopped = "out of memory", f"RSS reached {rss / GiB:.2f} GiB > the {limit / GiB:.2f} GiB limit"
+                elif time.monotonic() - start > timeout:
+                    stopped = "timed out", f"stopped after {timeout:.0f} s"
+                if stopped:
+                    break
+                time.sleep(0.5)
+        finally:  # stopped, or this process interrupted: the worker (its own session) goes down with it
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)
-                break
-            time.sleep(0.5)
         reader.join(timeout=60)
         log.seek(0)
         stderr = log.read()
@@ -261,6 +264,20 @@ def main(argv: list[str] | None = None) -> None:
     given_up: dict[str, str] = {}  # system -> why it is not tried again (unavailable, out of memory)
     forwarded = ["--arch", args.arch, "--dtype", args.dtype, "--batch", str(args.batch), "--seq", str(args.seq),
                  "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--model", args.model] if args.model else [])
+    title = (f"{args.model or args.arch}, {args.dtype} ({dtype_why}), batch {args.batch} x seq {args.seq}; medians of "
+             f"{args.steps} steps x {args.rounds} round(s) after {args.warmup} warm-up, a fresh process per run, "
+             f"systems interleaved; allocator: {allocator(not args.no_jemalloc)}; memory limit {limit / GiB:.1f} GiB")
+    stem = f"peers-{args.arch if not args.model else 'model'}-{args.dtype}"
+
+    def write(partial: str | None) -> None:
+        merged = {size: {name: merge(rs) for name, rs in by.items() if rs} for size, by in runs.items()}
+        results = {"title": title + (f" [PARTIAL: {partial}]" if partial else ""), "args": vars(args),
+                   "systems": systems, "sizes": {size: rows for size, rows in merged.items() if rows}, "runs": runs,
+                   "descriptions": {name: SYSTEMS[name][1] for name in systems}, "partial": partial}
+        report(results, args, Path(args.out), stem, limit, quiet=partial is not None)
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    done, total = 0, args.rounds * len(sizes) * len(systems)
     try:
         for rnd in range(args.rounds):
             for size in sizes:
@@ -281,33 +298,48 @@ def main(argv: list[str] | None = None) -> None:
                         given_up[name] = r["reason"]
                     elif r["status"] == "out of memory":
                         given_up[name] = f"ran out of memory at {size}"
+                    done += 1
+                    if done < total:  # what has run so far is on disk: a killed or stopped harness loses nothing
+                        write(f"{done} of {total} runs")
+    except KeyboardInterrupt:
+        print(f"interrupted after {done} of {total} runs: reporting those", file=sys.stderr, flush=True)
+        write(f"interrupted after {done} of {total} runs")
+        raise SystemExit(130)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(root, ignore_errors=True)
-    merged = {size: {name: merge(rs) for name, rs in by.items() if rs} for size, by in runs.items()}
-    title = (f"{args.model or args.arch}, {args.dtype} ({dtype_why}), batch {args.batch} x seq {args.seq}; medians of "
-             f"{args.steps} steps x {args.rounds} round(s) after {args.warmup} warm-up, a fresh process per run, "
-             f"systems interleaved; allocator: {allocator(not args.no_jemalloc)}; memory limit {limit / GiB:.1f} GiB")
-    results = {"title": title, "args": vars(args), "systems": systems, "sizes": merged, "runs": runs,
-               "descriptions": {name: SYSTEMS[name][1] for name in systems}}
-    report(results, args, Path(args.out), f"peers-{args.arch if not args.model else 'model'}-{args.dtype}", limit)
+    write(None)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops the harness the way Ctrl-C does: the running worker is killed, what ran is reported."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _mem_total() -> int:
     return proc_bytes("/proc/meminfo", "MemTotal")
 
 
-def report(results: dict, args: argparse.Namespace, out: Path, stem: str, limit: int) -> None:
-    """Print the Markdown tables; write them, the JSON and the PNG as ``out/stem.*``."""
+def report(results: dict, args: argparse.Namespace, out: Path, stem: str, limit: int, quiet: bool = False) -> None:
+    """Print the Markdown tables (unless ``quiet``); write them, the JSON and the PNG as ``out/stem.*``,
+    each through a temporary file and a rename, so an interrupted write leaves the previous report."""
     out.mkdir(parents=True, exist_ok=True)
     text = [f"# {results['title']}", ""]
     for size, rows in results["sizes"].items():
         text += [f"## {size}", "", table(size, rows, args), ""]
     text += ["Systems:", *[f"- `{name}`: {SYSTEMS[name][1]}" for name in results["systems"]]]
-    print("\n".join(text))
-    (out / f"{stem}.md").write_text("\n".join(text) + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    drawn = plot(results, out / f"{stem}.png", limit)
-    print(f"wrote {out / stem}.md, .json" + (", .png" if drawn else " (no PNG: matplotlib is not installed)"))
+    if not quiet:
+        print("\n".join(text))
+    for suffix, body in ((".md", "\n".join(text) + "\n"), (".json", json.dumps(results, indent=1))):
+        tmp = out / f".{stem}{suffix}.tmp"
+        tmp.write_text(body)
+        os.replace(tmp, out / f"{stem}{suffix}")
+    tmp = out / f".{stem}.tmp.png"
+    drawn = plot(results, tmp, limit)
+    if drawn:
+        os.replace(tmp, out / f"{stem}.png")
+    if not quiet:
+        print(f"wrote {out / stem}.md, .json" + (", .png" if drawn else " (no PNG: matplotlib is not installed)"))
 
 
 if __name__ == "__main__":
