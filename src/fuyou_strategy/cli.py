@@ -1,9 +1,10 @@
-"""The ``fuyou`` command: ``fuyou io-bench``, ``fuyou clean`` and ``fuyou plan``."""
+"""The ``fuyou`` command: ``fuyou io-bench``, ``fuyou clean``, ``fuyou plan``, ``fuyou doctor`` and ``fuyou report``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from typing import Sequence
@@ -148,6 +149,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if results["fuyou"]["fits"] else 1
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose
+
+    dirs = args.dir or [tempfile.gettempdir()]
+    quiet = args.json or not sys.stderr.isatty()
+    diagnosis = diagnose(dirs, probe_bytes=args.size,
+                         progress=None if quiet else lambda text: print(text, file=sys.stderr, flush=True))
+    print(json.dumps(diagnosis.as_dict(), indent=1) if args.json else diagnosis.text())
+    return 0 if diagnosis.ok else 1
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import draw, load_trace
+
+    report = load_trace(args.trace)
+    meta = report.metadata
+    print(f"{args.trace}: {len(report.steps)} step(s)" + (f"; plan {meta['plan']}" if meta.get("plan") else ""))
+    print(report.table())
+    if args.png is not None:
+        png = args.png or os.path.splitext(args.trace)[0] + ".png"
+        draw(report, png, title=f"{os.path.basename(args.trace)}: measured steps and the planner's prediction")
+        print(f"wrote {png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuyou", description="fuyou-strategy tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
                        "at any depth (repeatable; default: the temp dir)")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     clean.set_defaults(func=_cmd_clean)
+
+    doctor = sub.add_parser("doctor", help="check swap directories, memory and limits; print a recommended FuyouConfig",
+                            description="Check each swap directory (writable, filesystem, O_DIRECT, free space, "
+                            "measured bandwidth) and the machine (memory, cores, locked-memory limit, accelerator), "
+                            "then print a recommended FuyouConfig as YAML with the reason for each value. Exit "
+                            "status 1 if a directory cannot be used.")
+    doctor.add_argument("--dir", action="append", help="swap directory to check (repeatable, one per drive; "
+                        "default: the temp dir)")
+    doctor.add_argument("--size", type=_size, default=parse_bytes("256MiB"),
+                        help="bytes written and read per directory (default 256MiB)")
+    doctor.add_argument("--json", action="store_true", help="print the checks and the configuration as JSON")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    report = sub.add_parser("report", help="where a traced step's time went (FuyouConfig(trace=...)), against the plan",
+                            description="Summarise a trace written with FuyouConfig(trace=PATH): per step, how busy "
+                            "each lane was (compute, waits, optimizer, SSD reads and writes), and the planner's "
+                            "predicted step beside it; --png draws the lanes.")
+    report.add_argument("trace", help="the trace JSON")
+    report.add_argument("--png", nargs="?", const="", default=None,
+                        help="draw the timeline (default path: the trace's, with .png)")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

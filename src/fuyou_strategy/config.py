@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "parse_bytes", "format_bytes",
-           "STATE_BYTES_PER_PARAM"]
+           "read_mapping", "STATE_BYTES_PER_PARAM"]
 
 PAGE = 4096
 STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
@@ -178,6 +178,23 @@ class FuyouConfig:
             no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
             per step from the measured cost of a redo, how often clipping or a non-finite gradient
             forced one recently, and the measured waits under each schedule (`StepStats`).
+        trace: a path: record a timeline of ``trace_steps`` optimizer steps (each block's compute,
+            every SSD request, the optimizer's chunks, the training thread's waits) and write it there
+            as Chrome / Perfetto trace JSON, with the planner's predicted step beside it when there is
+            a plan (`fuyou_strategy.trace`; ``fuyou report PATH --png`` draws it). Recording starts
+            after the first step (after the planner's first planned step with ``"auto"``). Its
+            folder must exist. Default ``None``: no trace.
+        trace_steps: optimizer steps in the trace. Default 2.
+        ssd_endurance_tbw: the rated endurance of each swap drive, in terabytes written (1e12 bytes;
+            the datasheet's TBW). Default 300: a conservative figure for a 500 GB consumer drive
+            (data-centre drives are rated for several PB). Used to report how much of it a run spends.
+        ssd_wear_warning: warn (once, after the first steps) when the configured run is projected
+            to spend more than this share of the drives' rated endurance. Default 0.05 (5%).
+        ssd_write_tolerance: with ``activations="auto"``, the share of predicted step time the
+            planner may give up for a plan that writes fewer bytes to the SSD per step (it says so
+            in the plan's table). Default 0.02 (2%); 0 plans for speed alone.
+        progress: show a progress bar (tqdm, on a terminal only) for long work: checkpoint state
+            streamed to or from disk, the planner's SSD bandwidth probe. Default ``True``.
     """
 
     swap_dirs: list[str] | None = None
@@ -200,6 +217,12 @@ class FuyouConfig:
     optimizer_schedule: str = "auto"
     plan: str | None = None
     planner_warmup_steps: int = 3
+    trace: str | None = None
+    trace_steps: int = 2
+    ssd_endurance_tbw: float = 300.0
+    ssd_wear_warning: float = 0.05
+    ssd_write_tolerance: float = 0.02
+    progress: bool = True
 
     def __post_init__(self) -> None:
         self._validate()
@@ -291,8 +314,31 @@ class FuyouConfig:
             raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "
                               "planner choose each block's tier, so set activations='auto' (it chooses both) or "
                               "plan='plan.json' (a plan's tiers), or name a tier: 'device', 'host' or 'ssd'")
-        if not isinstance(self.preallocate, bool):
-            raise ConfigError(f"preallocate: got {self.preallocate!r}; expected True or False")
+        if self.trace is not None:
+            if not isinstance(self.trace, (str, os.PathLike)):
+                raise ConfigError(f"trace: got {self.trace!r}; expected the path of the trace JSON to write")
+            self.trace = str(Path(self.trace).expanduser())
+            folder = os.path.dirname(os.path.abspath(self.trace))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"trace: got {self.trace!r}, but its folder {folder!r} does not exist; create it "
+                                  "or write the trace elsewhere")
+        if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
+            raise ConfigError(f"trace_steps: got {self.trace_steps!r}; expected an int >= 1 (steps in the trace)")
+        tbw = self.ssd_endurance_tbw
+        if isinstance(tbw, bool) or not isinstance(tbw, (int, float)) or not 0 < tbw < float("inf"):
+            raise ConfigError(f"ssd_endurance_tbw: got {tbw!r}; expected the drive's rated terabytes written "
+                              "(its datasheet's TBW), e.g. 600 for a 1 TB consumer NVMe drive")
+        share = self.ssd_wear_warning
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"ssd_wear_warning: got {share!r}; expected a share of the rated endurance in (0, 1], "
+                              "e.g. 0.05 to warn when a run would spend over 5% of it")
+        tol = self.ssd_write_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
+            raise ConfigError(f"ssd_write_tolerance: got {tol!r}; expected a share of step time in [0, 1], e.g. 0.02 "
+                              "(a plan up to 2% slower may be chosen if it writes less to the SSD), or 0")
+        for name in ("preallocate", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: got {getattr(self, name)!r}; expected True or False")
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -307,19 +353,7 @@ class FuyouConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "FuyouConfig":
         """Load from a ``.json``, ``.yaml`` or ``.yml`` file holding a mapping of fields."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml  # pyyaml arrives with lightning and transformers
-
-            values = yaml.safe_load(text)
-        elif path.suffix == ".json":
-            values = json.loads(text)
-        else:
-            raise ConfigError(f"config file: got {str(path)!r}; expected a .json, .yaml or .yml file")
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"config file {str(path)!r}: expected a mapping of field names to values, got {type(values).__name__}")
-        return cls.from_dict(values)
+        return cls.from_dict(read_mapping(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -345,6 +379,34 @@ class FuyouConfig:
     def replace(self, **changes: Any) -> "FuyouConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+def read_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping a ``.json``, ``.yaml`` or ``.yml`` file holds; `ConfigError` naming the file otherwise."""
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file: got {str(path)!r}; expected a .json, .yaml or .yml file")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
+    if path.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r}: not valid JSON: {exc.msg} at line {exc.lineno}, "
+                              f"column {exc.colno}") from None
+    else:
+        import yaml  # pyyaml arrives with lightning and transformers
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r}: not valid YAML: {exc}") from None
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping of field names to values, got "
+                          f"{type(values).__name__}")
+    return dict(values)
 
 
 @dataclass(frozen=True)

@@ -29,25 +29,31 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import warnings
 import weakref
 from functools import wraps
 from typing import Any, Callable, Iterable
 
 import torch
 
+from . import trace
 from .activations import ActivationSwapper, Policy, discover_blocks
-from .config import ConfigError, FuyouConfig, format_bytes
+from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .optim.schedule import NEXT_FORWARD
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
+from .storage.wear import TB, Wear, drive_capacity
 
 log = logging.getLogger("fuyou_strategy")
 log.addHandler(logging.NullHandler())  # the application decides handlers and levels
 
 __all__ = ["FuyouEngine", "optimizer_arguments", "rebind_scheduler"]
+
+# Steps measured (after the first) before the SSD wear of a run is projected and reported.
+WEAR_SAMPLE_STEPS = 3
 
 # Options of torch's Adam/AdamW that only choose an implementation: dropped on conversion.
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -222,7 +228,19 @@ class FuyouEngine:
             self.optimizer.close()
             raise
         self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
+        self._step_pre_hook = self.optimizer.register_step_pre_hook(self._before_step)
         self._last_step_end: float | None = None
+        self._window_open = False  # a micro-batch of the next step has begun
+        self._tracer: trace.Tracer | None = None
+        self._trace_spans: trace.BlockSpans | None = None
+        self._trace_from = 0  # the optimizer step the trace starts at
+        self._trace_marks: dict[str, float] = {}  # window start, step() start (tracer clock)
+        self._trace_written = config.trace is None
+        self._planned_at_step: int | None = None
+        self.run_steps: int | None = None  # optimizer steps of the whole run, from the adapter (`expect_steps`)
+        self.wear: Wear | None = None
+        self._wear_warned = False
+        self._written_per_step: list[float] = []
         self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
         self._metrics: dict[str, float] = {}
         self.step_times: list[float] = []  # seconds between consecutive optimizer steps
@@ -256,6 +274,104 @@ class FuyouEngine:
         self.micro_batches += 1
         if self._last_step_end is None:
             self._last_step_end = time.perf_counter()
+        if not self._window_open:
+            self._window_open = True
+            if not self._trace_written:
+                self._trace_window()
+
+    # -- the trace ------------------------------------------------------------------------------------
+    def _trace_window(self) -> None:
+        """At the first micro-batch of a step: start the trace, or end it after ``trace_steps`` steps."""
+        steps = self.optimizer.stats.steps
+        if self._tracer is None:
+            first = self._planned_at_step + 1 if self._planned_at_step is not None else 1
+            if self.profiler is not None or steps < first:
+                return
+            if trace.active() is not None:
+                self._trace_written = True
+                warnings.warn(f"fuyou: trace={self.config.trace!r} not recorded: another engine in this process is "
+                              "recording a trace (one at a time)", stacklevel=3)
+                return
+            self._tracer = trace.Tracer().start()
+            self._trace_spans = trace.BlockSpans(discover_blocks(self.model, self.config.blocks))
+            self._trace_from = steps
+        elif steps >= self._trace_from + self.config.trace_steps:
+            self._write_trace()
+            return
+        self._trace_marks["window"] = self._tracer.now()
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._tracer is not None:
+            self._trace_marks["step"] = self._tracer.now()
+
+    def _trace_step(self) -> None:
+        tracer, marks = self._tracer, self._trace_marks
+        now, n = tracer.now(), self.optimizer.stats.steps
+        if "step" in marks:
+            tracer.add("compute", "optimizer.step()", marks.pop("step"), now)
+        if "window" in marks:
+            tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n,
+                       schedule=self.optimizer.stats.last_schedule)
+
+    def _write_trace(self) -> None:
+        """Stop recording and write the trace (with the plan's predicted step beside the first traced one)."""
+        tracer, self._tracer = self._tracer, None
+        tracer.stop()
+        self._trace_spans.remove()
+        self._trace_written = True
+        steps = [e for e in tracer.events if e[0] == "steps"]
+        measured = [end - start for _lane, _name, start, end, _args in steps]
+        predicted = self.plan.timeline() if self.plan is not None else []
+        try:
+            tracer.save(self.config.trace, predicted=predicted, predicted_offset=steps[0][2] if steps else 0.0,
+                        metadata={"steps": len(steps), "measured_step_s": measured,
+                                  "predicted_step_s": self.plan.predicted_step_s if self.plan is not None else None,
+                                  "plan": self.plan.policies if self.plan is not None else None,
+                                  "weight_tiers": self.plan.weight_tiers if self.plan is not None else None})
+        except OSError as exc:  # a lost trace is no reason to stop training
+            warnings.warn(f"fuyou: trace={self.config.trace!r} could not be written: {exc}", stacklevel=3)
+            return
+        self.report(f"fuyou: trace of {len(steps)} step(s) written to {self.config.trace} (open it in "
+                    f"https://ui.perfetto.dev, or draw it: fuyou report {self.config.trace} --png)")
+
+    # -- SSD wear -------------------------------------------------------------------------------------
+    def expect_steps(self, steps: int | None) -> None:
+        """The run's length in optimizer steps (the adapters pass the trainer's), for the SSD wear
+        projection. Warns at once if the optimizer state's own writes (12 bytes per trainable
+        parameter per step, a floor) would spend more than ``ssd_wear_warning`` of the drives'
+        rated endurance; the measured figure follows after the first steps (`wear`)."""
+        self.run_steps = int(steps) if steps is not None and steps > 0 else None
+        if self.run_steps is None:
+            return
+        params = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
+        floor = self._wear(params * STATE_BYTES_PER_PARAM, 0.0)
+        self._check_wear(floor, "at least (the optimizer state's writes alone)")
+
+    def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
+        dirs = self.optimizer.store.run_dirs
+        return Wear(bytes_per_step, step_seconds, drives=len(dirs), drive_bytes=drive_capacity(dirs),
+                    endurance_tbw=self.config.ssd_endurance_tbw, steps=self.run_steps)
+
+    def _check_wear(self, wear: Wear, how: str) -> None:
+        share = wear.run_fraction
+        if share is None or share <= self.config.ssd_wear_warning or self._wear_warned:
+            return
+        self._wear_warned = True
+        warnings.warn(
+            f"fuyou: this run's {wear.steps} steps write {how} {format_bytes(wear.bytes_per_step * wear.steps)} "
+            f"to the swap drives: {share:.1%} of their rated endurance ({self.config.ssd_endurance_tbw:g} TBW each, "
+            f"{wear.drives} drive(s)), over ssd_wear_warning={self.config.ssd_wear_warning:g}. Set "
+            "FuyouConfig.ssd_endurance_tbw to your drive's rating (its datasheet), add drives (swap_dirs), keep "
+            "activations off the SSD, or raise ssd_wear_warning", stacklevel=3)
+
+    def _measure_wear(self, written: float, seconds: float) -> None:
+        self._written_per_step.append(written)
+        if self.wear is not None or len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
+            return
+        sample = self._written_per_step[1:]  # the first step includes the warm-up
+        self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
+        self.report(f"fuyou: {self.wear.describe()}")
+        self._check_wear(self.wear, "about")
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.swapper is not None:
@@ -264,11 +380,17 @@ class FuyouEngine:
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
             self._metrics = self._step_metrics(now - self._last_step_end)
+            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"], now - self._last_step_end)
         self._last_step_end = now
+        self._window_open = False
+        if self._tracer is not None:
+            self._trace_step()
         if self.profiler is not None:
             self.profiler.after_step()
             if self.profiler.done:
                 self._plan_from_warmup()
+            else:  # the warm-up's progress, through the framework's channel
+                self.report(f"fuyou planner: warm-up step {self.profiler.steps_seen}/{self.profiler.steps} profiled")
         elif self._plan_applied_at is not None and not self._plan_reported:
             measured = self.step_times[self._plan_applied_at + 1:]  # the first planned step warms the swap path up
             if len(measured) >= 3:
@@ -289,7 +411,8 @@ class FuyouEngine:
         allowed = [p for p in Policy if not (p is Policy.HOST and cpu)]
         tiers = [t for t in WEIGHT_TIERS if not (t == "host" and cpu)] if self.config.weights == "auto" else None
         try:
-            self.plan = solve(profile, allowed=allowed, weight_tiers=tiers)
+            self.plan = solve(profile, allowed=allowed, weight_tiers=tiers,
+                              write_tolerance=self.config.ssd_write_tolerance)
         except PlanError as exc:
             fields = "activations='auto', weights='auto'" if tiers else "activations='auto'"
             raise ConfigError(f"{fields}: {exc}") from None
@@ -300,6 +423,7 @@ class FuyouEngine:
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
         self._plan_applied_at = len(self.step_times)
+        self._planned_at_step = self.optimizer.stats.steps
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
         """Point the framework's LR schedulers at the converted optimizer."""
@@ -362,7 +486,10 @@ class FuyouEngine:
                "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
-               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": self.optimizer.store.pool.high_water}
+               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": self.optimizer.store.pool.high_water,
+               # cumulative: the share of each drive's rated endurance the run has written so far
+               "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(self.optimizer.store.run_dirs))
+               / (self.config.ssd_endurance_tbw * TB)}
         if self.streamer is not None:
             out["device_peak_bytes"] = self.streamer.meter.high_water
         if self.plan is not None:
@@ -413,6 +540,9 @@ class FuyouEngine:
             "plan_measured_step_seconds": (statistics.median(self.step_times[self._plan_applied_at + 1:])
                                            if self._plan_applied_at is not None
                                            and len(self.step_times) > self._plan_applied_at + 1 else None),
+            "ssd_write_bytes_total": self.optimizer.store.engine.bytes_written,
+            # measured after WEAR_SAMPLE_STEPS steps: per step and hour, DWPD, the run's share of the rating
+            "wear": self.wear.as_dict() if self.wear is not None else None,
         }
 
     def format_summary(self) -> str:
@@ -440,7 +570,10 @@ class FuyouEngine:
         """Land pending updates, take the hooks off the model and optimizer and delete the swap files."""
         if getattr(self, "_step_hook", None) is not None:
             self._step_hook.remove()
+            self._step_pre_hook.remove()
             self._step_hook = None
+        if getattr(self, "_tracer", None) is not None:  # the run ended inside the traced steps: keep those
+            self._write_trace()
         if self.profiler is not None:
             self.profiler.remove()
             self.profiler = None

@@ -52,6 +52,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import trace
 from ..config import ConfigError, FuyouConfig, HostShares, host_budget_split
 from ..device import Upload
 from ..storage import HostBudgetError, HostBuffer, TensorStore, gather
@@ -394,7 +395,7 @@ class ActivationSwapper:
                 return self._pack(pass_, index, policy, t)
 
             if policy is Policy.RECOMPUTE:
-                out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                out = checkpoint(self._traced(index, forward), *args, use_reentrant=False, **kwargs)
             elif policy is Policy.KEEP:
                 out = forward(*args, **kwargs)
             else:
@@ -406,6 +407,16 @@ class ActivationSwapper:
                 first.register_hook(lambda grad: self._enter_backward(pass_, index))
             return out
         return run
+
+    @staticmethod
+    def _traced(index: int, forward: Callable) -> Callable:
+        """``forward``, whose run inside backward (the recomputation) is a span of a recording trace."""
+        def forward_or_recompute(*args: Any, **kwargs: Any) -> Any:
+            if trace.active() is None or not trace.in_backward():
+                return forward(*args, **kwargs)
+            with trace.span("compute", f"recompute {index}", block=index):
+                return forward(*args, **kwargs)
+        return forward_or_recompute
 
     # -- forward: pack -----------------------------------------------------------------------------
     def _pack(self, pass_: _Pass, block: int, policy: Policy, t: torch.Tensor) -> Any:
@@ -455,7 +466,8 @@ class ActivationSwapper:
             )
         self._enter_backward(saved.pass_, saved.block)  # normally done already by the block's output hook
         if saved.value is None:
-            saved.value = saved.rebuild(self._land(saved))
+            with trace.span("waits", f"activations of block {saved.block} ({saved.policy.value})"):
+                saved.value = saved.rebuild(self._land(saved))
         out = saved.value
         saved.refs -= 1
         if saved.refs == 0:

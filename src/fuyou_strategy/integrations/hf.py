@@ -42,12 +42,13 @@ from accelerate.state import GradientState
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
-from ..config import ConfigError, FuyouConfig
+from ..config import ConfigError, FuyouConfig, read_mapping
 from ..engine import FuyouEngine, rebind_scheduler
 
 __all__ = ["FuyouCallback", "STATE_FOLDER"]
 
 STATE_FOLDER = "fuyou_optimizer"  # inside each checkpoint-N folder
+_CALLBACK_OPTIONS = ("resume_from", "log_metrics")  # FuyouCallback.from_file: the rest are FuyouConfig fields
 _GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 # The engine's messages (the plan, predicted vs measured) follow the Trainer's verbosity (log_level).
 log = hf_logging.get_logger(f"transformers.{__name__}")
@@ -155,6 +156,20 @@ class FuyouCallback(TrainerCallback):
         self.plan = None  # the planner's Plan after training with activations="auto"
         self._run: _Run | None = None
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "FuyouCallback":
+        """A callback configured by a ``.yaml``/``.yml``/``.json`` file: the callback's own options
+        (``resume_from``, ``log_metrics``) and `FuyouConfig` fields side by side, e.g.::
+
+            log_metrics: true
+            swap_dirs: [/nvme0/fuyou]
+            activations: auto
+
+        An unknown key is a `ConfigError` that suggests the closest field."""
+        values = read_mapping(path)
+        options = {k: values.pop(k) for k in _CALLBACK_OPTIONS if k in values}
+        return cls(values, **options)
+
     @property
     def engine(self) -> FuyouEngine | None:
         """The `FuyouEngine` of the run in progress (or of one that raised and was not yet ended)."""
@@ -183,6 +198,7 @@ class FuyouCallback(TrainerCallback):
         try:
             if resume is not None:
                 engine.load(resume)
+            engine.expect_steps(state.max_steps - state.global_step if state.max_steps else None)
         except BaseException:
             engine.close()
             raise

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import os
 import shutil
 from typing import Any, Callable
@@ -231,6 +232,9 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
                                   report=rank_zero_info, loss_scaling=True if fp16 else None)
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
+        if trainer.state.fn == "fit":
+            steps = trainer.estimated_stepping_batches  # the run's length, for the SSD wear projection
+            self.engine.expect_steps(int(steps) if math.isfinite(steps) else None)
 
     # -- the step ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from ..config import STATE_BYTES_PER_PARAM
+from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, byte_view, gather
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, owner_gone, write_owner
 from .pipeline import ChunkJob
@@ -92,6 +94,8 @@ def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
     """Stream every parameter's state into ``into``'s files, fsync them, and write optimizer.json last."""
     with ExitStack() as stack:
         files = {kind: stack.enter_context(open(into / f"{kind}.bin", "wb")) for kind in KINDS}
+        bar = stack.enter_context(Progress(sum(ps.numel for ps in opt._params) * STATE_BYTES_PER_PARAM,
+                                           f"fuyou: saving optimizer state to {into.parent}", enabled=opt.config.progress))
         hashes = []
         params = []
         for ps in opt._params:
@@ -108,6 +112,7 @@ def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
                         view = byte_view(state[i * n : (i + 1) * n])
                         files[kind].write(view)
                         digest[kind].update(view)
+                    bar.update(3 * 4 * n)
 
             opt._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, write_chunk))
         opt._pipeline.drain()
@@ -267,6 +272,9 @@ def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -
     files = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
     writes: list[Future] = []
     bad = []
+    bar = Progress(sum(ps.numel for ps in opt._params) * STATE_BYTES_PER_PARAM,
+                   f"fuyou: {'loading' if write else 'checking'} optimizer state from {folder.parent}",
+                   enabled=opt.config.progress)
     try:
         for ps, pm in zip(opt._params, meta["params"]):
             digest = {kind: hashlib.sha256() for kind in KINDS}
@@ -289,6 +297,7 @@ def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -
                     writes.append(opt.store.write_chunk(ps.entry, k, buf, slot=slot))
                 else:
                     buf.release()
+                bar.update(3 * 4 * n)
             for kind in KINDS:
                 if digest[kind].hexdigest() != pm["sha256"][kind]:
                     bad.append(f"{kind}.bin parameter {ps.index}")
@@ -297,6 +306,7 @@ def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -
         opt.store.rollback()
         raise
     finally:
+        bar.close()
         for f in files.values():
             f.close()
     error = gather(writes).exception()

@@ -29,6 +29,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .. import trace
 from ..storage import ACTIVE, HostBuffer, TensorStore, gather
 from ..storage.aio import then
 
@@ -114,6 +115,14 @@ class ChunkPipeline:
         if job.done is None:
             raise ValueError(f"{self.name}: wait_job needs a job submitted with done=Future(); got {job!r}")
         since = time.monotonic()
+        with trace.span("waits", f"wait: {what}"):
+            self._wait_done(job, what, since)
+        error = job.done.exception()
+        if isinstance(error, TimeoutError):
+            raise TimeoutError(f"{self.name}: {what} did not complete: {error}") from error
+        job.done.result()
+
+    def _wait_done(self, job: ChunkJob, what: str, since: float) -> None:
         while not wait([job.done], timeout=_LIVENESS_POLL).done:
             if not self._thread.is_alive() and not job.done.done():
                 raise self._stopped_error()
@@ -121,10 +130,6 @@ class ChunkPipeline:
                 raise TimeoutError(f"{self.name}: {what} is not done and the worker has made no progress for "
                                    f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise "
                                    "FuyouConfig.io_timeout")
-        error = job.done.exception()
-        if isinstance(error, TimeoutError):
-            raise TimeoutError(f"{self.name}: {what} did not complete: {error}") from error
-        job.done.result()
 
     def drain(self) -> None:
         """Wait until every submitted job ran and every future it returned completed.
@@ -288,7 +293,9 @@ class ChunkPipeline:
         if self._error is not None:  # after a failure, only give back what is in flight
             fut.add_done_callback(_release_buffer)
             return
-        if not wait([fut], timeout=self.timeout).done:
+        with trace.span("optimizer", "wait for read"):
+            landed = wait([fut], timeout=self.timeout).done
+        if not landed:
             fut.add_done_callback(_release_buffer)
             self._error = TimeoutError(
                 f"{self.name}: reading chunk {k} of entry {job.entry!r} did not complete within "
@@ -300,7 +307,8 @@ class ChunkPipeline:
             return
         bufs = fut.result()
         try:
-            out = job.fn(k, *bufs)
+            with trace.span("optimizer", job.entry or "write-only job", chunk=k):
+                out = job.fn(k, *bufs)
         except BaseException as exc:  # noqa: BLE001 - handed to drain()
             for buf in bufs:
                 buf.release()

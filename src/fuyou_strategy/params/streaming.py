@@ -70,6 +70,7 @@ import torch
 
 from ..activations.blocks import discover_blocks, resolve_per_block
 from ..activations.swap import first_tensor, storage_id
+from .. import trace
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..device import claim_for_current_stream, copy_to_device
 from ..storage import HostBuffer, TensorStore, round_up
@@ -507,6 +508,10 @@ class WeightStreamer:
         unit = self._units.get(i)
         if unit is None:
             return
+        with trace.span("waits", f"weights of block {i} ({unit.tier.value})"):
+            self._materialize_unit(unit)
+
+    def _materialize_unit(self, unit: _Block) -> None:
         if unit.upload is not None:
             try:
                 self._wait_upload(unit)

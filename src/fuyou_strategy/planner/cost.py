@@ -180,6 +180,11 @@ class Prediction:
     cpu_s: float
     optimizer_tail_s: float  # from the end of backward to the end of the step
     over: dict[str, int]  # tier -> bytes over its budget (empty when it fits)
+    # With predict(timeline=True): every task as (resource, name, start s, end s), the clipping redo excluded.
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+    # Bytes written to the SSD per step (optimizer state, SSD activations, streamed weights' write-back):
+    # what the drives' endurance pays (the clipping redo's second write excluded).
+    ssd_write_bytes: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -187,31 +192,36 @@ class Prediction:
 
 
 class _Schedule:
-    """In-order resources: a task starts when its inputs are done and its resource is free."""
+    """In-order resources: a task starts when its inputs are done and its resource is free.
+    With ``record``, every task is kept as ``(resource, name, start, end)`` (`Prediction.timeline`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self.free = {"compute": 0.0, "link": 0.0, "ssd": 0.0, "cpu": 0.0}
         self.busy = dict.fromkeys(self.free, 0.0)
+        self.tasks: list[tuple[str, str, float, float]] | None = [] if record else None
 
-    def run(self, resource: str, seconds: float, *after: float) -> float:
+    def run(self, resource: str, seconds: float, *after: float, name: str = "") -> float:
         start = max([self.free[resource], *after])
         end = start + seconds
         self.free[resource] = end
         self.busy[resource] += seconds
+        if self.tasks is not None and seconds > 0:
+            self.tasks.append((resource, name, start, end))
         return end
 
 
 def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Sequence[str] | None = None,
-            overlap_optimizer: bool = True) -> Prediction:
+            overlap_optimizer: bool = True, timeline: bool = False) -> Prediction:
     """Predicted step time and peaks for one policy per block (see the module docstring), with the
-    profile's weight tiers or ``weight_tiers`` (one per block)."""
+    profile's weight tiers or ``weight_tiers`` (one per block); with ``timeline``, every simulated
+    task in `Prediction.timeline` (the picture ``fuyou report`` draws beside a measured trace)."""
     blocks = profile.blocks if weight_tiers is None else profile.with_weight_tiers(weight_tiers)
     n = len(blocks)
     if len(policies) != n:
         raise ValueError(f"{len(policies)} policies for {n} blocks")
     k, kw = profile.prefetch_blocks, profile.weight_window
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
-    s = _Schedule()
+    s = _Schedule(record=timeline)
     t = 0.0  # end of the previous phase on the compute resource
     backward_end = 0.0
     for micro in range(profile.micro_batches):
@@ -223,14 +233,15 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         for i, (b, p) in enumerate(zip(blocks, policies)):
             weights.issue(range(i, min(n, i + kw + 1)), t)  # entering block i issues the reads for i .. i+k
             t = weights.wait(i, t)
-            t = s.run("compute", b.fwd_s, t)
+            t = s.run("compute", b.fwd_s, t, name=f"forward {i}")
             if p in (Policy.HOST, Policy.SSD):
                 if profile.blocking_swap_out:
-                    copied = t = s.run("compute", b.act_bytes / link, t)
+                    copied = t = s.run("compute", b.act_bytes / link, t, name=f"activations out {i}")
                 else:
-                    copied = s.run("link", b.act_bytes / link, t)
-                out_done[i] = s.run("ssd", b.act_bytes / wr, copied) if p is Policy.SSD else copied
-        t = s.run("compute", profile.other_fwd_s + profile.other_bwd_s, t)  # head, loss and their backward
+                    copied = s.run("link", b.act_bytes / link, t, name=f"activations out {i}")
+                out_done[i] = (s.run("ssd", b.act_bytes / wr, copied, name=f"write activations {i}") if p is Policy.SSD
+                               else copied)
+        t = s.run("compute", profile.other_fwd_s + profile.other_bwd_s, t, name="head and loss")  # and their backward
         # -- backward: blocks in reverse; prefetch k blocks ahead; updates follow each block's gradients.
         back_ready = [0.0] * n
         issued = [False] * n
@@ -243,29 +254,31 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
                     issued[j] = True
                     ready = max(out_done[j], t)
                     if policies[j] is Policy.SSD:
-                        ready = s.run("ssd", blocks[j].act_bytes / rd, ready)
-                    back_ready[j] = s.run("link", blocks[j].act_bytes / link, ready)
+                        ready = s.run("ssd", blocks[j].act_bytes / rd, ready, name=f"read activations {j}")
+                    back_ready[j] = s.run("link", blocks[j].act_bytes / link, ready, name=f"activations in {j}")
             b, p = blocks[i], policies[i]
             t = weights.wait(i, t)
             if p is Policy.RECOMPUTE:
-                t = s.run("compute", b.recompute_s, t)
-            t = s.run("compute", b.bwd_s, t, back_ready[i])
+                t = s.run("compute", b.recompute_s, t, name=f"recompute {i}")
+            t = s.run("compute", b.bwd_s, t, back_ready[i], name=f"backward {i}")
             grads = t
             if b.streamed and b.grad_bytes:  # a streamed block's gradients leave
                 if profile.blocking_weight_copy:
-                    grads = t = s.run("compute", b.grad_bytes / link, t)
+                    grads = t = s.run("compute", b.grad_bytes / link, t, name=f"gradients out {i}")
                 else:
-                    grads = s.run("link", b.grad_bytes / link, t)
+                    grads = s.run("link", b.grad_bytes / link, t, name=f"gradients out {i}")
             if last and overlap_optimizer:
-                updates_done.append(_update(s, profile, b.params, grads, b))
+                updates_done.append(_update(s, profile, b.params, grads, b, name=f"block {i}"))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if overlap_optimizer:
-        updates_done.append(_update(s, profile, profile.other_params, backward_end))
+        updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
     else:
-        updates_done = [_update(s, profile, b.params, backward_end, b) for b in reversed(blocks)]
-        updates_done.append(_update(s, profile, profile.other_params, backward_end))
+        updates_done = [_update(s, profile, b.params, backward_end, b, name=f"block {i}")
+                        for i, b in reversed(list(enumerate(blocks)))]
+        updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
     step = max([backward_end, *updates_done])
+    timeline, s.tasks = s.tasks or [], None  # the redo below is a share of a pass, not a task on the timeline
     if profile.redo_fraction > 0:
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
@@ -275,13 +288,16 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         step += profile.redo_fraction * (redo - step)
 
     device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
+    ssd_writes = (profile.params * STATE_BYTES_PER_PARAM
+                  + profile.micro_batches * sum(b.act_bytes for b, p in zip(blocks, policies) if p is Policy.SSD)
+                  + sum(b.grad_bytes for b in blocks if b.weight_tier == "ssd"))
     over = {}
     for tier, peak, budget in (("device", device_peak, profile.device_budget), ("host", host_peak, profile.host_budget),
                                ("ssd", ssd_peak, profile.ssd_budget)):
         if budget is not None and peak > budget:
             over[tier] = peak - budget
     return Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
-                      s.busy["cpu"], step - backward_end, over)
+                      s.busy["cpu"], step - backward_end, over, timeline, ssd_writes)
 
 
 class _WeightReads:
@@ -300,9 +316,9 @@ class _WeightReads:
             self.issued[j] = True
             block, ready = self.blocks[j], after
             if block.weight_tier == "ssd":
-                ready = self.s.run("ssd", block.weight_bytes / self.profile.ssd_read_bytes_per_s, ready)
+                ready = self.s.run("ssd", block.weight_bytes / self.profile.ssd_read_bytes_per_s, ready, name=f"read weights {j}")
             if not self.profile.blocking_weight_copy:
-                ready = self.s.run("link", block.weight_bytes / self.profile.link_bytes_per_s, ready)
+                ready = self.s.run("link", block.weight_bytes / self.profile.link_bytes_per_s, ready, name=f"weights in {j}")
             self.ready[j] = ready
 
     def wait(self, i: int, t: float) -> float:
@@ -311,24 +327,27 @@ class _WeightReads:
             return t
         ready = self.ready.pop(i)
         if self.profile.blocking_weight_copy:
-            return self.s.run("compute", self.blocks[i].weight_bytes / self.profile.link_bytes_per_s, t, ready)
+            return self.s.run("compute", self.blocks[i].weight_bytes / self.profile.link_bytes_per_s, t, ready,
+                              name=f"weights in {i}")
         return max(t, ready)
 
 
-def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None) -> float:
+def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
+            name: str = "") -> float:
     """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
     weight: uploaded to the device when resident (``block`` None or on the device), written back to
     SSD for the ``ssd`` tier, left in place for ``host``."""
     if params == 0:
         return grads_ready
-    read = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_read_bytes_per_s, grads_ready)
-    done = s.run("cpu", params / profile.adam_params_per_s, read)
-    written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done)
+    read = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
+    done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
+    written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
     tier = block.weight_tier if block is not None else "device"
     if tier == "ssd" and block.grad_bytes:  # frozen weights are never written back
-        written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done)
+        written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
     elif tier == "device" and profile.weight_upload_bytes_per_param:
-        done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done)
+        done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done,
+                     name=f"weights up {name}")
     return max(written, done)
 
 

@@ -39,6 +39,7 @@ from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
 from ..optim.adamw import adamw_kernel
 from ..params.streaming import Tier
+from ..progress import Progress
 from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
@@ -136,6 +137,10 @@ class WarmupProfiler:
     def done(self) -> bool:
         return self._steps_seen >= self.steps
 
+    @property
+    def steps_seen(self) -> int:
+        return self._steps_seen
+
     def remove(self) -> None:
         """Take the hooks off the blocks, and the counting saved-tensor hook off autograd if a forward left it."""
         self._stop_counting()
@@ -171,7 +176,7 @@ class WarmupProfiler:
         grads = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
         in_blocks = {id(p): p for b in self.blocks for p in b.parameters()}.values()
         outside = weights + grads - sum(_nbytes(p) * (1 + p.requires_grad) for p in in_blocks)
-        rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout)
+        rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout, progress=config.progress)
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
@@ -209,9 +214,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20, *,
-                  io_timeout: float = FuyouConfig.io_timeout) -> tuple[float, float]:
+                  io_timeout: float = FuyouConfig.io_timeout, progress: bool = True) -> tuple[float, float]:
     """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem),
-    through one buffer of ``pool`` (waiting for it at most ``io_timeout`` seconds)."""
+    through one buffer of ``pool`` (waiting for it at most ``io_timeout`` seconds), with a progress
+    bar on a terminal unless ``progress`` is off."""
     try:
         cache = json.loads(CACHE.read_text())
     except (OSError, ValueError):
@@ -222,8 +228,9 @@ def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 
         key = f"{os.stat(parent).st_dev}:{parent}"
         if key not in cache:
             log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20, CACHE)
-            with _probe_buffer(pool, 64 * 2**20, io_timeout) as buf:  # the probe's own default window
-                bw = measure_bandwidth(parent, size=size, buffer=buf.data)
+            with _probe_buffer(pool, 64 * 2**20, io_timeout) as buf, \
+                    Progress(3 * size, f"fuyou planner: SSD bandwidth of {parent}", enabled=progress) as bar:
+                bw = measure_bandwidth(parent, size=size, buffer=buf.data, on_bytes=bar.update)
             cache[key] = {"read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
             try:
                 CACHE.parent.mkdir(parents=True, exist_ok=True)

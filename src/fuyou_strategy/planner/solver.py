@@ -10,6 +10,9 @@ Search, on the cost model of `cost.predict`, over each block's activation policy
 2. **Improve.** Apply the single-block change that lowers the predicted step time the most
    and keeps every tier within budget; repeat until none does. Between plans of the same
    predicted time, the one with weights on cheaper tiers (device, then host, then ssd) wins.
+3. **Spare the drives** (``write_tolerance`` > 0): apply the change that writes the fewest bytes
+   to the SSD per step while the predicted step stays within ``1 + write_tolerance`` of the
+   fastest; repeat. The plan's ``note`` says what that saved and cost.
 
 Blocks with the same activation (or weight) size are interchangeable except for their position,
 so each round tries, per (current value, new value), the earliest and the latest such block —
@@ -60,6 +63,7 @@ class Plan:
     source: str = "solver"
     profile: dict = field(default_factory=dict, repr=False)
     weight_tiers: list[str] = field(default_factory=list)
+    note: str = ""  # e.g. what sparing the drives' endurance (write_tolerance) saved and cost
 
     def __post_init__(self) -> None:
         if not self.weight_tiers:
@@ -98,11 +102,19 @@ class Plan:
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
             f"{format_bytes(self.host_peak)} (budget {budget.get('host')}), ssd {format_bytes(self.ssd_peak)} "
             f"(budget {budget.get('ssd')})",
-        ]
+        ] + ([self.note] if self.note else [])
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table(compact=True)
+
+    def timeline(self) -> list[tuple[str, str, float, float]]:
+        """The cost model's simulated step under this plan: ``(resource, task, start s, end s)`` per task
+        (`cost.predict`'s ``timeline``); empty for a plan file saved without its profile."""
+        if not self.profile:
+            return []
+        return predict(Profile.from_dict(self.profile), [Policy(p) for p in self.policies],
+                       weight_tiers=self.weight_tiers, timeline=True).timeline
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, for `load` and ``FuyouConfig(plan=...)``."""
@@ -154,6 +166,7 @@ _FIELDS = {
     "source": _TEXT,
     "profile": ("an object", lambda v: isinstance(v, dict)),
     "weight_tiers": (f"one of {list(WEIGHT_TIERS)}", lambda v: v in WEIGHT_TIERS),
+    "note": _TEXT,
 }
 _PER_BLOCK = ("policies", "act_bytes", "reasons", "weight_tiers")
 
@@ -198,13 +211,15 @@ def fixed_plan(profile: Profile, policies: Sequence[Policy | str], *, weight_tie
 
 
 def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy),
-          weight_tiers: Iterable[str] | None = None, overlap_optimizer: bool = True) -> Plan:
+          weight_tiers: Iterable[str] | None = None, overlap_optimizer: bool = True,
+          write_tolerance: float = 0.0) -> Plan:
     """The policies that minimise predicted step time within the budgets (see the module docstring).
 
     ``allowed``: the activation policies to choose from. ``weight_tiers``: the tiers (of
     `cost.WEIGHT_TIERS`) to choose each block's weights from, jointly with the policies; ``None``
-    keeps each block's `BlockProfile.weight_tier`. Raises `PlanError` when nothing fits, naming the
-    tier that is short and by how much at best.
+    keeps each block's `BlockProfile.weight_tier`. ``write_tolerance``: the share of predicted step
+    time worth giving up for fewer SSD writes per step (0: the fastest plan). Raises `PlanError` when
+    nothing fits, naming the tier that is short and by how much at best.
     """
     allowed = [Policy(p) for p in allowed]
     tiers = None if weight_tiers is None else list(weight_tiers)
@@ -254,7 +269,26 @@ def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy),
         if choice is None:
             break
         current, best = choice
-    return _plan(profile, current, best, _reasons(current, best, allowed, tiers, evaluate), "solver")
+    # 3. Spare the drives: fewer bytes written per step, within write_tolerance of the fastest step.
+    fastest, note = best, ""
+    while write_tolerance > 0:
+        limit = fastest.step_s * (1 + write_tolerance)
+        choice = None
+        for candidate, pred in _moves(profile, current, allowed, tiers, evaluate):
+            if pred.fits and pred.step_s <= limit and pred.ssd_write_bytes < best.ssd_write_bytes - 0.5:
+                if choice is None or (pred.ssd_write_bytes, pred.step_s) < (choice[1].ssd_write_bytes, choice[1].step_s):
+                    choice = (candidate, pred)
+        if choice is None:
+            break
+        current, best = choice
+    if best is not fastest:
+        note = (f"sparing the drives (write_tolerance {write_tolerance:g}): {format_bytes(best.ssd_write_bytes)} "
+                f"written per step instead of {format_bytes(fastest.ssd_write_bytes)} "
+                f"({1 - best.ssd_write_bytes / fastest.ssd_write_bytes:.0%} less), predicted step "
+                f"{best.step_s:.3f} s instead of {fastest.step_s:.3f} s ({best.step_s / fastest.step_s - 1:+.1%})")
+    plan = _plan(profile, current, best, _reasons(current, best, allowed, tiers, evaluate), "solver")
+    plan.note = note
+    return plan
 
 
 _State = tuple[list[Policy], list[str]]  # per block: activation policy, weight tier

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import trace
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
@@ -321,6 +322,8 @@ class IOEngine:
 
     def _move_block(self, f: SwapFile, offset: int, block: memoryview, write: bool) -> None:
         op = "write" if write else "read"
+        tracer = trace.active()
+        start = tracer.now() if tracer is not None else 0.0
         try:
             try:
                 _move(f.fd, f.direct, block, offset, write)
@@ -335,6 +338,9 @@ class IOEngine:
             raise self._error(exc.errno, exc.strerror, op, f, exc.offset, exc.nbytes) from exc
         with self._count_lock:
             self._bytes[write] += len(block)
+        if tracer is not None:
+            tracer.add(f"ssd {threading.current_thread().name}", op, start, tracer.now(),
+                       file=os.path.basename(f.path), offset=offset, bytes=len(block))
         if not f.direct:
             self._bound_page_cache(f, offset, len(block), write)
 

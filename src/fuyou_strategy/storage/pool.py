@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import torch
 
+from .. import trace
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
@@ -113,8 +114,11 @@ class HostBufferPool:
                 f"others can never fit in the budget of {format_bytes(self.budget)}; raise {self.name}"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
+        tracer, waited = trace.active(), None
         with self._cond:
             while (data := self._take(capacity, keep_free=keep_free)) is None:
+                if tracer is not None and waited is None:
+                    waited = tracer.now()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise HostBudgetError(
@@ -122,6 +126,9 @@ class HostBufferPool:
                         f"{format_bytes(self._lent)} of {format_bytes(self.budget)} still lent out"
                     )
                 self._cond.wait(remaining)
+        if waited is not None:
+            lane = "waits" if threading.current_thread() is threading.main_thread() else "optimizer"
+            tracer.add(lane, f"wait: {self.name} buffer", waited, tracer.now(), bytes=capacity)
         return self._lend(data, capacity, nbytes)
 
     def try_acquire(self, nbytes: int, keep_free: int = 0) -> HostBuffer | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -48,6 +49,7 @@ def measure_bandwidth(
     threads: int = 4,
     direct_io: str = "auto",
     buffer: torch.Tensor | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Bandwidth:
     """Write then read a ``size``-byte file in ``directory`` and time both passes (the write pass is a
     rewrite: the first, untimed write fills the preallocated file, as swap files are rewritten each step).
@@ -56,6 +58,7 @@ def measure_bandwidth(
     file lives in a fresh run directory that is removed afterwards. Every transfer goes
     through one page-aligned ``uint8`` buffer: ``buffer`` (e.g. a host pool buffer, to stay
     within a host budget; a whole number of pages) or, by default, one of up to 64 MiB.
+    ``on_bytes`` is told the bytes of each completed transfer (a progress bar: 3 x ``size`` in all).
     """
     size = max(PAGE, size // PAGE * PAGE)
     window = min(size, _MAX_WINDOW if buffer is None else buffer.numel() // PAGE * PAGE)
@@ -73,8 +76,10 @@ def measure_bandwidth(
             for offset in range(0, size, window):
                 part = buf[: min(window, size - offset)]
                 futures.append(engine.write(f, offset, part) if write else engine.read(f, offset, part))
-            for fut in futures:
+            for fut, offset in zip(futures, range(0, size, window)):
                 fut.result()
+                if on_bytes is not None:
+                    on_bytes(min(window, size - offset))
             if write:
                 os.fdatasync(f.fd)
             elapsed = time.perf_counter() - start

@@ -1,0 +1,225 @@
+"""A timeline of a few training steps, written as Chrome / Perfetto trace JSON.
+
+``FuyouConfig(trace="trace.json")`` makes the engine record ``trace_steps`` optimizer steps (see
+`FuyouEngine`) and write them in the Trace Event Format that ``torch.profiler`` exports, so
+https://ui.perfetto.dev (or ``chrome://tracing``) shows them, and ``fuyou report trace.json --png``
+draws them with the planner's prediction for the same step beside them.
+
+Lanes (one "thread" each in the viewer):
+
+- ``steps``: each optimizer step, from the micro-batch that starts it to the end of ``step()``;
+- ``compute``: each block's forward, backward and recomputation, and ``optimizer.step()``;
+- ``waits``: where the training thread waited: for a read-back activation, a streamed block's
+  weights, an optimizer update, a host buffer;
+- ``optimizer``: the optimizer worker's AdamW on each chunk (and its waits for the chunk's reads);
+- ``ssd fuyou-ioN_M``: every read and write request on each I/O thread (``io_block_size`` each).
+
+Recording costs a clock read and a list append per span; when no trace is recording, `span` is a
+global lookup and a no-op context manager. Spans are only taken where the code runs anyway:
+tracing never adds a synchronisation (on CUDA the compute lane shows when the host issued the
+work, as a CPU-side profiler does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+__all__ = ["Tracer", "BlockSpans", "span", "active", "in_backward", "LANES"]
+
+# Lane order in the viewer and in `fuyou report`; I/O thread lanes ("ssd ...") follow.
+LANES = ("steps", "compute", "waits", "optimizer")
+
+_active: "Tracer | None" = None
+_NOOP = contextlib.nullcontext()
+
+
+def active() -> "Tracer | None":
+    """The recording tracer, if any."""
+    return _active
+
+
+def span(lane: str, name: str, **args: Any) -> contextlib.AbstractContextManager:
+    """Record the enclosed code as ``name`` on ``lane`` while a trace is recording; else a no-op."""
+    tracer = _active
+    if tracer is None:
+        return _NOOP
+    return tracer.span(lane, name, **args)
+
+
+class Tracer:
+    """Spans on named lanes, in seconds from the tracer's creation; thread-safe.
+
+    ``start()`` makes it the process's recording tracer (one at a time: a second is refused),
+    ``stop()`` ends that; `chrome` is the Trace Event Format dict, `save` writes it atomically.
+    """
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self._lock = threading.Lock()
+        self.events: list[tuple[str, str, float, float, dict]] = []  # lane, name, start, end, args
+        self.marks: list[tuple[str, float, dict]] = []  # instant events: name, time, args
+
+    # -- recording ----------------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def add(self, lane: str, name: str, start: float, end: float, **args: Any) -> None:
+        """A span from ``start`` to ``end`` (seconds on this tracer's clock, `now`)."""
+        with self._lock:
+            self.events.append((lane, name, start, end, args))
+
+    def mark(self, name: str, **args: Any) -> None:
+        with self._lock:
+            self.marks.append((name, self.now(), args))
+
+    @contextlib.contextmanager
+    def span(self, lane: str, name: str, **args: Any) -> Iterator[None]:
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(lane, name, start, self.now(), **args)
+
+    def start(self) -> "Tracer":
+        global _active
+        if _active is not None and _active is not self:
+            raise RuntimeError("another fuyou trace is recording in this process; one at a time")
+        _active = self
+        return self
+
+    def stop(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
+
+    @property
+    def recording(self) -> bool:
+        return _active is self
+
+    # -- output -------------------------------------------------------------------------------------
+    def lanes(self) -> list[str]:
+        """Lanes in display order: `LANES` first, then the others (the I/O threads) sorted."""
+        seen = {lane for lane, *_ in self.events}
+        return [lane for lane in LANES if lane in seen] + sorted(seen - set(LANES))
+
+    def chrome(self, *, metadata: dict | None = None, predicted: list[tuple[str, str, float, float]] | None = None,
+               predicted_offset: float = 0.0) -> dict:
+        """The Trace Event Format: process 1 is the measured run (a thread per lane, complete
+        ``"X"`` events in microseconds), process 2 the planner's ``predicted`` tasks
+        (``(resource, name, start, end)`` in seconds from the predicted step's start), shifted to
+        start at ``predicted_offset`` on this tracer's clock so the viewer shows both side by side."""
+        with self._lock:
+            events, marks = list(self.events), list(self.marks)
+        lanes = self.lanes()
+        tid = {lane: i + 1 for i, lane in enumerate(lanes)}
+        out: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "fuyou (measured)"}},
+                           {"ph": "M", "pid": 1, "name": "process_sort_index", "args": {"sort_index": 1}}]
+        for lane, i in tid.items():
+            out.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_name", "args": {"name": lane}})
+            out.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+        for lane, name, start, end, args in sorted(events, key=lambda e: e[2]):
+            out.append({"ph": "X", "pid": 1, "tid": tid[lane], "name": name, "cat": lane.split()[0],
+                        "ts": round(start * 1e6, 3), "dur": round(max(0.0, end - start) * 1e6, 3), "args": args})
+        for name, t, args in marks:
+            out.append({"ph": "i", "s": "p", "pid": 1, "tid": tid.get("steps", 1), "name": name,
+                        "ts": round(t * 1e6, 3), "args": args})
+        if predicted:
+            out += [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "planner (predicted)"}},
+                    {"ph": "M", "pid": 2, "name": "process_sort_index", "args": {"sort_index": 2}}]
+            resources = list(dict.fromkeys(r for r, *_ in predicted))
+            for i, r in enumerate(resources, 1):
+                out.append({"ph": "M", "pid": 2, "tid": i, "name": "thread_name", "args": {"name": f"predicted {r}"}})
+            for r, name, start, end in predicted:
+                out.append({"ph": "X", "pid": 2, "tid": resources.index(r) + 1, "name": name, "cat": "predicted",
+                            "ts": round((predicted_offset + start) * 1e6, 3),
+                            "dur": round(max(0.0, end - start) * 1e6, 3)})
+        return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"generator": "fuyou-strategy",
+                                                                           **(metadata or {})}}
+
+    def save(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        """Write `chrome` (``kwargs`` go there) to ``path``: a temporary file, then a rename."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.chrome(**kwargs), f)
+        os.replace(tmp, path)
+
+
+class BlockSpans:
+    """Hooks that put each block's forward, backward and recomputation on the ``compute`` lane of the
+    recording tracer (they do nothing while none records).
+
+    Forward: the block's forward pre- and post-hooks. Backward: from the moment the gradient of the
+    block's output arrives to the moment the gradient of its input is computed (tensor hooks; the
+    input of block ``i`` is the output of block ``i - 1``, so the spans tile backward). A forward
+    that runs inside backward (activation checkpointing) is a recomputation.
+    """
+
+    def __init__(self, blocks: list) -> None:
+        self._handles = []
+        self._starts: dict[int, float] = {}
+        for i, block in enumerate(blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._post(i), always_call=True))
+
+    def _pre(self, i: int):
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            tracer = _active
+            if tracer is None:
+                return
+            self._starts[i] = tracer.now()
+            if in_backward():
+                return
+            x = _first_tensor(args)
+            x = x if x is not None else _first_tensor(tuple(kwargs.values()))
+            if x is not None and x.requires_grad:
+                x.register_hook(self._backward_end(i))
+        return hook
+
+    def _post(self, i: int):
+        def hook(module: Any, args: tuple, out: Any) -> None:
+            tracer, start = _active, self._starts.pop(i, None)
+            if tracer is None or start is None:
+                return
+            recompute = in_backward()
+            tracer.add("compute", f"{'recompute' if recompute else 'forward'} {i}", start, tracer.now(), block=i)
+            y = _first_tensor(out if isinstance(out, tuple) else (out,))
+            if not recompute and y is not None and y.requires_grad:
+                y.register_hook(self._backward_start(i))
+        return hook
+
+    def _backward_start(self, i: int):
+        def hook(grad: Any) -> None:
+            if _active is not None:
+                self._starts[-1 - i] = _active.now()  # negative keys: backward
+        return hook
+
+    def _backward_end(self, i: int):
+        def hook(grad: Any) -> None:
+            tracer, start = _active, self._starts.pop(-1 - i, None)
+            if tracer is not None and start is not None:
+                tracer.add("compute", f"backward {i}", start, tracer.now(), block=i)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a forward now is a recomputation)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+def _first_tensor(values: tuple) -> Any:
+    import torch
+
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)

@@ -1,0 +1,298 @@
+"""Watching a run: the step trace and `fuyou report`, SSD wear, `fuyou doctor`, progress bars, and
+configuration files for the callback and LightningCLI."""
+
+import importlib.util
+import json
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_causal_lm
+from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine, progress
+from fuyou_strategy.cli import main as cli
+from fuyou_strategy.storage.wear import Wear
+from test_lightning import CausalLM, token_batches
+from test_metrics import state_slot_bytes
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def train(tmp_path, steps=6, expect=None, **fields):
+    """A tiny GPT-2 trained through the engine (closed after); returns the engine, the per-step metrics,
+    the bytes of one slot of optimizer state, and the summary and bytes written before closing."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    g, metrics = torch.Generator().manual_seed(0), []
+    try:
+        if expect is not None:
+            engine.expect_steps(expect)
+        for _ in range(steps):
+            ids = torch.randint(0, 101, (2, 16), generator=g)
+            engine.begin_micro_batch(update=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad(set_to_none=True)
+            metrics.append(engine.metrics())
+        return engine, metrics, state_slot_bytes(engine), engine.summary()
+    finally:
+        engine.close()
+
+
+def measured(trace, lane_prefix=""):
+    """{lane: [events]} of the measured process (pid 1)."""
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
+    lanes = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["pid"] == 1 and names[e["tid"]].startswith(lane_prefix):
+            lanes.setdefault(names[e["tid"]], []).append(e)
+    return lanes
+
+
+@pytest.fixture(scope="module")
+def planned_trace(tmp_path_factory):
+    """A trace of two steps after the planner's warm-up, and the engine that wrote it."""
+    tmp = tmp_path_factory.mktemp("trace")
+    path = tmp / "trace.json"
+    engine, *_ = train(tmp, steps=7, activations="auto", planner_warmup_steps=2, trace=str(path), trace_steps=2,
+                         optimizer_schedule="backward")
+    return path, engine
+
+
+def test_a_trace_holds_each_lane_of_the_traced_steps_and_the_plans_prediction(planned_trace):
+    path, engine = planned_trace
+    trace = json.loads(path.read_text())  # Chrome / Perfetto trace JSON
+    lanes = measured(trace)
+    assert {"steps", "compute", "optimizer"} <= set(lanes)
+    assert any(lane.startswith("ssd fuyou-io0") for lane in lanes), lanes.keys()
+    steps = lanes["steps"]
+    # recording starts at the step after the first planned one (warm-up 2, plan applied, one step to settle)
+    assert [e["args"]["step"] for e in steps] == [4, 5]
+    names = [e["name"] for e in lanes["compute"]]
+    for i in (0, 1):
+        assert names.count(f"forward {i}") == 2 and names.count(f"backward {i}") == 2
+    assert names.count("optimizer.step()") == 2
+    for e in lanes["compute"]:  # every block's compute lies inside a traced step
+        if e["name"].startswith(("forward", "backward")):
+            assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1 for s in steps), e
+    # backward runs block 1 then block 0, after both forwards
+    first = [e for e in lanes["compute"] if steps[0]["ts"] <= e["ts"] < steps[0]["ts"] + steps[0]["dur"]]
+    order = [e["name"] for e in sorted(first, key=lambda e: e["ts"]) if e["name"].split()[0] in ("forward", "backward")]
+    assert order == ["forward 0", "forward 1", "backward 1", "backward 0"]
+    ssd = [e for lane, events in lanes.items() if lane.startswith("ssd") for e in events]
+    assert {e["name"] for e in ssd} == {"read", "write"} and all(e["args"]["bytes"] > 0 for e in ssd)
+    assert trace["otherData"]["steps"] == 2 and len(trace["otherData"]["measured_step_s"]) == 2
+    # the planner's simulated step, beside the first measured one, as long as the plan predicted
+    predicted = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
+    assert predicted and {e["cat"] for e in predicted} == {"predicted"}
+    plan = engine.plan
+    assert trace["otherData"]["predicted_step_s"] == plan.predicted_step_s
+    start = min(e["ts"] for e in predicted)
+    end = max(e["ts"] + e["dur"] for e in predicted)
+    assert start >= steps[0]["ts"] - 1  # microseconds
+    if plan.profile["redo_fraction"] == 0:
+        assert (end - steps[0]["ts"]) / 1e6 == pytest.approx(plan.predicted_step_s, rel=1e-6, abs=1e-6)
+
+
+def test_a_trace_shows_recomputation_and_the_waits_for_activations_read_back(tmp_path):
+    path = tmp_path / "t.json"
+    train(tmp_path, steps=3, activations={0: "ssd", 1: "recompute"}, activation_min_bytes=0, trace=str(path),
+          trace_steps=1)
+    lanes = measured(json.loads(path.read_text()))
+    assert [e["args"]["step"] for e in lanes["steps"]] == [2]  # after the first step, without a plan
+    assert [e["name"] for e in lanes["compute"]].count("recompute 1") == 1
+    assert "forward 1" in [e["name"] for e in lanes["compute"]]
+    waits = [e["name"] for e in lanes["waits"]]
+    assert "activations of block 0 (ssd)" in waits
+
+
+def test_a_run_that_ends_inside_the_traced_steps_writes_what_it_recorded(tmp_path):
+    path = tmp_path / "t.json"
+    train(tmp_path, steps=3, trace=str(path), trace_steps=5)  # steps 2 and 3 recorded, then close()
+    lanes = measured(json.loads(path.read_text()))
+    assert [e["args"]["step"] for e in lanes["steps"]] == [2, 3]
+
+
+def test_fuyou_report_prints_busy_shares_and_draws_the_timeline(planned_trace, tmp_path, capsys):
+    path, engine = planned_trace
+    png = tmp_path / "timeline.png"
+    assert cli(["report", str(path), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "step 4" in out and "step 5" in out and "compute" in out and "ssd read" in out and "ssd write" in out
+    assert "measured / predicted step:" in out and "predicted" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    assert cli(["report", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_report_busy_time_merges_overlapping_requests():
+    from fuyou_strategy.report import TraceReport
+
+    r = TraceReport(measured={"ssd read": [("read", 0.0, 2.0), ("read", 1.0, 3.0), ("read", 5.0, 6.0)]},
+                    steps=[("step 1", 0.0, 10.0)])
+    assert r.busy("ssd read", 0.0, 10.0) == pytest.approx(4.0)  # [0, 3] and [5, 6]
+    assert r.busy("ssd read", 2.5, 5.5) == pytest.approx(1.0)
+
+
+def test_wear_figures_against_hand_computed_values():
+    w = Wear(bytes_per_step=1.2e9, step_seconds=2.0, drives=2, drive_bytes=10**12, endurance_tbw=600, steps=10_000)
+    assert w.bytes_per_hour == pytest.approx(2.16e12)  # 1.2 GB / 2 s * 3600
+    assert w.drive_writes_per_day == pytest.approx(25.92)  # 2.16e12 * 24 / 2 drives / 1e12
+    assert w.days_to_rated_endurance == pytest.approx(600 / 25.92)
+    assert w.run_fraction == pytest.approx(0.01)  # 1.2e13 bytes / 2 drives / 6e14
+    assert "25.92 drive writes per day" in w.describe() and "1.00%" in w.describe()
+
+
+def test_the_engine_measures_wear_and_warns_when_a_run_would_spend_too_much(tmp_path):
+    slot = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # 1 MB of rated endurance: even the optimizer state's writes of 100 steps are far over 5%
+        engine, metrics, slot, summary = train(tmp_path, steps=5, expect=100, ssd_endurance_tbw=1e-6,
+                                               optimizer_schedule="backward")
+    wear_warnings = [w for w in caught if "rated endurance" in str(w.message)]
+    assert len(wear_warnings) == 1, "warned once, at the start"
+    assert "at least" in str(wear_warnings[0].message) and "ssd_endurance_tbw" in str(wear_warnings[0].message)
+    assert engine.wear is not None and engine.wear.bytes_per_step == slot  # committed steps write one slot
+    assert engine.wear.steps == 100 and engine.wear.run_fraction == pytest.approx(slot * 100 / 1e6)
+    assert summary["wear"]["ssd_drive_writes_per_day"] == engine.wear.drive_writes_per_day
+    # everything written so far (the initial state too), on one drive, against its 1e6 rated bytes
+    assert metrics[-1]["fuyou/ssd_endurance_used"] == pytest.approx(summary["ssd_write_bytes_total"] / 1e6)
+
+
+def test_no_wear_warning_for_a_short_run_on_a_rated_drive(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = train(tmp_path, steps=5, expect=10)
+    assert not [w for w in caught if "rated endurance" in str(w.message)]
+    assert engine.wear is not None and engine.wear.run_fraction < 1e-6
+
+
+@pytest.mark.parametrize("field, value, fix", [
+    ("trace", "/no/such/folder/t.json", "does not exist"),
+    ("trace_steps", 0, "expected an int >= 1"),
+    ("ssd_endurance_tbw", 0, "datasheet"),
+    ("ssd_wear_warning", 1.5, "(0, 1]"),
+    ("progress", "yes", "True or False"),
+])
+def test_bad_observability_settings_name_the_field(field, value, fix):
+    with pytest.raises(ConfigError, match=rf"^{field}: got .*") as err:
+        FuyouConfig(**{field: value})
+    assert fix in str(err.value)
+
+
+def test_fuyou_doctor_checks_a_directory_and_recommends_a_config_that_loads(tmp_path, capsys):
+    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    mine = {c["name"]: c for c in report["checks"] if c["subject"] == str(tmp_path)}
+    assert {"free space", "filesystem", "O_DIRECT", "bandwidth"} <= set(mine)
+    assert all(c["status"] in ("ok", "warn") for c in mine.values())
+    assert {"memlock", "cores", "RAM", "cuda"} <= {c["name"] for c in report["checks"]}
+    assert report["config"]["swap_dirs"] == [str(tmp_path)]
+    assert set(report["reasons"]) == set(report["config"])
+    assert str(tmp_path) in report["bandwidth"] and report["bandwidth"][str(tmp_path)]["read_bps"] > 0
+    FuyouConfig.from_dict(report["config"])  # the recommendation is a valid configuration
+    assert not list(tmp_path.iterdir()), "the probe's files are gone"
+    # the text form: the same configuration, as YAML with a reason per line
+    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB"]) == 0
+    text = capsys.readouterr().out
+    config_lines = text.split("# recommended FuyouConfig", 1)[1].split("\n", 1)[1]
+    measured_again = ("optimizer_prefetch_chunks",)  # from a second bandwidth measurement
+    loaded = {k: v for k, v in yaml.safe_load(config_lines).items() if k not in measured_again}
+    assert loaded == {k: v for k, v in report["config"].items() if k not in measured_again}
+    assert all("  # " in line for line in config_lines.strip().splitlines())
+
+
+def test_fuyou_doctor_fails_a_directory_it_cannot_use(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    assert cli(["doctor", "--dir", str(missing), "--size", "8MiB", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["config"]["swap_dirs"] is None
+    assert any(c["subject"] == str(missing) and c["status"] == "fail" for c in report["checks"])
+
+
+def test_progress_bars_only_on_a_terminal_and_when_enabled(monkeypatch):
+    assert not progress.Progress(2**30, "x").shown  # pytest's captured stderr is no terminal
+    monkeypatch.setattr(progress, "_interactive", lambda: True)
+    assert not progress.Progress(2**30, "x", enabled=False).shown
+    assert not progress.Progress(1024, "x").shown  # too small to be worth a bar
+    with progress.Progress(2**30, "x") as bar:
+        assert bar.shown
+        bar.update(2**29)
+
+
+def test_checkpoint_save_and_load_show_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(progress, "_interactive", lambda: True)
+    monkeypatch.setattr(progress, "MIN_BYTES", 0)
+    (tmp_path / "swap").mkdir()
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()),
+                         config=FuyouConfig(swap_dirs=[str(tmp_path / "swap")], chunk_size="8KiB"))
+    try:
+        engine.save(str(tmp_path / "ckpt"))
+        engine.load(str(tmp_path / "ckpt"))
+    finally:
+        engine.close()
+    err = capsys.readouterr().err
+    assert "fuyou: saving optimizer state" in err and "fuyou: loading optimizer state" in err
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_fuyou_callback_from_a_yaml_or_json_file(tmp_path, suffix):
+    values = {"log_metrics": False, "swap_dirs": [str(tmp_path)], "activations": "auto", "ssd_endurance_tbw": 1200}
+    path = tmp_path / f"fuyou{suffix}"
+    path.write_text(yaml.safe_dump(values) if suffix == ".yaml" else json.dumps(values))
+    cb = FuyouCallback.from_file(path)
+    assert cb.log_metrics is False
+    assert (cb.config.swap_dirs, cb.config.activations, cb.config.ssd_endurance_tbw) == ([str(tmp_path)], "auto", 1200)
+    path.write_text(yaml.safe_dump({"activation": "auto"}) if suffix == ".yaml" else '{"activation": "auto"}')
+    with pytest.raises(ConfigError, match="activation: not a FuyouConfig field; did you mean 'activations'"):
+        FuyouCallback.from_file(path)
+    path.write_text("{not: [valid" if suffix == ".yaml" else "{nope")
+    with pytest.raises(ConfigError, match=f"not valid {'YAML' if suffix == '.yaml' else 'JSON'}"):
+        FuyouCallback.from_file(path)
+
+
+def test_lightning_cli_configures_the_fuyou_strategy_from_yaml(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["fit"])  # LightningCLI reads only args=
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (the test extra installs it)")
+    from lightning.pytorch.cli import LightningCLI
+
+    from fuyou_strategy import FuyouStrategy
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": str(tmp_path),
+                    "strategy": {"class_path": "fuyou_strategy.FuyouStrategy",
+                                 "init_args": {"config": {"swap_dirs": [str(tmp_path / "swap")], "chunk_size": "8KiB",
+                                                          "activations": "ssd", "activation_min_bytes": 0},
+                                               "log_metrics": False}}},
+    }))
+    (tmp_path / "swap").mkdir()
+    cli_run = LightningCLI(CLIModule, args=["fit", "--config", str(config)], save_config_callback=None)
+    strategy = cli_run.trainer.strategy
+    strategy.engine.close()  # kept open after fit for its summary
+    assert isinstance(strategy, FuyouStrategy) and strategy.log_metrics is False
+    cfg = strategy.fuyou_config
+    assert (cfg.swap_dirs, cfg.chunk_size, cfg.activations) == ([str(tmp_path / "swap")], 8192, "ssd")
+    assert cli_run.trainer.global_step == 3
+
+
+class CLIModule(CausalLM):
+    """test_lightning's tiny GPT-2 with its own data, as LightningCLI builds it (no arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(token_batches(), batch_size=2)
