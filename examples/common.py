@@ -38,12 +38,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where every block's activations go; auto: the planner decides after a warm-up")
     parser.add_argument("--device-budget", help="device memory the planner may use (auto), e.g. 2GiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", help="write a timeline of two steps here (Chrome/Perfetto JSON; draw it with "
+                        "`fuyou report PATH --png`)")
 
 
 def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
     """FuyouConfig fields from the command line."""
     return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations,
-                device_memory_budget=args.device_budget)
+                device_memory_budget=args.device_budget, trace=args.trace)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -54,9 +56,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(args.model)
         args.vocab = model.config.vocab_size
         return model
+    # bos/eos inside the vocabulary (GPT-2's default, 50256, is not: transformers warns)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
                         vocab_size=args.vocab, n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
+                        attn_pdrop=0.0, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
     return GPT2LMHeadModel(config)
 
 

@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     val = counting_sequences(4 * args.batch_size, args.seq_len, args.vocab, seed=args.seed + 1)
     module = CausalLMModule(model, args.lr, warmup=max(1, args.steps // 10), vocab=args.vocab)
     strategy = fuyou_strategy.FuyouStrategy(**fuyou_fields(args))
+    # One epoch of exactly steps x accumulate micro-batches: the progress bar counts them against their total.
     trainer = L.Trainer(strategy=strategy, accelerator="auto", devices=1, precision=args.precision,
-                        max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+                        max_epochs=1, accumulate_grad_batches=args.accumulate,
                         gradient_clip_val=args.max_grad_norm, logger=False, enable_checkpointing=False,
                         check_val_every_n_epoch=1, log_every_n_steps=1)
     start = time.perf_counter()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 def examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLES)
     yield
-    for name in ("common", "lightning_finetune", "hf_trainer_finetune"):
+    for name in ("common", "lightning_finetune", "hf_trainer_finetune", "local_hf_finetune"):
         sys.modules.pop(name, None)
 
 
@@ -23,8 +23,9 @@ def test_lightning_example(tmp_path, capsys):
     import lightning_finetune
 
     lightning_finetune.main(TINY + ["--swap-dir", str(tmp_path)])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "Lightning + FuyouStrategy: 3 optimizer steps" in out and "activations written" in out
+    assert "bos_token_id" not in out + err and "eos_token_id" not in out + err, "no warning about the model's config"
     assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
 
 
@@ -50,3 +51,26 @@ def test_lightning_example_loads_a_local_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 optimizer steps" in out
     assert sorted(os.listdir(tmp_path)) == ["llama"]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_local_folder_example_builds_its_model_tokenizer_and_text_offline(tmp_path, capsys, lora):
+    import local_hf_finetune
+
+    local_hf_finetune.main(["--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lines", "200",
+                            "--activations", "ssd", "--swap-dir", str(tmp_path)] + (["--lora"] if lora else []))
+    out = capsys.readouterr().out
+    assert "held-out loss" in out and "in 3 steps" in out
+    assert ("(LoRA)" in out) == lora
+    assert os.listdir(tmp_path) == []
+
+
+def test_local_folder_example_trains_a_given_folder_and_text_file(tmp_path, capsys):
+    import local_hf_finetune
+
+    local_hf_finetune.write_text(str(tmp_path / "notes.txt"), lines=100, seed=1)
+    local_hf_finetune.build_folder(str(tmp_path / "model"), str(tmp_path / "notes.txt"), hidden=32, layers=2)
+    local_hf_finetune.main(["--model", str(tmp_path / "model"), "--data", str(tmp_path / "notes.txt"), "--steps", "2",
+                            "--seq-len", "16", "--batch-size", "2", "--activations", "keep"])
+    out = capsys.readouterr().out
+    assert f"model {tmp_path / 'model'}" in out and "in 2 steps" in out
