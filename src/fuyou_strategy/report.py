@@ -13,13 +13,23 @@ import os
 from dataclasses import dataclass, field
 
 from .config import ConfigError
+from .trace import LANES
 
 __all__ = ["TraceReport", "load_trace", "draw"]
 
 # Colours per kind of span (the name's first word).
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#c44e52", "optimizer.step()": "#8172b3",
             "read": "#55a868", "write": "#937860", "wait": "#da8bc3", "weights": "#da8bc3", "activations": "#da8bc3",
-            "step": "#bbbbbb", "adamw": "#8c8c8c", "head": "#64b5cd"}
+            "step": "#bbbbbb", "adamw": "#8c8c8c", "head": "#64b5cd", "gradients": "#937860"}
+
+
+def _colour(name: str) -> str:
+    """A span's colour by its kind: the first word of its name ("wait: ..." and "wait for read" are waits,
+    optimizer chunks are named by their store entry, "adamw....", as are the planner's "adamw block i")."""
+    kind = name.split()[0].rstrip(":") if name.split() else ""
+    if kind.startswith("adamw"):
+        kind = "adamw"
+    return _COLOURS.get(kind, "#999999")
 
 
 @dataclass
@@ -93,6 +103,8 @@ def load_trace(path: str | os.PathLike) -> TraceReport:
             lane = f"ssd {e['name']}"  # every I/O thread's requests on one lane per direction
         span = (e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
         (report.measured if e["pid"] == 1 else report.predicted).setdefault(lane, []).append(span)
+    order = {lane: i for i, lane in enumerate(LANES + ("ssd read", "ssd write"))}
+    report.measured = dict(sorted(report.measured.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
     report.steps = sorted(report.measured.get("steps", []), key=lambda s: s[1])
     if not report.steps:
         raise ConfigError(f"trace: {name!r} holds no complete step; record at least one (trace_steps)")
@@ -118,17 +130,21 @@ def draw(report: TraceReport, path: str | os.PathLike, *, title: str = "") -> No
         names = list(lanes)
         for row, lane in enumerate(names):
             for name, start, end in lanes[lane]:
-                kind = name.split()[0] if name.split() else ""
                 ax.broken_barh([(start - origin, max(end - start, 1e-6))], (row - 0.4, 0.8),
-                               facecolors=_COLOURS.get(kind, "#4c72b0" if "adamw" in name else "#999999"),
-                               edgecolor="none", alpha=0.85)
+                               facecolors=_colour(name), edgecolor="none", alpha=0.85)
         ax.set_yticks(range(len(names)), [n.removeprefix("predicted ") for n in names], fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(label, fontsize=9, loc="left")
+        ax.set_title(label, fontsize=9, loc="right")
         ax.grid(axis="x", alpha=0.3)
     for _n, start, end in report.steps:
         for ax in axes[:, 0]:
             ax.axvline(start - origin, color="black", linewidth=0.6, alpha=0.5)
+    from matplotlib.patches import Patch
+
+    legend = {"forward": "forward", "backward": "backward", "recompute": "recompute", "optimizer.step()": "step()",
+              "adamw": "AdamW chunk", "read": "SSD read", "write": "SSD write", "wait": "wait", "head": "head + loss"}
+    axes[0, 0].legend(handles=[Patch(color=_COLOURS[k], label=v) for k, v in legend.items()], fontsize=7, ncol=9,
+                      loc="lower left", bbox_to_anchor=(0, 1.02), frameon=False)
     axes[-1, 0].set_xlabel("seconds from the first traced step")
     fig.suptitle(title or "fuyou step timeline", fontsize=10)
     fig.tight_layout()

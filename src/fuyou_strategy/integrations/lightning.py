@@ -264,8 +264,11 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         metrics = self.engine.metrics() if self.engine is not None and self.log_metrics else {}
         if not metrics or module is None or getattr(module, "_current_fx_name", None) is None:
             return  # no step yet, or called outside the Trainer's loop (nothing to log into)
+        to_loggers = bool(module.trainer.loggers)  # without one, Lightning would warn on every key
         for name, value in metrics.items():
-            module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "fuyou/ssd_write_gbps", logger=True)
+            bar = name == "fuyou/ssd_write_gbps"
+            if to_loggers or bar:
+                module.log(name, value, on_step=True, on_epoch=False, prog_bar=bar, logger=to_loggers)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
