@@ -65,13 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE.parent / "results"))
     p.add_argument("--replot", help="comma list of this benchmark's JSON files: tables and one plot of all "
                    "their sizes (e.g. separate runs per size), written as peers-merged.* to --out")
+    p.add_argument("--trace", help="a folder: fuyou's runs of the first round write a two-step timeline there "
+                   "(<system>-<size>.json; `fuyou report FILE --png` draws it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def job_of(args: argparse.Namespace, size: str, swap_dir: str) -> Job:
     return Job(arch=args.arch, size=size, model=args.model, dtype=args.dtype, batch=args.batch, seq=args.seq,
-               steps=args.warmup + args.steps, swap_dir=swap_dir)
+               steps=args.warmup + args.steps, swap_dir=swap_dir, trace=args.trace)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -288,8 +290,10 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     print(f"[round {rnd + 1}/{args.rounds}] {size} {name} ...", file=sys.stderr, flush=True)
                     swap = root / f"{name}-{size}-r{rnd}"
-                    r = watch(["--worker", name, "--sizes", size, "--swap-dir", str(swap), *forwarded], swap, limit,
-                              args.timeout, not args.no_jemalloc)
+                    traced = (["--trace", str(Path(args.trace).resolve() / f"{name}-{size}.json")]
+                              if args.trace and rnd == 0 and name.startswith("fuyou") else [])
+                    r = watch(["--worker", name, "--sizes", size, "--swap-dir", str(swap), *forwarded, *traced], swap,
+                              limit, args.timeout, not args.no_jemalloc)
                     print(f"    {r['status']}" + (f": {r['reason']}" if r["status"] != "ok" else
                                                   f", median step {statistics.median(r['step_s']):.2f} s"),
                           file=sys.stderr, flush=True)

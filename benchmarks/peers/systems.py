@@ -43,6 +43,7 @@ class Job:
     seq: int
     steps: int  # all optimizer steps, warm-up included
     swap_dir: str
+    trace: str | None = None  # fuyou's systems: write a step timeline here (FuyouConfig.trace)
 
     def build_model(self):
         """The model, identical in every process: built from config under seed 0, or read from ``model``;
@@ -124,10 +125,11 @@ def torch_adamw(job: Job) -> Trace:
 
 
 def _fuyou_fields(job: Job, everything_on_ssd: bool) -> dict:
+    traced = dict(trace=job.trace) if job.trace else {}
     if everything_on_ssd:
-        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd")
+        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", **traced)
     # the default plan: the planner profiles the first steps and places activations and weights
-    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2)
+    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2, **traced)
 
 
 def fuyou_lightning(job: Job, everything_on_ssd: bool = False) -> Trace:
