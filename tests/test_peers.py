@@ -25,7 +25,7 @@ def run_peers(tmp_path, *argv):
 
 def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path):
     systems = ["torch", "fuyou-lightning", "fuyou-hf", "ds-offload", "colossal-cpu"]
-    result, stdout = run_peers(tmp_path, "--systems", ",".join(systems))
+    result, stdout = run_peers(tmp_path, "--systems", ",".join(systems), "--trace", str(tmp_path / "traces"))
     rows = result["sizes"]["tiny"]
     assert list(rows) == systems
     torch_row = rows["torch"]
@@ -45,6 +45,10 @@ def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path
             assert f"{module} is not installed" in rows[name]["reason"] and "install.sh" in rows[name]["reason"]
             assert f"| {name} | **unavailable** |" in stdout
     assert not os.listdir(tmp_path / "swap"), "every run's swap files are removed"
+    assert sorted(os.listdir(tmp_path / "traces")) == ["fuyou-hf-tiny.json", "fuyou-lightning-tiny.json"]
+    from fuyou_strategy.report import load_trace
+
+    assert load_trace(tmp_path / "traces" / "fuyou-hf-tiny.json").steps, "a timeline of fuyou's steps"
     assert (tmp_path / "out" / "peers-gpt2-fp32.md").read_text().startswith("# gpt2, fp32")
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "out" / "peers-gpt2-fp32.png").stat().st_size > 0

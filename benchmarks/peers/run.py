@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--systems/--sizes: unknown {unknown}; choose from {list(SYSTEMS)} and {list(SIZES)}")
     limit = int(float(args.memory_limit) * GiB) if args.memory_limit else int(0.9 * _mem_total())
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     root = Path(args.swap_dir) if args.swap_dir else Path(os.environ.get("TMPDIR", "/tmp"))
     root = root / f"fuyou-peers-{os.getpid()}"
     runs: dict[str, dict[str, list[dict]]] = {size: {name: [] for name in systems} for size in sizes}
