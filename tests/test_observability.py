@@ -296,3 +296,19 @@ class CLIModule(CausalLM):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(token_batches(), batch_size=2)
+
+
+def test_lightning_writes_the_trace_when_fit_ends_inside_the_traced_steps(tmp_path):
+    from fuyou_strategy import FuyouStrategy
+    from test_lightning import fit
+
+    path = tmp_path / "t.json"
+    strategy = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", trace=str(path), trace_steps=10)
+    fit(strategy, steps=3)
+    try:
+        lanes = measured(json.loads(path.read_text()))  # written at the end of fit, the engine still open
+        assert [e["args"]["step"] for e in lanes["steps"]] == [2, 3]
+        # two micro-batches per step (accumulate_grad_batches=2), each block forward and backward in each
+        assert [e["name"] for e in lanes["compute"]].count("forward 0") == 4
+    finally:
+        strategy.engine.close()

@@ -313,6 +313,12 @@ class FuyouEngine:
             tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n,
                        schedule=self.optimizer.stats.last_schedule)
 
+    def end_trace(self) -> None:
+        """Write the trace now if one is recording (training ended inside the traced steps: those
+        recorded are kept); `close` and the adapters' end of training call it."""
+        if self._tracer is not None:
+            self._write_trace()
+
     def _write_trace(self) -> None:
         """Stop recording and write the trace (with the plan's predicted step beside the first traced one)."""
         tracer, self._tracer = self._tracer, None
@@ -572,8 +578,8 @@ class FuyouEngine:
             self._step_hook.remove()
             self._step_pre_hook.remove()
             self._step_hook = None
-        if getattr(self, "_tracer", None) is not None:  # the run ended inside the traced steps: keep those
-            self._write_trace()
+        if getattr(self, "_tracer", None) is not None:
+            self.end_trace()
         if self.profiler is not None:
             self.profiler.remove()
             self.profiler = None

@@ -170,7 +170,7 @@ class BlockSpans:
     def _pre(self, i: int):
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             tracer = _active
-            if tracer is None:
+            if tracer is None or not _grad_enabled():  # training forwards only (not evaluation)
                 return
             self._starts[i] = tracer.now()
             if in_backward():
@@ -217,6 +217,12 @@ def in_backward() -> bool:
     import torch
 
     return torch._C._current_graph_task_id() != -1
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def _first_tensor(values: tuple) -> Any:

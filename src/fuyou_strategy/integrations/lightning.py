@@ -334,6 +334,8 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
 
     def on_train_end(self) -> None:
         self._flush()
+        if self.engine is not None:
+            self.engine.end_trace()  # a run shorter than the trace window: write what was recorded
         super().on_train_end()
 
     # -- teardown ----------------------------------------------------------------------------------------------
