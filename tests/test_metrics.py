@@ -110,3 +110,33 @@ def test_hf_trainer_logs_carry_the_metrics_and_its_grad_norm_agrees(tmp_path):
     quiet = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", log_metrics=False)
     _, trainer = train(tmp_path, quiet)
     assert not any(k.startswith("fuyou/") for h in trainer.state.log_history for k in h)
+
+
+def test_hf_reporting_integrations_see_the_metrics_once_the_callback_is_placed_before_them(tmp_path):
+    from transformers import TrainerCallback
+
+    from test_hf import trainer_for
+
+    class Integration(TrainerCallback):
+        """Stands for a report_to integration (TensorBoard, W&B): the Trainer puts those before user callbacks."""
+
+        def __init__(self):
+            self.keys = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.keys.append(set(logs or {}))
+
+    for placed in (False, True):
+        seen = Integration()
+        callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+        trainer = trainer_for(tmp_path, [seen, callback], steps=2)
+        if placed:
+            callback.place_before_integrations(trainer)
+            names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+            assert names.index("FuyouCallback") < names.index("Integration")
+        trainer.train()
+        step_logs = [k for k in seen.keys if "loss" in k]
+        assert len(step_logs) == 2
+        assert all((KEYS <= k) == placed for k in step_logs)
+    with pytest.raises(Exception, match="not one of the Trainer's callbacks"):
+        FuyouCallback().place_before_integrations(trainer)

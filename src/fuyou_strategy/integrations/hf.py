@@ -170,6 +170,23 @@ class FuyouCallback(TrainerCallback):
         options = {k: values.pop(k) for k in _CALLBACK_OPTIONS if k in values}
         return cls(values, **options)
 
+    def place_before_integrations(self, trainer: Any) -> None:
+        """Move this callback ahead of the Trainer's reporting integrations (``report_to``:
+        TensorBoard, W&B, MLflow, ...), right after ``DefaultFlowCallback``, so that they log the
+        ``fuyou/`` metrics it adds to the logs in `on_log`. The Trainer puts the callbacks a user
+        passes after its integrations, where they only reach ``log_history`` and later callbacks::
+
+            trainer = Trainer(..., callbacks=[fuyou])
+            fuyou.place_before_integrations(trainer)
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self not in callbacks:
+            raise ConfigError("place_before_integrations: this FuyouCallback is not one of the Trainer's callbacks; "
+                              "pass it in Trainer(callbacks=[...]) or trainer.add_callback(...) first")
+        callbacks.remove(self)
+        flow = next((i + 1 for i, cb in enumerate(callbacks) if type(cb).__name__ == "DefaultFlowCallback"), 0)
+        callbacks.insert(flow, self)
+
     @property
     def engine(self) -> FuyouEngine | None:
         """The `FuyouEngine` of the run in progress (or of one that raised and was not yet ended)."""
