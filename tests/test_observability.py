@@ -312,3 +312,24 @@ def test_lightning_writes_the_trace_when_fit_ends_inside_the_traced_steps(tmp_pa
         assert [e["name"] for e in lanes["compute"]].count("forward 0") == 4
     finally:
         strategy.engine.close()
+
+
+def test_under_lightnings_rich_bar_checkpoint_progress_is_a_task_of_its_display(tmp_path, monkeypatch):
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
+
+    from fuyou_strategy import FuyouStrategy
+    from test_lightning import fit
+
+    monkeypatch.setattr(progress, "MIN_BYTES", 0)
+    tasks = []
+    add_task = CustomProgress.add_task
+    monkeypatch.setattr(CustomProgress, "add_task",
+                        lambda self, description, *a, **k: tasks.append(description) or add_task(self, description, *a, **k))
+    strategy = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    fit(strategy, steps=2, enable_progress_bar=True, root=str(tmp_path / "root"),
+        callbacks=[RichProgressBar(), ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)])
+    strategy.engine.close()
+    assert any(t.startswith("fuyou: saving optimizer state") for t in tasks), tasks
+    assert progress._display is None, "the display is given back at teardown"

@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine
 from ..optim.checkpoint import discard, find, remove_versions
+from ..progress import share_display
 
 __all__ = ["FuyouStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
 
@@ -201,6 +202,9 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_trainer(trainer)  # before anything is created on disk
         self._close_engine()
+        bar = trainer.progress_bar_callback
+        if type(bar).__name__ == "RichProgressBar":  # fuyou's progress as tasks of Lightning's rich display
+            share_display(lambda: getattr(bar, "progress", None))
         super().setup(trainer)
 
     def _check_trainer(self, trainer: Any) -> None:
@@ -345,6 +349,7 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
             self.engine.optimizer.updates_enabled = False  # a stray backward after fit queues nothing
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
+        share_display(None)
         super().teardown()
 
     @classmethod
