@@ -165,6 +165,11 @@ class FuyouEngine:
             ``step()`` then lands them itself.
         loss_scaling: fp16 dynamic loss scaling in the optimizer (`FuyouAdamW`'s ``loss_scaling``);
             the loop must then backward ``optimizer.scale_loss(loss)`` (or ``scale_backward``).
+        process_group: data parallelism over a ``torch.distributed`` group (`optim.distributed`):
+            each rank keeps ~1/N of the optimizer state on its own swap directories; ``step()`` sums
+            the ranks' gradients onto each parameter's owner, clips on the global norm, updates and
+            broadcasts the weights. The loop gives each rank its share of the global batch and does
+            not reduce gradients itself (no DDP wrapper).
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -185,6 +190,7 @@ class FuyouEngine:
         device: torch.device | str | None = None,
         defer_updates: bool = True,
         loss_scaling: Any = None,
+        process_group: Any = None,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
@@ -193,7 +199,8 @@ class FuyouEngine:
         self.device = torch.device(device) if device is not None else model_device(model)
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
-                                    release_grads=release_grads, loss_scaling=loss_scaling)
+                                    release_grads=release_grads, loss_scaling=loss_scaling,
+                                    process_group=process_group)
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them

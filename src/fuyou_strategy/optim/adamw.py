@@ -50,11 +50,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_for_loop
 
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
+from .distributed import Shards
 from .pipeline import ChunkJob, ChunkPipeline
 from .scaler import LossScaler
 from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
@@ -196,6 +198,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         release_grads: bool = True,
         fused: bool = True,
         loss_scaling: "bool | dict | LossScaler | None" = None,
+        process_group: Any = None,
         **unsupported: Any,
     ) -> None:
         for name, value in unsupported.items():
@@ -236,6 +239,15 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._norm_order = list(self._params)
         if not self._params:
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
+        self.shards: Shards | None = None  # data parallel: which rank owns each parameter's state
+        if process_group is not None and dist.get_world_size(process_group) > 1:
+            if config.optimizer_schedule == "backward":
+                raise ConfigError("optimizer_schedule: got 'backward' with a process group; speculative updates during "
+                                  "backward would use gradients before the ranks' sum: use 'next_forward' or 'auto'")
+            if self.scaler is not None:
+                raise ConfigError("loss_scaling: not supported with a process group yet; use bf16 (no loss scaling)")
+            self.shards = Shards(process_group, self._params, config)
+        owned = [ps for ps in self._params if self.shards is None or self.shards.owns(ps)]
 
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
         # hooks on the parameters) is released by one finalizer: on close(), or when the optimizer
@@ -251,12 +263,13 @@ class FuyouAdamW(torch.optim.Optimizer):
             pipelines.append(self._pipeline)
             for ps in self._params:
                 self.state[ps.param]["step"] = torch.tensor(0.0)
+            for ps in owned:  # with a process group, only this rank's shard
                 self.store.create(ps.entry, (ps.numel * _FLOATS_PER_ELEMENT,), torch.float32,
                                   chunk_bytes=ps.elems_per_chunk * _ELEMENT_BYTES, slots=config.state_slots)
             # Parameters on the meta device (a model built there) get their masters once they have
             # memory, or a tier copy: `initialise_materialized`.
-            self._pending = [ps for ps in self._params if ps.param.is_meta]
-            self._initialise_state([ps for ps in self._params if not ps.param.is_meta])
+            self._pending = [ps for ps in owned if ps.param.is_meta]
+            self._initialise_state([ps for ps in owned if not ps.param.is_meta])
         except BaseException:
             self.close()
             raise
@@ -270,7 +283,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._flags: dict[str, Any] = {"updates": True, "late_error": None}
         # The schedule of the window being accumulated now (decided when the last one ended), the
         # updates left for the next forward, and the order they run in (forward order: attach_model).
-        self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2)
+        # Data parallel: only next_forward (the updates wait for the ranks' gradient sum at step()).
+        self.chooser = ScheduleChooser(config.optimizer_schedule,
+                                       can_speculate=config.state_slots == 2 and self.shards is None)
         self._window, self.stats.last_reason = self.chooser.choose()
         self.landing = PendingUpdates(self._pipeline)
         self._update_order = list(self._params)
@@ -321,6 +336,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         (``streamer.publish``), never into the released device storage. Call it between steps.
         """
         self._check_idle("attach_weights")
+        if self.shards is not None:
+            raise ConfigError("weights: streaming weights is not supported with a process group yet; keep "
+                              "weights='device' under data parallelism")
         self._weights = streamer
         streamer.updates = self.landing  # it reads a tier copy only once the update pending for it landed
         # The tier copies live in this store: a model that outlives the optimizer gets its weights
@@ -516,7 +534,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         through the module that owns it) must be preceded by `flush`; such a read saved for
         backward is caught by autograd's version check.
         """
-        if self._gated:
+        if self._gated or self.shards is not None:  # data parallel: step() lands and broadcasts the weights
             return
         landing = self.landing
         for module in model.modules():
@@ -638,10 +656,14 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise
         norms, self._queued = dict(self._queued), {}
         self._partial.clear()
+        if self.shards is not None:  # each gradient, averaged over the ranks, onto its owner
+            self.shards.reduce_grads(self._params)
         inv = self._inv_scale()
         for ps in self._params:
             if ps.grads is None and ps.param.grad is not None:
                 norms[ps.index] = _grad_norm(ps.param.grad, inv)
+        if self.shards is not None:  # every rank: every norm, the same global norm and decision
+            norms = self.shards.share_norms(norms, self._params)
         params = [ps for ps in self._norm_order if ps.index in norms]
         if not params:
             return None, None
@@ -650,15 +672,18 @@ class FuyouAdamW(torch.optim.Optimizer):
             return "skip", None  # nothing was written: state and weights are as they were
         coef = self._clip_coef(total)
         for ps in (ps for ps in self._update_order if ps.index in norms):
-            job = self._queue_update(ps, coef, exact=True)
-            self.landing.add(ps.param, job, f"the update of parameter {ps.index} {tuple(ps.param.shape)}")
-            if ps.grads is None:
-                ps.param.grad = None  # the job holds it: a new backward accumulates afresh, zero_grad has nothing to do
-            self.state[ps.param]["step"] += 1
+            if self.shards is None or self.shards.owns(ps):  # else its owner updates it
+                job = self._queue_update(ps, coef, exact=True)
+                self.landing.add(ps.param, job, f"the update of parameter {ps.index} {tuple(ps.param.shape)}")
+                if ps.grads is None:
+                    ps.param.grad = None  # the job holds it: a new backward accumulates afresh, zero_grad has nothing to do
+            self.state[ps.param]["step"] += 1  # after queueing: the update read the step it completes
         self.stats.deferred += 1
         self.stats.clipped += coef is not None
         if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
             self.landing.wait_all()
+        if self.shards is not None:
+            self.shards.broadcast_weights(ps for ps in self._params if ps.index in norms)
         return "deferred", None
 
     def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:
@@ -765,6 +790,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["fuyou"] = {"folder": None}
         if folder is not None:
+            self._not_sharded("state_dict(folder)")
             meta = (checkpoint.save_version if keep_previous else checkpoint.save)(self, folder)
             sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
         return sd
@@ -787,6 +813,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 "without a folder; save with optimizer.state_dict(folder) to resume exactly"
             )
         if folder is not None:
+            self._not_sharded("load_state_dict")
             fix = ("load the state dict made with that save, or resume from the folder's newest save alone with "
                    "optimizer.load_folder(folder)")
             checkpoint.load(self, checkpoint.find(folder, record.get("token"), record.get("steps"),
@@ -798,7 +825,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         """Stream the newest save in ``folder`` (written by ``state_dict(folder)``) back: masters,
         moments, steps, hyper-parameters and weights (checksums verified; a bad save changes nothing)."""
         self._check_idle("load_folder")
+        self._not_sharded("load_folder")
         checkpoint.load(self, checkpoint.newest(folder))
+
+    def _not_sharded(self, what: str) -> None:
+        if self.shards is not None:
+            raise ConfigError(f"{what}: checkpoints of an optimizer sharded over a process group are not supported "
+                              "yet (each rank holds a shard of the state); train data parallel without resuming, "
+                              "or on one rank")
 
     def _check_idle(self, what: str) -> None:
         self.landing.wait_all()
@@ -810,6 +844,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         """The committed fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` of one parameter (in RAM)."""
         self.landing.wait_all()
         ps = self._by_param[param]
+        if self.shards is not None and not self.shards.owns(ps):
+            raise ConfigError(f"read_state: parameter {ps.index} {tuple(ps.param.shape)} is owned by rank "
+                              f"{self.shards.owner[ps.index]}, not this rank ({self.shards.rank}); read it there")
         out = {name: torch.empty(ps.numel, dtype=torch.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
 
         def gather_chunk(k: int, buf: HostBuffer) -> None:

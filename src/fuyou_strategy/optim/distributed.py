@@ -1,0 +1,113 @@
+"""Data parallelism for `FuyouAdamW`: each rank owns a shard of the optimizer state.
+
+With a ``torch.distributed`` process group of N ranks, every trainable parameter has one owner
+rank (greedy by size, the same on every rank), and only the owner keeps its fp32 master and
+moments on its own swap directories: a rank's SSD holds ~1/N of the state. A data-parallel step
+(``next_forward`` schedule: the updates run once the window's gradients are known):
+
+1. each rank's accumulated gradient of each parameter is summed onto the parameter's owner
+   (``reduce``, in parameter order; a rank without a gradient sends zeros) and divided by N: the
+   gradient of the mean loss over the global batch, when every rank's micro-batches are the same size;
+2. the owners' per-parameter norms are shared (one ``all_reduce`` of a vector holding each norm
+   once and zeros elsewhere, so every rank has every norm exactly), and each rank computes the
+   same global norm in the same order as a single process would: one decision to commit, clip or
+   skip, everywhere;
+3. each owner updates its parameters from its shard of the state;
+4. each updated weight is broadcast from its owner.
+
+The collectives are ``torch.distributed``'s, on the group given (gloo on the CPU, NCCL on GPUs);
+their timeout is the group's (``init_process_group(timeout=...)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+__all__ = ["Shards"]
+
+
+class Shards:
+    """Who owns each parameter's optimizer state in ``group``, and the step's collectives."""
+
+    def __init__(self, group: Any, params: list, config: Any) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("process_group: torch.distributed is not initialised; call "
+                              "torch.distributed.init_process_group first (or let the launcher do it)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        self._check_same_everywhere(params, config)
+        loads = [0] * self.world
+        self.owner: dict[int, int] = {}
+        for ps in sorted(params, key=lambda ps: (-ps.numel, ps.index)):
+            r = min(range(self.world), key=lambda r: (loads[r], r))
+            self.owner[ps.index] = r
+            loads[r] += ps.numel
+        self.loads = loads  # parameters owned per rank
+
+    def owns(self, ps: Any) -> bool:
+        return self.owner[ps.index] == self.rank
+
+    def _check_same_everywhere(self, params: list, config: Any) -> None:
+        """Every rank must train the same parameters with the same configuration (swap directories
+        aside); a mismatch is an error on every rank that names it."""
+        values = config.to_dict()
+        for key in ("swap_dirs", "trace"):  # may differ per rank
+            values.pop(key, None)
+        mine = {"params": [list(ps.param.shape) for ps in params],
+                "config": hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest(),
+                "values": values}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, theirs in enumerate(everyone):
+            if theirs["params"] != mine["params"]:
+                raise ConfigError(f"process_group: rank {r} trains {len(theirs['params'])} parameters shaped "
+                                  f"differently from rank {self.rank}'s {len(mine['params'])}; every rank must "
+                                  "build the same model and optimizer")
+            if theirs["config"] != mine["config"]:
+                fields = sorted(k for k in values if theirs["values"].get(k) != values.get(k))
+                raise ConfigError(f"process_group: rank {r}'s FuyouConfig differs from rank {self.rank}'s in "
+                                  f"{', '.join(fields)}; give every rank the same configuration (swap_dirs "
+                                  "may differ)")
+
+    def reduce_grads(self, params: Iterable[Any]) -> None:
+        """Each parameter's gradient, averaged over the ranks, on its owner; ``None`` elsewhere."""
+        params = list(params)
+        present = torch.tensor([ps.param.grad is not None for ps in params], dtype=torch.int32)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        for ps, has in zip(params, present.tolist()):
+            grad = ps.param.grad
+            if not has:
+                continue
+            buf = grad if grad is not None else torch.zeros_like(ps.param)
+            dist.reduce(buf, dst=self.ranks[self.owner[ps.index]], op=dist.ReduceOp.SUM, group=self.group)
+            if self.owns(ps):
+                ps.param.grad = buf.div_(self.world)
+            else:
+                ps.param.grad = None
+
+    def share_norms(self, norms: dict[int, torch.Tensor], params: list) -> dict[int, torch.Tensor]:
+        """Every parameter's gradient norm on every rank (each from its owner, bitwise: one non-zero
+        term per entry), for the parameters whose gradient some rank had."""
+        vec = torch.zeros(len(params), dtype=torch.float32)
+        seen = torch.zeros(len(params), dtype=torch.int32)
+        for i, ps in enumerate(params):
+            if ps.index in norms:
+                vec[i] = norms[ps.index]
+                seen[i] = 1
+        dist.all_reduce(vec, group=self.group)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        return {ps.index: vec[i] for i, ps in enumerate(params) if seen[i]}
+
+    def broadcast_weights(self, params: Iterable[Any]) -> None:
+        """Each updated weight from its owner to every rank, in parameter order."""
+        for ps in params:
+            dist.broadcast(ps.param.data, src=self.ranks[self.owner[ps.index]], group=self.group)
