@@ -3,6 +3,7 @@ of the SSD state, train like one process on the global batch."""
 
 import os
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,3 +147,51 @@ def test_backward_schedule_is_refused_with_a_process_group(tmp_path):
         engine.close()
     finally:
         dist.destroy_process_group()
+
+
+class SaveRankResults(L.Callback):
+    """Each rank's weights and shard of the SSD state, at the end of fit (spawned ranks return nothing else)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        torch.save({"weights": {k: v.clone() for k, v in pl_module.state_dict().items()},
+                    "state_bytes": sum(e.slots * e.nchunks * e.stride for name, e in
+                                       engine.optimizer.store.entries.items() if name.startswith("adamw.")),
+                    "steps": engine.optimizer.stats.steps, "clipped": engine.optimizer.stats.clipped,
+                    "norm": engine.optimizer.stats.last_grad_norm},
+                   os.path.join(self.folder, f"lightning-rank{trainer.global_rank}.pt"))
+
+
+def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_global_batch(tmp_path):
+    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
+    from test_lightning import BATCHES, fit
+
+    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn")
+    fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path))], enable_checkpointing=False)
+    ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
+    for name, p in ranks[0]["weights"].items():
+        assert torch.equal(p, ranks[1]["weights"][name]), name
+    assert [r["steps"] for r in ranks] == [3, 3] and ranks[0]["clipped"] == ranks[1]["clipped"]
+    # one device, the same 4 sequences per micro-batch (the two ranks' 2 each): Lightning gave the ranks a
+    # DistributedSampler that shuffles training data (seed PL_GLOBAL_SEED + epoch 0), rank r taking perm[r::2]
+    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
+    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist())
+    single_norm = single.engine.optimizer.stats.last_grad_norm
+    single.engine.close()
+    assert ranks[0]["norm"] == pytest.approx(single_norm, rel=1e-5)
+    assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
+    assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
+
+
+def test_lightning_fuyou_ddp_refuses_checkpointing_until_it_can_save_shards(tmp_path):
+    from fuyou_strategy import FuyouDDPStrategy
+    from test_lightning import fit
+
+    # raised in the spawned rank, re-raised by the launcher with the rank's traceback
+    with pytest.raises(Exception, match="enable_checkpointing: strategy='fuyou_ddp' cannot save checkpoints yet"):
+        fit(FuyouDDPStrategy(swap_dirs=[str(tmp_path)], start_method="spawn"), steps=1, devices=1,
+            enable_checkpointing=True)

@@ -76,7 +76,8 @@ class ClipsItself(CausalLM):
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm=self.algorithm)
 
 
-def fit(strategy, *, steps=6, ckpt_path=None, callbacks=(), module=None, root=None, batches=BATCHES, **trainer_args):
+def fit(strategy, *, steps=6, ckpt_path=None, callbacks=(), module=None, root=None, batches=BATCHES, batch_size=2,
+        sampler=None, **trainer_args):
     torch.manual_seed(0)
     module = module if module is not None else CausalLM()
     args = dict(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=1.0,
@@ -84,7 +85,7 @@ def fit(strategy, *, steps=6, ckpt_path=None, callbacks=(), module=None, root=No
                 enable_model_summary=False, callbacks=list(callbacks), default_root_dir=root)
     args.update(trainer_args)
     trainer = L.Trainer(strategy=strategy, **args)
-    trainer.fit(module, DataLoader(token_batches(batches), batch_size=2), ckpt_path=ckpt_path)
+    trainer.fit(module, DataLoader(token_batches(batches), batch_size=batch_size, sampler=sampler), ckpt_path=ckpt_path)
     return module, trainer
 
 

@@ -17,12 +17,12 @@ from .storage import HostBufferPool, IOEngine, TensorStore
 __version__ = "0.1.0"
 __all__ = [
     "ActivationSwapper", "ConfigError", "FuyouAdamW", "FuyouCallback", "FuyouConfig", "FuyouEngine",
-    "FuyouFabricStrategy", "FuyouStrategy", "HostBufferPool", "IOEngine", "Policy", "SafetensorsInit", "StepStats",
+    "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouStrategy", "HostBufferPool", "IOEngine", "Policy", "SafetensorsInit", "StepStats",
     "SwapStats", "TensorStore", "__version__",
 ]
 
 try:
-    from .integrations.lightning import FuyouFabricStrategy, FuyouStrategy, register as _register
+    from .integrations.lightning import FuyouDDPStrategy, FuyouFabricStrategy, FuyouStrategy, register as _register
 except ImportError as _error:  # lightning is a dependency; this only guards a broken install
     _LIGHTNING_ERROR: ImportError | None = _error
 else:
@@ -35,6 +35,6 @@ def __getattr__(name: str) -> Any:
         from .integrations.hf import FuyouCallback
 
         return FuyouCallback
-    if name in ("FuyouStrategy", "FuyouFabricStrategy") and _LIGHTNING_ERROR is not None:
+    if name in ("FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy") and _LIGHTNING_ERROR is not None:
         raise ImportError(f"{name} needs lightning: {_LIGHTNING_ERROR}") from _LIGHTNING_ERROR
     raise AttributeError(f"module 'fuyou_strategy' has no attribute {name!r}")

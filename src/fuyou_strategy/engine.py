@@ -168,8 +168,9 @@ class FuyouEngine:
         process_group: data parallelism over a ``torch.distributed`` group (`optim.distributed`):
             each rank keeps ~1/N of the optimizer state on its own swap directories; ``step()`` sums
             the ranks' gradients onto each parameter's owner, clips on the global norm, updates and
-            broadcasts the weights. The loop gives each rank its share of the global batch and does
-            not reduce gradients itself (no DDP wrapper).
+            broadcasts the weights. The loop gives each rank its share of the global batch.
+        gradients_averaged: with ``process_group``, the model is a ``DistributedDataParallel`` (or
+            the loop reduces otherwise) and the gradients at ``step()`` are the ranks' average already.
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -191,6 +192,7 @@ class FuyouEngine:
         defer_updates: bool = True,
         loss_scaling: Any = None,
         process_group: Any = None,
+        gradients_averaged: bool = False,
     ) -> None:
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
@@ -200,7 +202,7 @@ class FuyouEngine:
         groups, defaults = optimizer_arguments(optimizer, where=where)
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads, loss_scaling=loss_scaling,
-                                    process_group=process_group)
+                                    process_group=process_group, gradients_averaged=gradients_averaged)
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them

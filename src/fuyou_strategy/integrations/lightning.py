@@ -41,20 +41,22 @@ import shutil
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
 
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
 
-__all__ = ["FuyouStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
+__all__ = ["FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
 
 SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -71,9 +73,21 @@ def _check_precision(precision: str, supported: tuple[str, ...] = _PRECISIONS,
         raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(supported)}: {fix}")
 
 
-class _OneDevice:
-    """What the Trainer and Fabric strategies share: the config, and one device that Lightning's
-    connector fills in (``parallel_devices``) from ``accelerator=``/``devices=`` when none is given."""
+class _EngineOwner:
+    """A strategy that holds a `FuyouEngine` while it trains."""
+
+    engine: FuyouEngine | None
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class _OneDevice(_EngineOwner):
+    """What the one-device Trainer and Fabric strategies share: the config, and one device that
+    Lightning's connector fills in (``parallel_devices``) from ``accelerator=``/``devices=`` when none
+    is given."""
 
     _root_device: torch.device
 
@@ -89,12 +103,7 @@ class _OneDevice:
     def _check_single_device(self) -> None:
         if self.parallel_devices and len(self.parallel_devices) > 1:
             raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one "
-                              "device (devices=1)")
-
-    def _close_engine(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+                              "device (devices=1); for data parallelism use the Trainer's strategy='fuyou_ddp'")
 
 
 class _ClipsInOptimizer:
@@ -115,6 +124,13 @@ class _ClipsInOptimizer:
                 "fuyou strategy set the norm once, with Trainer(gradient_clip_val=...): gradients are consumed "
                 "during backward, so clipping them afterwards is too late"
             )
+
+    def __reduce__(self) -> tuple:
+        # The class is made at run time (`_clipping_class`): pickle (e.g. to spawned ranks) the plugin
+        # as its own class and mix the check in again on the other side.
+        plain = object.__new__(type(self).__bases__[1])
+        plain.__dict__.update(self.__dict__)
+        return _clipping_in_optimizer, (plain,)
 
 
 @functools.cache
@@ -149,44 +165,21 @@ def _other_checkpoints(path: str) -> str:
     return f"resume from another checkpoint in {where} ({', '.join(others)})"
 
 
-class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
-    """Train one device's model with Fuyou: SSD-resident AdamW updated during backward, exact
-    clipping, and activation swapping.
+class _FuyouTrainerStrategy(_EngineOwner):
+    """What `FuyouStrategy` (one device) and `FuyouDDPStrategy` (data parallel) share: the engine's
+    lifecycle in the Trainer's hooks, clipping in the optimizer, metrics, checkpoints and teardown.
+    Mixed in before the Lightning strategy it extends, whose methods its ``super()`` calls reach."""
 
-    ``Trainer(strategy="fuyou")`` uses the defaults (a temporary swap directory, 2 GiB host
-    budget, no activation swapping); ``Trainer(strategy=FuyouStrategy(swap_dirs=["/nvme0"],
-    activations="ssd"))`` sets any `FuyouConfig` field, and ``config=`` takes a
-    `FuyouConfig`, a dict or a ``.json``/``.yaml`` path (keyword fields override it).
+    fuyou_config: FuyouConfig
+    log_metrics: bool
+    _in_optimizer_step: bool
 
-    Supported: automatic optimization with ``torch.optim.AdamW`` / ``Adam`` (+ schedulers),
-    precision ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``accumulate_grad_batches``,
-    ``gradient_clip_val`` with the ``"norm"`` algorithm, one device (CPU or one GPU).
-    Refused with a clear error: fp16 precisions, ``gradient_clip_algorithm="value"``, manual
-    optimization, several optimizers or devices, optimizers other than Adam/AdamW.
+    def _check_devices(self, trainer: Any) -> None:
+        """Refuse a device layout this strategy cannot train (before anything is created on disk)."""
 
-    Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
-    GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
-    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
-    """
-
-    strategy_name = "fuyou"
-
-    def __init__(
-        self,
-        config: FuyouConfig | dict | str | None = None,
-        *,
-        device: Any = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        log_metrics: bool = True,
-        **config_fields: Any,
-    ) -> None:
-        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._init_one_device(device, config, config_fields)
-        self._in_optimizer_step = False
-        self.log_metrics = log_metrics
+    def _data_parallel(self) -> dict[str, Any]:
+        """The `FuyouEngine` arguments of data parallelism (none on one device)."""
+        return {}
 
     @property
     def precision_plugin(self) -> Precision:
@@ -208,7 +201,7 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         super().setup(trainer)
 
     def _check_trainer(self, trainer: Any) -> None:
-        self._check_single_device()
+        self._check_devices(trainer)
         _check_precision(str(self.precision_plugin.precision))
         algorithm = trainer.gradient_clip_algorithm
         if trainer.gradient_clip_val and algorithm is not None and GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.VALUE:
@@ -233,7 +226,8 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         fp16 = str(self.precision_plugin.precision) in _FP16
         self.engine = FuyouEngine(self.lightning_module, self.optimizers[0], config=self.fuyou_config,
                                   max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
-                                  report=rank_zero_info, loss_scaling=True if fp16 else None)
+                                  report=rank_zero_info, loss_scaling=True if fp16 else None,
+                                  **self._data_parallel())
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
         if trainer.state.fn == "fit":
@@ -352,9 +346,99 @@ class FuyouStrategy(_OneDevice, SingleDeviceStrategy):
         share_display(None)
         super().teardown()
 
+
+
+class FuyouStrategy(_FuyouTrainerStrategy, _OneDevice, SingleDeviceStrategy):
+    """Train one device's model with Fuyou: SSD-resident AdamW updated during backward, exact
+    clipping, and activation swapping.
+
+    ``Trainer(strategy="fuyou")`` uses the defaults (a temporary swap directory, 2 GiB host
+    budget, no activation swapping); ``Trainer(strategy=FuyouStrategy(swap_dirs=["/nvme0"],
+    activations="ssd"))`` sets any `FuyouConfig` field, and ``config=`` takes a
+    `FuyouConfig`, a dict or a ``.json``/``.yaml`` path (keyword fields override it).
+
+    Supported: automatic optimization with ``torch.optim.AdamW`` / ``Adam`` (+ schedulers),
+    precision ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``accumulate_grad_batches``,
+    ``gradient_clip_val`` with the ``"norm"`` algorithm, one device (CPU or one GPU).
+    Refused with a clear error: fp16 precisions, ``gradient_clip_algorithm="value"``, manual
+    optimization, several optimizers or devices, optimizers other than Adam/AdamW.
+
+    Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
+    GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
+    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
+    """
+
+    strategy_name = "fuyou"
+
+    def __init__(
+        self,
+        config: FuyouConfig | dict | str | None = None,
+        *,
+        device: Any = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        log_metrics: bool = True,
+        **config_fields: Any,
+    ) -> None:
+        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._init_one_device(device, config, config_fields)
+        self._in_optimizer_step = False
+        self.log_metrics = log_metrics
+
+    def _check_devices(self, trainer: Any) -> None:
+        self._check_single_device()
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations")
+
+
+class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
+    """Data-parallel Fuyou: ``Trainer(strategy="fuyou_ddp", devices=N)`` (and ``num_nodes``), launched
+    by Lightning's own launcher, each rank owning ~1/N of the SSD optimizer state.
+
+    Lightning's ``DDPStrategy`` wraps the model in ``DistributedDataParallel``, which averages the
+    gradients during backward (and skips that for the micro-batches that only accumulate); at
+    ``step()`` each rank clips on the same global norm, updates the parameters whose state it owns
+    from its own swap directories (`optim.distributed`), and broadcasts them. Config fields and
+    ``log_metrics`` as for `FuyouStrategy`; the other arguments are ``DDPStrategy``'s
+    (``start_method="spawn"`` to launch from a notebook or a test).
+
+    Not yet: checkpoints (the state is sharded; ``enable_checkpointing=False``), weight streaming,
+    fp16 loss scaling, the ``backward`` optimizer schedule (updates wait for the gradients' sum).
+    """
+
+    strategy_name = "fuyou_ddp"
+
+    def __init__(self, config: FuyouConfig | dict | str | None = None, *, log_metrics: bool = True,
+                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
+                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout,
+                 start_method: str = "popen", **config_fields: Any) -> None:
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.engine = None
+        self._in_optimizer_step = False
+        self.log_metrics = log_metrics
+
+    def _check_devices(self, trainer: Any) -> None:
+        if trainer.checkpoint_callbacks:
+            raise ConfigError("enable_checkpointing: strategy='fuyou_ddp' cannot save checkpoints yet (each rank holds "
+                              "a shard of the optimizer state); pass Trainer(enable_checkpointing=False), or train on "
+                              "one device with strategy='fuyou'")
+
+    def _data_parallel(self) -> dict[str, Any]:
+        return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls,
+                                   description="Fuyou, data parallel: each rank owns a shard of the SSD optimizer state")
 
 
 class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
@@ -426,5 +510,7 @@ def register() -> None:
     """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
     if "fuyou" not in StrategyRegistry:
         FuyouStrategy.register_strategies(StrategyRegistry)
+    if "fuyou_ddp" not in StrategyRegistry:
+        FuyouDDPStrategy.register_strategies(StrategyRegistry)
     if "fuyou" not in FABRIC_REGISTRY:
         FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")

@@ -199,6 +199,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         fused: bool = True,
         loss_scaling: "bool | dict | LossScaler | None" = None,
         process_group: Any = None,
+        gradients_averaged: bool = False,
         **unsupported: Any,
     ) -> None:
         for name, value in unsupported.items():
@@ -247,6 +248,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             if self.scaler is not None:
                 raise ConfigError("loss_scaling: not supported with a process group yet; use bf16 (no loss scaling)")
             self.shards = Shards(process_group, self._params, config)
+        self._gradients_averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
         owned = [ps for ps in self._params if self.shards is None or self.shards.owns(ps)]
 
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
@@ -657,7 +659,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         norms, self._queued = dict(self._queued), {}
         self._partial.clear()
         if self.shards is not None:  # each gradient, averaged over the ranks, onto its owner
-            self.shards.reduce_grads(self._params)
+            self.shards.reduce_grads(self._params, averaged=self._gradients_averaged)
         inv = self._inv_scale()
         for ps in self._params:
             if ps.grads is None and ps.param.grad is not None:

@@ -7,7 +7,8 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
 
 1. each rank's accumulated gradient of each parameter is summed onto the parameter's owner
    (``reduce``, in parameter order; a rank without a gradient sends zeros) and divided by N: the
-   gradient of the mean loss over the global batch, when every rank's micro-batches are the same size;
+   gradient of the mean loss over the global batch, when every rank's micro-batches are the same size
+   (with a ``DistributedDataParallel`` model, which averaged them during backward, nothing moves);
 2. the owners' per-parameter norms are shared (one ``all_reduce`` of a vector holding each norm
    once and zeros elsewhere, so every rank has every norm exactly), and each rank computes the
    same global norm in the same order as a single process would: one decision to commit, clip or
@@ -78,9 +79,16 @@ class Shards:
                                   f"{', '.join(fields)}; give every rank the same configuration (swap_dirs "
                                   "may differ)")
 
-    def reduce_grads(self, params: Iterable[Any]) -> None:
-        """Each parameter's gradient, averaged over the ranks, on its owner; ``None`` elsewhere."""
+    def reduce_grads(self, params: Iterable[Any], *, averaged: bool = False) -> None:
+        """Each parameter's gradient, averaged over the ranks, on its owner; ``None`` elsewhere.
+        ``averaged``: the gradients are the ranks' average already (a ``DistributedDataParallel``
+        model): nothing moves, the other ranks' copies are dropped."""
         params = list(params)
+        if averaged:
+            for ps in params:
+                if not self.owns(ps):
+                    ps.param.grad = None
+            return
         present = torch.tensor([ps.param.grad is not None for ps in params], dtype=torch.int32)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
         for ps, has in zip(params, present.tolist()):
