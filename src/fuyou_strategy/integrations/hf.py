@@ -38,6 +38,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.state import GradientState
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
@@ -209,9 +210,13 @@ class FuyouCallback(TrainerCallback):
         resume = self._resume_folder(args, state)  # before anything is created on disk
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
+        # Under torchrun / accelerate launch the Trainer's model is a DistributedDataParallel, which averages
+        # the gradients in backward: each rank then updates the parameters whose state it owns.
+        parallel = (dict(process_group=dist.group.WORLD, gradients_averaged=True)
+                    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
         engine = FuyouEngine(model, optimizer.optimizer, config=self.config, max_grad_norm=max_norm,
                              release_grads=False, norm_order=model.parameters(), loss_scaling=True if args.fp16 else None,
-                             where=f"TrainingArguments(optim={optim_name!r})", report=log.info)
+                             where=f"TrainingArguments(optim={optim_name!r})", report=log.info, **parallel)
         try:
             if resume is not None:
                 engine.load(resume)
