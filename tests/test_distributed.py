@@ -161,7 +161,7 @@ class SaveRankResults(L.Callback):
                     "state_bytes": sum(e.slots * e.nchunks * e.stride for name, e in
                                        engine.optimizer.store.entries.items() if name.startswith("adamw.")),
                     "steps": engine.optimizer.stats.steps, "clipped": engine.optimizer.stats.clipped,
-                    "norm": engine.optimizer.stats.last_grad_norm},
+                    "norm": engine.optimizer.stats.last_grad_norm, "states": _states(engine)},
                    os.path.join(self.folder, f"lightning-rank{trainer.global_rank}.pt"))
 
 
@@ -187,14 +187,100 @@ def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_glob
     assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
 
 
-def test_lightning_fuyou_ddp_refuses_checkpointing_until_it_can_save_shards(tmp_path):
-    from fuyou_strategy import FuyouDDPStrategy
-    from test_lightning import fit
+def _states(engine) -> dict:
+    """This rank's committed optimizer state per parameter index (master, exp_avg, exp_avg_sq) and steps."""
+    opt = engine.optimizer
+    return {ps.index: {**opt.read_state(ps.param), "step": float(opt.state[ps.param]["step"])}
+            for ps in opt._params if opt.shards is None or opt.shards.owns(ps)}
 
-    # raised in the spawned rank, re-raised by the launcher with the rank's traceback
-    with pytest.raises(Exception, match="enable_checkpointing: strategy='fuyou_ddp' cannot save checkpoints yet"):
-        fit(FuyouDDPStrategy(swap_dirs=[str(tmp_path)], start_method="spawn"), steps=1, devices=1,
-            enable_checkpointing=True)
+
+def _train(engine, model, rank, world, steps):
+    for micro_batches in global_batches()[:steps]:
+        for i, ids in enumerate(micro_batches):
+            mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK] if world > 1 else ids
+            engine.begin_micro_batch(update=i == ACCUMULATE - 1)
+            (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _engine(rank, tmp, *, group=None, **fields):
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    os.makedirs(f"{tmp}/swap{rank}", exist_ok=True)
+    config = FuyouConfig(swap_dirs=[f"{tmp}/swap{rank}"], chunk_size="8KiB", optimizer_schedule="next_forward", **fields)
+    return model, FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config,
+                              max_grad_norm=0.5, process_group=group)
+
+
+def _checkpoint_ranks(rank, world, tmp, mode):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{mode}", rank=rank, world_size=world)
+    try:
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD)
+        try:
+            if mode == "save":  # 2 steps on 2 ranks, then a save into the shared folder
+                _train(engine, model, rank, world, 2)
+                engine.save(f"{tmp}/ckpt")
+            elif mode == "load":  # a one-process save into 2 ranks
+                engine.load(f"{tmp}/ckpt-one")
+            else:  # a save that fails on rank 1
+                from fuyou_strategy.optim import checkpoint
+
+                if rank == 1:
+                    def disk_gone(*args, **kwargs):
+                        raise OSError(28, "No space left on device")
+                    checkpoint._write_state = disk_gone
+                try:
+                    engine.save(f"{tmp}/ckpt-bad")
+                except Exception as exc:  # noqa: BLE001 - recorded for the test
+                    torch.save(str(exc), f"{tmp}/error-{rank}.pt")
+            torch.save({"states": _states(engine), "weights": model.state_dict()}, f"{tmp}/{mode}-rank{rank}.pt")
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same_states(mine: dict, theirs: dict) -> None:
+    for index, state in mine.items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[index][key])), (index, key)
+
+
+def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back(tmp_path):
+    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "save"), nprocs=2)
+    saved = [torch.load(tmp_path / f"save-rank{r}.pt") for r in range(2)]
+    assert set(saved[0]["states"]).isdisjoint(saved[1]["states"]), "each rank saved only what it owns"
+    (token,) = [p.name for p in (tmp_path / "ckpt").iterdir()]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / token).iterdir()) == ["optimizer.json", "owner.json",
+                                                                            "part-0", "part-1"]
+    # one process resumes the 2-rank save: every parameter's state and weight, bitwise
+    model, engine = _engine(0, str(tmp_path / "one"))
+    try:
+        engine.load(str(tmp_path / "ckpt"))
+        states = _states(engine)
+        assert len(states) == len(saved[0]["states"]) + len(saved[1]["states"])
+        for r in range(2):
+            _assert_same_states(saved[r]["states"], states)
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, saved[0]["weights"][name]), name
+        engine.save(str(tmp_path / "ckpt-one"))  # and back: a one-process save into 2 ranks
+    finally:
+        engine.close()
+    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "load"), nprocs=2)
+    for r in range(2):
+        loaded = torch.load(tmp_path / f"load-rank{r}.pt")
+        _assert_same_states(loaded["states"], states)
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, loaded["weights"][name]), name
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tmp_path):
+    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "bad"), nprocs=2)
+    for r in range(2):
+        error = torch.load(tmp_path / f"error-{r}.pt")
+        assert "the sharded save failed on 1 of 2 ranks" in error and "rank 1: OSError" in error, error
+    assert not list((tmp_path / "ckpt-bad").iterdir()), "no save and no temporary folder is left"
 
 
 def _free_port() -> int:
@@ -225,3 +311,28 @@ def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(
     # the last bits of the gradients' sum, the weights up to Adam's amplification of those (measured 3.0e-4)
     assert r0["norms"] == pytest.approx(one["norms"], rel=1e-6)
     assert max_relative_difference(one["weights"], r0["weights"]) <= TOLERANCE
+
+
+def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
+    from test_lightning import fit
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    fit(FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn"), steps=2, devices=2,
+        callbacks=[ckpt, SaveRankResults(str(tmp_path))])
+    ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
+    (path,) = [p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt"]
+    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    module, trainer = fit(single, steps=2, ckpt_path=str(path))  # restores, nothing left to train
+    try:
+        assert trainer.global_step == 2
+        states = _states(single.engine)
+        assert len(states) == len(ranks[0]["states"]) + len(ranks[1]["states"])
+        for r in ranks:
+            _assert_same_states(r["states"], states)
+        for name, p in module.state_dict().items():
+            assert torch.equal(p, ranks[0]["weights"][name]), name
+    finally:
+        single.engine.close()

@@ -285,7 +285,8 @@ class _FuyouTrainerStrategy(_EngineOwner):
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # if empty: made by this save
             raise
-        remove_versions(folder, keep=token)
+        if self.is_global_zero:  # data parallel: the ranks share the folder; only rank 0 wrote the .ckpt
+            remove_versions(folder, keep=token)
 
     def _masters_into(self, checkpoint: dict[str, Any]) -> None:
         """Weights kept in bf16 go into the checkpoint as their fp32 masters."""
@@ -406,8 +407,10 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
     ``log_metrics`` as for `FuyouStrategy`; the other arguments are ``DDPStrategy``'s
     (``start_method="spawn"`` to launch from a notebook or a test).
 
-    Not yet: checkpoints (the state is sharded; ``enable_checkpointing=False``), weight streaming,
-    fp16 loss scaling, the ``backward`` optimizer schedule (updates wait for the gradients' sum).
+    Checkpoints store parameters, not rank shards (every rank writes the state it owns next to the
+    ``.ckpt``): one saved with N ranks resumes with M, one included, and ``strategy="fuyou"``'s load
+    into N ranks. Not yet: weight streaming, fp16 loss scaling, the ``backward`` optimizer schedule
+    (updates wait for the gradients' sum).
     """
 
     strategy_name = "fuyou_ddp"
@@ -425,12 +428,6 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
         self.engine = None
         self._in_optimizer_step = False
         self.log_metrics = log_metrics
-
-    def _check_devices(self, trainer: Any) -> None:
-        if trainer.checkpoint_callbacks:
-            raise ConfigError("enable_checkpointing: strategy='fuyou_ddp' cannot save checkpoints yet (each rank holds "
-                              "a shard of the optimizer state); pass Trainer(enable_checkpointing=False), or train on "
-                              "one device with strategy='fuyou'")
 
     def _data_parallel(self) -> dict[str, Any]:
         return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward

@@ -792,7 +792,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["fuyou"] = {"folder": None}
         if folder is not None:
-            self._not_sharded("state_dict(folder)")
             meta = (checkpoint.save_version if keep_previous else checkpoint.save)(self, folder)
             sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
         return sd
@@ -815,7 +814,6 @@ class FuyouAdamW(torch.optim.Optimizer):
                 "without a folder; save with optimizer.state_dict(folder) to resume exactly"
             )
         if folder is not None:
-            self._not_sharded("load_state_dict")
             fix = ("load the state dict made with that save, or resume from the folder's newest save alone with "
                    "optimizer.load_folder(folder)")
             checkpoint.load(self, checkpoint.find(folder, record.get("token"), record.get("steps"),
@@ -827,14 +825,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """Stream the newest save in ``folder`` (written by ``state_dict(folder)``) back: masters,
         moments, steps, hyper-parameters and weights (checksums verified; a bad save changes nothing)."""
         self._check_idle("load_folder")
-        self._not_sharded("load_folder")
         checkpoint.load(self, checkpoint.newest(folder))
-
-    def _not_sharded(self, what: str) -> None:
-        if self.shards is not None:
-            raise ConfigError(f"{what}: checkpoints of an optimizer sharded over a process group are not supported "
-                              "yet (each rank holds a shard of the state); train data parallel without resuming, "
-                              "or on one rank")
 
     def _check_idle(self, what: str) -> None:
         self.landing.wait_all()

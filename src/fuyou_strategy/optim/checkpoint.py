@@ -19,6 +19,15 @@ leaves at least one complete save, and every record names a save that exists.
 Loading takes the save a state dict names (`find`: its token must be in the folder, or the
 error says which side is stale) or the newest one (`newest`), writes it into the store's
 shadow slot and commits only once every checksum matched, so a bad checkpoint changes nothing.
+
+**Data parallel** (an optimizer sharded over a process group, `distributed.Shards`): every rank
+writes the parameters it owns into ``<token>.tmp-<pid>/part-<rank>/`` (the same files, its
+parameters only, with their global indices); when every rank reports success, rank 0 writes the
+top ``optimizer.json`` (every parameter, with the part that holds it) and renames the folder into
+place; if any rank failed, the save fails on every rank and nothing is left. A save stores
+parameters, not rank shards: any number of ranks (one included) loads it, each reading the
+parameters it owns from whichever part holds them, and an unsharded save loads into N ranks.
+The folder must be shared by the ranks (one machine, or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -65,14 +74,20 @@ def save(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
     """Add a save of the committed state to ``folder``, then remove the earlier saves there;
     returns its metadata (``token``, ``steps``, ...)."""
     meta = save_version(opt, folder)
-    remove_versions(folder, keep=meta["token"])
+    if opt.shards is None or opt.shards.rank == 0:  # the ranks share the folder
+        remove_versions(folder, keep=meta["token"])
+    if opt.shards is not None:
+        opt.shards.barrier()
     return meta
 
 
 def save_version(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
     """Write the committed state of every parameter to ``folder/<token>/`` and return its
     metadata; nothing else in ``folder`` changes. The subfolder appears complete and fsynced,
-    or not at all (an interrupted save leaves a ``<token>.tmp-<pid>/`` for ``fuyou clean``)."""
+    or not at all (an interrupted save leaves a ``<token>.tmp-<pid>/`` for ``fuyou clean``).
+    Sharded over a process group: a collective, every rank writing its part (module docstring)."""
+    if opt.shards is not None:
+        return _save_sharded(opt, Path(folder))
     folder = Path(folder)
     token = uuid.uuid4().hex
     tmp = folder / f"{token}.tmp-{os.getpid()}"
@@ -90,15 +105,17 @@ def save_version(opt: "FuyouAdamW", folder: str | os.PathLike) -> dict:
         raise
 
 
-def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
-    """Stream every parameter's state into ``into``'s files, fsync them, and write optimizer.json last."""
+def _write_state(opt: "FuyouAdamW", into: Path, token: str, owned: list | None = None) -> dict:
+    """Stream the state of every parameter (or of ``owned``) into ``into``'s files, fsync them, and
+    write optimizer.json last."""
+    owned = opt._params if owned is None else owned
     with ExitStack() as stack:
         files = {kind: stack.enter_context(open(into / f"{kind}.bin", "wb")) for kind in KINDS}
-        bar = stack.enter_context(Progress(sum(ps.numel for ps in opt._params) * STATE_BYTES_PER_PARAM,
+        bar = stack.enter_context(Progress(sum(ps.numel for ps in owned) * STATE_BYTES_PER_PARAM,
                                            f"fuyou: saving optimizer state to {into.parent}", enabled=opt.config.progress))
         hashes = []
         params = []
-        for ps in opt._params:
+        for ps in owned:
             digest = {kind: hashlib.sha256() for kind in KINDS}
             hashes.append(digest)
             params.append({"index": ps.index, "shape": list(ps.param.shape), "numel": ps.numel,
@@ -121,16 +138,67 @@ def _write_state(opt: "FuyouAdamW", into: Path, token: str) -> dict:
             os.fsync(f.fileno())
     for meta, digest in zip(params, hashes):
         meta["sha256"] = {kind: d.hexdigest() for kind, d in digest.items()}
+    meta = _optimizer_meta(opt, token, params)
+    _write_meta(into, meta)
+    return meta
+
+
+def _optimizer_meta(opt: "FuyouAdamW", token: str, params: list[dict]) -> dict:
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [opt._by_param[p].index for p in g["params"]]}
               for g in opt.param_groups]
-    meta = {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
+    return {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
             "param_groups": groups, "params": params, "stats": opt.stats.to_dict(), "schedule": opt.chooser.state_dict(),
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
             "max_grad_norm": opt.max_grad_norm}
+
+
+def _write_meta(into: Path, meta: dict) -> None:
     with open(into / META, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _save_sharded(opt: "FuyouAdamW", folder: Path) -> dict:
+    """Every rank writes its part; the save exists, complete, on every rank's return, or fails on all."""
+    shards = opt.shards
+    name = [f"{uuid.uuid4().hex}.tmp-{os.getpid()}" if shards.rank == 0 else None]
+    shards.broadcast_object(name)  # rank 0 names the save (its pid: `fuyou clean` knows whether it runs)
+    token = name[0].split(".", 1)[0]
+    tmp, part = folder / name[0], f"part-{shards.rank}"
+    error, params = None, []
+    try:
+        if shards.rank == 0:
+            tmp.mkdir(parents=True)
+            write_owner(tmp)
+        shards.barrier()
+        (tmp / part).mkdir()
+        owned = [ps for ps in opt._params if shards.owns(ps)]
+        params = [dict(pm, part=part) for pm in _write_state(opt, tmp / part, token, owned)["params"]]
+        _fsync_dir(tmp / part)
+    except Exception as exc:  # noqa: BLE001 - every rank learns it, below
+        error = f"rank {shards.rank}: {type(exc).__name__}: {exc}"
+    reports = shards.all_gather_object((error, params))
+    failed = [e for e, _p in reports if e is not None]
+    if failed:
+        if shards.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shards.barrier()
+        raise CheckpointError(f"{folder}: the sharded save failed on {len(failed)} of {shards.world} ranks "
+                              f"({'; '.join(failed)}); nothing was saved")
+    meta = _optimizer_meta(opt, token, sorted((pm for _e, ps in reports for pm in ps), key=lambda pm: pm["index"]))
+    meta["parts"] = [f"part-{r}" for r in range(shards.world)]
+    if shards.rank == 0:
+        try:
+            _write_meta(tmp, meta)
+            _fsync_dir(tmp)
+            tmp.rename(folder / token)
+            _fsync_dir(folder)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"rank 0 (completing the save): {type(exc).__name__}: {exc}"
+    if shards.all_gather_object(error)[0] is not None:
+        raise CheckpointError(f"{folder}: the sharded save failed: {error or 'on rank 0'}; nothing was saved")
     return meta
 
 
@@ -247,10 +315,14 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
     for ps, pm in zip(opt._params, meta["params"]):
         if list(ps.param.shape) != pm["shape"]:
             raise CheckpointError(f"{folder}: parameter {ps.index} has shape {pm['shape']} there, {list(ps.param.shape)} here")
+    # This rank's parameters (all of them without a process group), each from the part that holds it.
+    owned = [ps for ps in opt._params if opt.shards is None or opt.shards.owns(ps)]
+    items = [(ps, pm, folder / pm["part"] if "part" in pm else folder) for ps, pm in zip(opt._params, meta["params"])
+             if ps in owned]
     if opt.config.state_slots == 1:  # no shadow slot to stage in: verify every checksum first, then write
-        _stream_state(opt, folder, meta, write=False)
-    _stream_state(opt, folder, meta, write=True)
-    opt.store.commit([ps.entry for ps in opt._params])
+        _stream_state(opt, items, write=False)
+    _stream_state(opt, items, write=True)
+    opt.store.commit([ps.entry for ps in owned])
     for ps, pm in zip(opt._params, meta["params"]):
         opt.state[ps.param]["step"] = torch.tensor(pm["step"])
     restore_groups(opt, meta["param_groups"])
@@ -260,23 +332,30 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
     if opt.scaler is not None and meta.get("scaler") is not None:
         opt.scaler.load_state_dict(meta["scaler"])
     opt._window, opt.stats.last_reason = opt.chooser.choose()
-    opt._restore_weights(opt._params)
+    opt._restore_weights(owned)
+    if opt.shards is not None:
+        opt.shards.broadcast_weights(opt._params)
     return meta
 
 
-def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -> None:
-    """Read every parameter's state from the save, checking its checksums; with ``write``, into the
-    store's shadow slot (the active one with ``state_slots=1``, once a pass without ``write`` found
-    every checksum good). Raises `CheckpointError` on a mismatch, with nothing committed."""
+def _stream_state(opt: "FuyouAdamW", items: list[tuple], *, write: bool) -> None:
+    """Read the state of each ``(parameter, its metadata, the folder holding it)`` from the save,
+    checking its checksums; with ``write``, into the store's shadow slot (the active one with
+    ``state_slots=1``, once a pass without ``write`` found every checksum good). Raises
+    `CheckpointError` on a mismatch, with nothing committed."""
     slot = ACTIVE if opt.config.state_slots == 1 else SHADOW
-    files = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
+    opened: dict[Path, dict] = {}
     writes: list[Future] = []
     bad = []
-    bar = Progress(sum(ps.numel for ps in opt._params) * STATE_BYTES_PER_PARAM,
-                   f"fuyou: {'loading' if write else 'checking'} optimizer state from {folder.parent}",
+    where = items[0][2] if items else Path(".")
+    bar = Progress(sum(ps.numel for ps, _pm, _f in items) * STATE_BYTES_PER_PARAM,
+                   f"fuyou: {'loading' if write else 'checking'} optimizer state from {where.parent}",
                    enabled=opt.config.progress)
     try:
-        for ps, pm in zip(opt._params, meta["params"]):
+        for ps, pm, folder in items:
+            if folder not in opened:
+                opened[folder] = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
+            files = opened[folder]
             digest = {kind: hashlib.sha256() for kind in KINDS}
             for k in range(ps.nchunks):
                 start, n = ps.span(k)
@@ -307,14 +386,15 @@ def _stream_state(opt: "FuyouAdamW", folder: Path, meta: dict, *, write: bool) -
         raise
     finally:
         bar.close()
-        for f in files.values():
-            f.close()
+        for files in opened.values():
+            for f in files.values():
+                f.close()
     error = gather(writes).exception()
     if error is not None or bad:
         opt.store.rollback()
         if error is not None:
             raise error
-        raise CheckpointError(f"{folder}: checksum mismatch in {', '.join(bad[:5])}; nothing was loaded")
+        raise CheckpointError(f"{where}: checksum mismatch in {', '.join(bad[:5])}; nothing was loaded")
 
 
 def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:

@@ -66,9 +66,7 @@ class Shards:
         mine = {"params": [list(ps.param.shape) for ps in params],
                 "config": hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest(),
                 "values": values}
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
-        for r, theirs in enumerate(everyone):
+        for r, theirs in enumerate(self.all_gather_object(mine)):
             if theirs["params"] != mine["params"]:
                 raise ConfigError(f"process_group: rank {r} trains {len(theirs['params'])} parameters shaped "
                                   f"differently from rank {self.rank}'s {len(mine['params'])}; every rank must "
@@ -114,6 +112,19 @@ class Shards:
         dist.all_reduce(vec, group=self.group)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
         return {ps.index: vec[i] for i, ps in enumerate(params) if seen[i]}
+
+    def broadcast_object(self, values: list) -> None:
+        """``values`` (a list, changed in place) from rank 0 of the group to every rank."""
+        dist.broadcast_object_list(values, src=self.ranks[0], group=self.group)
+
+    def all_gather_object(self, value: Any) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def broadcast_weights(self, params: Iterable[Any]) -> None:
         """Each updated weight from its owner to every rank, in parameter order."""
