@@ -27,7 +27,7 @@ def _rank_main(rank, world, tmp, family, fields):
         torch.manual_seed(0)
         model = tiny_causal_lm(family)
         os.makedirs(f"{tmp}/swap{rank}", exist_ok=True)
-        config = FuyouConfig(swap_dirs=[f"{tmp}/swap{rank}"], chunk_size="8KiB", **fields)
+        config = FuyouConfig(swap_dirs=[f"{tmp}/swap{{local_rank}}"], chunk_size="8KiB", **fields)  # swap0, swap1
         engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config=config,
                              max_grad_norm=0.5, process_group=dist.group.WORLD)
         try:
@@ -42,7 +42,8 @@ def _rank_main(rank, world, tmp, family, fields):
                 engine.optimizer.zero_grad(set_to_none=True)
             stats = engine.optimizer.stats
             torch.save({"weights": model.state_dict(), "state_bytes": state_bytes, "clipped": stats.clipped,
-                        "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank]},
+                        "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
+                        "run_dirs": engine.optimizer.store.run_dirs},
                        f"{tmp}/rank{rank}.pt")
         finally:
             engine.close()
@@ -88,6 +89,8 @@ def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_
     # the ranks hold the same weights, bitwise: every rank has the owner's broadcast
     for name, p in ranks[0]["weights"].items():
         assert torch.equal(p, ranks[1]["weights"][name]), name
+    for r in range(2):  # swap_dirs "swap{local_rank}": a directory per rank
+        assert [os.path.dirname(d) for d in ranks[r]["run_dirs"]] == [str(tmp_path / f"swap{r}")]
     # bitwise what one process computes when it sums the ranks' gradients the same way
     same_sum, norms = reference(family, as_ranks=True)
     for r in ranks:
@@ -336,3 +339,49 @@ def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path):
             assert torch.equal(p, ranks[0]["weights"][name]), name
     finally:
         single.engine.close()
+
+
+def _disk_fails_on_rank_1(rank, world, tmp):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # the backstop; the test needs no wait
+    try:
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD)
+        try:
+            _train(engine, model, rank, world, 1)
+            if rank == 1:
+                from fuyou_strategy.storage import aio
+
+                def gone(*args, **kwargs):
+                    raise OSError(5, "Input/output error")
+                aio._pwritev = gone
+            try:
+                _train(engine, model, rank, world, 1)
+            except Exception as exc:  # noqa: BLE001 - recorded for the test
+                torch.save(f"{type(exc).__name__}: {exc}", f"{tmp}/error-{rank}.pt")
+        finally:
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - the failed rank's store may refuse; the error was recorded
+                pass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_loses_its_disk_stops_every_rank_with_the_cause_not_a_hang(tmp_path):
+    import time
+
+    start = time.monotonic()
+    mp.spawn(_disk_fails_on_rank_1, args=(2, str(tmp_path)), nprocs=2)
+    assert time.monotonic() - start < 100, "no rank waited for the collective timeout"
+    for r in range(2):
+        error = torch.load(tmp_path / f"error-{r}.pt")
+        assert error.startswith("RankError") and "failed on 1 of 2 ranks" in error, error
+        assert "rank 1:" in error and "Input/output error" in error, error
+
+
+def test_swap_dir_placeholders_are_rank_and_local_rank_only():
+    FuyouConfig(swap_dirs=["/nvme{local_rank}/fuyou", "/data/r{rank}"])
+    with pytest.raises(ConfigError, match=r"swap_dirs: got '/nvme\{gpu\}'; the only placeholders are \{rank\}"):
+        FuyouConfig(swap_dirs=["/nvme{gpu}"])

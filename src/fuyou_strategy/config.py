@@ -101,7 +101,10 @@ class FuyouConfig:
 
     Attributes:
         swap_dirs: directories of the SSD tier, one per drive; chunks are striped across
-            them. ``None`` (default) makes a fresh temporary directory, removed on close.
+            them. ``None`` (default) makes a fresh temporary directory, removed on close. With
+            several ranks, ``{rank}`` and ``{local_rank}`` in a path give each rank (or GPU) its
+            own directory, e.g. ``"/nvme{local_rank}/fuyou"``; ranks sharing a directory are safe
+            too (each process works in its own run folder inside it).
         host_memory_budget: hard cap, in bytes, on every host buffer fuyou holds: one pool
             for the optimizer's read-ahead, the staging of SSD activations both ways and
             host-policy activations, divided by `host_budget_split`. Default ``"2GiB"``.
@@ -236,6 +239,11 @@ class FuyouConfig:
             for d in dirs:
                 if not isinstance(d, (str, os.PathLike)):
                     raise ConfigError(f"swap_dirs: got entry {d!r}; expected a path string")
+                try:
+                    os.fspath(d).format(rank=0, local_rank=0)
+                except (KeyError, IndexError, ValueError) as exc:
+                    raise ConfigError(f"swap_dirs: got {os.fspath(d)!r}; the only placeholders are {{rank}} and "
+                                      f"{{local_rank}} (a directory per rank or per GPU), not {exc}") from None
             resolved = [str(Path(d).expanduser()) for d in dirs]
             if len(set(map(os.path.realpath, resolved))) != len(resolved):
                 raise ConfigError(f"swap_dirs: got {resolved}; a directory is listed twice, list each drive once")

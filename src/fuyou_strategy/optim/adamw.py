@@ -682,10 +682,16 @@ class FuyouAdamW(torch.optim.Optimizer):
             self.state[ps.param]["step"] += 1  # after queueing: the update read the step it completes
         self.stats.deferred += 1
         self.stats.clipped += coef is not None
-        if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
-            self.landing.wait_all()
-        if self.shards is not None:
+        if self.shards is not None:  # every rank learns whether every shard's updates landed, then broadcasts
+            error = None
+            try:
+                self.landing.wait_all()
+            except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
+                error = exc
+            self.shards.agree(error, f"step {self.stats.steps + self.stats.skips}'s optimizer updates")
             self.shards.broadcast_weights(ps for ps in self._params if ps.index in norms)
+        elif not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
+            self.landing.wait_all()
         return "deferred", None
 
     def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:

@@ -31,7 +31,20 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 
-__all__ = ["Shards"]
+__all__ = ["RankError", "Shards"]
+
+
+class RankError(RuntimeError):
+    """Raised on every rank when a step (or a save) failed on some of them."""
+
+
+def _describe(error: BaseException) -> str:
+    """The error and what caused it (the root cause is what a user acts on: a full disk, an I/O error)."""
+    text, cause = f"{type(error).__name__}: {error}", error.__cause__ or error.__context__
+    while cause is not None and cause is not error:
+        text += f" <- {type(cause).__name__}: {cause}"
+        error, cause = cause, cause.__cause__ or cause.__context__
+    return text
 
 
 class Shards:
@@ -125,6 +138,19 @@ class Shards:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Whether ``what`` succeeded on every rank (one small ``all_reduce``): if it failed anywhere, every
+        rank raises, naming the ranks and their errors (a failed rank's own error is chained), instead of
+        the others waiting for it in the next collective until the group's timeout."""
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if not failed.item():
+            return
+        reports = self.all_gather_object(None if error is None else _describe(error))
+        named = "; ".join(f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None)
+        raise RankError(f"{what} failed on {sum(e is not None for e in reports)} of {self.world} ranks ({named}); "
+                        "every rank stops here") from error
 
     def broadcast_weights(self, params: Iterable[Any]) -> None:
         """Each updated weight from its owner to every rank, in parameter order."""

@@ -162,6 +162,7 @@ class TensorStore:
         try:
             for parent in config.swap_dirs or [None]:  # None: a fresh temporary directory
                 if parent is not None:
+                    parent = rank_path(parent)
                     _check_swap_dir(parent)
                 res.run_dirs.append(make_run_dir(parent))
             res.engine = IOEngine(
@@ -506,6 +507,18 @@ class TensorStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rank_path(path: str) -> str:
+    """``path`` with ``{rank}`` and ``{local_rank}`` replaced by this process's (``torch.distributed``'s
+    rank, else ``$RANK``; ``$LOCAL_RANK``, else the rank; 0 outside distributed training): a swap
+    directory per GPU, e.g. ``/nvme{local_rank}/fuyou``."""
+    if "{" not in path:
+        return path
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    return path.format(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def _check_swap_dir(path: str) -> None:
