@@ -106,11 +106,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         HARDWARE_PRESETS[args.gpu], host_memory=args.host_memory, ssds=args.ssds,
         **{k: v for k, v in (("ssd_read_gbps", args.ssd_read_gbps), ("ssd_write_gbps", args.ssd_write_gbps),
                              ("adam_params_per_s", args.adam_params_per_s), ("efficiency", args.efficiency)) if v is not None})
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus: got {args.gpus}; expected the number of GPUs (>= 1)")
     profile = analytic_profile(model, hw, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
-                               prefetch_blocks=args.prefetch_blocks)
+                               prefetch_blocks=args.prefetch_blocks, gpus=args.gpus)
     flops, flops_paper = profile.notes["flops_per_step"], profile.notes["flops_per_step_paper"]
     print(f"model {model.name}: {model.params / 1e9:.1f}B parameters, {model.layers} blocks; batch {args.batch} x seq "
-          f"{args.seq} x {args.micro_batches} micro-batch(es)")
+          f"{args.seq} x {args.micro_batches} micro-batch(es)" + (
+              f" on each of {args.gpus} GPUs (data parallel: gradients all-reduced over each GPU's link, ring; the "
+              "CPU and SSDs shared, updating the whole model once)" if args.gpus > 1 else ""))
     print(f"hardware: {hw.name} ({format_bytes(hw.device_memory) if hw.device_memory else 'no accelerator'}, "
           f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {format_bytes(hw.host_memory)}, {hw.ssds} SSD(s) "
           f"{hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s read/write, CPU AdamW "
@@ -132,7 +136,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(plan.table(compact=True) if not args.full_table else plan.table())
         tflops, tflops_paper = (f / plan.predicted_step_s / 1e12 for f in (flops, flops_paper))
         print(f"predicted step {plan.predicted_step_s:.2f} s, {tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
-              f"({args.batch * args.seq * args.micro_batches / plan.predicted_step_s:,.0f} tokens/s)")
+              f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s)")
         results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
                          "policies": plan.policies}
@@ -205,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default 1)")
     plan.add_argument("--prefetch-blocks", type=int, default=2)
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")
     plan.add_argument("--full-table", action="store_true", help="one row per block")
     plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")
     plan.add_argument("--json", help="write the results as JSON")

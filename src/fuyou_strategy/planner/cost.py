@@ -121,6 +121,10 @@ class Profile:
     device_base_bytes: int = 0
     optimizer_host_bytes: int = 0  # host pool bytes host-policy activations leave free (HostShares.reserved)
     micro_batches: int = 1
+    # Ranks (GPUs) of data parallelism on this machine: each runs these micro-batches; each block's
+    # gradients are all-reduced over the link in the last backward (ring: 2(N-1)/N of their bytes per
+    # GPU), and the optimizer - the machine's CPU and SSDs, shared - updates the whole model once.
+    data_parallel: int = 1
     prefetch_blocks: int = 2  # activations read back ahead in backward
     weight_prefetch_blocks: int | None = None  # streamed weights read ahead; None: prefetch_blocks
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
@@ -267,10 +271,16 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
                     grads = t = s.run("compute", b.grad_bytes / link, t, name=f"gradients out {i}")
                 else:
                     grads = s.run("link", b.grad_bytes / link, t, name=f"gradients out {i}")
+            if last and profile.data_parallel > 1 and b.grad_bytes:  # the ranks' average, before the update
+                grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
             if last and overlap_optimizer:
                 updates_done.append(_update(s, profile, b.params, grads, b, name=f"block {i}"))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
+    if profile.data_parallel > 1 and profile.other_params:
+        bytes_per_param = profile.weight_upload_bytes_per_param or 0.0  # 0: the device is host memory, no link
+        backward_end = s.run("link", _ring(profile) * bytes_per_param * profile.other_params / link, backward_end,
+                             name="all-reduce rest")
     if overlap_optimizer:
         updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
     else:
@@ -298,6 +308,12 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
             over[tier] = peak - budget
     return Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
                       s.busy["cpu"], step - backward_end, over, timeline, ssd_writes)
+
+
+def _ring(profile: Profile) -> float:
+    """A ring all-reduce's bytes through each GPU's link, per byte of gradient: 2 (N - 1) / N."""
+    n = profile.data_parallel
+    return 2 * (n - 1) / n
 
 
 class _WeightReads:

@@ -183,8 +183,11 @@ def step_flops(model: ModelSpec, batch: int, seq: int, *, recompute: bool = Fals
 
 
 def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, micro_batches: int = 1,
-                     prefetch_blocks: int = 2, host_reserve: int | str = "8GiB") -> Profile:
-    """A `Profile` from shapes and data-sheet numbers (see the module docstring)."""
+                     prefetch_blocks: int = 2, host_reserve: int | str = "8GiB", gpus: int = 1) -> Profile:
+    """A `Profile` from shapes and data-sheet numbers (see the module docstring); with ``gpus`` > 1,
+    data parallel on one machine: each GPU runs the batch, its gradients are all-reduced over its
+    link, and the machine's CPU and SSDs update the whole model once (`Profile.data_parallel`); the
+    FLOPs in the notes are all GPUs'."""
     rate = hw.tflops * 1e12 * hw.efficiency
     tokens = batch * seq
     fwd = (2 * tokens * model.block_params + 4 * batch * seq * seq * model.hidden) / rate
@@ -208,14 +211,15 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
         link_bytes_per_s=link, ssd_read_bytes_per_s=ssd_rd, ssd_write_bytes_per_s=ssd_wr,
         adam_params_per_s=hw.adam_params_per_s, weight_upload_bytes_per_param=0.0 if hw.device_is_host else 2.0,
         device_base_bytes=device_base, optimizer_host_bytes=min(hw.host_memory, host_reserve),
-        micro_batches=micro_batches, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
+        micro_batches=micro_batches, data_parallel=gpus, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
         host_budget=hw.host_memory,
         # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
         blocking_swap_out=False, blocking_weight_copy=False,
         ssd_budget=None, source="analytic",
         notes={**notes, "model": model.name, "hardware": hw.name, "batch": batch, "seq": seq,
-               "flops_per_step": step_flops(model, batch, seq) * micro_batches,
-               "flops_per_step_paper": step_flops(model, batch, seq, recompute=True) * micro_batches,
+               "flops_per_step": step_flops(model, batch, seq) * micro_batches * gpus,
+               "flops_per_step_paper": step_flops(model, batch, seq, recompute=True) * micro_batches * gpus,
+               "gpus": gpus,
                "params": model.params,
                "host_reserve_bytes": host_reserve},
     )
