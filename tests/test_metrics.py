@@ -25,15 +25,19 @@ def state_slot_bytes(engine):
                if name.startswith("adamw.") for k in range(e.nchunks))
 
 
-def engine_steps(tmp_path, steps=3, max_grad_norm=None, **fields):
+def train_engine(tmp_path, steps=3, *, max_grad_norm=None, expect=None, **fields):
+    """A tiny GPT-2 trained through the engine (closed after); returns the engine, the per-step metrics,
+    the bytes of one slot of optimizer state, and the summary taken before closing."""
     torch.manual_seed(0)
     model = tiny_causal_lm("gpt2")
-    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward", **fields)
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
                          max_grad_norm=max_grad_norm)
     g, seen = torch.Generator().manual_seed(0), []
     try:
         assert engine.metrics() == {}, "no step yet"
+        if expect is not None:
+            engine.expect_steps(expect)
         for _ in range(steps):
             ids = torch.randint(0, 101, (2, 16), generator=g)
             engine.begin_micro_batch(update=True)
@@ -41,9 +45,15 @@ def engine_steps(tmp_path, steps=3, max_grad_norm=None, **fields):
             engine.optimizer.step()
             engine.optimizer.zero_grad(set_to_none=True)
             seen.append(engine.metrics())
-        return seen, state_slot_bytes(engine), engine.optimizer.stats.last_grad_norm
+        return engine, seen, state_slot_bytes(engine), engine.summary()
     finally:
         engine.close()
+
+
+def engine_steps(tmp_path, steps=3, max_grad_norm=None, **fields):
+    engine, seen, slot, _ = train_engine(tmp_path, steps, max_grad_norm=max_grad_norm, optimizer_schedule="backward",
+                                         **fields)
+    return seen, slot, engine.optimizer.stats.last_grad_norm
 
 
 def test_a_committed_step_writes_and_reads_one_slot_of_optimizer_state(tmp_path):

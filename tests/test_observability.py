@@ -14,7 +14,7 @@ from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine,
 from fuyou_strategy.cli import main as cli
 from fuyou_strategy.storage.wear import Wear
 from test_lightning import CausalLM, token_batches
-from test_metrics import state_slot_bytes
+from test_metrics import train_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -22,26 +22,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train(tmp_path, steps=6, expect=None, **fields):
-    """A tiny GPT-2 trained through the engine (closed after); returns the engine, the per-step metrics,
-    the bytes of one slot of optimizer state, and the summary and bytes written before closing."""
-    torch.manual_seed(0)
-    model = tiny_causal_lm("gpt2")
-    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
-    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
-    g, metrics = torch.Generator().manual_seed(0), []
-    try:
-        if expect is not None:
-            engine.expect_steps(expect)
-        for _ in range(steps):
-            ids = torch.randint(0, 101, (2, 16), generator=g)
-            engine.begin_micro_batch(update=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-            engine.optimizer.step()
-            engine.optimizer.zero_grad(set_to_none=True)
-            metrics.append(engine.metrics())
-        return engine, metrics, state_slot_bytes(engine), engine.summary()
-    finally:
-        engine.close()
+    """test_metrics' engine run: (engine, per-step metrics, one slot of state in bytes, summary)."""
+    return train_engine(tmp_path, steps, expect=expect, **fields)
 
 
 def measured(trace, lane_prefix=""):

@@ -56,7 +56,7 @@ from torch.optim.adamw import adamw as adamw_for_loop
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
-from .distributed import Shards
+from .distributed import RankError, Shards
 from .pipeline import ChunkJob, ChunkPipeline
 from .scaler import LossScaler
 from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
@@ -653,8 +653,12 @@ class FuyouAdamW(torch.optim.Optimizer):
             late = self._flags["late_error"]
             if late is not None:
                 raise late
-        except BaseException:
+            if self.shards is not None:  # a rank that cannot step stops the others here, before the collectives
+                self.shards.agree(None, "the end of the accumulation window")
+        except BaseException as exc:
             self._forget_window()
+            if self.shards is not None and not isinstance(exc, RankError):
+                self.shards.agree(exc, "the end of the accumulation window")
             raise
         norms, self._queued = dict(self._queued), {}
         self._partial.clear()

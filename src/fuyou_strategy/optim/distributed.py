@@ -22,8 +22,6 @@ their timeout is the group's (``init_process_group(timeout=...)``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any, Iterable
 
 import torch
@@ -76,15 +74,13 @@ class Shards:
         values = config.to_dict()
         for key in ("swap_dirs", "trace"):  # may differ per rank
             values.pop(key, None)
-        mine = {"params": [list(ps.param.shape) for ps in params],
-                "config": hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest(),
-                "values": values}
+        mine = {"params": [list(ps.param.shape) for ps in params], "values": values}
         for r, theirs in enumerate(self.all_gather_object(mine)):
             if theirs["params"] != mine["params"]:
                 raise ConfigError(f"process_group: rank {r} trains {len(theirs['params'])} parameters shaped "
                                   f"differently from rank {self.rank}'s {len(mine['params'])}; every rank must "
                                   "build the same model and optimizer")
-            if theirs["config"] != mine["config"]:
+            if theirs["values"] != values:
                 fields = sorted(k for k in values if theirs["values"].get(k) != values.get(k))
                 raise ConfigError(f"process_group: rank {r}'s FuyouConfig differs from rank {self.rank}'s in "
                                   f"{', '.join(fields)}; give every rank the same configuration (swap_dirs "
