@@ -59,8 +59,8 @@ class Diagnosis:
         width = max([len(c.subject) for c in self.checks] + [10])
         lines = [f"{'':<6}{'subject':<{width}}  {'check':<14} detail"]
         lines += [f"{c.status.upper():<6}{c.subject:<{width}}  {c.name:<14} {c.detail}" for c in self.checks]
-        lines += ["", "# recommended FuyouConfig (FuyouConfig.from_file('fuyou.yaml'), or fuyou_config= in the "
-                  "strategy/callback)"]
+        lines += ["", "# recommended FuyouConfig: save as fuyou.yaml, then FuyouStrategy(config='fuyou.yaml'), "
+                  "FuyouCallback(config='fuyou.yaml') or FuyouConfig.from_file('fuyou.yaml')"]
         lines += [f"{_yaml_line(k, v)}  # {self.reasons[k]}" for k, v in self.config.items()]
         return "\n".join(lines)
 
