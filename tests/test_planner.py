@@ -414,3 +414,23 @@ def test_the_planner_spares_the_drives_when_the_step_costs_little_more_and_says_
     partial = solve(p, allowed=[K, S, R], write_tolerance=0.01)
     assert 0 < partial.policies.count("recompute") < 4 and partial.policies.count("ssd") > 0
     assert partial.predicted_step_s <= 1.01 * fastest.predicted_step_s
+
+
+def test_the_next_forward_schedule_is_modelled_updates_first_and_no_redo():
+    p = synthetic(n=4, act=10 * MiB, params=2 * 10**8, redo_fraction=0.5)  # a heavy optimizer; clipping bites half the time
+    policies = [K] * 4
+    backward = predict(p, policies, schedule="backward", timeline=True)
+    ahead = predict(p, policies, schedule="next_forward", timeline=True)
+    assert ahead.schedule == "next_forward" and backward.schedule == "backward"
+    assert ahead.optimizer_tail_s == 0.0 and backward.optimizer_tail_s > 0
+    assert ahead.step_s < backward.step_s, "no redo, and the updates hide under the next forward"
+    assert predict(p, policies, schedule="auto").step_s == ahead.step_s
+    tasks = {name: (resource, start, end) for resource, name, start, end in ahead.timeline}
+    # the step starts with the previous step's updates in forward order; block 0's forward waits for its own
+    assert tasks["read state rest"][1] == 0.0
+    assert tasks["adamw block 0"][2] <= tasks["forward 0"][1] + 1e-12
+    assert tasks["read state block 0"][1] < tasks["read state block 1"][1]
+    assert tasks["forward 3"][1] >= tasks["adamw block 3"][2] - 1e-12
+    # without a redo to avoid and with a light optimizer, backward's overlap is as good or better
+    light = synthetic(n=4, act=10 * MiB, params=10**3)
+    assert predict(light, policies, schedule="auto").step_s <= predict(light, policies, schedule="next_forward").step_s

@@ -128,6 +128,10 @@ class Profile:
     prefetch_blocks: int = 2  # activations read back ahead in backward
     weight_prefetch_blocks: int | None = None  # streamed weights read ahead; None: prefetch_blocks
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
+    # When the updates run (`FuyouConfig.optimizer_schedule`): "backward" (overlapped with backward, a
+    # redo when clipping bites), "next_forward" (exact, ahead of the next forward, which waits for each
+    # block's update; no redo), or "auto": whichever `predict` finds faster, as the runtime's chooser does.
+    schedule: str = "backward"
     # The runtime copies a swapped tensor out inside the forward (the pack hook), on the compute
     # thread or stream; only the SSD write is asynchronous. False models a side-stream copy.
     blocking_swap_out: bool = True
@@ -186,6 +190,7 @@ class Prediction:
     over: dict[str, int]  # tier -> bytes over its budget (empty when it fits)
     # With predict(timeline=True): every task as (resource, name, start s, end s), the clipping redo excluded.
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+    schedule: str = "backward"  # the optimizer schedule this prediction modelled (see `Profile.schedule`)
     # Bytes written to the SSD per step (optimizer state, SSD activations, streamed weights' write-back):
     # what the drives' endurance pays (the clipping redo's second write excluded).
     ssd_write_bytes: float = 0.0
@@ -215,10 +220,22 @@ class _Schedule:
 
 
 def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Sequence[str] | None = None,
-            overlap_optimizer: bool = True, timeline: bool = False) -> Prediction:
+            overlap_optimizer: bool = True, timeline: bool = False, schedule: str | None = None) -> Prediction:
     """Predicted step time and peaks for one policy per block (see the module docstring), with the
     profile's weight tiers or ``weight_tiers`` (one per block); with ``timeline``, every simulated
-    task in `Prediction.timeline` (the picture ``fuyou report`` draws beside a measured trace)."""
+    task in `Prediction.timeline` (the picture ``fuyou report`` draws beside a measured trace).
+
+    ``schedule`` (default: the profile's) is when the updates run. Under ``"next_forward"`` the
+    steady-state step starts with the previous step's updates, in forward order (the rest of the
+    model - embeddings - first, then block 0, 1, ...); each block's forward waits for its own
+    update (and a streamed block's read for the weight written back), and backward queues nothing:
+    the step ends with backward, and there is no redo. ``"auto"`` predicts both and returns the faster."""
+    schedule = schedule or profile.schedule
+    if schedule == "auto" and overlap_optimizer:
+        both = [predict(profile, policies, weight_tiers=weight_tiers, timeline=timeline, schedule=name)
+                for name in ("backward", "next_forward")]
+        return min(both, key=lambda pred: pred.step_s)
+    ahead = schedule == "next_forward" and overlap_optimizer
     blocks = profile.blocks if weight_tiers is None else profile.with_weight_tiers(weight_tiers)
     n = len(blocks)
     if len(policies) != n:
@@ -228,15 +245,20 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     s = _Schedule(record=timeline)
     t = 0.0  # end of the previous phase on the compute resource
     backward_end = 0.0
+    landed: dict[int, float] = {}  # next_forward: when each block's update (of the step before) landed
+    if ahead:
+        t = _update(s, profile, profile.other_params, 0.0, name="rest")  # the embeddings run first
+        landed = {i: _update(s, profile, b.params, 0.0, b, name=f"block {i}") for i, b in enumerate(blocks)}
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
         # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
         #    activations leave asynchronously.
         out_done = [0.0] * n
         weights = _WeightReads(s, profile, blocks, issued=[not b.streamed for b in blocks])
+        weights.not_before = landed if micro == 0 else {}  # a weight is read once its update wrote it
         for i, (b, p) in enumerate(zip(blocks, policies)):
             weights.issue(range(i, min(n, i + kw + 1)), t)  # entering block i issues the reads for i .. i+k
-            t = weights.wait(i, t)
+            t = weights.wait(i, max(t, landed.get(i, 0.0)) if micro == 0 else t)
             t = s.run("compute", b.fwd_s, t, name=f"forward {i}")
             if p in (Policy.HOST, Policy.SSD):
                 if profile.blocking_swap_out:
@@ -273,7 +295,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
                     grads = s.run("link", b.grad_bytes / link, t, name=f"gradients out {i}")
             if last and profile.data_parallel > 1 and b.grad_bytes:  # the ranks' average, before the update
                 grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
-            if last and overlap_optimizer:
+            if last and overlap_optimizer and not ahead:
                 updates_done.append(_update(s, profile, b.params, grads, b, name=f"block {i}"))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
@@ -281,7 +303,9 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         bytes_per_param = profile.weight_upload_bytes_per_param or 0.0  # 0: the device is host memory, no link
         backward_end = s.run("link", _ring(profile) * bytes_per_param * profile.other_params / link, backward_end,
                              name="all-reduce rest")
-    if overlap_optimizer:
+    if ahead:
+        updates_done = []  # they run ahead of the next forward: the next step's start, above
+    elif overlap_optimizer:
         updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
     else:
         updates_done = [_update(s, profile, b.params, backward_end, b, name=f"block {i}")
@@ -289,7 +313,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
     step = max([backward_end, *updates_done])
     timeline, s.tasks = s.tasks or [], None  # the redo below is a share of a pass, not a task on the timeline
-    if profile.redo_fraction > 0:
+    if profile.redo_fraction > 0 and not ahead:
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
         for b in reversed(blocks):
@@ -307,7 +331,8 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         if budget is not None and peak > budget:
             over[tier] = peak - budget
     return Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
-                      s.busy["cpu"], step - backward_end, over, timeline, ssd_writes)
+                      s.busy["cpu"], step - backward_end, over, timeline, schedule if overlap_optimizer else "backward",
+                      ssd_writes)
 
 
 def _ring(profile: Profile) -> float:
@@ -322,6 +347,7 @@ class _WeightReads:
     def __init__(self, s: _Schedule, profile: Profile, blocks: list[BlockProfile], issued: list[bool]) -> None:
         self.s, self.profile, self.blocks, self.issued = s, profile, blocks, issued
         self.ready: dict[int, float] = {}  # block -> when its read ahead is done
+        self.not_before: dict[int, float] = {}  # block -> when its tier copy holds the updated weight
 
     def issue(self, indices: Iterable[int], after: float) -> None:
         """Read ahead the weights of these blocks that are not on the device: from SSD first for the
@@ -330,7 +356,7 @@ class _WeightReads:
             if self.issued[j]:
                 continue
             self.issued[j] = True
-            block, ready = self.blocks[j], after
+            block, ready = self.blocks[j], max(after, self.not_before.get(j, 0.0))
             if block.weight_tier == "ssd":
                 ready = self.s.run("ssd", block.weight_bytes / self.profile.ssd_read_bytes_per_s, ready, name=f"read weights {j}")
             if not self.profile.blocking_weight_copy:

@@ -191,6 +191,8 @@ class WarmupProfiler:
             optimizer_host_bytes=host_budget_split(config).reserved,
             micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks,
             weight_prefetch_blocks=config.weight_prefetch_blocks, redo_fraction=redo_fraction,
+            # The schedules the optimizer may use (one slot, or data parallel: next_forward only).
+            schedule=config.optimizer_schedule if self.optimizer.chooser.can_speculate else "next_forward",
             # The streamer copies prefetched blocks onto the device on its upload thread (a side
             # stream on CUDA), not on the compute thread.
             blocking_weight_copy=False,
