@@ -40,10 +40,14 @@ def _rank_main(rank, world, tmp, family, fields):
                     (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
                 engine.optimizer.step()
                 engine.optimizer.zero_grad(set_to_none=True)
+            # step() returned with the updates still running: each weight is broadcast when the next
+            # forward reaches its module (here: when state_dict below lands them all)
+            pending = len(engine.optimizer._unsent)
             stats = engine.optimizer.stats
             torch.save({"weights": model.state_dict(), "state_bytes": state_bytes, "clipped": stats.clipped,
                         "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
-                        "run_dirs": engine.optimizer.store.run_dirs},
+                        "run_dirs": engine.optimizer.store.run_dirs, "pending": pending,
+                        "params": len(list(model.parameters()))},
                        f"{tmp}/rank{rank}.pt")
         finally:
             engine.close()
@@ -89,6 +93,7 @@ def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_
     # the ranks hold the same weights, bitwise: every rank has the owner's broadcast
     for name, p in ranks[0]["weights"].items():
         assert torch.equal(p, ranks[1]["weights"][name]), name
+    assert all(r["pending"] == r["params"] for r in ranks), "the updates overlap what follows step()"
     for r in range(2):  # swap_dirs "swap{local_rank}": a directory per rank
         assert [os.path.dirname(d) for d in ranks[r]["run_dirs"]] == [str(tmp_path / f"swap{r}")]
     # bitwise what one process computes when it sums the ranks' gradients the same way
@@ -358,6 +363,7 @@ def _disk_fails_on_rank_1(rank, world, tmp):
                 aio._pwritev = gone
             try:
                 _train(engine, model, rank, world, 1)
+                engine.flush()  # the step's updates land ahead of the next forward: here, at the latest
             except Exception as exc:  # noqa: BLE001 - recorded for the test
                 torch.save(f"{type(exc).__name__}: {exc}", f"{tmp}/error-{rank}.pt")
         finally:

@@ -271,6 +271,7 @@ class FuyouCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._run is None:
             return
+        self._run.engine.flush()  # every rank, alike: the last step's weights (broadcast when sharded)
         self.summary = self._run.engine.summary()
         self.plan = self._run.engine.plan
         self.close()

@@ -402,8 +402,9 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
 
     Lightning's ``DDPStrategy`` wraps the model in ``DistributedDataParallel``, which averages the
     gradients during backward (and skips that for the micro-batches that only accumulate); at
-    ``step()`` each rank clips on the same global norm, updates the parameters whose state it owns
-    from its own swap directories (`optim.distributed`), and broadcasts them. Config fields and
+    ``step()`` each rank clips on the same global norm and queues the updates of the parameters whose
+    state it owns, from its own swap directories (`optim.distributed`); they run ahead of the next
+    forward, which broadcasts each module's weights from their owners as it reaches them. Config fields and
     ``log_metrics`` as for `FuyouStrategy`; the other arguments are ``DDPStrategy``'s
     (``start_method="spawn"`` to launch from a notebook or a test).
 

@@ -292,6 +292,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.landing = PendingUpdates(self._pipeline)
         self._update_order = list(self._params)
         self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
+        self._unsent: list[_Param] = []  # sharded: updated weights not yet broadcast from their owners
         self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
         on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
         self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
@@ -354,8 +355,10 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- the hook: queue an update as soon as a gradient is final -------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self.landing.jobs:  # the last step's updates land before this backward's touch their state
-            self.landing.wait_all()
+        # The last step's updates land before this backward's touch their state (sharded: the same
+        # list on every rank, so every rank enters the collective here alike).
+        if self._unsent if self.shards is not None else self.landing.jobs:
+            self._land()
         ps = self._by_param[param]
         if ps.grads is not None:
             self._take_grad(ps)
@@ -536,15 +539,16 @@ class FuyouAdamW(torch.optim.Optimizer):
         through the module that owns it) must be preceded by `flush`; such a read saved for
         backward is caught by autograd's version check.
         """
-        if self._gated or self.shards is not None:  # data parallel: step() lands and broadcasts the weights
+        if self._gated:
             return
-        landing = self.landing
+        # Weakly: the model's hooks must not keep the optimizer (and its swap files) alive.
+        land = weakref.WeakMethod(self._land)
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if p in self._by_param]
             if own:
-                self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: landing.wait(own)))
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: landing.wait_all()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: landing.wait_all()))
+                self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: _call_alive(land, own)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: _call_alive(land)))
+        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *args: _call_alive(land)))
         rank = {p: i for i, p in enumerate(model.parameters())}
         self._update_order = sorted(self._params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
         self._gated = True
@@ -552,8 +556,30 @@ class FuyouAdamW(torch.optim.Optimizer):
     def flush(self) -> None:
         """Land every update ``step()`` left for the next forward (``next_forward`` schedule). Reading
         the weights outside a forward (evaluation by hand, saving them) needs it first; the
-        integrations, `state_dict`, checkpoints and the model's own ``state_dict`` do it themselves."""
-        self.landing.wait_all()
+        integrations, `state_dict`, checkpoints and the model's own ``state_dict`` do it themselves.
+        Sharded over a process group, a collective: every rank calls it at the same point."""
+        self._land()
+
+    def _land(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Land the pending updates of ``params`` (default: all). Sharded: the owners land theirs, every
+        rank agrees that they did, and each weight is broadcast from its owner, in update order; the
+        pending list is the same on every rank, so the ranks issue the same collectives."""
+        if self.shards is None:
+            self.landing.wait_all() if params is None else self.landing.wait(params)
+            return
+        wanted = None if params is None else set(params)
+        todo = [ps for ps in self._unsent if wanted is None or ps.param in wanted]
+        if not todo:
+            return
+        error = None
+        try:
+            self.landing.wait([ps.param for ps in todo if self.shards.owns(ps)])
+        except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
+            error = exc
+        self.shards.agree(error, "the last step's optimizer updates")
+        self.shards.broadcast_weights(todo)
+        sent = {ps.index for ps in todo}
+        self._unsent = [ps for ps in self._unsent if ps.index not in sent]
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -573,7 +599,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"FuyouAdamW: {len(self._pending)} parameters are still on the meta device (the first has "
                                f"shape {tuple(self._pending[0].param.shape)}); materialise them and call "
                                "initialise_materialized() before training (FuyouEngine does both)")
-        self.landing.wait_all()  # normally the forward waited for all of them already
+        self._land()  # normally the forward waited for all of them already
         if self.scaler is not None and not self._flags.get("scaled") and (self._queued or self._partial or any(
                 ps.param.grad is not None for ps in self._params)):
             self.zero_grad()  # the updates used gradients taken as scaled: discard them
@@ -686,16 +712,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             self.state[ps.param]["step"] += 1  # after queueing: the update read the step it completes
         self.stats.deferred += 1
         self.stats.clipped += coef is not None
-        if self.shards is not None:  # every rank learns whether every shard's updates landed, then broadcasts
-            error = None
-            try:
-                self.landing.wait_all()
-            except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
-                error = exc
-            self.shards.agree(error, f"step {self.stats.steps + self.stats.skips}'s optimizer updates")
-            self.shards.broadcast_weights(ps for ps in self._params if ps.index in norms)
-        elif not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
-            self.landing.wait_all()
+        if self.shards is not None:  # each weight is broadcast from its owner once its update landed
+            self._unsent = [ps for ps in self._update_order if ps.index in norms]
+        if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
+            self._land()
         return "deferred", None
 
     def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:
@@ -838,7 +858,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         checkpoint.load(self, checkpoint.newest(folder))
 
     def _check_idle(self, what: str) -> None:
-        self.landing.wait_all()
+        self._land()
         if self._queued or self._partial:
             raise RuntimeError(f"{what}() between backward and step(): call step() (or zero_grad()) first")
 

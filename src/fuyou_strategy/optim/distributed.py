@@ -13,8 +13,11 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
    once and zeros elsewhere, so every rank has every norm exactly), and each rank computes the
    same global norm in the same order as a single process would: one decision to commit, clip or
    skip, everywhere;
-3. each owner updates its parameters from its shard of the state;
-4. each updated weight is broadcast from its owner.
+3. each owner queues the updates of its parameters from its shard of the state (ahead of the next
+   forward, as the single-process ``next_forward`` schedule does);
+4. when the next forward reaches a module (or at `FuyouAdamW.flush`, a checkpoint, the next
+   backward), its parameters' owners wait for their updates, the ranks agree that they landed
+   (`agree`), and each weight is broadcast from its owner (`FuyouAdamW._land`).
 
 The collectives are ``torch.distributed``'s, on the group given (gloo on the CPU, NCCL on GPUs);
 their timeout is the group's (``init_process_group(timeout=...)``).
