@@ -391,3 +391,17 @@ def test_swap_dir_placeholders_are_rank_and_local_rank_only():
     FuyouConfig(swap_dirs=["/nvme{local_rank}/fuyou", "/data/r{rank}"])
     with pytest.raises(ConfigError, match=r"swap_dirs: got '/nvme\{gpu\}'; the only placeholders are \{rank\}"):
         FuyouConfig(swap_dirs=["/nvme{gpu}"])
+
+
+def test_strategy_fuyou_ddp_by_name_is_lightnings_ddp_with_its_launcher():
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    from fuyou_strategy import FuyouDDPStrategy
+
+    trainer = L.Trainer(strategy="fuyou_ddp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, FuyouDDPStrategy)
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher) and trainer.num_devices == 2
+    with pytest.raises(ConfigError, match="strategy='fuyou_ddp'"):
+        from test_lightning import fit
+
+        fit("fuyou", devices=2, steps=1)
