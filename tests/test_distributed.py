@@ -405,3 +405,49 @@ def test_strategy_fuyou_ddp_by_name_is_lightnings_ddp_with_its_launcher():
         from test_lightning import fit
 
         fit("fuyou", devices=2, steps=1)
+
+
+class CountHookUpdates(L.Callback):
+    """How many updates the DDP comm hook queued during backward, and the schedules used, per rank."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_fit_start(self, trainer, pl_module):
+        opt = trainer.strategy.engine.optimizer
+        original, self.count = opt._queue_update, 0
+
+        def counting(ps, *args, **kwargs):
+            if kwargs.get("grad") is not None:
+                self.count += 1
+            return original(ps, *args, **kwargs)
+        opt._queue_update = counting
+
+    def on_train_end(self, trainer, pl_module):
+        stats = trainer.strategy.engine.optimizer.stats
+        torch.save({"hook_updates": self.count, "schedules": dict(stats.schedules), "outcomes": list(stats.history)},
+                   os.path.join(self.folder, f"hook-rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("clip, outcome", [(100.0, "commit"), (0.5, "redo")])
+def test_lightning_fuyou_ddp_backward_schedule_updates_as_buckets_land(tmp_path, clip, outcome):
+    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
+    from test_lightning import BATCHES, fit
+
+    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn",
+                                optimizer_schedule="backward")
+    fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path)), CountHookUpdates(str(tmp_path))],
+        enable_checkpointing=False, gradient_clip_val=clip)  # 100: every step commits; 0.5: clipping bites
+    ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
+    hooks = [torch.load(tmp_path / f"hook-rank{r}.pt") for r in range(2)]
+    for h in hooks:
+        assert h["schedules"]["backward"] == 3 and h["hook_updates"] > 0, h
+        assert [o for _s, o in h["outcomes"]] == [outcome] * 3
+    assert hooks[0]["hook_updates"] + hooks[1]["hook_updates"] == 3 * len(ranks[0]["weights"]) - 3  # tied lm_head
+    for name, p in ranks[0]["weights"].items():
+        assert torch.equal(p, ranks[1]["weights"][name]), name
+    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
+    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist(), gradient_clip_val=clip)
+    single.engine.close()
+    assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE

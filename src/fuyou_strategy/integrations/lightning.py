@@ -181,6 +181,9 @@ class _FuyouTrainerStrategy(_EngineOwner):
         """The `FuyouEngine` arguments of data parallelism (none on one device)."""
         return {}
 
+    def _engine_made(self) -> None:
+        """After the engine is made (and the model wrapped): what the layout adds to it."""
+
     @property
     def precision_plugin(self) -> Precision:
         """The precision plugin Lightning set, as a copy whose clipping checks `FuyouAdamW`'s."""
@@ -228,6 +231,7 @@ class _FuyouTrainerStrategy(_EngineOwner):
                                   max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
                                   report=rank_zero_info, loss_scaling=True if fp16 else None,
                                   **self._data_parallel())
+        self._engine_made()
         self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
         self.optimizers = [self.engine.optimizer]
         if trainer.state.fn == "fit":
@@ -403,15 +407,16 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
     Lightning's ``DDPStrategy`` wraps the model in ``DistributedDataParallel``, which averages the
     gradients during backward (and skips that for the micro-batches that only accumulate); at
     ``step()`` each rank clips on the same global norm and queues the updates of the parameters whose
-    state it owns, from its own swap directories (`optim.distributed`); they run ahead of the next
-    forward, which broadcasts each module's weights from their owners as it reaches them. Config fields and
+    state it owns, from its own swap directories (`optim.distributed`): under the ``backward``
+    schedule during backward, as each DDP bucket's average lands (`FuyouAdamW.ddp_comm_hook`), under
+    ``next_forward`` ahead of the next forward; that forward broadcasts each module's weights from
+    their owners as it reaches them. ``"auto"`` chooses per step, rank 0's choice for all ranks. Config fields and
     ``log_metrics`` as for `FuyouStrategy`; the other arguments are ``DDPStrategy``'s
     (``start_method="spawn"`` to launch from a notebook or a test).
 
     Checkpoints store parameters, not rank shards (every rank writes the state it owns next to the
     ``.ckpt``): one saved with N ranks resumes with M, one included, and ``strategy="fuyou"``'s load
-    into N ranks. Not yet: weight streaming, fp16 loss scaling, the ``backward`` optimizer schedule
-    (updates wait for the gradients' sum).
+    into N ranks. Not yet: weight streaming, fp16 loss scaling.
     """
 
     strategy_name = "fuyou_ddp"
@@ -432,6 +437,10 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
 
     def _data_parallel(self) -> dict[str, Any]:
         return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
+
+    def _engine_made(self) -> None:
+        if self.engine.optimizer.shards is not None:  # updates as DDP's buckets land (backward schedule)
+            self.engine.optimizer.attach_ddp(self.model)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

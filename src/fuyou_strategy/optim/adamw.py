@@ -242,13 +242,16 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
         self.shards: Shards | None = None  # data parallel: which rank owns each parameter's state
         if process_group is not None and dist.get_world_size(process_group) > 1:
-            if config.optimizer_schedule == "backward":
-                raise ConfigError("optimizer_schedule: got 'backward' with a process group; speculative updates during "
-                                  "backward would use gradients before the ranks' sum: use 'next_forward' or 'auto'")
+            if config.optimizer_schedule == "backward" and not gradients_averaged:
+                raise ConfigError("optimizer_schedule: got 'backward' with a process group that this optimizer reduces "
+                                  "itself; speculative updates during backward need each gradient's average as it "
+                                  "lands (a DistributedDataParallel model, `attach_ddp`): use 'next_forward' or 'auto'")
             if self.scaler is not None:
                 raise ConfigError("loss_scaling: not supported with a process group yet; use bf16 (no loss scaling)")
             self.shards = Shards(process_group, self._params, config)
         self._gradients_averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
+        if self.shards is not None:
+            self.release_grads = False  # DistributedDataParallel writes the averaged gradients into .grad
         owned = [ps for ps in self._params if self.shards is None or self.shards.owns(ps)]
 
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
@@ -286,8 +289,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         # The schedule of the window being accumulated now (decided when the last one ended), the
         # updates left for the next forward, and the order they run in (forward order: attach_model).
         # Data parallel: only next_forward (the updates wait for the ranks' gradient sum at step()).
-        self.chooser = ScheduleChooser(config.optimizer_schedule,
-                                       can_speculate=config.state_slots == 2 and self.shards is None)
+        self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
+            self.shards is None or gradients_averaged))
         self._window, self.stats.last_reason = self.chooser.choose()
         self.landing = PendingUpdates(self._pipeline)
         self._update_order = list(self._params)
@@ -359,6 +362,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         # list on every rank, so every rank enters the collective here alike).
         if self._unsent if self.shards is not None else self.landing.jobs:
             self._land()
+        if self.shards is not None:
+            return  # this rank's own gradient, before the ranks' average: `ddp_comm_hook` queues the updates
         ps = self._by_param[param]
         if ps.grads is not None:
             self._take_grad(ps)
@@ -428,12 +433,13 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._pipeline.submit(ChunkJob(None, ps.nchunks, keep))
 
     def _queue_update(self, ps: _Param, coef: torch.Tensor | None = None, *, host: HostBuffer | None = None,
-                      exact: bool = False) -> ChunkJob:
+                      exact: bool = False, grad: torch.Tensor | None = None) -> ChunkJob:
         """Queue ``ps``'s AdamW update, chunk by chunk, on the worker; returns the job.
 
         The gradient is ``ps.param.grad`` (resident parameters), ``host`` (a streamed one's gradient
-        just moved off the device; released at the end), or the gradient entry in the store (a
-        streamed parameter's redo, or its exact update). ``exact=False``: a speculative update
+        just moved off the device; released at the end), ``grad`` (the ranks' average as a
+        `ddp_comm_hook` bucket lands), or the gradient entry in the store (a streamed parameter's
+        redo, or its exact update). ``exact=False``: a speculative update
         (backward schedule), into the shadow slot, recording the gradient's norm for step();
         ``exact=True``: the global norm is known (``coef`` applied), the update goes to the active
         slot in place and the job's ``done`` completes once it landed. The weight goes to `_publish`.
@@ -441,6 +447,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         param = ps.param
         from_store = ps.grads is not None and host is None
         grad_flat = (host.view(param.dtype)[: ps.numel] if host is not None
+                     else grad.reshape(-1) if grad is not None
                      else None if from_store else param.grad.reshape(-1))
         norms = self._queued  # filled in by the worker, so the hook itself stays cheap
         norm = coef is None and not from_store and not exact
@@ -631,6 +638,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         stats.last_schedule = schedule
         stats.history.append((schedule, outcome))
         self._window, reason = self.chooser.choose()
+        if self.shards is not None:  # each rank's chooser measured its own waits: rank 0's choice holds
+            choice = [self._window, reason]
+            self.shards.broadcast_object(choice)
+            self._window, reason = choice
         if self._window != schedule or reason != stats.last_reason:
             level = logging.INFO if self._window != schedule else logging.DEBUG
             log.log(level, "FuyouAdamW: schedule %s for the next step (%s)", self._window, reason)
@@ -640,16 +651,31 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def _step_speculative(self) -> tuple[str | None, float | None]:
         """The ``backward`` schedule's end: commit, redo with the clip coefficient, or skip."""
-        for ps in self._params:
-            if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued:
+        shards = self.shards
+        for ps in self._params:  # sharded: this rank's own parameters; the others' owners update them
+            if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued and (
+                    shards is None or shards.owns(ps)):
                 self._queue_update(ps)
-        if not self._queued:
+        if not self._queued and shards is None:
             return None, None
         queued = [ps for ps in self._norm_order if ps.index in self._queued]
         norms, self._queued = self._queued, {}
         late, self._flags["late_error"] = self._flags["late_error"], None
-        self._drain_or_undo(queued, late)
-        total = self._total_norm(norms, queued)
+        if shards is None:
+            self._drain_or_undo(queued, late)
+            counted = queued
+        else:  # every rank: whether all updates ran, then every norm: the same decision everywhere
+            error = None
+            try:
+                self._drain_or_undo(queued, late)
+            except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
+                error = exc
+            shards.agree(error, "the updates of the accumulation window")
+            norms = shards.share_norms(norms, self._params)
+            if not norms:
+                return None, None
+            counted = [ps for ps in self._norm_order if ps.index in norms]
+        total = self._total_norm(norms, counted)
         if total is None:
             start = time.perf_counter()
             self._undo(queued)
@@ -663,13 +689,59 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self._queue_update(ps, coef)
             self._drain_or_undo(queued)
             self._commit(queued)
+            self._send_later(norms)
             self.stats.redos += 1
             self.stats.rollbacks += 1
             self.stats.clipped += 1
             return "redo", time.perf_counter() - start
         self.stats.commits += 1
         self._commit(queued)
+        self._send_later(norms)
         return "commit", None
+
+    def _send_later(self, updated: Iterable[int]) -> None:
+        """Sharded: the weights with these indices go from their owners to every rank before they are
+        next read (`_land`: the next forward, module by module, or now if nothing gates the forward)."""
+        if self.shards is None:
+            return
+        self._unsent = [ps for ps in self._update_order if ps.index in updated]
+        if not self._gated:
+            self._land()
+
+    # -- data parallel: updates as DistributedDataParallel's buckets land ---------------------------------
+    def attach_ddp(self, ddp_model: Any) -> None:
+        """Register `ddp_comm_hook` on a ``DistributedDataParallel`` model (before its first backward):
+        under the ``backward`` schedule each rank then updates its parameters as their averaged
+        gradients land, overlapped with the rest of backward, as one process does."""
+        if self.shards is None or not self._gradients_averaged:
+            raise ConfigError("attach_ddp: needs the optimizer built with a process group and "
+                              "gradients_averaged=True (a DistributedDataParallel model)")
+        def hook(state: Any, bucket: Any) -> Any:
+            return self.ddp_comm_hook(state, bucket)
+
+        # DDP checks the annotations as objects (this module's are strings: `from __future__ import annotations`).
+        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        ddp_model.register_comm_hook(None, hook)
+
+    def ddp_comm_hook(self, state: Any, bucket: Any) -> Future:
+        """DDP's default averaging (divide, then ``all_reduce``), and, when it completes, the speculative
+        updates of this rank's parameters in the bucket with the averaged gradients (``backward``
+        schedule, the window's last backward). The callback runs on the collective's thread; what it
+        touches is the queue of updates, as the gradient hooks of one process do."""
+        group = self.shards.group
+        buffer = bucket.buffer().div_(self.shards.world)
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def landed(fut: Future) -> torch.Tensor:
+            if self._flags["updates"] and self._window == BACKWARD:
+                for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                    ps = self._by_param.get(param)
+                    if ps is not None and self.shards.owns(ps) and ps.index not in self._queued:
+                        self._queue_update(ps, grad=grad.detach().clone().view_as(param))
+            return fut.value()[0]
+
+        return fut.then(landed)
 
     def _step_exact(self) -> tuple[str | None, None]:
         """The ``next_forward`` schedule's end: the window's gradients are all known; queue every exact

@@ -13,8 +13,10 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
    once and zeros elsewhere, so every rank has every norm exactly), and each rank computes the
    same global norm in the same order as a single process would: one decision to commit, clip or
    skip, everywhere;
-3. each owner queues the updates of its parameters from its shard of the state (ahead of the next
-   forward, as the single-process ``next_forward`` schedule does);
+3. each owner queues the updates of its parameters from its shard of the state: under the
+   ``backward`` schedule with a ``DistributedDataParallel`` model, during backward, as each
+   bucket's average lands (`FuyouAdamW.ddp_comm_hook`), then commits, redoes or skips at ``step()``
+   like every rank; under ``next_forward``, at ``step()``, to run ahead of the next forward;
 4. when the next forward reaches a module (or at `FuyouAdamW.flush`, a checkpoint, the next
    backward), its parameters' owners wait for their updates, the ranks agree that they landed
    (`agree`), and each weight is broadcast from its owner (`FuyouAdamW._land`).
