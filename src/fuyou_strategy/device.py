@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAGE_SIZE", "cuda_available", "alloc_host_buffer", "HostBufferUsage", "host_buffer_usage",
+__all__ = ["PAGE_SIZE", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage", "host_buffer_usage",
            "reset_host_buffer_high_water", "Upload", "copy_to_device", "claim_for_current_stream"]
 
 PAGE_SIZE = 4096
@@ -151,6 +151,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def accelerator() -> tuple[str, int] | None:
+    """The first CUDA device's name and total memory in bytes, or ``None`` without one."""
+    if not cuda_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

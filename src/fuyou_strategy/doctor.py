@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .config import FuyouConfig, format_bytes
+from .device import accelerator
 
 __all__ = ["Check", "Diagnosis", "diagnose"]
 
@@ -83,8 +84,9 @@ def diagnose(directories: list[str], *, probe_bytes: int = 256 * 2**20,
         directory = os.path.abspath(os.path.expanduser(directory))
         if _check_directory(d, directory, probe_bytes, say):
             usable.append(directory)
-    _check_machine(d, cores)
-    _recommend(d, usable, cores)
+    mem = _meminfo()
+    _check_machine(d, cores, mem)
+    _recommend(d, usable, cores, mem.get("MemAvailable", 0))
     return d
 
 
@@ -121,8 +123,7 @@ def _check_directory(d: Diagnosis, directory: str, probe_bytes: int, say: Callab
     return True
 
 
-def _check_machine(d: Diagnosis, cores: int) -> None:
-    mem = _meminfo()
+def _check_machine(d: Diagnosis, cores: int, mem: dict[str, int]) -> None:
     d.add("host memory", "RAM", "ok" if mem.get("MemAvailable", 0) >= 8 * GiB else "warn",
           f"{format_bytes(mem.get('MemAvailable', 0))} available of {format_bytes(mem.get('MemTotal', 0))}")
     d.add("cpu", "cores", "ok" if cores >= 4 else "warn",
@@ -135,18 +136,17 @@ def _check_machine(d: Diagnosis, cores: int) -> None:
           "pool's buffers through the driver, but a container's low `ulimit -l` can refuse pinning "
           "(raise it with --ulimit memlock=-1)")
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            d.add("accelerator", "cuda", "ok", f"{props.name}, {format_bytes(props.total_memory)}")
+        found = accelerator()
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install is a finding, not a crash
+        d.add("accelerator", "cuda", "warn", f"the CUDA query failed: {exc}")
+    else:
+        if found is not None:
+            d.add("accelerator", "cuda", "ok", f"{found[0]}, {format_bytes(found[1])}")
         else:
             d.add("accelerator", "cuda", "warn", "none: the device tier is host RAM (CPU training)")
-    except Exception as exc:  # noqa: BLE001 - a broken CUDA install is a finding, not a crash
-        d.add("accelerator", "cuda", "warn", f"torch.cuda failed: {exc}")
 
 
-def _recommend(d: Diagnosis, usable: list[str], cores: int) -> None:
+def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> None:
     defaults = FuyouConfig()
     if usable:
         d.recommend("swap_dirs", usable, "the directories that passed; list one per drive, chunks are striped")
@@ -157,7 +157,6 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int) -> None:
                 "some refuse O_DIRECT: 'auto' falls back to buffered I/O there")
     threads = max(1, min(defaults.io_threads, cores))
     d.recommend("io_threads", threads, f"per directory; {cores} core(s) here, O_DIRECT reads release the GIL")
-    available = _meminfo().get("MemAvailable", 0)
     budget = max(GiB, min(16 * GiB, available // 4 // GiB * GiB))
     d.recommend("host_memory_budget", format_bytes(budget),
                 f"a quarter of the available {format_bytes(available)} (1-16 GiB): optimizer read-ahead and "
