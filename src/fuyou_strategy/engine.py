@@ -38,6 +38,7 @@ import torch
 
 from . import trace
 from .activations import ActivationSwapper, Policy, discover_blocks
+from .activations.spans import BlockSpans
 from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .optim.schedule import NEXT_FORWARD
@@ -241,7 +242,7 @@ class FuyouEngine:
         self._last_step_end: float | None = None
         self._window_open = False  # a micro-batch of the next step has begun
         self._tracer: trace.Tracer | None = None
-        self._trace_spans: trace.BlockSpans | None = None
+        self._trace_spans: BlockSpans | None = None
         self._trace_from = 0  # the optimizer step the trace starts at
         self._trace_marks: dict[str, float] = {}  # window start, step() start (tracer clock)
         self._trace_written = config.trace is None
@@ -302,7 +303,7 @@ class FuyouEngine:
                               "recording a trace (one at a time)", stacklevel=3)
                 return
             self._tracer = trace.Tracer().start()
-            self._trace_spans = trace.BlockSpans(discover_blocks(self.model, self.config.blocks))
+            self._trace_spans = BlockSpans(discover_blocks(self.model, self.config.blocks))
             self._trace_from = steps
         elif steps >= self._trace_from + self.config.trace_steps:
             self._write_trace()

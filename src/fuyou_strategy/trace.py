@@ -15,7 +15,8 @@ Lanes (one "thread" each in the viewer):
 - ``ssd fuyou-ioN_M``: every read and write request on each I/O thread (``io_block_size`` each).
 
 Recording costs a clock read and a list append per span; when no trace is recording, `span` is a
-global lookup and a no-op context manager. Spans are only taken where the code runs anyway:
+global lookup and a no-op context manager. The blocks' compute spans come from hooks the engine
+puts on the blocks while it records (`activations.spans.BlockSpans`). Spans are only taken where the code runs anyway:
 tracing never adds a synchronisation (on CUDA the compute lane shows when the host issued the
 work, as a CPU-side profiler does).
 """
@@ -29,7 +30,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["Tracer", "BlockSpans", "span", "active", "in_backward", "LANES"]
+__all__ = ["Tracer", "span", "active", "LANES"]
 
 # Lane order in the viewer and in `fuyou report`; I/O thread lanes ("ssd ...") follow.
 LANES = ("steps", "compute", "waits", "optimizer")
@@ -149,83 +150,3 @@ class Tracer:
             json.dump(self.chrome(**kwargs), f)
         os.replace(tmp, path)
 
-
-class BlockSpans:
-    """Hooks that put each block's forward, backward and recomputation on the ``compute`` lane of the
-    recording tracer (they do nothing while none records).
-
-    Forward: the block's forward pre- and post-hooks. Backward: from the moment the gradient of the
-    block's output arrives to the moment the gradient of its input is computed (tensor hooks; the
-    input of block ``i`` is the output of block ``i - 1``, so the spans tile backward). A forward
-    that runs inside backward (activation checkpointing) is a recomputation.
-    """
-
-    def __init__(self, blocks: list) -> None:
-        self._handles = []
-        self._starts: dict[int, float] = {}
-        for i, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(self._post(i), always_call=True))
-
-    def _pre(self, i: int):
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
-            tracer = _active
-            if tracer is None or not _grad_enabled():  # training forwards only (not evaluation)
-                return
-            self._starts[i] = tracer.now()
-            if in_backward():
-                return
-            x = _first_tensor(args)
-            x = x if x is not None else _first_tensor(tuple(kwargs.values()))
-            if x is not None and x.requires_grad:
-                x.register_hook(self._backward_end(i))
-        return hook
-
-    def _post(self, i: int):
-        def hook(module: Any, args: tuple, out: Any) -> None:
-            tracer, start = _active, self._starts.pop(i, None)
-            if tracer is None or start is None:
-                return
-            recompute = in_backward()
-            tracer.add("compute", f"{'recompute' if recompute else 'forward'} {i}", start, tracer.now(), block=i)
-            y = _first_tensor(out if isinstance(out, tuple) else (out,))
-            if not recompute and y is not None and y.requires_grad:
-                y.register_hook(self._backward_start(i))
-        return hook
-
-    def _backward_start(self, i: int):
-        def hook(grad: Any) -> None:
-            if _active is not None:
-                self._starts[-1 - i] = _active.now()  # negative keys: backward
-        return hook
-
-    def _backward_end(self, i: int):
-        def hook(grad: Any) -> None:
-            tracer, start = _active, self._starts.pop(-1 - i, None)
-            if tracer is not None and start is not None:
-                tracer.add("compute", f"backward {i}", start, tracer.now(), block=i)
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (a forward now is a recomputation)."""
-    import torch
-
-    return torch._C._current_graph_task_id() != -1
-
-
-def _grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
-
-
-def _first_tensor(values: tuple) -> Any:
-    import torch
-
-    return next((v for v in values if isinstance(v, torch.Tensor)), None)

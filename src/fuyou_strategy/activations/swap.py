@@ -261,6 +261,11 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (e.g. recomputing a checkpointed block)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def first_tensor(out: Any) -> torch.Tensor | None:
     """The first tensor of a block's output (a tensor, a tuple, or a ModelOutput-like tuple)."""
     if isinstance(out, torch.Tensor):
@@ -412,7 +417,7 @@ class ActivationSwapper:
     def _traced(index: int, forward: Callable) -> Callable:
         """``forward``, whose run inside backward (the recomputation) is a span of a recording trace."""
         def forward_or_recompute(*args: Any, **kwargs: Any) -> Any:
-            if trace.active() is None or not trace.in_backward():
+            if trace.active() is None or not in_backward():
                 return forward(*args, **kwargs)
             with trace.span("compute", f"recompute {index}", block=index):
                 return forward(*args, **kwargs)

@@ -69,7 +69,7 @@ from typing import Any, Mapping
 import torch
 
 from ..activations.blocks import discover_blocks, resolve_per_block
-from ..activations.swap import first_tensor, storage_id
+from ..activations.swap import first_tensor, in_backward, storage_id
 from .. import trace
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..device import claim_for_current_stream, copy_to_device
@@ -160,11 +160,6 @@ def _nbytes(t: torch.Tensor) -> int:
 def _storage_key(t: torch.Tensor) -> int:
     """What tells storages apart: `storage_id`, or for a meta tensor (no storage) the tensor itself."""
     return id(t) if t.is_meta else storage_id(t)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (e.g. recomputing a checkpointed block)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class WeightStreamer:
@@ -347,7 +342,7 @@ class WeightStreamer:
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_forward(self, i: int) -> None:
         with self._lock:
-            if _in_backward():  # activation checkpointing re-runs the block: its backward follows at once
+            if in_backward():  # activation checkpointing re-runs the block: its backward follows at once
                 self._materialize(i)
                 return
             if i == 0:  # a new pass: nothing from an earlier one is needed on the device any more
@@ -365,7 +360,7 @@ class WeightStreamer:
             if out is None:  # the block raised (``always_call``): let nothing stay materialised
                 self.release_all()
                 return
-            if _in_backward():
+            if in_backward():
                 return
             if not torch.is_grad_enabled() or i < len(self.blocks) - self.k:
                 if i in self._units:
