@@ -252,7 +252,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._gradients_averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
         if self.shards is not None:
             self.release_grads = False  # DistributedDataParallel writes the averaged gradients into .grad
-        owned = [ps for ps in self._params if self.shards is None or self.shards.owns(ps)]
+        owned = self._owned()
 
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the
         # hooks on the parameters) is released by one finalizer: on close(), or when the optimizer
@@ -302,6 +302,14 @@ class FuyouAdamW(torch.optim.Optimizer):
                            for ps in self._params)
 
     # -- state on SSD ---------------------------------------------------------------------------
+    def _owns(self, ps: _Param) -> bool:
+        """Whether this rank keeps ``ps``'s state (always, without a process group)."""
+        return self.shards is None or self.shards.owns(ps)
+
+    def _owned(self) -> list[_Param]:
+        """The parameters whose state this rank keeps, in order."""
+        return [ps for ps in self._params if self._owns(ps)]
+
     def _initialise_state(self, params: list[_Param]) -> None:
         """Write ``[master = weight in fp32 | 0 | 0]`` into each entry's active slot (a streamed
         parameter's weight comes from its tier copy, one parameter in memory at a time)."""
@@ -653,8 +661,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """The ``backward`` schedule's end: commit, redo with the clip coefficient, or skip."""
         shards = self.shards
         for ps in self._params:  # sharded: this rank's own parameters; the others' owners update them
-            if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued and (
-                    shards is None or shards.owns(ps)):
+            if ps.grads is None and ps.param.grad is not None and ps.index not in self._queued and self._owns(ps):
                 self._queue_update(ps)
         if not self._queued and shards is None:
             return None, None
@@ -776,7 +783,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             return "skip", None  # nothing was written: state and weights are as they were
         coef = self._clip_coef(total)
         for ps in (ps for ps in self._update_order if ps.index in norms):
-            if self.shards is None or self.shards.owns(ps):  # else its owner updates it
+            if self._owns(ps):  # else its owner updates it
                 job = self._queue_update(ps, coef, exact=True)
                 self.landing.add(ps.param, job, f"the update of parameter {ps.index} {tuple(ps.param.shape)}")
                 if ps.grads is None:

@@ -173,8 +173,7 @@ def _save_sharded(opt: "FuyouAdamW", folder: Path) -> dict:
             write_owner(tmp)
         shards.barrier()
         (tmp / part).mkdir()
-        owned = [ps for ps in opt._params if shards.owns(ps)]
-        params = [dict(pm, part=part) for pm in _write_state(opt, tmp / part, token, owned)["params"]]
+        params = [dict(pm, part=part) for pm in _write_state(opt, tmp / part, token, opt._owned())["params"]]
         _fsync_dir(tmp / part)
     except Exception as exc:  # noqa: BLE001 - every rank learns it, below
         error = f"rank {shards.rank}: {type(exc).__name__}: {exc}"
@@ -316,9 +315,9 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
         if list(ps.param.shape) != pm["shape"]:
             raise CheckpointError(f"{folder}: parameter {ps.index} has shape {pm['shape']} there, {list(ps.param.shape)} here")
     # This rank's parameters (all of them without a process group), each from the part that holds it.
-    owned = [ps for ps in opt._params if opt.shards is None or opt.shards.owns(ps)]
+    owned = opt._owned()
     items = [(ps, pm, folder / pm["part"] if "part" in pm else folder) for ps, pm in zip(opt._params, meta["params"])
-             if ps in owned]
+             if opt._owns(ps)]
     if opt.config.state_slots == 1:  # no shadow slot to stage in: verify every checksum first, then write
         _stream_state(opt, items, write=False)
     _stream_state(opt, items, write=True)
