@@ -745,7 +745,9 @@ class FuyouAdamW(torch.optim.Optimizer):
                 for param, grad in zip(bucket.parameters(), bucket.gradients()):
                     ps = self._by_param.get(param)
                     if ps is not None and self.shards.owns(ps) and ps.index not in self._queued:
-                        self._queue_update(ps, grad=grad.detach().clone().view_as(param))
+                        # a view of the bucket: DDP leaves it alone until the next window's backward,
+                        # and step() drains every update before that
+                        self._queue_update(ps, grad=grad.detach().view_as(param))
             return fut.value()[0]
 
         return fut.then(landed)
