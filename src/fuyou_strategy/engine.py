@@ -380,9 +380,11 @@ class FuyouEngine:
             "FuyouConfig.ssd_endurance_tbw to your drive's rating (its datasheet), add drives (swap_dirs), keep "
             "activations off the SSD, or raise ssd_wear_warning", stacklevel=3)
 
-    def _measure_wear(self, written: float, seconds: float) -> None:
+    def _measure_wear(self, written: float) -> None:
+        if self.wear is not None:  # measured once: the sample is not kept growing with the run
+            return
         self._written_per_step.append(written)
-        if self.wear is not None or len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
+        if len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
             return
         sample = self._written_per_step[1:]  # the first step includes the warm-up
         self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
@@ -396,7 +398,7 @@ class FuyouEngine:
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
             self._metrics = self._step_metrics(now - self._last_step_end)
-            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"], now - self._last_step_end)
+            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"])
         self._last_step_end = now
         self._window_open = False
         if self._tracer is not None:
