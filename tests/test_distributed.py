@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
+from fuyou_strategy.activations import discover_blocks
 
 STEPS, ACCUMULATE, PER_RANK, SEQ = 3, 2, 2, 16
 TOLERANCE = 1e-3  # relative, per tensor, against one process on the global batch (explained in the test)
@@ -26,6 +27,11 @@ def _rank_main(rank, world, tmp, family, fields):
     try:
         torch.manual_seed(0)
         model = tiny_causal_lm(family)
+        if rank == 1 and fields.get("weights", "device") != "device":
+            with torch.no_grad():  # streamed weights start as rank 0's, whatever each rank built
+                for block in discover_blocks(model):
+                    for p in block.parameters():
+                        p.add_(1.0)
         os.makedirs(f"{tmp}/swap{rank}", exist_ok=True)
         config = FuyouConfig(swap_dirs=[f"{tmp}/swap{{local_rank}}"], chunk_size="8KiB", **fields)  # swap0, swap1
         engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config=config,
@@ -47,7 +53,7 @@ def _rank_main(rank, world, tmp, family, fields):
             torch.save({"weights": model.state_dict(), "state_bytes": state_bytes, "clipped": stats.clipped,
                         "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
                         "run_dirs": engine.optimizer.store.run_dirs, "pending": pending,
-                        "params": len(list(model.parameters()))},
+                        "params": len(list(model.parameters())), "summary": engine.summary()},
                        f"{tmp}/rank{rank}.pt")
         finally:
             engine.close()
@@ -120,6 +126,32 @@ def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_
         single.close()
     assert total == whole
     assert all(abs(r["state_bytes"] - whole / 2) <= 0.1 * whole for r in ranks), [r["state_bytes"] for r in ranks]
+
+
+@pytest.mark.parametrize("family,weights", [("gpt2", "ssd"), ("llama", {0: "host", 1: "ssd"})])
+def test_two_ranks_stream_the_blocks_weights_and_train_like_one_process(tmp_path, family, weights):
+    """Weight streaming under data parallelism: every rank streams the blocks' weights from its own
+    tier copies; a streamed gradient is summed onto its owner from the ranks' host copies, and the
+    owner's new weight reaches the others' tier copies as the next forward reaches the block."""
+    mp.spawn(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "auto", "weights": weights}), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:  # both ranks streamed both blocks, trainable weights included
+        s = r["summary"]
+        assert s["weight_tiers"] == ({0: "ssd", 1: "ssd"} if weights == "ssd" else {0: "host", 1: "ssd"})
+        assert s["weight_bytes_trainable_streamed"] > 0
+        assert s["schedule_steps"] == {"backward": 0, "next_forward": STEPS}, "auto takes next_forward here"
+    for name, p in ranks[0]["weights"].items():
+        assert torch.equal(p, ranks[1]["weights"][name]), name
+    # bitwise what one process computes when it sums the ranks' gradients the same way: rank 1 built
+    # its blocks with other values (+1), and started from rank 0's all the same
+    same_sum, norms = reference(family, as_ranks=True)
+    for r in ranks:
+        assert r["clipped"] == STEPS and r["norm"] == norms[-1]
+        for name, p in same_sum.state_dict().items():
+            assert torch.equal(p, r["weights"][name]), name
+    whole, _ = reference(family, as_ranks=False)
+    assert max_relative_difference(whole.state_dict(), ranks[0]["weights"]) <= TOLERANCE
+    assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
 
 
 def _mismatched(rank, world, tmp):

@@ -9,7 +9,7 @@ from typing import Any
 
 from .activations import ActivationSwapper, Policy, SwapStats
 from .config import ConfigError, FuyouConfig
-from .engine import FuyouEngine
+from .engine import FuyouEngine, ignore_streamed_in_ddp
 from .optim import FuyouAdamW, StepStats
 from .params import SafetensorsInit
 from .storage import HostBufferPool, IOEngine, TensorStore
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ActivationSwapper", "ConfigError", "FuyouAdamW", "FuyouCallback", "FuyouConfig", "FuyouEngine",
     "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouStrategy", "HostBufferPool", "IOEngine", "Policy", "SafetensorsInit", "StepStats",
-    "SwapStats", "TensorStore", "__version__",
+    "SwapStats", "TensorStore", "__version__", "ignore_streamed_in_ddp",
 ]
 
 try:

@@ -43,6 +43,7 @@ from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_byte
 from .optim import FuyouAdamW
 from .optim.schedule import NEXT_FORWARD
 from .params import WeightStreamer
+from .params.streaming import streamed_parameter_names
 from .params.materialize import has_meta, materialize, model_device
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
@@ -51,7 +52,7 @@ from .storage.wear import TB, Wear, drive_capacity
 log = logging.getLogger("fuyou_strategy")
 log.addHandler(logging.NullHandler())  # the application decides handlers and levels
 
-__all__ = ["FuyouEngine", "optimizer_arguments", "rebind_scheduler"]
+__all__ = ["FuyouEngine", "ignore_streamed_in_ddp", "optimizer_arguments", "rebind_scheduler"]
 
 # Steps measured (after the first) before the SSD wear of a run is projected and reported.
 WEAR_SAMPLE_STEPS = 3
@@ -107,6 +108,25 @@ def _plain(hyper: dict) -> dict:
     lr = hyper["lr"]
     return {**hyper, "lr": float(lr) if isinstance(lr, torch.Tensor) else lr,
             "betas": tuple(float(b) for b in hyper["betas"])}
+
+
+def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[str]:
+    """Before ``DistributedDataParallel(model)``: make it leave alone the trainable parameters that
+    ``config``'s weight tiers (``weights``, or a pinned ``plan``'s) stream. Their device storage is
+    released between uses and their gradients leave the device as they are made, so DDP could
+    neither broadcast nor average them; `FuyouAdamW` sums them over the ranks at ``step()`` and makes
+    their tier copies rank 0's at the start. Returns their names (none: nothing changed)."""
+    weights = config.weights
+    if config.plan is not None and weights in ("device", "auto"):
+        weights = Plan.load(config.plan).weights
+    if weights in ("device", "auto", {}):
+        return []
+    names = streamed_parameter_names(model, config, weights)
+    if names:
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(ignored | set(names)))
+    return names
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -204,6 +224,13 @@ class FuyouEngine:
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads, loss_scaling=loss_scaling,
                                     process_group=process_group, gradients_averaged=gradients_averaged)
+        self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
+        if self.optimizer.shards is not None and config.weights == "auto" and config.plan is None:
+            self.optimizer.close()
+            raise ConfigError("weights: got 'auto' under data parallelism; the planner would choose the weight tiers "
+                              "after the model was wrapped for data parallelism. Pin them: plan on one rank "
+                              "(`fuyou plan` or a one-device warm-up) and pass plan='plan.json', or give the tiers "
+                              "(weights='ssd', or {block: 'ssd'})")
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
@@ -259,9 +286,19 @@ class FuyouEngine:
     def _install_streamer(self, weights: str | dict) -> None:
         """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
         the trainable ones' updates there."""
-        self.streamer = WeightStreamer(self.model, self.config.replace(weights=weights, plan=None),
-                                       store=self.optimizer.store, trainable=self.optimizer.chunk_elements(),
-                                       device=self.device, init_weights=self.init_weights)
+        config = self.config.replace(weights=weights, plan=None)
+        if self._ddp:  # DistributedDataParallel must leave the streamed parameters to the optimizer
+            ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+            missing = [n for n in streamed_parameter_names(self.model, config) if n not in ignored]
+            if missing:
+                raise ConfigError(
+                    f"weights: {len(missing)} streamed parameters (the first: {missing[0]!r}) are not ignored by the "
+                    "DistributedDataParallel model, which would bring their gradients back to the device; call "
+                    "fuyou_strategy.ignore_streamed_in_ddp(model, config) before wrapping the model (the fuyou_ddp "
+                    "strategy and FuyouCallback do it)")
+        self.streamer = WeightStreamer(self.model, config, store=self.optimizer.store,
+                                       trainable=self.optimizer.chunk_elements(), device=self.device,
+                                       init_weights=self.init_weights)
         self.streamer.install()
         self.optimizer.attach_weights(self.streamer)
 

@@ -348,13 +348,27 @@ class FuyouAdamW(torch.optim.Optimizer):
         accumulation window and the gradients a clipping redo (or ``state_slots=1``) needs wait
         in a store entry of the gradient's dtype, and every new weight goes to the tier copy
         (``streamer.publish``), never into the released device storage. Call it between steps.
+
+        Sharded over a process group (a collective: every rank calls it alike), each rank keeps a tier
+        copy of every streamed weight, made rank 0's here (as ``DistributedDataParallel`` does for
+        resident weights); a streamed gradient is summed onto its owner at ``step()`` from the ranks'
+        host copies (``DistributedDataParallel`` must ignore these parameters:
+        `fuyou_strategy.engine.ignore_streamed_in_ddp`), and each new weight goes from the owner's tier
+        copy into the others' when the next forward reaches its block. The updates then run under
+        ``next_forward`` only: a speculative one would need the ranks' sum during backward.
         """
         self._check_idle("attach_weights")
-        if self.shards is not None:
-            raise ConfigError("weights: streaming weights is not supported with a process group yet; keep "
-                              "weights='device' under data parallelism")
+        if self.shards is not None and streamer.streamed():
+            if self.config.optimizer_schedule == BACKWARD:
+                raise ConfigError("optimizer_schedule: got 'backward' with weights streamed under data parallelism; a "
+                                  "streamed gradient is summed over the ranks at step(), so its update cannot run "
+                                  "during backward: use 'next_forward' or 'auto'")
+            self.chooser.can_speculate = False
+            self.chooser.why_not = "data parallel with streamed weights: their gradients are summed at step()"
+            self._window, self.stats.last_reason = self.chooser.choose()
         self._weights = streamer
-        streamer.updates = self.landing  # it reads a tier copy only once the update pending for it landed
+        # It reads a tier copy only once the update pending for it landed (sharded: was sent by its owner).
+        streamer.updates = self.landing if self.shards is None else _SentWeights(self)
         # The tier copies live in this store: a model that outlives the optimizer gets its weights
         # back first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
         self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
@@ -363,6 +377,10 @@ class FuyouAdamW(torch.optim.Optimizer):
                 ps.grads = f"grads.{ps.index}"
                 self.store.create(ps.grads, (ps.numel,), ps.param.dtype, slots=1,
                                   chunk_bytes=ps.elems_per_chunk * ps.param.element_size())
+        if self.shards is not None and streamer.streamed():
+            changed = set(self.shards.sync_streamed(streamer))
+            # an owner whose master was made from another value than rank 0's makes it again
+            self._initialise_state([ps for ps in self._owned() if ps.param in changed and ps not in self._pending])
 
     # -- the hook: queue an update as soon as a gradient is final -------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -370,12 +388,12 @@ class FuyouAdamW(torch.optim.Optimizer):
         # list on every rank, so every rank enters the collective here alike).
         if self._unsent if self.shards is not None else self.landing.jobs:
             self._land()
-        if self.shards is not None:
-            return  # this rank's own gradient, before the ranks' average: `ddp_comm_hook` queues the updates
         ps = self._by_param[param]
-        if ps.grads is not None:
+        if ps.grads is not None:  # streamed (sharded: kept for step() to sum over the ranks)
             self._take_grad(ps)
             return
+        if self.shards is not None:
+            return  # this rank's own gradient, before the ranks' average: `ddp_comm_hook` queues the updates
         if not self._flags["updates"] or self._window != BACKWARD:
             return  # accumulating; or next_forward: the gradient waits on the parameter for step()
         if ps.index in self._queued:
@@ -592,7 +610,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
             error = exc
         self.shards.agree(error, "the last step's optimizer updates")
-        self.shards.broadcast_weights(todo)
+        self.shards.broadcast_weights(todo, self._weights)
         sent = {ps.index for ps in todo}
         self._unsent = [ps for ps in self._unsent if ps.index not in sent]
 
@@ -770,7 +788,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         norms, self._queued = dict(self._queued), {}
         self._partial.clear()
         if self.shards is not None:  # each gradient, averaged over the ranks, onto its owner
-            self.shards.reduce_grads(self._params, averaged=self._gradients_averaged)
+            self._reduce_streamed(norms)
+            self.shards.reduce_grads([ps for ps in self._params if ps.grads is None],
+                                     averaged=self._gradients_averaged)
         inv = self._inv_scale()
         for ps in self._params:
             if ps.grads is None and ps.param.grad is not None:
@@ -798,6 +818,28 @@ class FuyouAdamW(torch.optim.Optimizer):
         if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
             self._land()
         return "deferred", None
+
+    def _reduce_streamed(self, norms: dict[int, torch.Tensor]) -> None:
+        """Sharded: each streamed gradient of the window (this rank's sum, in its store entry), summed
+        over the ranks onto its owner and divided by N, back into the owner's entry, where the exact
+        update reads it; its norm (in ``norms``) becomes the owner's of the average. One gradient in
+        host memory at a time."""
+        streamed = [ps for ps in self._params if ps.grads is not None]
+        mine = {ps.index for ps in streamed if ps.index in norms}
+        for ps in streamed:
+            norms.pop(ps.index, None)  # this rank's own: the owner's of the average replaces it
+        timeout, store = self.config.io_timeout, self.store
+
+        def read(ps: _Param) -> torch.Tensor:
+            if ps.index not in mine:
+                return torch.zeros(ps.numel, dtype=ps.param.dtype)
+            return store.read(ps.grads, timeout=timeout).result(timeout=timeout)
+
+        for ps, total in self.shards.sum_onto_owners(streamed, lambda ps: ps.index in mine, read, host=True):
+            if total is not None:
+                total.div_(self.shards.world)
+                norms[ps.index] = _grad_norm(total.view(ps.param.shape), self._inv_scale())
+                store.write(ps.grads, total, timeout=timeout).result(timeout=timeout)
 
     def _total_norm(self, norms: dict[int, torch.Tensor], params: list[_Param]) -> torch.Tensor | None:
         """The global norm exactly as clip_grad_norm_ computes it (the norm of per-tensor norms);
@@ -1067,3 +1109,21 @@ def _check_param(p: torch.Tensor, index: int, *, scaled: bool) -> None:
                           "or (with loss_scaling) float16 weights")
     if not p.is_contiguous():
         raise ConfigError(f"parameter {index} {tuple(p.shape)} is not contiguous; call .contiguous() on it before training")
+
+
+class _SentWeights:
+    """What a `WeightStreamer` waits on under data parallelism: a streamed weight is ready once its
+    owner sent it (`FuyouAdamW._land`, a collective; the pending list is the same on every rank, so a
+    block with one is put on the device ahead by no rank, and every rank lands it at its forward)."""
+
+    def __init__(self, optimizer: FuyouAdamW) -> None:
+        self._optimizer = weakref.ref(optimizer)  # the model's hooks must not keep the optimizer alive
+
+    def pending(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        opt, wanted = self._optimizer(), set(params)
+        return opt is not None and any(ps.param in wanted for ps in opt._unsent)
+
+    def wait(self, params: Iterable[torch.nn.Parameter]) -> None:
+        opt = self._optimizer()
+        if opt is not None:
+            opt._land(params)

@@ -333,7 +333,7 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
     opt._window, opt.stats.last_reason = opt.chooser.choose()
     opt._restore_weights(owned)
     if opt.shards is not None:
-        opt.shards.broadcast_weights(opt._params)
+        opt.shards.broadcast_weights(opt._params, opt._weights)
     return meta
 
 

@@ -27,7 +27,7 @@ their timeout is the group's (``init_process_group(timeout=...)``).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,10 @@ class Shards:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        # Host tensors (the step's flags and norms, streamed weights' tier copies and gradients) travel
+        # over gloo: the group itself when it is gloo, else (NCCL, which moves device tensors only) a
+        # gloo group of the same ranks, made here, where every rank is.
+        self.host_group = group if dist.get_backend(group) == "gloo" else dist.new_group(self.ranks, backend="gloo")
         self._check_same_everywhere(params, config)
         loads = [0] * self.world
         self.owner: dict[int, int] = {}
@@ -101,18 +105,28 @@ class Shards:
                 if not self.owns(ps):
                     ps.param.grad = None
             return
-        present = torch.tensor([ps.param.grad is not None for ps in params], dtype=torch.int32)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
-        for ps, has in zip(params, present.tolist()):
-            grad = ps.param.grad
-            if not has:
-                continue
-            buf = grad if grad is not None else torch.zeros_like(ps.param)
-            dist.reduce(buf, dst=self.ranks[self.owner[ps.index]], op=dist.ReduceOp.SUM, group=self.group)
-            if self.owns(ps):
-                ps.param.grad = buf.div_(self.world)
-            else:
+        has = lambda ps: ps.param.grad is not None  # noqa: E731
+        get = lambda ps: ps.param.grad if has(ps) else torch.zeros_like(ps.param)  # noqa: E731
+        for ps, total in self.sum_onto_owners(params, has, get):
+            ps.param.grad = total.div_(self.world) if total is not None else None
+        for ps in params:
+            if not self.owns(ps):
                 ps.param.grad = None
+
+    def sum_onto_owners(self, params: list, has: Callable[[Any], bool], get: Callable[[Any], torch.Tensor], *,
+                        host: bool = False) -> Iterator[tuple[Any, torch.Tensor | None]]:
+        """Each parameter's tensor summed over the ranks onto its owner, in order, for the parameters
+        some rank has one for (``has(ps)``; ``get(ps)`` gives it, or zeros where this rank has none):
+        yields ``(ps, sum)``, ``sum`` being ``None`` off the owner. One tensor at a time; ``host``:
+        host tensors (streamed gradients), over `host_group`."""
+        group = self.host_group if host else self.group
+        flags = torch.tensor([has(ps) for ps in params], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
+        for ps, anywhere in zip(params, flags.tolist()):
+            if anywhere:
+                buf = get(ps)
+                dist.reduce(buf, dst=self.ranks[self.owner[ps.index]], op=dist.ReduceOp.SUM, group=group)
+                yield ps, (buf if self.owns(ps) else None)
 
     def share_norms(self, norms: dict[int, torch.Tensor], params: list) -> dict[int, torch.Tensor]:
         """Every parameter's gradient norm on every rank (each from its owner, bitwise: one non-zero
@@ -123,29 +137,29 @@ class Shards:
             if ps.index in norms:
                 vec[i] = norms[ps.index]
                 seen[i] = 1
-        dist.all_reduce(vec, group=self.group)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(vec, group=self.host_group)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.host_group)
         return {ps.index: vec[i] for i, ps in enumerate(params) if seen[i]}
 
     def broadcast_object(self, values: list) -> None:
         """``values`` (a list, changed in place) from rank 0 of the group to every rank."""
-        dist.broadcast_object_list(values, src=self.ranks[0], group=self.group)
+        dist.broadcast_object_list(values, src=self.ranks[0], group=self.host_group)
 
     def all_gather_object(self, value: Any) -> list:
         """Every rank's ``value``, in rank order, on every rank."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
+        dist.all_gather_object(out, value, group=self.host_group)
         return out
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.host_group)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Whether ``what`` succeeded on every rank (one small ``all_reduce``): if it failed anywhere, every
         rank raises, naming the ranks and their errors (a failed rank's own error is chained), instead of
         the others waiting for it in the next collective until the group's timeout."""
         failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.host_group)
         if not failed.item():
             return
         reports = self.all_gather_object(None if error is None else _describe(error))
@@ -153,7 +167,29 @@ class Shards:
         raise RankError(f"{what} failed on {sum(e is not None for e in reports)} of {self.world} ranks ({named}); "
                         "every rank stops here") from error
 
-    def broadcast_weights(self, params: Iterable[Any]) -> None:
-        """Each updated weight from its owner to every rank, in parameter order."""
+    def broadcast_weights(self, params: Iterable[Any], streamer: Any = None) -> None:
+        """Each updated weight from its owner to every rank, in parameter order. A weight ``streamer``
+        streams goes from the owner's tier copy into the others' (`WeightStreamer.assign`)."""
         for ps in params:
-            dist.broadcast(ps.param.data, src=self.ranks[self.owner[ps.index]], group=self.group)
+            src = self.ranks[self.owner[ps.index]]
+            if streamer is None or not streamer.streams(ps.param):
+                dist.broadcast(ps.param.data, src=src, group=self.group)
+                continue
+            value = streamer.value(ps.param) if self.owns(ps) else torch.empty(ps.numel, dtype=ps.param.dtype)
+            dist.broadcast(value.view(-1), src=src, group=self.host_group)
+            if not self.owns(ps):
+                streamer.assign(ps.param, value)
+
+    def sync_streamed(self, streamer: Any) -> list[Any]:
+        """Every streamed weight's tier copy made rank 0's (as ``DistributedDataParallel``'s construction
+        makes the resident weights rank 0's; it leaves the streamed ones alone). Returns the parameters
+        whose value changed on this rank."""
+        changed = []
+        for param in streamer.streamed():
+            mine = streamer.value(param).view(-1)
+            value = mine.clone()
+            dist.broadcast(value, src=self.ranks[0], group=self.host_group)
+            if not torch.equal(value, mine):
+                streamer.assign(param, value)
+                changed.append(param)
+        return changed

@@ -103,6 +103,7 @@ class ScheduleChooser:
     def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, smoothing: float = 0.5) -> None:
         self.setting = setting
         self.can_speculate = can_speculate
+        self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
         self.smoothing = smoothing
         self.rolled: deque[bool] = deque(maxlen=history)
         self.rollback_s: float | None = None
@@ -113,7 +114,7 @@ class ScheduleChooser:
         if self.setting != "auto":
             return self.setting, "configured"
         if not self.can_speculate:
-            return NEXT_FORWARD, "one state slot: no shadow slot to speculate into"
+            return NEXT_FORWARD, self.why_not
         rate = sum(self.rolled) / len(self.rolled) if self.rolled else 0.0
         if rate == 0.0 or self.rollback_s is None:
             return BACKWARD, f"no rollback in the last {len(self.rolled)} steps"

@@ -76,7 +76,7 @@ from ..device import claim_for_current_stream, copy_to_device
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize, model_device
 
-__all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter"]
+__all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter", "streamed_parameter_names"]
 
 
 class Tier(str, enum.Enum):
@@ -130,6 +130,7 @@ class _Weight:
         self.chunk_elems = min(chunk_elems, self.numel)
         self.nchunks = -(-self.numel // self.chunk_elems)
         self.host: HostBuffer | None = None  # the host tier's copy
+        self.block = -1  # the index of the block it belongs to (set by `_Block`)
         self.entry: str | None = None  # the SSD tier's store entry
 
     def span(self, k: int) -> tuple[int, int]:
@@ -145,6 +146,8 @@ class _Block:
 
     def __init__(self, index: int, tier: Tier, weights: list[_Weight]) -> None:
         self.index, self.tier, self.weights = index, tier, weights
+        for w in weights:
+            w.block = index
         self.params = [(w.name, w.param) for w in weights]
         self.nbytes = sum(w.nbytes for w in weights)
         self.staging = sum(round_up(w.span(k)[1] * w.param.element_size()) for w in weights for k in range(w.nchunks))
@@ -160,6 +163,50 @@ def _nbytes(t: torch.Tensor) -> int:
 def _storage_key(t: torch.Tensor) -> int:
     """What tells storages apart: `storage_id`, or for a meta tensor (no storage) the tensor itself."""
     return id(t) if t.is_meta else storage_id(t)
+
+
+def _streamable(model: torch.nn.Module, blocks: list[torch.nn.Module], tiers: list[Tier],
+                trainable: Any) -> list[tuple[int, str, torch.nn.Parameter]]:
+    """``(block index, name in the block, parameter)`` of every parameter a streamer with these tiers
+    releases: in a block not on the device tier, used by that block only, owning its whole storage,
+    and frozen or ``trainable(p)`` (the optimizer publishes its updates). Shared (tied) parameters
+    and those outside the blocks stay resident."""
+    prefixes: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for i, block in enumerate(blocks):
+            if module is block:
+                prefixes.setdefault(i, []).append(name + "." if name else "")
+    owners: dict[int, set[int]] = {}  # id(param) -> blocks using it (-1: outside every block)
+    storages: dict[int, int] = {}  # storage address -> parameters and buffers using it
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = next((i for i, pre in prefixes.items() if any(name.startswith(x) for x in pre)), -1)
+        owners.setdefault(id(p), set()).add(owner)
+    for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        ptr = _storage_key(t)
+        storages[ptr] = storages.get(ptr, 0) + 1
+    out = []
+    for i, (block, tier) in enumerate(zip(blocks, tiers)):
+        if tier is Tier.DEVICE:
+            continue
+        for name, p in block.named_parameters():
+            streamable = (owners.get(id(p)) == {i} and p.numel() > 0 and p.is_contiguous()
+                          and p.storage_offset() == 0 and p.untyped_storage().nbytes() == _nbytes(p)
+                          and storages[_storage_key(p)] == 1)
+            if streamable and (not p.requires_grad or trainable(p)):
+                out.append((i, name, p))
+    return out
+
+
+def streamed_parameter_names(model: torch.nn.Module, config: FuyouConfig, weights: Any = None) -> list[str]:
+    """The names (as ``model.named_parameters()`` gives them) of the trainable parameters a
+    `WeightStreamer` on ``model`` with ``weights`` (default ``config.weights``) streams, when every
+    parameter that requires grad is the optimizer's. Data parallelism needs them before the model is
+    wrapped in ``DistributedDataParallel``, which must leave them alone (`FuyouAdamW` sums them itself)."""
+    weights = config.weights if weights is None else weights
+    blocks = discover_blocks(model, config.blocks)
+    tiers = resolve_per_block("weights", weights, len(blocks), Tier, Tier.DEVICE)
+    streamed = {id(p) for _i, _name, p in _streamable(model, blocks, tiers, lambda p: True) if p.requires_grad}
+    return [name for name, p in model.named_parameters() if id(p) in streamed]
 
 
 class WeightStreamer:
@@ -206,6 +253,7 @@ class WeightStreamer:
         self.stats = StreamStats()
         self.meter = DeviceMeter()
         self._units: dict[int, _Block] = {}
+        self._all: dict[torch.nn.Parameter, _Weight] = {}  # every streamed parameter, in block order
         self._weights: dict[torch.nn.Parameter, _Weight] = {}  # trainable streamed parameters
         self._handles: list[Any] = []
         self._lock = threading.RLock()  # backward hooks may run on another thread (CUDA's autograd engine)
@@ -245,43 +293,20 @@ class WeightStreamer:
                     lambda *args, unit=unit: self._load_begin(unit)))
                 self._handles.append(block.register_load_state_dict_post_hook(
                     lambda module, keys, unit=unit: self._load_end(unit)))
-        self._weights = {w.param: w for u in self._units.values() for w in u.weights if w.trainable}
+        self._all = {w.param: w for u in self._units.values() for w in u.weights}
+        self._weights = {p: w for p, w in self._all.items() if w.trainable}
         self.stats.tiers = {i: u.tier.value for i, u in self._units.items()}
         self.meter.add(self.stats.resident_bytes + self.stats.resident_grad_bytes)
         self._active = True
 
     def _plan_units(self) -> dict[int, _Block]:
         """Per streamed block, its parameters that are safe to release (see the module docstring)."""
-        prefixes = {}
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            for i, block in enumerate(self.blocks):
-                if module is block:
-                    prefixes.setdefault(i, []).append(name + "." if name else "")
-        owners: dict[int, set[int]] = {}  # id(param) -> blocks using it (-1: outside every block)
-        storages: dict[int, int] = {}  # storage address -> parameters and buffers using it
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            owner = next((i for i, pre in prefixes.items() if any(name.startswith(x) for x in pre)), -1)
-            owners.setdefault(id(p), set()).add(owner)
-        for t in {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values():
-            ptr = _storage_key(t)
-            storages[ptr] = storages.get(ptr, 0) + 1
         frozen_elems = max(1, self.config.chunk_size)  # bytes; per parameter below
-        units = {}
-        for i, (block, tier) in enumerate(zip(self.blocks, self.tiers)):
-            if tier is Tier.DEVICE:
-                continue
-            weights = []
-            for name, p in block.named_parameters():
-                streamable = (owners.get(id(p)) == {i} and p.numel() > 0 and p.is_contiguous()
-                              and p.storage_offset() == 0 and p.untyped_storage().nbytes() == _nbytes(p)
-                              and storages[_storage_key(p)] == 1)
-                if streamable and not p.requires_grad:
-                    weights.append(_Weight(name, p, frozen_elems // p.element_size(), trainable=False))
-                elif streamable and p in self.trainable:
-                    weights.append(_Weight(name, p, self.trainable[p], trainable=True))
-            if weights:
-                units[i] = _Block(i, tier, weights)
-        return units
+        weights: dict[int, list[_Weight]] = {}
+        for i, name, p in _streamable(self.model, self.blocks, self.tiers, lambda p: p in self.trainable):
+            weights.setdefault(i, []).append(_Weight(name, p, self.trainable[p], trainable=True) if p.requires_grad
+                                             else _Weight(name, p, frozen_elems // p.element_size(), trainable=False))
+        return {i: _Block(i, self.tiers[i], ws) for i, ws in weights.items()}
 
     def _check_budgets(self, units: dict[int, _Block]) -> None:
         streamed = {id(w.param) for u in units.values() for w in u.weights}
@@ -329,15 +354,13 @@ class WeightStreamer:
         if has_meta(block):  # built on the meta device: this block gets memory now, and only until released
             materialize(block, self.device, self.init_weights)
         for w in unit.weights:
-            source = w.param.detach().reshape(-1)
             if unit.tier is Tier.HOST:
                 w.host = self.store.pool.acquire(w.nbytes, timeout=self.timeout)
-                w.host.view(w.dtype)[: w.numel].copy_(source)
             else:
                 w.entry = f"weights.{unit.index}.{w.name}"
                 self.store.create(w.entry, (w.numel,), w.dtype, slots=1,
                                   chunk_bytes=round_up(w.chunk_elems * w.param.element_size()))
-                self.store.write(w.entry, source, timeout=self.timeout).result(timeout=self.timeout)
+            self._write_tier(w, w.param.detach().reshape(-1))
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_forward(self, i: int) -> None:
@@ -568,8 +591,31 @@ class WeightStreamer:
         return self.store.write_chunk(w.entry, k, buf)
 
     def value(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Trainable streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
-        return self._tier_copy(self._weights[param])
+        """Streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
+        return self._tier_copy(self._all[param])
+
+    def streamed(self) -> list[torch.nn.Parameter]:
+        """Every streamed parameter (frozen and trainable), in block order."""
+        return list(self._all)
+
+    def assign(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` streamed ``param``'s tier copy (and its device bytes, if the block is on the
+        device now): data parallelism's non-owners take their owner's new weights so."""
+        with self._lock:
+            w = self._all[param]
+            self._write_tier(w, value.reshape(-1))
+            unit = self._units[w.block]
+            if unit.upload is not None:
+                self._wait_upload(unit)
+            if unit.resident:
+                copy_to_device(w.flat(), value.reshape(-1))
+
+    def _write_tier(self, w: _Weight, source: torch.Tensor) -> None:
+        """Overwrite the weight's tier copy with ``source`` (flat, any device; returns once written)."""
+        if w.host is not None:
+            w.host.view(w.dtype)[: w.numel].copy_(source)
+        else:
+            self.store.write(w.entry, source, timeout=self.timeout).result(timeout=self.timeout)
 
     # -- state dicts -----------------------------------------------------------------------------------
     def _tier_copy(self, w: _Weight) -> torch.Tensor:
@@ -597,10 +643,7 @@ class WeightStreamer:
         """After the block loaded: the loaded values become the tier copies; the block is released."""
         with self._lock:
             for w in unit.weights:
-                if w.host is not None:
-                    w.host.view(w.dtype)[: w.numel].copy_(w.flat())
-                else:
-                    self.store.write(w.entry, w.flat(), timeout=self.timeout).result(timeout=self.timeout)
+                self._write_tier(w, w.flat())
             self._release(unit)
 
     # -- removing --------------------------------------------------------------------------------------
@@ -627,6 +670,7 @@ class WeightStreamer:
                         self.store.delete(w.entry)
                     w.entry = None
             self._units = {}
+            self._all = {}
             self._weights = {}
             self.stats.materialized_bytes = 0
             self.meter.sub(self.meter.now)
