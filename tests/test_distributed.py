@@ -201,7 +201,8 @@ class SaveRankResults(L.Callback):
                     "state_bytes": sum(e.slots * e.nchunks * e.stride for name, e in
                                        engine.optimizer.store.entries.items() if name.startswith("adamw.")),
                     "steps": engine.optimizer.stats.steps, "clipped": engine.optimizer.stats.clipped,
-                    "norm": engine.optimizer.stats.last_grad_norm, "states": _states(engine)},
+                    "norm": engine.optimizer.stats.last_grad_norm, "states": _states(engine),
+                    "tiers": engine.summary()["weight_tiers"], "ignored": sorted(trainer.strategy.model.parameters_to_ignore)},
                    os.path.join(self.folder, f"lightning-rank{trainer.global_rank}.pt"))
 
 
@@ -225,6 +226,30 @@ def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_glob
     assert ranks[0]["norm"] == pytest.approx(single_norm, rel=1e-5)
     assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
     assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
+
+
+def test_lightning_fuyou_ddp_streams_the_blocks_weights_on_every_rank(tmp_path):
+    """``fuyou_ddp`` with ``weights="ssd"``: DDP leaves the streamed parameters to the optimizer, which
+    sums their gradients over the ranks; the same weights as one device on the global batch."""
+    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
+    from test_lightning import BATCHES, fit
+
+    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", weights="ssd", start_method="spawn")
+    fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path))], enable_checkpointing=False)
+    ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
+    for s in ranks:
+        assert s["tiers"] == {0: "ssd", 1: "ssd"}
+        assert s["ignored"] and all(".layers." in name or ".h." in name for name in s["ignored"]), s["ignored"]
+    for name, p in ranks[0]["weights"].items():
+        assert torch.equal(p, ranks[1]["weights"][name]), name
+    assert [r["steps"] for r in ranks] == [3, 3]
+    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
+    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist())
+    single_norm = single.engine.optimizer.stats.last_grad_norm
+    single.engine.close()
+    assert ranks[0]["norm"] == pytest.approx(single_norm, rel=1e-5)
+    assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
 
 
 def _states(engine) -> dict:

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
 from ..config import ConfigError, FuyouConfig
-from ..engine import FuyouEngine
+from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
 
@@ -416,7 +416,10 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
 
     Checkpoints store parameters, not rank shards (every rank writes the state it owns next to the
     ``.ckpt``): one saved with N ranks resumes with M, one included, and ``strategy="fuyou"``'s load
-    into N ranks. Not yet: weight streaming, fp16 loss scaling.
+    into N ranks. With ``weights="ssd"``/``"host"`` (or a pinned plan's tiers) every rank streams the
+    blocks' weights from its own tier copies; DDP is told to leave those parameters alone, and the
+    optimizer sums their gradients over the ranks at ``step()`` (the ``next_forward`` schedule). Not
+    yet: ``weights="auto"`` (pin a plan), fp16 loss scaling.
     """
 
     strategy_name = "fuyou_ddp"
@@ -437,6 +440,11 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
 
     def _data_parallel(self) -> dict[str, Any]:
         return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
+
+    def configure_ddp(self) -> None:
+        # Before the wrap: DDP leaves the streamed weights to FuyouAdamW (it sums their gradients itself).
+        ignore_streamed_in_ddp(self.model, self.fuyou_config)
+        super().configure_ddp()
 
     def _engine_made(self) -> None:
         if self.engine.optimizer.shards is not None:  # updates as DDP's buckets land (backward schedule)
