@@ -23,9 +23,9 @@ class Norms(TrainerCallback):
 
 
 if __name__ == "__main__":
-    out, batch = sys.argv[1], int(sys.argv[2])
+    out, batch, weights = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     model = tiny_causal_lm("gpt2")
-    fuyou = FuyouCallback(swap_dirs=[out], chunk_size="8KiB")
+    fuyou = FuyouCallback(swap_dirs=[out], chunk_size="8KiB", weights=weights)
     norms = Norms()
     args = TrainingArguments(output_dir=os.path.join(out, "out"), max_steps=3, per_device_train_batch_size=batch,
                              gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, weight_decay=0.1,
@@ -40,9 +40,10 @@ if __name__ == "__main__":
             shard["bytes"] = sum(e.slots * e.nchunks * e.stride for n, e in opt.store.entries.items()
                                  if n.startswith("adamw."))
             shard["sharded"] = opt.shards is not None
+            shard["tiers"] = fuyou.engine.summary()["weight_tiers"]
 
     trainer.add_callback(Shard())
     trainer.train()
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save({"weights": {k: v.clone() for k, v in model.state_dict().items()}, "norms": norms.norms, **shard},
-               os.path.join(out, f"hf-rank{rank}-b{batch}.pt"))
+               os.path.join(out, f"hf-rank{rank}-b{batch}-{weights}.pt"))

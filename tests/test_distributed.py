@@ -356,19 +356,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("weights", ["device", "ssd"])
+def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path, weights):
     import subprocess
     import sys
 
     worker = os.path.join(os.path.dirname(__file__), "_hf_ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), worker, str(tmp_path), "2"],  # 2 ranks x 2 sequences
-                [sys.executable, worker, str(tmp_path), "4"]):  # one process x 4
+                 str(_free_port()), worker, str(tmp_path), "2", weights],  # 2 ranks x 2 sequences
+                [sys.executable, worker, str(tmp_path), "4", weights]):  # one process x 4
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1, one = (torch.load(tmp_path / name) for name in ("hf-rank0-b2.pt", "hf-rank1-b2.pt", "hf-rank0-b4.pt"))
+    r0, r1, one = (torch.load(tmp_path / f"hf-rank{r}-b{b}-{weights}.pt") for r, b in ((0, 2), (1, 2), (0, 4)))
     assert r0["sharded"] and r1["sharded"] and not one["sharded"]
+    # weights="ssd": every rank streamed both blocks (FuyouCallback.on_init_end had DDP leave them alone)
+    assert r0["tiers"] == r1["tiers"] == one["tiers"] == ({} if weights == "device" else {0: "ssd", 1: "ssd"})
     assert r0["bytes"] + r1["bytes"] == one["bytes"], "each rank holds its shard of the state, together all of it"
     for name, p in r0["weights"].items():
         assert torch.equal(p, r1["weights"][name]), name

@@ -44,7 +44,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
 from ..config import ConfigError, FuyouConfig, read_mapping
-from ..engine import FuyouEngine, rebind_scheduler
+from ..engine import FuyouEngine, ignore_streamed_in_ddp, rebind_scheduler
 
 __all__ = ["FuyouCallback", "STATE_FOLDER"]
 
@@ -194,6 +194,12 @@ class FuyouCallback(TrainerCallback):
         return self._run.engine if self._run is not None else None
 
     # -- start -------------------------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # Under torchrun / accelerate launch, before the Trainer wraps the model in DistributedDataParallel:
+        # DDP must leave the streamed weights to FuyouAdamW, which sums their gradients itself.
+        if model is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ignore_streamed_in_ddp(model, self.config)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         # A run that raised never reached on_train_end: end it before this one reads what it changed.
