@@ -278,10 +278,10 @@ def _engine(rank, tmp, *, group=None, **fields):
                               max_grad_norm=0.5, process_group=group)
 
 
-def _checkpoint_ranks(rank, world, tmp, mode):
+def _checkpoint_ranks(rank, world, tmp, mode, weights="device"):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{mode}", rank=rank, world_size=world)
     try:
-        model, engine = _engine(rank, tmp, group=dist.group.WORLD)
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD, weights=weights)
         try:
             if mode == "save":  # 2 steps on 2 ranks, then a save into the shared folder
                 _train(engine, model, rank, world, 2)
@@ -299,7 +299,8 @@ def _checkpoint_ranks(rank, world, tmp, mode):
                     engine.save(f"{tmp}/ckpt-bad")
                 except Exception as exc:  # noqa: BLE001 - recorded for the test
                     torch.save(str(exc), f"{tmp}/error-{rank}.pt")
-            torch.save({"states": _states(engine), "weights": model.state_dict()}, f"{tmp}/{mode}-rank{rank}.pt")
+            torch.save({"states": _states(engine), "weights": model.state_dict(),
+                        "tiers": engine.summary()["weight_tiers"]}, f"{tmp}/{mode}-rank{rank}.pt")
         finally:
             engine.close()
     finally:
@@ -312,10 +313,13 @@ def _assert_same_states(mine: dict, theirs: dict) -> None:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[index][key])), (index, key)
 
 
-def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back(tmp_path):
-    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "save"), nprocs=2)
+@pytest.mark.parametrize("weights", ["device", "ssd"])
+def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back(tmp_path, weights):
+    """The ranks stream their weights or not (``weights``); the one process keeps them resident."""
+    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "save", weights), nprocs=2)
     saved = [torch.load(tmp_path / f"save-rank{r}.pt") for r in range(2)]
     assert set(saved[0]["states"]).isdisjoint(saved[1]["states"]), "each rank saved only what it owns"
+    assert all(r["tiers"] == ({} if weights == "device" else {0: "ssd", 1: "ssd"}) for r in saved)
     (token,) = [p.name for p in (tmp_path / "ckpt").iterdir()]
     assert sorted(p.name for p in (tmp_path / "ckpt" / token).iterdir()) == ["optimizer.json", "owner.json",
                                                                             "part-0", "part-1"]
@@ -332,7 +336,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back
         engine.save(str(tmp_path / "ckpt-one"))  # and back: a one-process save into 2 ranks
     finally:
         engine.close()
-    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "load"), nprocs=2)
+    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "load", weights), nprocs=2)
     for r in range(2):
         loaded = torch.load(tmp_path / f"load-rank{r}.pt")
         _assert_same_states(loaded["states"], states)
