@@ -128,17 +128,26 @@ def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_
     assert all(abs(r["state_bytes"] - whole / 2) <= 0.1 * whole for r in ranks), [r["state_bytes"] for r in ranks]
 
 
-@pytest.mark.parametrize("family,weights", [("gpt2", "ssd"), ("llama", {0: "host", 1: "ssd"})])
-def test_two_ranks_stream_the_blocks_weights_and_train_like_one_process(tmp_path, family, weights):
+# Llama's weights are 100,224 bytes: with one block on the device at a time, each rank trains in less.
+SMALLER_THAN_THE_WEIGHTS = {"weight_prefetch_blocks": 0, "device_memory_budget": 100_000}
+
+
+@pytest.mark.parametrize("family,weights,fields", [("gpt2", "ssd", {}),
+                                                   ("llama", {0: "host", 1: "ssd"}, SMALLER_THAN_THE_WEIGHTS)])
+def test_two_ranks_stream_the_blocks_weights_and_train_like_one_process(tmp_path, family, weights, fields):
     """Weight streaming under data parallelism: every rank streams the blocks' weights from its own
     tier copies; a streamed gradient is summed onto its owner from the ranks' host copies, and the
     owner's new weight reaches the others' tier copies as the next forward reaches the block."""
-    mp.spawn(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "auto", "weights": weights}), nprocs=2)
+    mp.spawn(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "auto", "weights": weights, **fields}),
+             nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in tiny_causal_lm(family).parameters())
     for r in ranks:  # both ranks streamed both blocks, trainable weights included
         s = r["summary"]
         assert s["weight_tiers"] == ({0: "ssd", 1: "ssd"} if weights == "ssd" else {0: "host", 1: "ssd"})
         assert s["weight_bytes_trainable_streamed"] > 0
+        if fields:  # weights and gradients on the device at most: under the budget, which the weights exceed
+            assert s["device_peak_bytes"] <= fields["device_memory_budget"] < weight_bytes
         assert s["schedule_steps"] == {"backward": 0, "next_forward": STEPS}, "auto takes next_forward here"
     for name, p in ranks[0]["weights"].items():
         assert torch.equal(p, ranks[1]["weights"][name]), name
