@@ -524,3 +524,49 @@ def test_lightning_fuyou_ddp_backward_schedule_updates_as_buckets_land(tmp_path,
     module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist(), gradient_clip_val=clip)
     single.engine.close()
     assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
+
+
+class FirstGradients(L.Callback):
+    """Each rank's gradients when the first optimizer step begins, and which parameters it owns."""
+
+    def __init__(self, folder, tag):
+        self.folder, self.tag = folder, tag
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step:
+            return
+        opt = trainer.strategy.engine.optimizer
+        owned = {ps.param for ps in opt._owned()}
+        torch.save({name: (p in owned, p.grad.clone()) for name, p in pl_module.named_parameters()},
+                   os.path.join(self.folder, f"grads-{self.tag}-rank{trainer.global_rank}.pt"))
+
+
+def test_fuyou_ddp_sums_each_gradient_onto_its_owner_only(tmp_path):
+    """``gradient_reduction="owner"``: DDP's buckets are reduced onto the owners (about half the
+    traffic of an all-reduce on 2 ranks); an owner's gradient is bitwise the all-reduce's average,
+    and the weights after 3 steps are bitwise those of ``"all"``."""
+    from fuyou_strategy import FuyouDDPStrategy
+    from test_lightning import fit
+
+    for mode in ("owner", "all"):
+        strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn",
+                                    gradient_reduction=mode)
+        folder = tmp_path / mode
+        folder.mkdir()
+        fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(folder)), FirstGradients(str(folder), mode)],
+            enable_checkpointing=False)
+    owner = [torch.load(tmp_path / "owner" / f"grads-owner-rank{r}.pt") for r in range(2)]
+    every = [torch.load(tmp_path / "all" / f"grads-all-rank{r}.pt") for r in range(2)]
+    differ = 0
+    for name, (mine, grad) in owner[0].items():
+        theirs = owner[1][name]
+        assert mine != theirs[0], f"{name}: one owner"
+        average = every[0][name][1]
+        assert torch.equal(every[1][name][1], average), name  # all-reduce: every rank has the average
+        owned_grad = grad if mine else theirs[1]
+        assert torch.equal(owned_grad, average), name  # the owner's is bitwise the average
+        differ += not torch.equal(grad if not mine else theirs[1], average)
+    assert differ > 0, "the non-owners did not receive the average"
+    weights = [torch.load(tmp_path / mode / "lightning-rank0.pt")["weights"] for mode in ("owner", "all")]
+    for name, p in weights[0].items():
+        assert torch.equal(p, weights[1][name]), name

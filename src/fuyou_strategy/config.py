@@ -22,6 +22,7 @@ __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "par
 PAGE = 4096
 STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
 SCHEDULES = ("auto", "backward", "next_forward")  # FuyouConfig.optimizer_schedule
+GRADIENT_REDUCTIONS = ("owner", "all")  # FuyouConfig.gradient_reduction
 STATE_CHUNK_ELEMENTS = 2048  # state chunks hold whole multiples of this many parameters: 2048 bf16 values fill a page
 
 _UNITS = {
@@ -181,6 +182,14 @@ class FuyouConfig:
             no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
             per step from the measured cost of a redo, how often clipping or a non-finite gradient
             forced one recently, and the measured waits under each schedule (`StepStats`).
+        gradient_reduction: data parallelism with a ``DistributedDataParallel`` model: how its
+            gradient buckets are reduced. ``"owner"`` (default): each gradient is summed onto the
+            rank that owns the parameter's optimizer state only (one ``reduce`` per run of
+            parameters with the same owner in a bucket): each rank receives about 1/N of the
+            gradients, against all of them under an all-reduce. Between backward and ``step()`` a
+            rank's ``.grad`` then holds the average only for the parameters it owns (as under ZeRO-2);
+            ``step()`` drops the others. ``"all"``: DDP's all-reduce, every rank gets every average
+            (for code that reads gradients between backward and ``step()``).
         trace: a path: record a timeline of ``trace_steps`` optimizer steps (each block's compute,
             every SSD request, the optimizer's chunks, the training thread's waits) and write it there
             as Chrome / Perfetto trace JSON, with the planner's predicted step beside it when there is
@@ -218,6 +227,7 @@ class FuyouConfig:
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
     optimizer_schedule: str = "auto"
+    gradient_reduction: str = "owner"
     plan: str | None = None
     planner_warmup_steps: int = 3
     trace: str | None = None
@@ -294,6 +304,9 @@ class FuyouConfig:
         if self.optimizer_schedule not in SCHEDULES:
             raise ConfigError(f"optimizer_schedule: got {self.optimizer_schedule!r}; expected one of "
                               f"{', '.join(map(repr, SCHEDULES))}")
+        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+            raise ConfigError(f"gradient_reduction: got {self.gradient_reduction!r}; expected one of "
+                              f"{', '.join(map(repr, GRADIENT_REDUCTIONS))}")
         if self.optimizer_schedule == "backward" and self.state_slots == 1:
             raise ConfigError("optimizer_schedule: got 'backward' with state_slots=1; speculative updates during "
                               "backward need the shadow slot: use state_slots=2, or optimizer_schedule='next_forward'")

@@ -750,25 +750,48 @@ class FuyouAdamW(torch.optim.Optimizer):
         ddp_model.register_comm_hook(None, hook)
 
     def ddp_comm_hook(self, state: Any, bucket: Any) -> Future:
-        """DDP's default averaging (divide, then ``all_reduce``), and, when it completes, the speculative
+        """DDP's averaging (divide, then sum over the ranks) and, when it completes, the speculative
         updates of this rank's parameters in the bucket with the averaged gradients (``backward``
-        schedule, the window's last backward). The callback runs on the collective's thread; what it
-        touches is the queue of updates, as the gradient hooks of one process do."""
-        group = self.shards.group
-        buffer = bucket.buffer().div_(self.shards.world)
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        schedule, the window's last backward). ``gradient_reduction="owner"``: each run of parameters
+        with one owner is summed onto that rank only (a ``reduce``); ``"all"``: one ``all_reduce``.
+        The callback runs on the collective's thread; what it touches is the queue of updates, as the
+        gradient hooks of one process do."""
+        shards = self.shards
+        buffer = bucket.buffer().div_(shards.world)
+        if self.config.gradient_reduction == "all":
+            fut = dist.all_reduce(buffer, group=shards.group, async_op=True).get_future()
+        else:
+            fut = torch.futures.collect_all([
+                dist.reduce(buffer[start:end], dst=shards.ranks[owner], group=shards.group, async_op=True).get_future()
+                for owner, start, end in self._owner_runs(bucket)])
 
         def landed(fut: Future) -> torch.Tensor:
+            fut.wait()  # raises if a collective failed
             if self._flags["updates"] and self._window == BACKWARD:
                 for param, grad in zip(bucket.parameters(), bucket.gradients()):
                     ps = self._by_param.get(param)
-                    if ps is not None and self.shards.owns(ps) and ps.index not in self._queued:
+                    if ps is not None and shards.owns(ps) and ps.index not in self._queued:
                         # a view of the bucket: DDP leaves it alone until the next window's backward,
                         # and step() drains every update before that
                         self._queue_update(ps, grad=grad.detach().view_as(param))
-            return fut.value()[0]
+            return buffer
 
         return fut.then(landed)
+
+    def _owner_runs(self, bucket: Any) -> list[tuple[int, int, int]]:
+        """``(owner rank index, start, end)`` of each run of consecutive gradients in the bucket's flat
+        buffer whose parameters have the same owner (a parameter this optimizer does not train: rank 0)."""
+        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
+        runs: list[list[int]] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            ps = self._by_param.get(param)
+            owner = self.shards.owner[ps.index] if ps is not None else 0
+            start = (grad.data_ptr() - base) // size
+            if runs and runs[-1][0] == owner and runs[-1][2] == start:
+                runs[-1][2] = start + grad.numel()
+            else:
+                runs.append([owner, start, start + grad.numel()])
+        return [tuple(r) for r in runs]
 
     def _step_exact(self) -> tuple[str | None, None]:
         """The ``next_forward`` schedule's end: the window's gradients are all known; queue every exact
