@@ -246,8 +246,6 @@ class FuyouAdamW(torch.optim.Optimizer):
                 raise ConfigError("optimizer_schedule: got 'backward' with a process group that this optimizer reduces "
                                   "itself; speculative updates during backward need each gradient's average as it "
                                   "lands (a DistributedDataParallel model, `attach_ddp`): use 'next_forward' or 'auto'")
-            if self.scaler is not None:
-                raise ConfigError("loss_scaling: not supported with a process group yet; use bf16 (no loss scaling)")
             self.shards = Shards(process_group, self._params, config)
         self._gradients_averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
         if self.shards is not None:
