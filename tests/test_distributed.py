@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import discover_blocks
+from fuyou_strategy.optim.distributed import RankError
 
 STEPS, ACCUMULATE, PER_RANK, SEQ = 3, 2, 2, 16
 TOLERANCE = 1e-3  # relative, per tensor, against one process on the global batch (explained in the test)
@@ -423,13 +424,13 @@ def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path):
         single.engine.close()
 
 
-def _disk_fails_on_rank_1(rank, world, tmp):
+def _disk_fails_on_rank_1(rank, world, tmp, weights):
     import datetime
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # the backstop; the test needs no wait
     try:
-        model, engine = _engine(rank, tmp, group=dist.group.WORLD)
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD, weights=weights)
         try:
             _train(engine, model, rank, world, 1)
             if rank == 1:
@@ -452,11 +453,52 @@ def _disk_fails_on_rank_1(rank, world, tmp):
         dist.destroy_process_group()
 
 
-def test_a_rank_that_loses_its_disk_stops_every_rank_with_the_cause_not_a_hang(tmp_path):
+def _receive_fails_on_rank_1(rank, world, tmp):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # the backstop; the test needs no wait
+    try:
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD, weights="ssd")
+        try:
+            _train(engine, model, rank, world, 1)
+            if rank == 1:  # the new weights rank 0 owns cannot be written into rank 1's tier copies
+                def full(*args, **kwargs):
+                    raise OSError(28, "No space left on device")
+                engine.streamer.assign = full
+            try:
+                _train(engine, model, rank, world, 2)
+            except Exception as exc:  # noqa: BLE001 - recorded for the test
+                torch.save(f"{type(exc).__name__}: {exc}", f"{tmp}/error-{rank}.pt")
+        finally:
+            with contextlib.suppress(RankError):  # the weights that never arrived cannot be made resident
+                engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_take_a_streamed_weight_stops_every_rank_at_that_block(tmp_path):
+    """The sender's lockstep: every rank says whether its part of each weight's send worked, so rank 1's
+    failure to write a weight it receives is every rank's error, raised where the forward needs it."""
     import time
 
     start = time.monotonic()
-    mp.spawn(_disk_fails_on_rank_1, args=(2, str(tmp_path)), nprocs=2)
+    mp.spawn(_receive_fails_on_rank_1, args=(2, str(tmp_path)), nprocs=2)
+    assert time.monotonic() - start < 100, "no rank waited for the collective timeout"
+    errors = [torch.load(tmp_path / f"error-{r}.pt") for r in range(2)]
+    for error in errors:
+        assert error.startswith("RankError: sending the new weight of parameter"), error
+        assert "failed on 1 of 2 ranks (rank 1: OSError: [Errno 28] No space left on device)" in error, error
+    assert errors[0] == errors[1], "the same error, for the same weight, on both ranks"
+
+
+@pytest.mark.parametrize("weights", ["device", "ssd"])
+def test_a_rank_that_loses_its_disk_stops_every_rank_with_the_cause_not_a_hang(tmp_path, weights):
+    """``"ssd"``: rank 1's streamed gradients, its updates and the new weights it receives all fail."""
+    import time
+
+    start = time.monotonic()
+    mp.spawn(_disk_fails_on_rank_1, args=(2, str(tmp_path), weights), nprocs=2)
     assert time.monotonic() - start < 100, "no rank waited for the collective timeout"
     for r in range(2):
         error = torch.load(tmp_path / f"error-{r}.pt")

@@ -635,6 +635,8 @@ class FuyouEngine:
         if self.swapper is not None:
             self.swapper.uninstall()
             self.swapper.close()
-        if self.streamer is not None:
-            self.streamer.close()  # every weight resident again before the store goes
-        self.optimizer.close()
+        try:
+            if self.streamer is not None:
+                self.streamer.close()  # every weight resident again before the store goes
+        finally:  # even when a weight cannot come back (its update failed): the workers stop, the files go
+            self.optimizer.close()

@@ -46,6 +46,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator
 
@@ -56,7 +57,7 @@ from torch.optim.adamw import adamw as adamw_for_loop
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
-from .distributed import RankError, Shards
+from .distributed import RankError, Sender, Shards
 from .pipeline import ChunkJob, ChunkPipeline
 from .scaler import LossScaler
 from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
@@ -258,12 +259,12 @@ class FuyouAdamW(torch.optim.Optimizer):
         # its optimizer (e.g. after a Trainer is dropped) does not keep the swap files alive.
         self._hooks: list[Any] = []
         self.store = TensorStore(config)
-        pipelines: list[ChunkPipeline] = []
+        self._workers: list[Any] = []  # closed by the finalizer: the chunk pipeline, the weight sender
         self._uninstall: list[weakref.WeakMethod] = []  # a streamer's uninstall: its weights come back before the store goes
-        self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, pipelines, self._uninstall)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self.store, self._workers, self._uninstall)
         try:
             self._pipeline = ChunkPipeline(self.store, shares.optimizer_depth, name="fuyou-adamw")
-            pipelines.append(self._pipeline)
+            self._workers.append(self._pipeline)
             for ps in self._params:
                 self.state[ps.param]["step"] = torch.tensor(0.0)
             for ps in owned:  # with a process group, only this rank's shard
@@ -293,7 +294,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.landing = PendingUpdates(self._pipeline)
         self._update_order = list(self._params)
         self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
-        self._unsent: list[_Param] = []  # sharded: updated weights not yet broadcast from their owners
+        self._unsent: list[_Param] = []  # sharded: updated resident weights not yet broadcast from their owners
+        self._sender: Sender | None = None  # sharded, streamed weights: moves them from their owners (attach_weights)
+        self._sent: dict[torch.nn.Parameter, Future] = {}  # sharded: streamed weights on their way, until waited for
         self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
         on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
         self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
@@ -352,7 +355,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         resident weights); a streamed gradient is summed onto its owner at ``step()`` from the ranks'
         host copies (``DistributedDataParallel`` must ignore these parameters:
         `fuyou_strategy.engine.ignore_streamed_in_ddp`), and each new weight goes from the owner's tier
-        copy into the others' when the next forward reaches its block. The updates then run under
+        copy into the others' on a sender thread (`Shards.send_streamed`), in update order, as soon as
+        its update landed; the next forward reads a block once its weights arrived. The updates then run under
         ``next_forward`` only: a speculative one would need the ranks' sum during backward.
         """
         self._check_idle("attach_weights")
@@ -376,6 +380,9 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self.store.create(ps.grads, (ps.numel,), ps.param.dtype, slots=1,
                                   chunk_bytes=ps.elems_per_chunk * ps.param.element_size())
         if self.shards is not None and streamer.streamed():
+            if self._sender is None:
+                self._sender = self.shards.open_sender(self.config.io_timeout)
+                self._workers.append(self._sender)
             changed = set(self.shards.sync_streamed(streamer))
             # an owner whose master was made from another value than rank 0's makes it again
             self._initialise_state([ps for ps in self._owned() if ps.param in changed and ps not in self._pending])
@@ -384,7 +391,7 @@ class FuyouAdamW(torch.optim.Optimizer):
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         # The last step's updates land before this backward's touch their state (sharded: the same
         # list on every rank, so every rank enters the collective here alike).
-        if self._unsent if self.shards is not None else self.landing.jobs:
+        if (self._unsent or self._sent) if self.shards is not None else self.landing.jobs:
             self._land()
         ps = self._by_param[param]
         if ps.grads is not None:  # streamed (sharded: kept for step() to sum over the ranks)
@@ -598,6 +605,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         if self.shards is None:
             self.landing.wait_all() if params is None else self.landing.wait(params)
             return
+        if params is not None:
+            params = list(params)
+        self._wait_sent(params)
         wanted = None if params is None else set(params)
         todo = [ps for ps in self._unsent if wanted is None or ps.param in wanted]
         if not todo:
@@ -724,12 +734,64 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def _send_later(self, updated: Iterable[int]) -> None:
         """Sharded: the weights with these indices go from their owners to every rank before they are
-        next read (`_land`: the next forward, module by module, or now if nothing gates the forward)."""
+        next read: resident ones at `_land` (the next forward, module by module, or now if nothing
+        gates the forward), streamed ones on the sender thread from now on (`_start_sending`)."""
         if self.shards is None:
             return
-        self._unsent = [ps for ps in self._update_order if ps.index in updated]
+        order = [ps for ps in self._update_order if ps.index in updated]
+        streamed = self._weights is not None and self._sender is not None
+        self._unsent = [ps for ps in order if not (streamed and self._weights.streams(ps.param))]
+        if streamed:
+            self._start_sending([ps for ps in order if self._weights.streams(ps.param)])
         if not self._gated:
             self._land()
+
+    def _start_sending(self, params: list[_Param]) -> None:
+        """Hand these streamed weights to the sender: each goes once its owner's update landed, and its
+        future (in ``_sent``) completes once this rank's tier copy holds it."""
+        if not params:
+            return
+        futures = {ps.param: Future() for ps in params}
+        self._sent.update(futures)
+        landing = self.landing  # the sender must not hold the optimizer
+
+        def landed(ps: _Param) -> None:
+            landing.wait([ps.param], stall=False)
+
+        def finish(ps: _Param, error: BaseException | None) -> None:
+            fut = futures[ps.param]
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(None)
+
+        self._sender.submit(self.shards.send_streamed, self._sender, params, self._weights, landed, finish)
+
+    def _wait_sent(self, params: list[torch.nn.Parameter] | None = None) -> None:
+        """Wait until the sender has put these streamed weights (default: all on their way) into this
+        rank's tier copies; raises what the send raised (the same `RankError` on every rank). No
+        collective: each rank waits for its own copies. A way out: ``io_timeout``, and the sender's
+        liveness."""
+        if not self._sent:
+            return
+        keys = list(self._sent) if params is None else [p for p in params if p in self._sent]
+        deadline = time.monotonic() + self.config.io_timeout
+        for p in keys:
+            fut = self._sent[p]
+            while True:
+                try:
+                    fut.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                    break
+                except FutureTimeout:
+                    if not fut.done() and not self._sender.alive():
+                        raise RuntimeError("FuyouAdamW: the weight sender thread stopped; the streamed weights "
+                                           "of the last step cannot arrive") from None
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"FuyouAdamW: the new weight of parameter {self._by_param[p].index} "
+                                           f"did not arrive from rank {self.shards.owner[self._by_param[p].index]} "
+                                           f"within io_timeout={self.config.io_timeout:.0f} s") from None
+                except BaseException:
+                    del self._sent[p]
+                    raise
+            del self._sent[p]
 
     # -- data parallel: updates as DistributedDataParallel's buckets land ---------------------------------
     def attach_ddp(self, ddp_model: Any) -> None:
@@ -834,9 +896,9 @@ class FuyouAdamW(torch.optim.Optimizer):
             self.state[ps.param]["step"] += 1  # after queueing: the update read the step it completes
         self.stats.deferred += 1
         self.stats.clipped += coef is not None
-        if self.shards is not None:  # each weight is broadcast from its owner once its update landed
-            self._unsent = [ps for ps in self._update_order if ps.index in norms]
-        if not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
+        if self.shards is not None:  # each weight goes from its owner once its update landed
+            self._send_later(norms)
+        elif not self._gated:  # nothing would make a forward wait: land them here, as torch.optim does
             self._land()
         return "deferred", None
 
@@ -1075,16 +1137,17 @@ def _write_grad(store: TensorStore, ps: _Param, k: int, grad: torch.Tensor) -> F
     return store.write_chunk(ps.grads, k, buf)
 
 
-def _release(hooks: list[Any], store: TensorStore, pipelines: list[ChunkPipeline],
+def _release(hooks: list[Any], store: TensorStore, workers: list[Any],
              uninstall: list["weakref.WeakMethod"]) -> None:
-    """`FuyouAdamW`'s finalizer: hooks off the parameters, worker stopped, streamed weights made resident
-    again from their tier copies (a model outliving its optimizer keeps its weights), swap files deleted."""
+    """`FuyouAdamW`'s finalizer: hooks off the parameters, workers stopped (the chunk pipeline, the weight
+    sender), streamed weights made resident again from their tier copies (a model outliving its optimizer
+    keeps its weights), swap files deleted."""
     for hook in hooks:
         hook.remove()
     hooks.clear()
     try:
-        for pipeline in pipelines:
-            pipeline.close()
+        for worker in workers:
+            worker.close()
         for ref in uninstall:
             fn = ref()
             if fn is not None and not _exiting:  # at exit the I/O threads are gone, and so is the model
@@ -1133,18 +1196,22 @@ def _check_param(p: torch.Tensor, index: int, *, scaled: bool) -> None:
 
 
 class _SentWeights:
-    """What a `WeightStreamer` waits on under data parallelism: a streamed weight is ready once its
-    owner sent it (`FuyouAdamW._land`, a collective; the pending list is the same on every rank, so a
-    block with one is put on the device ahead by no rank, and every rank lands it at its forward)."""
+    """What a `WeightStreamer` waits on under data parallelism: a streamed weight is ready once the
+    sender put its owner's new value into this rank's tier copy (`FuyouAdamW._wait_sent`; no
+    collective, so the ranks may put blocks on the device ahead at different moments)."""
 
     def __init__(self, optimizer: FuyouAdamW) -> None:
         self._optimizer = weakref.ref(optimizer)  # the model's hooks must not keep the optimizer alive
 
     def pending(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        opt, wanted = self._optimizer(), set(params)
-        return opt is not None and any(ps.param in wanted for ps in opt._unsent)
+        """Whether any of ``params`` is still on its way (or failed to arrive: `wait` raises that)."""
+        opt = self._optimizer()
+        if opt is None or not opt._sent:
+            return False
+        futures = [opt._sent.get(p) for p in params]
+        return any(f is not None and (not f.done() or f.exception() is not None) for f in futures)
 
     def wait(self, params: Iterable[torch.nn.Parameter]) -> None:
         opt = self._optimizer()
         if opt is not None:
-            opt._land(params)
+            opt._wait_sent(list(params))

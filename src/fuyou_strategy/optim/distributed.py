@@ -8,7 +8,10 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
 1. each rank's accumulated gradient of each parameter is summed onto the parameter's owner
    (``reduce``, in parameter order; a rank without a gradient sends zeros) and divided by N: the
    gradient of the mean loss over the global batch, when every rank's micro-batches are the same size
-   (with a ``DistributedDataParallel`` model, which averaged them during backward, nothing moves);
+   (with a ``DistributedDataParallel`` model, which reduced them during backward —
+   `FuyouAdamW.ddp_comm_hook` sums each bucket onto the owners only — nothing moves). A streamed
+   weight's gradient (`WeightStreamer`; DDP leaves those parameters alone) is summed from the
+   ranks' host copies, one at a time;
 2. the owners' per-parameter norms are shared (one ``all_reduce`` of a vector holding each norm
    once and zeros elsewhere, so every rank has every norm exactly), and each rank computes the
    same global norm in the same order as a single process would: one decision to commit, clip or
@@ -19,14 +22,20 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
    like every rank; under ``next_forward``, at ``step()``, to run ahead of the next forward;
 4. when the next forward reaches a module (or at `FuyouAdamW.flush`, a checkpoint, the next
    backward), its parameters' owners wait for their updates, the ranks agree that they landed
-   (`agree`), and each weight is broadcast from its owner (`FuyouAdamW._land`).
+   (`agree`), and each weight is broadcast from its owner (`FuyouAdamW._land`); a streamed
+   weight goes from the owner's tier copy into the others' (`broadcast_weights`).
 
 The collectives are ``torch.distributed``'s, on the group given (gloo on the CPU, NCCL on GPUs);
-their timeout is the group's (``init_process_group(timeout=...)``).
+host tensors (flags, norms, objects, streamed weights and gradients) go over gloo: the group
+itself, or a gloo group of the same ranks made next to an NCCL one. Their timeout is the
+group's (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 
-__all__ = ["RankError", "Shards"]
+__all__ = ["RankError", "Sender", "Shards"]
 
 
 class RankError(RuntimeError):
@@ -154,15 +163,18 @@ class Shards:
     def barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(self, error: BaseException | None, what: str, *, group: Any = None) -> None:
         """Whether ``what`` succeeded on every rank (one small ``all_reduce``): if it failed anywhere, every
         rank raises, naming the ranks and their errors (a failed rank's own error is chained), instead of
-        the others waiting for it in the next collective until the group's timeout."""
+        the others waiting for it in the next collective until the group's timeout. ``group``: a gloo
+        group of these ranks other than `host_group` (the sender's)."""
+        group = group if group is not None else self.host_group
         failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.host_group)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
         if not failed.item():
             return
-        reports = self.all_gather_object(None if error is None else _describe(error))
+        reports: list[Any] = [None] * self.world
+        dist.all_gather_object(reports, None if error is None else _describe(error), group=group)
         named = "; ".join(f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None)
         raise RankError(f"{what} failed on {sum(e is not None for e in reports)} of {self.world} ranks ({named}); "
                         "every rank stops here") from error
@@ -180,6 +192,58 @@ class Shards:
             if not self.owns(ps):
                 streamer.assign(ps.param, value)
 
+    def open_sender(self, timeout: float) -> "Sender":
+        """A `Sender` with a gloo group of its own (a collective: every rank calls it at the same point);
+        its `Sender.close` waits up to ``timeout`` seconds for the sends already submitted."""
+        return Sender(dist.new_group(self.ranks, backend="gloo"), timeout)
+
+    def send_streamed(self, sender: "Sender", params: list, streamer: Any, landed: Callable[[Any], None],
+                      finish: Callable[[Any, BaseException | None], None]) -> None:
+        """On ``sender``'s thread: each streamed weight of ``params``, in order, from its owner's tier copy
+        into the others' (`WeightStreamer.assign`), every rank in lockstep on the sender's own group (so
+        it never meets the training thread's collectives). Per weight: the owner waits for its update
+        (``landed(ps)``, raising if it failed) and says whether it can send; then the value; then every
+        rank says whether its part worked (one small ``all_reduce``), so a failure anywhere is known
+        everywhere: ``finish(ps, error)`` gets the same `RankError` on every rank, or ``None``. The
+        ranks go on with the next weight either way. Never raises: an unexpected error (a collective that
+        failed) finishes this and every later weight with it."""
+        group, it = sender.group, iter(params)
+        try:
+            for ps in it:
+                src, owner, error = self.ranks[self.owner[ps.index]], self.owns(ps), None
+                value = None
+                if owner:
+                    try:
+                        landed(ps)
+                        value = streamer.value(ps.param).view(-1)
+                    except BaseException as exc:  # noqa: BLE001 - told to every rank below
+                        error = exc
+                ok = torch.tensor([int(error is None)], dtype=torch.int32)
+                dist.broadcast(ok, src=src, group=group)
+                if ok.item():
+                    if not owner:
+                        value = torch.empty(ps.numel, dtype=ps.param.dtype)
+                    dist.broadcast(value, src=src, group=group)
+                    if not owner:
+                        try:
+                            streamer.assign(ps.param, value)
+                        except BaseException as exc:  # noqa: BLE001 - told to every rank below
+                            error = exc
+                del value
+                finish(ps, self._agree_on(error, f"sending the new weight of parameter {ps.index}", group))
+        except BaseException as exc:  # noqa: BLE001 - the waiters hear of it through the futures
+            finish(ps, exc)
+            for ps in it:
+                finish(ps, exc)
+
+    def _agree_on(self, error: BaseException | None, what: str, group: Any) -> RankError | None:
+        """`agree`, on ``group``, returning the `RankError` instead of raising it."""
+        try:
+            self.agree(error, what, group=group)
+        except RankError as exc:
+            return exc
+        return None
+
     def sync_streamed(self, streamer: Any) -> list[Any]:
         """Every streamed weight's tier copy made rank 0's (as ``DistributedDataParallel``'s construction
         makes the resident weights rank 0's; it leaves the streamed ones alone). Returns the parameters
@@ -193,3 +257,38 @@ class Shards:
                 streamer.assign(param, value)
                 changed.append(param)
         return changed
+
+
+class Sender:
+    """A daemon thread that runs the sends it is given, one after another, on a gloo group of its own
+    (`Shards.send_streamed`). A daemon: a send stuck on a rank that died must not hold the process
+    at exit (the group's timeout ends it otherwise)."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fuyou-send", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` after what was submitted before (``fn`` reports through futures; never raises)."""
+        self._queue.put((fn, args))
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            fn(*args)
+
+    def close(self) -> None:
+        """Stop after the sends already submitted, and wait for them (up to ``timeout``): the other ranks
+        send in lockstep, and the process group must not be destroyed under a send. Warns if one is
+        still running then."""
+        self._queue.put(None)
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            warnings.warn(f"fuyou: the weight sender was still sending after {self.timeout:.0f} s (another rank "
+                          "stopped taking part?); destroying the process group now may abort the process",
+                          stacklevel=2)

@@ -53,12 +53,13 @@ class PendingUpdates:
         jobs = self.jobs
         return bool(jobs) and any(p in jobs and not jobs[p][0].done.done() for p in params)
 
-    def wait(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Return once the updates of ``params`` have landed (weights written, state written)."""
+    def wait(self, params: Iterable[torch.nn.Parameter], *, stall: bool = True) -> None:
+        """Return once the updates of ``params`` have landed (weights written, state written).
+        ``stall=False``: not the training thread's wait (not counted in ``stall``)."""
         jobs = self.jobs
         if not jobs:
             return
-        start = time.perf_counter()
+        start = time.perf_counter() if stall else None
         try:
             for p in params:
                 entry = jobs.pop(p, None)
@@ -72,7 +73,8 @@ class PendingUpdates:
                         f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
                         "the last checkpoint") from exc
         finally:
-            self.stall += time.perf_counter() - start
+            if start is not None:
+                self.stall += time.perf_counter() - start
 
     def wait_all(self) -> None:
         self.wait(list(self.jobs))

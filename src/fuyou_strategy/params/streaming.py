@@ -599,16 +599,13 @@ class WeightStreamer:
         return list(self._all)
 
     def assign(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
-        """Make ``value`` streamed ``param``'s tier copy (and its device bytes, if the block is on the
-        device now): data parallelism's non-owners take their owner's new weights so."""
-        with self._lock:
-            w = self._all[param]
-            self._write_tier(w, value.reshape(-1))
-            unit = self._units[w.block]
-            if unit.upload is not None:
-                self._wait_upload(unit)
-            if unit.resident:
-                copy_to_device(w.flat(), value.reshape(-1))
+        """Make ``value`` streamed ``param``'s tier copy: data parallelism's non-owners take their owner's
+        new weights so. Any thread, without the streamer's lock (the training thread may hold it while it
+        waits for this weight): the block's reads wait for it (``updates``), so none is in flight."""
+        w = self._all[param]
+        self._write_tier(w, value.reshape(-1))
+        if self._units[w.block].resident:  # e.g. kept from a forward that had no backward: its bytes too
+            copy_to_device(w.flat(), value.reshape(-1))
 
     def _write_tier(self, w: _Weight, source: torch.Tensor) -> None:
         """Overwrite the weight's tier copy with ``source`` (flat, any device; returns once written)."""
