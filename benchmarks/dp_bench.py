@@ -45,7 +45,8 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from fuyou_strategy import FuyouConfig, FuyouEngine
+    from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+    from fuyou_strategy.optim import adamw
 
     if world > 1:
         torch.set_num_threads(1)
@@ -59,9 +60,6 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
         os.makedirs(swap, exist_ok=True)
         config = FuyouConfig(swap_dirs=[swap], host_memory_budget=args.host_budget, weights=args.weights,
                              optimizer_schedule="next_forward")
-        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config=config,
-                             process_group=dist.group.WORLD if world > 1 else None)
-        opt = engine.optimizer
         spent = {"land": 0.0, "reduce_streamed": 0.0}
 
         def timed(name, fn):
@@ -73,7 +71,14 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
                     spent[name] += time.perf_counter() - start
             return wrapper
 
-        opt._land = timed("land", opt._land)
+        # On the classes, before the engine binds them into the model's hooks: the training thread's waits
+        # for new weights, resident (FuyouAdamW._land, a collective) and streamed (the streamer's, which
+        # do not go through _land)
+        FuyouAdamW._land = timed("land", FuyouAdamW._land)
+        adamw._SentWeights.wait = timed("land", adamw._SentWeights.wait)
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config=config,
+                             process_group=dist.group.WORLD if world > 1 else None)
+        opt = engine.optimizer
         opt._reduce_streamed = timed("reduce_streamed", opt._reduce_streamed)
         per_rank = args.batch // world
         data = torch.randint(0, args.vocab, (args.warmup + args.steps, args.batch, args.seq),
@@ -85,19 +90,25 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
                 before = dict(spent)
                 start = time.perf_counter()
                 engine.begin_micro_batch(update=True)
-                model(input_ids=ids, labels=ids).loss.backward()
+                loss = model(input_ids=ids, labels=ids).loss
+                forward = time.perf_counter()
+                loss.backward()
+                backward = time.perf_counter()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if i >= args.warmup:
-                    times.append(time.perf_counter() - start)
-                    shares.append({k: spent[k] - before[k] for k in spent})
+                    end = time.perf_counter()
+                    times.append(end - start)
+                    shares.append({**{k: spent[k] - before[k] for k in spent}, "forward": forward - start,
+                                   "backward": backward - forward, "step": end - backward})
             opt.flush()
             state = sum(e.slots * e.nchunks * e.stride for n, e in opt.store.entries.items() if n.startswith("adamw."))
             summary = engine.summary()
         finally:
             engine.close()
         return {"step_s": times, "land_s": [s["land"] for s in shares],
-                "reduce_streamed_s": [s["reduce_streamed"] for s in shares], "state_bytes": state,
+                "reduce_streamed_s": [s["reduce_streamed"] for s in shares],
+                **{f"{k if k != 'step' else 'optimizer_step'}_s": [s[k] for s in shares] for k in ("forward", "backward", "step")}, "state_bytes": state,
                 "peak_rss": peak_rss_bytes(), "params": sum(p.numel() for p in model.parameters()),
                 "streamed_bytes": summary["weight_bytes_streamed"]}
     finally:
@@ -136,6 +147,7 @@ def main() -> None:
                        rounds=2)
     parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     parser.add_argument("--quick", action="store_true", help="a model of a few MB, every configuration in a minute")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of them to run")
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parse_or_work(parser, worker)
     if args is None:
@@ -145,20 +157,26 @@ def main() -> None:
             setattr(args, key, value)
     args.dtype, why = choose_dtype(args.dtype)
     temporary_swap_dir(args, "fuyou-dp-")
-    argv = worker_argv(args, ("quick",))
-    runs, results = run_interleaved(__file__, [], list(CONFIGS), args.rounds, argv, use_jemalloc=not args.no_jemalloc)
+    argv = worker_argv(args, ("quick", "configs"))
+    configs = args.configs.split(",")
+    if not set(configs) <= set(CONFIGS) or not all("one-" + c.split("-")[1] in configs for c in configs):
+        raise SystemExit(f"--configs: got {args.configs!r}; a comma list of {', '.join(CONFIGS)} that holds the "
+                         "one-process row of each weights tier it names (the ratios' reference)")
+    runs, results = run_interleaved(__file__, [], configs, args.rounds, argv, use_jemalloc=not args.no_jemalloc)
     merged = {}
-    for config in CONFIGS:  # every round's timed steps, rank 0's (the ranks step together)
+    for config in configs:  # every round's timed steps, rank 0's (the ranks step together)
         rounds = runs[config]
         merged[config] = {
             "step": statistics.median(t for r in rounds for t in r["ranks"][0]["step_s"]),
             "land": statistics.median(t for r in rounds for t in r["ranks"][0]["land_s"]),
             "reduce": statistics.median(t for r in rounds for t in r["ranks"][0]["reduce_streamed_s"]),
+            **{k: statistics.median(t for r in rounds for t in r["ranks"][0][f"{k}_s"])
+               for k in ("forward", "backward", "optimizer_step") if f"{k}_s" in rounds[0]["ranks"][0]},
             "state": [rk["state_bytes"] for rk in rounds[-1]["ranks"]],
             "rss": [statistics.median(r["ranks"][k]["peak_rss"] for r in rounds) for k in range(len(rounds[-1]["ranks"]))],
             "streamed": rounds[-1]["ranks"][0]["streamed_bytes"],
         }
-    params = runs[CONFIGS[0]][-1]["ranks"][0]["params"]
+    params = runs[configs[0]][-1]["ranks"][0]["params"]
     lines = [
         f"data parallel: 2 ranks x 1 thread (gloo) vs 1 process x 2 threads, the same global batch {args.batch} x "
         f"{args.seq}; GPT-2 {args.layers} x {args.hidden}, {params / 1e6:.1f}M parameters, {args.dtype} ({why}); "
@@ -167,17 +185,18 @@ def main() -> None:
         "configuration a fresh process, interleaved",
         "",
         f"{'config':<14} {'step s':>7} {'x one':>6} {'state MiB per rank':>19} {'x one':>6} {'peak RSS GiB per rank':>22} "
-        f"{'weights wait s':>15} {'grad sum s':>11}",
-        "-" * 108,
+        f"{'weights wait s':>15} {'grad sum s':>11} {'forward s':>10} {'backward s':>11} {'step() s':>9}",
+        "-" * 142,
     ]
-    for config in CONFIGS:
+    for config in configs:
         m, one = merged[config], merged["one-" + config.split("-")[1]]
         state = "/".join(f"{b / 2**20:.1f}" for b in m["state"])
         rss = "/".join(f"{b / 2**30:.2f}" for b in m["rss"])
         lines.append(f"{config:<14} {m['step']:>7.3f} {m['step'] / one['step']:>6.2f} {state:>19} "
-                     f"{max(m['state']) / one['state'][0]:>6.2f} {rss:>22} {m['land']:>15.3f} {m['reduce']:>11.3f}")
-    lines += ["", "x one: against one process with the same weights tier; 'weights wait': the forward's wait for the "
-              "owners' new weights (FuyouAdamW._land, a collective under data parallelism); 'grad sum': step()'s sum "
+                     f"{max(m['state']) / one['state'][0]:>6.2f} {rss:>22} {m['land']:>15.3f} {m['reduce']:>11.3f} "
+                     f"{m['forward']:>10.3f} {m['backward']:>11.3f} {m['optimizer_step']:>9.3f}")
+    lines += ["", "x one: against one process with the same weights tier; 'weights wait': the training thread's waits for "
+              "the owners' new weights (FuyouAdamW._land, and the streamer's waits for streamed ones); 'grad sum': step()'s sum "
               "of the streamed gradients onto their owners (host copies, gloo)"]
     write_results(args.json, {"runs": runs, "merged": merged, "table": "\n".join(lines)})
 

@@ -89,3 +89,17 @@ def test_dtype_is_bf16_only_where_the_cpu_computes_it(weights_bench, tmp_path):
     cpuinfo.write_text("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n")
     assert weights_bench.choose_dtype("auto", str(cpuinfo)) == ("bf16", "/proc/cpuinfo flags include amx_bf16")
     assert weights_bench.choose_dtype("fp32", str(cpuinfo)) == ("fp32", "--dtype")
+
+
+def test_dp_bench_quick_two_ranks_each_hold_half_the_state(tmp_path):
+    """benchmarks/dp_bench.py end to end: one process and 2 gloo ranks streaming from the SSD."""
+    out = tmp_path / "dp.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "dp_bench.py"), "--quick", "--rounds", "1",
+                           "--configs", "one-ssd,ranks2-ssd", "--json", str(out), "--swap-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(out.read_text())["merged"]
+    one, ranks = merged["one-ssd"], merged["ranks2-ssd"]
+    assert len(ranks["state"]) == 2 and sum(ranks["state"]) == one["state"][0]  # the state split, none lost
+    assert all(0.3 < s / one["state"][0] < 0.7 for s in ranks["state"])
+    assert ranks["streamed"] > 0 and "ranks2-ssd" in proc.stdout

@@ -220,50 +220,44 @@ class SaveRankResults(L.Callback):
                    os.path.join(self.folder, f"lightning-rank{trainer.global_rank}.pt"))
 
 
-def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_global_batch(tmp_path):
-    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
+def one_device_on_the_ranks_batches(tmp_path, *, schedule="auto", **trainer_args):
+    """`fit` on one device fed, per micro-batch, the 4 sequences the two ranks saw (2 each): Lightning
+    gave the ranks a DistributedSampler that shuffles training data (seed PL_GLOBAL_SEED + epoch 0),
+    rank r taking perm[r::2]. Returns the module and the optimizer (closed: its stats stay)."""
+    from fuyou_strategy import FuyouStrategy
     from test_lightning import BATCHES, fit
 
-    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn")
+    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
+    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule=schedule)
+    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist(), **trainer_args)
+    opt = single.engine.optimizer
+    single.engine.close()
+    return module, opt
+
+
+@pytest.mark.parametrize("weights", ["device", "ssd"])
+def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_global_batch(tmp_path, weights):
+    """``weights="ssd"``: DDP leaves the streamed parameters to the optimizer, which sums their
+    gradients over the ranks."""
+    from fuyou_strategy import FuyouDDPStrategy
+    from test_lightning import fit
+
+    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", weights=weights, start_method="spawn")
     fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path))], enable_checkpointing=False)
     ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        if weights == "ssd":  # both blocks streamed on both ranks, and DDP told to leave exactly their weights
+            assert r["tiers"] == {0: "ssd", 1: "ssd"}
+            assert r["ignored"] and all(".h." in name for name in r["ignored"]), r["ignored"]
+        else:
+            assert r["tiers"] == {} and r["ignored"] == []
     for name, p in ranks[0]["weights"].items():
         assert torch.equal(p, ranks[1]["weights"][name]), name
     assert [r["steps"] for r in ranks] == [3, 3] and ranks[0]["clipped"] == ranks[1]["clipped"]
-    # one device, the same 4 sequences per micro-batch (the two ranks' 2 each): Lightning gave the ranks a
-    # DistributedSampler that shuffles training data (seed PL_GLOBAL_SEED + epoch 0), rank r taking perm[r::2]
-    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
-    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
-    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist())
-    single_norm = single.engine.optimizer.stats.last_grad_norm
-    single.engine.close()
-    assert ranks[0]["norm"] == pytest.approx(single_norm, rel=1e-5)
+    module, opt = one_device_on_the_ranks_batches(tmp_path)
+    assert ranks[0]["norm"] == pytest.approx(opt.stats.last_grad_norm, rel=1e-5)
     assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
     assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
-
-
-def test_lightning_fuyou_ddp_streams_the_blocks_weights_on_every_rank(tmp_path):
-    """``fuyou_ddp`` with ``weights="ssd"``: DDP leaves the streamed parameters to the optimizer, which
-    sums their gradients over the ranks; the same weights as one device on the global batch."""
-    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
-    from test_lightning import BATCHES, fit
-
-    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", weights="ssd", start_method="spawn")
-    fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path))], enable_checkpointing=False)
-    ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
-    for s in ranks:
-        assert s["tiers"] == {0: "ssd", 1: "ssd"}
-        assert s["ignored"] and all(".layers." in name or ".h." in name for name in s["ignored"]), s["ignored"]
-    for name, p in ranks[0]["weights"].items():
-        assert torch.equal(p, ranks[1]["weights"][name]), name
-    assert [r["steps"] for r in ranks] == [3, 3]
-    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
-    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
-    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist())
-    single_norm = single.engine.optimizer.stats.last_grad_norm
-    single.engine.close()
-    assert ranks[0]["norm"] == pytest.approx(single_norm, rel=1e-5)
-    assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
 
 
 def _states(engine) -> dict:
@@ -550,8 +544,8 @@ class CountHookUpdates(L.Callback):
 
 @pytest.mark.parametrize("clip, outcome", [(100.0, "commit"), (0.5, "redo")])
 def test_lightning_fuyou_ddp_backward_schedule_updates_as_buckets_land(tmp_path, clip, outcome):
-    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
-    from test_lightning import BATCHES, fit
+    from fuyou_strategy import FuyouDDPStrategy
+    from test_lightning import fit
 
     strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn",
                                 optimizer_schedule="backward")
@@ -565,10 +559,7 @@ def test_lightning_fuyou_ddp_backward_schedule_updates_as_buckets_land(tmp_path,
     assert hooks[0]["hook_updates"] + hooks[1]["hook_updates"] == 3 * len(ranks[0]["weights"]) - 3  # tied lm_head
     for name, p in ranks[0]["weights"].items():
         assert torch.equal(p, ranks[1]["weights"][name]), name
-    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
-    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
-    module, _ = fit(single, steps=3, batch_size=4, sampler=perm.tolist(), gradient_clip_val=clip)
-    single.engine.close()
+    module, _ = one_device_on_the_ranks_batches(tmp_path, gradient_clip_val=clip)
     assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
 
 
@@ -712,8 +703,8 @@ def test_lightning_fuyou_ddp_in_fp16_scales_alike_on_every_rank(tmp_path):
     the summation order alone moves them by up to 48% relative on a tensor (one device fed the same
     data as 4 x 2 or 2 x 4 sequences, measured), where Adam's step turns a near-zero gradient's sign;
     `test_fp16_loss_scaling_under_data_parallelism_is_gradscaler_on_the_ranks_sum` checks them bitwise."""
-    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
-    from test_lightning import BATCHES, fit
+    from fuyou_strategy import FuyouDDPStrategy
+    from test_lightning import fit
 
     strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn",
                                 optimizer_schedule="backward")
@@ -722,13 +713,7 @@ def test_lightning_fuyou_ddp_in_fp16_scales_alike_on_every_rank(tmp_path):
     ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
     for name, p in ranks[0]["weights"].items():
         assert p.dtype == torch.float16 and torch.equal(p, ranks[1]["weights"][name]), name
-    perm = torch.randperm(2 * BATCHES, generator=torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0))))
-    single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward")
-    fit(single, steps=3, batch_size=4, sampler=perm.tolist(), precision="16-true")
-    opt = single.engine.optimizer
-    try:
-        for r in ranks:
-            assert r["scale"] == opt.scaler.get_scale() and r["history"] == list(opt.stats.history)
-            assert r["norm"] == pytest.approx(opt.stats.last_grad_norm, rel=1e-3)
-    finally:
-        single.engine.close()
+    _, opt = one_device_on_the_ranks_batches(tmp_path, schedule="backward", precision="16-true")
+    for r in ranks:
+        assert r["scale"] == opt.scaler.get_scale() and r["history"] == list(opt.stats.history)
+        assert r["norm"] == pytest.approx(opt.stats.last_grad_norm, rel=1e-3)

@@ -141,6 +141,11 @@ class FuyouCallback(TrainerCallback):
     After training, ``callback.summary`` holds the engine's summary (and ``callback.plan`` the
     planner's `Plan` with ``activations="auto"``).
 
+    Under ``torchrun`` / ``accelerate launch`` each rank owns ~1/N of the optimizer state
+    (`fuyou_strategy.optim.distributed`); with streamed weights (``weights="ssd"``/``"host"``)
+    `on_init_end` has ``DistributedDataParallel`` leave them to the optimizer (pass the callback
+    to ``Trainer(callbacks=...)``, not ``add_callback`` after the Trainer was made).
+
     When ``train()`` raises, the run's changes to the Trainer, the model and
     ``TrainingArguments`` and its swap files stay until the next ``train()`` on the same model or
     arguments (with any ``FuyouCallback``) or `close` ends the run; ``with FuyouCallback(...) as

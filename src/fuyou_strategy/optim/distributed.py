@@ -116,11 +116,8 @@ class Shards:
             return
         has = lambda ps: ps.param.grad is not None  # noqa: E731
         get = lambda ps: ps.param.grad if has(ps) else torch.zeros_like(ps.param)  # noqa: E731
-        for ps, total in self.sum_onto_owners(params, has, get):
+        for ps, total in self.sum_onto_owners(params, has, get):  # a gradient no rank has stays None
             ps.param.grad = total.div_(self.world) if total is not None else None
-        for ps in params:
-            if not self.owns(ps):
-                ps.param.grad = None
 
     def sum_onto_owners(self, params: list, has: Callable[[Any], bool], get: Callable[[Any], torch.Tensor], *,
                         host: bool = False) -> Iterator[tuple[Any, torch.Tensor | None]]:
