@@ -368,19 +368,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("weights", ["device", "ssd"])
-def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path, weights):
+@pytest.mark.parametrize("weights,schedule", [("device", "next_forward"), ("device", "backward"), ("ssd", "auto")])
+def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path, weights, schedule):
+    """``"backward"``: the callback found accelerate's DDP wrapper and registered the comm hook, which
+    queued the updates as the buckets landed."""
     import subprocess
     import sys
 
     worker = os.path.join(os.path.dirname(__file__), "_hf_ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), worker, str(tmp_path), "2", weights],  # 2 ranks x 2 sequences
-                [sys.executable, worker, str(tmp_path), "4", weights]):  # one process x 4
+                 str(_free_port()), worker, str(tmp_path), "2", weights, schedule],  # 2 ranks x 2 sequences
+                [sys.executable, worker, str(tmp_path), "4", weights, schedule]):  # one process x 4
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1, one = (torch.load(tmp_path / f"hf-rank{r}-b{b}-{weights}.pt") for r, b in ((0, 2), (1, 2), (0, 4)))
+    r0, r1, one = (torch.load(tmp_path / f"hf-rank{r}-b{b}-{weights}-{schedule}.pt") for r, b in ((0, 2), (1, 2), (0, 4)))
+    if schedule == "backward":
+        assert r0["schedules"]["backward"] == r1["schedules"]["backward"] == 3
+        assert r0["hook_updates"] > 0 and r1["hook_updates"] > 0, "the updates overlapped backward on both ranks"
+    else:
+        assert r0["hook_updates"] == r1["hook_updates"] == 0
     assert r0["sharded"] and r1["sharded"] and not one["sharded"]
     # weights="ssd": every rank streamed both blocks (FuyouCallback.on_init_end had DDP leave them alone)
     assert r0["tiers"] == r1["tiers"] == one["tiers"] == ({} if weights == "device" else {0: "ssd", 1: "ssd"})
@@ -390,6 +397,8 @@ def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(
     # the Trainer's sampler gives the two ranks together the one process's batches: the same norms up to
     # the last bits of the gradients' sum, the weights up to Adam's amplification of those (measured 3.0e-4)
     assert r0["norms"] == pytest.approx(one["norms"], rel=1e-6)
+    # the logged grad_norm is the global one on every rank (a rank's .grad holds only what it owns)
+    assert len(r0["logged_norms"]) == 3 and r0["logged_norms"] == r1["logged_norms"] == r0["norms"]
     assert max_relative_difference(one["weights"], r0["weights"]) <= TOLERANCE
 
 

@@ -34,6 +34,7 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -116,6 +117,15 @@ class _Run:
 
 # Runs that began and have not ended (see the module docstring).
 _unended: list[_Run] = []
+
+
+def _ddp_wrapping(model: Any) -> Any:
+    """The ``DistributedDataParallel`` whose module is ``model`` (accelerate made it inside the Trainer,
+    which gives callbacks only the model), found among the objects the garbage collector tracks (one
+    pass, once per ``train()``). ``None`` if there is none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return next((o for o in gc.get_objects() if isinstance(o, DistributedDataParallel) and o.module is model), None)
 
 
 class FuyouCallback(TrainerCallback):
@@ -229,6 +239,13 @@ class FuyouCallback(TrainerCallback):
                              release_grads=False, norm_order=model.parameters(), loss_scaling=True if args.fp16 else None,
                              where=f"TrainingArguments(optim={optim_name!r})", report=log.info, **parallel)
         try:
+            if parallel and engine.optimizer.shards is not None:
+                ddp = _ddp_wrapping(model)  # the Trainer hands callbacks the model inside accelerate's DDP
+                if ddp is not None:  # each bucket summed onto its owners; `backward`: updates as buckets land
+                    engine.optimizer.attach_ddp(ddp)
+                else:
+                    log.warning("FuyouCallback: no DistributedDataParallel wraps the model; the gradients are "
+                                "all-reduced by whatever wraps it, and the 'backward' schedule updates at step()")
             if resume is not None:
                 engine.load(resume)
             engine.expect_steps(state.max_steps - state.global_step if state.max_steps else None)
@@ -259,9 +276,14 @@ class FuyouCallback(TrainerCallback):
         training step, and to the entry the Trainer just put in ``state.log_history``. Reporting
         callbacks placed after this one (``callbacks=[FuyouCallback(...), ...]``) see them; the
         Trainer's own ``report_to`` integrations run before user callbacks and do not."""
-        if self.engine is None or logs is None or "loss" not in logs or not self.log_metrics:
+        if self.engine is None or logs is None or "loss" not in logs:
             return  # evaluation logs and the closing train_runtime line carry no step
-        metrics = self.engine.metrics()
+        metrics = self.engine.metrics() if self.log_metrics else {}
+        if self.engine.optimizer.shards is not None and "grad_norm" in logs:
+            # Data parallel: the Trainer took the norm of this rank's .grad, which holds the average only for
+            # the parameters the rank owns (the comm hook sums each bucket onto its owners); the
+            # optimizer's is the global one.
+            metrics["grad_norm"] = self.engine.optimizer.stats.last_grad_norm
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)

@@ -801,13 +801,16 @@ class FuyouAdamW(torch.optim.Optimizer):
         if self.shards is None or not self._gradients_averaged:
             raise ConfigError("attach_ddp: needs the optimizer built with a process group and "
                               "gradients_averaged=True (a DistributedDataParallel model)")
-        def hook(state: Any, bucket: Any) -> Any:
-            return self.ddp_comm_hook(state, bucket)
-
-        # DDP checks the annotations as objects (this module's are strings: `from __future__ import annotations`).
-        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                "return": torch.futures.Future[torch.Tensor]}
-        ddp_model.register_comm_hook(None, hook)
+        # DDP takes one hook for its lifetime, and a model may outlive its optimizer (a second train() of
+        # the same Trainer): the hook serves whichever optimizer attached last, weakly, and averages as
+        # DDP does once there is none.
+        target = getattr(ddp_model, "_fuyou_hook_target", None)
+        if target is not None:
+            target.optimizer = weakref.ref(self)
+            return
+        target = _HookTarget(weakref.ref(self), self.shards.group, self.shards.world)
+        ddp_model._fuyou_hook_target = target
+        ddp_model.register_comm_hook(target, _comm_hook)
 
     def ddp_comm_hook(self, state: Any, bucket: Any) -> Future:
         """DDP's averaging (divide, then sum over the ranks) and, when it completes, the speculative
@@ -1215,3 +1218,22 @@ class _SentWeights:
         opt = self._optimizer()
         if opt is not None:
             opt._wait_sent(list(params))
+
+
+class _HookTarget:
+    """The state of the comm hook `FuyouAdamW.attach_ddp` registers: the optimizer it serves (weakly)."""
+
+    def __init__(self, optimizer: "weakref.ref[FuyouAdamW]", group: Any, world: int) -> None:
+        self.optimizer, self.group, self.world = optimizer, group, world
+
+
+def _comm_hook(state: _HookTarget, bucket: Any) -> Any:
+    opt = state.optimizer()
+    if opt is not None and not opt.closed:
+        return opt.ddp_comm_hook(state, bucket)
+    buffer = bucket.buffer().div_(state.world)  # DDP's own averaging
+    return dist.all_reduce(buffer, group=state.group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks the annotations as objects (this module's are strings: `from __future__ import annotations`).
+_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
