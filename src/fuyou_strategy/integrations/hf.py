@@ -152,9 +152,12 @@ class FuyouCallback(TrainerCallback):
     planner's `Plan` with ``activations="auto"``).
 
     Under ``torchrun`` / ``accelerate launch`` each rank owns ~1/N of the optimizer state
-    (`fuyou_strategy.optim.distributed`); with streamed weights (``weights="ssd"``/``"host"``)
-    `on_init_end` has ``DistributedDataParallel`` leave them to the optimizer (pass the callback
-    to ``Trainer(callbacks=...)``, not ``add_callback`` after the Trainer was made).
+    (`fuyou_strategy.optim.distributed`): `on_train_begin` registers `FuyouAdamW.attach_ddp`'s comm
+    hook on accelerate's ``DistributedDataParallel`` (each bucket summed onto its owners; the
+    ``backward`` schedule's updates as buckets land), and the logged ``grad_norm`` is the
+    optimizer's global one. With streamed weights (``weights="ssd"``/``"host"``) `on_init_end` has
+    ``DistributedDataParallel`` leave them to the optimizer (pass the callback to
+    ``Trainer(callbacks=...)``, not ``add_callback`` after the Trainer was made).
 
     When ``train()`` raises, the run's changes to the Trainer, the model and
     ``TrainingArguments`` and its swap files stay until the next ``train()`` on the same model or
