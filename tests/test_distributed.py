@@ -2,6 +2,7 @@
 of the SSD state, train like one process on the global batch."""
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -56,7 +57,8 @@ def _rank_main(rank, world, tmp, family, fields):
             torch.save({"weights": model.state_dict(), "state_bytes": state_bytes, "clipped": stats.clipped,
                         "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
                         "run_dirs": engine.optimizer.store.run_dirs, "pending": pending,
-                        "params": len(list(model.parameters())), "summary": engine.summary()},
+                        "params": len(list(model.parameters())), "summary": engine.summary(),
+                        "plan": dataclasses.asdict(engine.plan) if engine.plan is not None else None},
                        f"{tmp}/rank{rank}.pt")
         finally:
             engine.close()
@@ -166,6 +168,56 @@ def test_two_ranks_stream_the_blocks_weights_and_train_like_one_process(tmp_path
     assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
 
 
+def _one_rank_profile(tmp, family):
+    """One process on one rank's share of the batches, planning with everything resident: its profile."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm(family)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                         config=FuyouConfig(swap_dirs=[tmp], chunk_size="8KiB", **PLANNED), max_grad_norm=0.5)
+    try:
+        for micro_batches in global_batches()[:PLANNED["planner_warmup_steps"]]:
+            for i, ids in enumerate(micro_batches):
+                engine.begin_micro_batch(update=i == ACCUMULATE - 1)
+                (model(input_ids=ids[:PER_RANK], labels=ids[:PER_RANK]).loss / ACCUMULATE).backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad(set_to_none=True)
+        return engine.plan.profile
+    finally:
+        engine.close()
+
+
+PLANNED = {"activations": "auto", "weights": "auto", "planner_warmup_steps": 2, "weight_prefetch_blocks": 0,
+           "activation_min_bytes": 0, "host_memory_budget": "4MiB"}
+
+
+def test_the_planner_chooses_the_weight_tiers_under_data_parallelism_alike_on_every_rank(tmp_path):
+    """``activations="auto", weights="auto"`` on 2 ranks with a device budget that the resident weights
+    exceed: the ranks profile the warm-up, apply rank 0's plan (streaming the blocks from the SSD) and
+    train bitwise like one process summing their gradients alike."""
+    from fuyou_strategy.activations import Policy
+    from fuyou_strategy.planner import Profile, predict
+
+    roomy = Profile.from_dict(_one_rank_profile(str(tmp_path), "llama"))
+    resident, streamed = (predict(roomy, [Policy.RECOMPUTE] * 2, weight_tiers=[tier] * 2).device_peak
+                          for tier in ("device", "ssd"))
+    assert streamed < resident
+    budget = (streamed + resident) // 2
+    mp.spawn(_rank_main, args=(2, str(tmp_path), "llama", {**PLANNED, "device_memory_budget": budget}), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    plans = [r["plan"] for r in ranks]
+    assert plans[0] is not None and plans[0] == plans[1], "every rank applied rank 0's plan"
+    tiers = {i: t for i, t in enumerate(plans[0]["weight_tiers"]) if t != "device"}
+    assert set(tiers.values()) == {"ssd"}
+    for r in ranks:
+        assert r["summary"]["weight_tiers"] == tiers
+        assert r["summary"]["device_peak_bytes"] <= budget
+    same_sum, norms = reference("llama", as_ranks=True)
+    for r in ranks:
+        assert r["norm"] == norms[-1]
+        for name, p in same_sum.state_dict().items():
+            assert torch.equal(p, r["weights"][name]), name
+
+
 def _mismatched(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
@@ -235,20 +287,25 @@ def one_device_on_the_ranks_batches(tmp_path, *, schedule="auto", **trainer_args
     return module, opt
 
 
-@pytest.mark.parametrize("weights", ["device", "ssd"])
+@pytest.mark.parametrize("weights", ["device", "ssd", "auto"])
 def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_global_batch(tmp_path, weights):
     """``weights="ssd"``: DDP leaves the streamed parameters to the optimizer, which sums their
-    gradients over the ranks."""
+    gradients over the ranks. ``"auto"`` (with ``activations="auto"``): DDP leaves every block's
+    weights to the optimizer, since the planner chooses their tiers after the wrap; here it keeps
+    them on the device (no budget), and the optimizer still sums them."""
     from fuyou_strategy import FuyouDDPStrategy
     from test_lightning import fit
 
-    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", weights=weights, start_method="spawn")
+    planned = {"activations": "auto", "planner_warmup_steps": 2} if weights == "auto" else {}
+    strategy = FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", weights=weights, start_method="spawn",
+                                **planned)
     fit(strategy, steps=3, devices=2, callbacks=[SaveRankResults(str(tmp_path))], enable_checkpointing=False)
     ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
     for r in ranks:
-        if weights == "ssd":  # both blocks streamed on both ranks, and DDP told to leave exactly their weights
-            assert r["tiers"] == {0: "ssd", 1: "ssd"}
+        if weights != "device":  # DDP told to leave exactly the blocks' weights; streamed where "ssd" says
+            assert r["tiers"] == ({0: "ssd", 1: "ssd"} if weights == "ssd" else {})
             assert r["ignored"] and all(".h." in name for name in r["ignored"]), r["ignored"]
+            assert r["history"][-1][0] == "next_forward"
         else:
             assert r["tiers"] == {} and r["ignored"] == []
     for name, p in ranks[0]["weights"].items():

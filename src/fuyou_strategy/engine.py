@@ -35,12 +35,14 @@ from functools import wraps
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from . import trace
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .activations.spans import BlockSpans
 from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
+from .optim.distributed import sync_module_states
 from .optim.schedule import NEXT_FORWARD
 from .params import WeightStreamer
 from .params.streaming import streamed_parameter_names
@@ -112,14 +114,18 @@ def _plain(hyper: dict) -> dict:
 
 def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[str]:
     """Before ``DistributedDataParallel(model)``: make it leave alone the trainable parameters that
-    ``config``'s weight tiers (``weights``, or a pinned ``plan``'s) stream. Their device storage is
-    released between uses and their gradients leave the device as they are made, so DDP could
-    neither broadcast nor average them; `FuyouAdamW` sums them over the ranks at ``step()`` and makes
-    their tier copies rank 0's at the start. Returns their names (none: nothing changed)."""
+    ``config``'s weight tiers (``weights``, or a pinned ``plan``'s) stream; with ``weights="auto"``
+    every block's, since the planner chooses the tiers after the warm-up. A streamed weight's device
+    storage is released between uses and its gradient leaves the device as it is made, so DDP could
+    neither broadcast nor average it; `FuyouAdamW` sums these gradients over the ranks at ``step()``
+    (`FuyouAdamW.reduce_itself`) and makes the tier copies rank 0's at the start. Returns their
+    names (none: nothing changed)."""
     weights = config.weights
     if config.plan is not None and weights in ("device", "auto"):
         weights = Plan.load(config.plan).weights
-    if weights in ("device", "auto", {}):
+    elif weights == "auto":  # the planner chooses after the wrap: every block may be streamed
+        weights = "ssd"
+    if weights in ("device", {}):
         return []
     names = streamed_parameter_names(model, config, weights)
     if names:
@@ -189,7 +195,9 @@ class FuyouEngine:
         process_group: data parallelism over a ``torch.distributed`` group (`optim.distributed`):
             each rank keeps ~1/N of the optimizer state on its own swap directories; ``step()`` sums
             the ranks' gradients onto each parameter's owner, clips on the global norm, updates and
-            broadcasts the weights. The loop gives each rank its share of the global batch.
+            broadcasts the weights. The loop gives each rank its share of the global batch. Without
+            ``gradients_averaged`` the model's parameters and buffers are made rank 0's here (as
+            ``DistributedDataParallel``'s construction does).
         gradients_averaged: with ``process_group``, the model is a ``DistributedDataParallel`` (or
             the loop reduces otherwise) and the gradients at ``step()`` are the ranks' average already.
 
@@ -221,16 +229,15 @@ class FuyouEngine:
         self.init_weights = init_weights
         self.device = torch.device(device) if device is not None else model_device(model)
         groups, defaults = optimizer_arguments(optimizer, where=where)
+        if process_group is not None and not gradients_averaged and dist.get_world_size(process_group) > 1:
+            sync_module_states(model, process_group)  # no DDP to make the ranks start alike: rank 0's weights
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads, loss_scaling=loss_scaling,
                                     process_group=process_group, gradients_averaged=gradients_averaged)
         self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
-        if self.optimizer.shards is not None and config.weights == "auto" and config.plan is None:
-            self.optimizer.close()
-            raise ConfigError("weights: got 'auto' under data parallelism; the planner would choose the weight tiers "
-                              "after the model was wrapped for data parallelism. Pin them: plan on one rank "
-                              "(`fuyou plan` or a one-device warm-up) and pass plan='plan.json', or give the tiers "
-                              "(weights='ssd', or {block: 'ssd'})")
+        if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
+            ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+            self.optimizer.reduce_itself(p for name, p in model.named_parameters() if name in ignored)
         if norm_order is not None:
             self.optimizer.set_norm_order(norm_order)
         if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
@@ -296,6 +303,9 @@ class FuyouEngine:
                     "DistributedDataParallel model, which would bring their gradients back to the device; call "
                     "fuyou_strategy.ignore_streamed_in_ddp(model, config) before wrapping the model (the fuyou_ddp "
                     "strategy and FuyouCallback do it)")
+        # The last step's updates land first (after a warm-up, `next_forward` leaves them for the next
+        # forward): the tier copies are made from the weights, whose device storage is then released.
+        self.optimizer.flush()
         self.streamer = WeightStreamer(self.model, config, store=self.optimizer.store,
                                        trainable=self.optimizer.chunk_elements(), device=self.device,
                                        init_weights=self.init_weights)
@@ -465,12 +475,20 @@ class FuyouEngine:
         cpu = profiler.device.type == "cpu"
         allowed = [p for p in Policy if not (p is Policy.HOST and cpu)]
         tiers = [t for t in WEIGHT_TIERS if not (t == "host" and cpu)] if self.config.weights == "auto" else None
+        error = None
         try:
             self.plan = solve(profile, allowed=allowed, weight_tiers=tiers,
                               write_tolerance=self.config.ssd_write_tolerance)
         except PlanError as exc:
             fields = "activations='auto', weights='auto'" if tiers else "activations='auto'"
-            raise ConfigError(f"{fields}: {exc}") from None
+            error = ConfigError(f"{fields}: {exc}")
+        shards = self.optimizer.shards
+        if shards is not None:  # data parallel: every rank applies rank 0's plan (the same tiers and collectives)
+            chosen = [self.plan, error]
+            shards.broadcast_object(chosen)
+            self.plan, error = chosen
+        if error is not None:
+            raise error
         self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
                     f"{self.plan.table(compact=True)}")
         if tiers and self.plan.weights:

@@ -249,6 +249,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                                   "lands (a DistributedDataParallel model, `attach_ddp`): use 'next_forward' or 'auto'")
             self.shards = Shards(process_group, self._params, config)
         self._gradients_averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
+        self._self_reduced: set[int] = set()  # ... but these, which DDP was told to leave alone (`reduce_itself`)
         if self.shards is not None:
             self.release_grads = False  # DistributedDataParallel writes the averaged gradients into .grad
         owned = self._owned()
@@ -361,13 +362,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """
         self._check_idle("attach_weights")
         if self.shards is not None and streamer.streamed():
-            if self.config.optimizer_schedule == BACKWARD:
-                raise ConfigError("optimizer_schedule: got 'backward' with weights streamed under data parallelism; a "
-                                  "streamed gradient is summed over the ranks at step(), so its update cannot run "
-                                  "during backward: use 'next_forward' or 'auto'")
-            self.chooser.can_speculate = False
-            self.chooser.why_not = "data parallel with streamed weights: their gradients are summed at step()"
-            self._window, self.stats.last_reason = self.chooser.choose()
+            self._summed_at_step("weights streamed under data parallelism")
         self._weights = streamer
         # It reads a tier copy only once the update pending for it landed (sharded: was sent by its owner).
         streamer.updates = self.landing if self.shards is None else _SentWeights(self)
@@ -794,6 +789,30 @@ class FuyouAdamW(torch.optim.Optimizer):
             del self._sent[p]
 
     # -- data parallel: updates as DistributedDataParallel's buckets land ---------------------------------
+    def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """With ``gradients_averaged``: the ``DistributedDataParallel`` model leaves these parameters alone
+        (``_ddp_params_and_buffers_to_ignore``: those that are or may be streamed, `ignore_streamed_in_ddp`),
+        so ``step()`` sums their gradients over the ranks itself; the updates then run under
+        ``next_forward`` (a speculative one would need the sum during backward). Call it between steps."""
+        if self.shards is None or not self._gradients_averaged:
+            return
+        indices = {self._by_param[p].index for p in params if p in self._by_param}
+        if not indices:
+            return
+        self._summed_at_step("parameters DistributedDataParallel leaves to the optimizer")
+        self._self_reduced |= indices
+
+    def _summed_at_step(self, which: str) -> None:
+        """Some gradients are summed over the ranks only at ``step()``: no speculative updates (the
+        ``backward`` schedule is refused, ``"auto"`` keeps to ``next_forward``)."""
+        if self.config.optimizer_schedule == BACKWARD:
+            raise ConfigError(f"optimizer_schedule: got 'backward' with {which}; their gradients are summed over the "
+                              "ranks at step(), so their updates cannot run during backward: use 'next_forward' or "
+                              "'auto'")
+        self.chooser.can_speculate = False
+        self.chooser.why_not = f"data parallel with {which}: their gradients are summed at step()"
+        self._window, self.stats.last_reason = self.chooser.choose()
+
     def attach_ddp(self, ddp_model: Any) -> None:
         """Register `ddp_comm_hook` on a ``DistributedDataParallel`` model (before its first backward):
         under the ``backward`` schedule each rank then updates its parameters as their averaged
@@ -875,7 +894,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._partial.clear()
         if self.shards is not None:  # each gradient, averaged over the ranks, onto its owner
             self._reduce_streamed(norms)
-            self.shards.reduce_grads([ps for ps in self._params if ps.grads is None],
+            resident = [ps for ps in self._params if ps.grads is None]
+            self.shards.reduce_grads([ps for ps in resident if ps.index in self._self_reduced])
+            self.shards.reduce_grads([ps for ps in resident if ps.index not in self._self_reduced],
                                      averaged=self._gradients_averaged)
         inv = self._inv_scale()
         for ps in self._params:

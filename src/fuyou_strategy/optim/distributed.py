@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 
-__all__ = ["RankError", "Sender", "Shards"]
+__all__ = ["RankError", "Sender", "Shards", "sync_module_states"]
 
 
 class RankError(RuntimeError):
@@ -57,6 +57,16 @@ def _describe(error: BaseException) -> str:
         text += f" <- {type(cause).__name__}: {cause}"
         error, cause = cause, cause.__cause__ or cause.__context__
     return text
+
+
+def sync_module_states(model: torch.nn.Module, group: Any) -> None:
+    """Every parameter and buffer of ``model`` (those with memory) made the first rank's of ``group``, as
+    ``DistributedDataParallel``'s construction does; for a loop without DDP (`FuyouEngine` with a
+    ``process_group`` that reduces the gradients itself). A collective."""
+    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_meta:
+            dist.broadcast(t.data, src=src, group=group)
 
 
 class Shards:
@@ -109,6 +119,8 @@ class Shards:
         ``averaged``: the gradients are the ranks' average already (a ``DistributedDataParallel``
         model): nothing moves, the other ranks' copies are dropped."""
         params = list(params)
+        if not params:  # the same on every rank: the lists come from the model
+            return
         if averaged:
             for ps in params:
                 if not self.owns(ps):
