@@ -417,9 +417,10 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
     Checkpoints store parameters, not rank shards (every rank writes the state it owns next to the
     ``.ckpt``): one saved with N ranks resumes with M, one included, and ``strategy="fuyou"``'s load
     into N ranks. With ``weights="ssd"``/``"host"`` (or a pinned plan's tiers) every rank streams the
-    blocks' weights from its own tier copies; DDP is told to leave those parameters alone, and the
-    optimizer sums their gradients over the ranks at ``step()`` (the ``next_forward`` schedule). Not
-    yet: ``weights="auto"`` (pin a plan), fp16 loss scaling.
+    blocks' weights from its own tier copies; DDP is told to leave those parameters alone (with
+    ``weights="auto"`` every block's: the planner applies rank 0's plan after the warm-up), and the
+    optimizer sums their gradients over the ranks at ``step()`` (the ``next_forward`` schedule).
+    fp16 (``16-true``/``16-mixed``): every rank scales alike and skips alike.
     """
 
     strategy_name = "fuyou_ddp"
