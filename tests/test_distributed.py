@@ -425,17 +425,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("weights,schedule", [("device", "next_forward"), ("device", "backward"), ("ssd", "auto")])
-def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path, weights, schedule):
+@pytest.mark.parametrize("launcher,weights,schedule", [("torchrun", "device", "next_forward"),
+                                                       ("torchrun", "device", "backward"),
+                                                       ("accelerate", "ssd", "auto")])
+def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(tmp_path, launcher, weights, schedule):
     """``"backward"``: the callback found accelerate's DDP wrapper and registered the comm hook, which
-    queued the updates as the buckets landed."""
+    queued the updates as the buckets landed. ``accelerate launch --multi_gpu`` starts the ranks with
+    torchrun's machinery (on a machine without GPUs the script's ``use_cpu=True`` and gloo hold)."""
     import subprocess
     import sys
 
     worker = os.path.join(os.path.dirname(__file__), "_hf_ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), worker, str(tmp_path), "2", weights, schedule],  # 2 ranks x 2 sequences
+    port = str(_free_port())
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+              if launcher == "torchrun" else
+              [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu", "--num_processes",
+               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               port])
+    for cmd in ([*launch, worker, str(tmp_path), "2", weights, schedule],  # 2 ranks x 2 sequences
                 [sys.executable, worker, str(tmp_path), "4", weights, schedule]):  # one process x 4
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
