@@ -125,7 +125,9 @@ def _ddp_wrapping(model: Any) -> Any:
     pass, once per ``train()``). ``None`` if there is none."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return next((o for o in gc.get_objects() if isinstance(o, DistributedDataParallel) and o.module is model), None)
+    # type(), not isinstance(): some tracked objects (lazy proxies) raise when asked for __class__
+    return next((o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel) and o.module is model),
+                None)
 
 
 class FuyouCallback(TrainerCallback):
