@@ -282,6 +282,11 @@ def test_fuyou_plan_predicts_the_papers_multi_gpu_step(gpus, paper_tflops):
     # predicted 280.7 (2 GPUs, paper 278) and 561.2 (4 GPUs, paper 514): the model scales almost linearly;
     # the measured 4-GPU figure does not (see the README)
     assert 0.95 <= tflops / paper_tflops <= (1.05 if gpus == 2 else 1.10), (gpus, tflops, paper_tflops)
+    # every rank keeps its own host-tier weights and host activations: each has 1/N of the host beyond
+    # the optimizer's share, and this plan's host peak fits that share
+    reserve = one.optimizer_host_bytes
+    assert many.host_budget == reserve + (hw.host_memory - reserve) // gpus < one.host_budget
+    assert plan.host_peak <= many.host_budget
 
 
 def test_fuyou_plan_cli(tmp_path, capsys):

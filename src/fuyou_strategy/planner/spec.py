@@ -186,8 +186,9 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
                      prefetch_blocks: int = 2, host_reserve: int | str = "8GiB", gpus: int = 1) -> Profile:
     """A `Profile` from shapes and data-sheet numbers (see the module docstring); with ``gpus`` > 1,
     data parallel on one machine: each GPU runs the batch, its gradients are all-reduced over its
-    link, and the machine's CPU and SSDs update the whole model once (`Profile.data_parallel`); the
-    FLOPs in the notes are all GPUs'."""
+    link, and the machine's CPU and SSDs update the whole model once (`Profile.data_parallel`);
+    each GPU's rank has 1/N of the host memory beyond the optimizer's share for its host-tier
+    weights and activations (every rank keeps its own). The FLOPs in the notes are all GPUs'."""
     rate = hw.tflops * 1e12 * hw.efficiency
     tokens = batch * seq
     fwd = (2 * tokens * model.block_params + 4 * batch * seq * seq * model.hidden) / rate
@@ -198,9 +199,12 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
     device_memory = None if hw.device_is_host else hw.device_memory
     # 16-bit weights and gradients stay on the device when they fit beside one block's activations;
     # otherwise every block's weights stream, from host memory if it holds them, else from SSD.
+    # Data parallel: every GPU's rank keeps its own host-tier weights and host activations; the
+    # optimizer's share (``host_reserve``) is the machine's, once.
+    host_share = host_reserve + (hw.host_memory - host_reserve) // gpus
     tier = "device"
     if device_memory is not None and 4 * model.params + act > device_memory:
-        tier = "host" if 2 * model.params + host_reserve <= hw.host_memory else "ssd"
+        tier = "host" if 2 * model.params + host_reserve <= host_share else "ssd"
     block = BlockProfile(fwd_s=fwd, bwd_s=2 * fwd, act_bytes=act, params=model.block_params,
                          weight_bytes=2 * model.block_params, weight_tier=tier)
     head_fwd = 2 * tokens * model.vocab * model.hidden / rate
@@ -212,7 +216,7 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
         adam_params_per_s=hw.adam_params_per_s, weight_upload_bytes_per_param=0.0 if hw.device_is_host else 2.0,
         device_base_bytes=device_base, optimizer_host_bytes=min(hw.host_memory, host_reserve),
         micro_batches=micro_batches, data_parallel=gpus, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
-        host_budget=hw.host_memory,
+        host_budget=host_share,
         # Fuyou's design: copies on a side stream (the runtime's CUDA path blocks today)
         blocking_swap_out=False, blocking_weight_copy=False,
         ssd_budget=None, source="analytic",
