@@ -613,7 +613,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
             error = exc
         self.shards.agree(error, "the last step's optimizer updates")
-        self.shards.broadcast_weights(todo, self._weights)
+        self.shards.broadcast_weights(todo)
         sent = {ps.index for ps in todo}
         self._unsent = [ps for ps in self._unsent if ps.index not in sent]
 

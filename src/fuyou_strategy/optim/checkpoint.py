@@ -332,8 +332,9 @@ def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
         opt.scaler.load_state_dict(meta["scaler"])
     opt._window, opt.stats.last_reason = opt.chooser.choose()
     opt._restore_weights(owned)
-    if opt.shards is not None:
-        opt.shards.broadcast_weights(opt._params, opt._weights)
+    if opt.shards is not None:  # every weight from its owner, as after a step, and landed now
+        opt._send_later({ps.index for ps in opt._params})
+        opt._land()
     return meta
 
 

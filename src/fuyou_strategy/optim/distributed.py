@@ -23,7 +23,8 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
 4. when the next forward reaches a module (or at `FuyouAdamW.flush`, a checkpoint, the next
    backward), its parameters' owners wait for their updates, the ranks agree that they landed
    (`agree`), and each weight is broadcast from its owner (`FuyouAdamW._land`); a streamed
-   weight goes from the owner's tier copy into the others' (`broadcast_weights`).
+   weight goes from the owner's tier copy into the others' on a sender thread as soon as its
+   update landed (`send_streamed`).
 
 The collectives are ``torch.distributed``'s, on the group given (gloo on the CPU, NCCL on GPUs);
 host tensors (flags, norms, objects, streamed weights and gradients) go over gloo: the group
@@ -188,18 +189,11 @@ class Shards:
         raise RankError(f"{what} failed on {sum(e is not None for e in reports)} of {self.world} ranks ({named}); "
                         "every rank stops here") from error
 
-    def broadcast_weights(self, params: Iterable[Any], streamer: Any = None) -> None:
-        """Each updated weight from its owner to every rank, in parameter order. A weight ``streamer``
-        streams goes from the owner's tier copy into the others' (`WeightStreamer.assign`)."""
+    def broadcast_weights(self, params: Iterable[Any]) -> None:
+        """Each updated resident weight from its owner to every rank, in parameter order (streamed ones
+        travel on the sender: `send_streamed`)."""
         for ps in params:
-            src = self.ranks[self.owner[ps.index]]
-            if streamer is None or not streamer.streams(ps.param):
-                dist.broadcast(ps.param.data, src=src, group=self.group)
-                continue
-            value = streamer.value(ps.param) if self.owns(ps) else torch.empty(ps.numel, dtype=ps.param.dtype)
-            dist.broadcast(value.view(-1), src=src, group=self.host_group)
-            if not self.owns(ps):
-                streamer.assign(ps.param, value)
+            dist.broadcast(ps.param.data, src=self.ranks[self.owner[ps.index]], group=self.group)
 
     def open_sender(self, timeout: float) -> "Sender":
         """A `Sender` with a gloo group of its own (a collective: every rank calls it at the same point);
