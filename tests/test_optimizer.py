@@ -285,7 +285,6 @@ def test_a_dropped_optimizer_releases_its_thread_and_swap_files(small_config):
     """The model outlives its optimizer (a Trainer dropped after fit): the parameters' hooks must
     not keep the optimizer, its worker thread and its swap files alive."""
     import gc
-    import threading
 
     model = torch.nn.Linear(8, 8)
     opt = FuyouAdamW(model.parameters(), config=small_config)
