@@ -724,6 +724,8 @@ def _fp16_rank(rank, world, tmp):
 def _fp16_reference():
     """One process, torch's GradScaler, clip_grad_norm_ and fused AdamW on fp32 masters, with the ranks'
     fp16 gradients summed as the ranks sum them: ``(g0 + g1) / 2`` in fp16."""
+    from test_schedule import gradscaler_step
+
     model = tiny_causal_lm("llama", dtype=torch.float16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params]
@@ -740,14 +742,7 @@ def _fp16_reference():
                 p.grad = None
         for m, g0, g1 in zip(masters, *per_rank):
             m.grad = (g0 + g1).div_(2).float()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(masters, 0.5)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
+        gradscaler_step(scaler, opt, params, masters, masters, 0.5)
         scales.append(scaler.get_scale())
     return model, masters, scales
 

@@ -319,17 +319,23 @@ def gradscaler_reference(model):
             scaler.scale(fp16_loss(model, step, micro)).backward()
         for p, m in zip(params, masters):
             m.grad, p.grad = p.grad.float(), None
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_([m for g in opt.param_groups for m in g["params"]], MAX_NORM)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+        gradscaler_step(scaler, opt, params, masters, [m for g in opt.param_groups for m in g["params"]], MAX_NORM)
         sched.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
         scales.append(scaler.get_scale())
     return masters, scales
+
+
+def gradscaler_step(scaler, opt, params, masters, clipped, max_norm):
+    """torch's fp16 step on fp32 masters holding their gradients: unscale, clip ``clipped`` (in that
+    order) to ``max_norm``, step or skip, update the scale; the fp16 weights take the masters' values."""
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(clipped, max_norm)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
