@@ -37,6 +37,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", default="ssd", choices=["auto", "keep", "host", "ssd", "recompute"],
                         help="where every block's activations go; auto: the planner decides after a warm-up")
     parser.add_argument("--device-budget", help="device memory the planner may use (auto), e.g. 2GiB")
+    parser.add_argument("--weights", default="device", choices=["device", "host", "ssd", "auto"],
+                        help="where the blocks' weights live between uses (streamed unless device); auto: the "
+                        "planner decides (with --activations auto)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", help="write a timeline of two steps here (Chrome/Perfetto JSON; draw it with "
                         "`fuyou report PATH --png`)")
@@ -45,7 +48,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
     """FuyouConfig fields from the command line."""
     return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations,
-                device_memory_budget=args.device_budget, trace=args.trace)
+                device_memory_budget=args.device_budget, trace=args.trace, weights=args.weights)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:

@@ -6,6 +6,7 @@ points at a real NVMe drive (repeat it for several). ``--help`` lists the rest.
 
     python examples/lightning_finetune.py
     python examples/lightning_finetune.py --swap-dir /nvme0 --swap-dir /nvme1 --precision bf16-mixed
+    python examples/lightning_finetune.py --devices 2 --weights ssd   # data parallel (CPU: 2 processes, gloo)
 """
 
 from __future__ import annotations
@@ -48,10 +49,30 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
+class PrintSummary(L.Callback):
+    """The run's summary, printed by rank 0 when training ends (with ``--devices N`` the engine lives in
+    the spawned ranks, not in this process)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.start = tokens, 0.0
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            ranks = f" on {trainer.world_size} ranks" if trainer.world_size > 1 else ""
+            print_summary(f"Lightning + {type(trainer.strategy).__name__}{ranks}", trainer.strategy.engine.summary(),
+                          float(trainer.callback_metrics["val_acc"]), tokens=self.tokens,
+                          seconds=time.perf_counter() - self.start)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    parser.add_argument("--devices", type=int, default=1, help="data parallel over this many devices (on the CPU: "
+                        "processes), each rank owning 1/N of the optimizer state (strategy fuyou_ddp)")
     args = parser.parse_args(argv)
 
     model = build_model(args)
@@ -59,20 +80,20 @@ def main(argv: list[str] | None = None) -> None:
     train = counting_sequences(micro_batches * args.batch_size, args.seq_len, args.vocab, seed=args.seed)
     val = counting_sequences(4 * args.batch_size, args.seq_len, args.vocab, seed=args.seed + 1)
     module = CausalLMModule(model, args.lr, warmup=max(1, args.steps // 10), vocab=args.vocab)
-    strategy = fuyou_strategy.FuyouStrategy(**fuyou_fields(args))
+    if args.devices > 1:  # each rank takes 1/N of every global batch (Lightning's DistributedSampler)
+        strategy = fuyou_strategy.FuyouDDPStrategy(start_method="spawn", **fuyou_fields(args))
+    else:
+        strategy = fuyou_strategy.FuyouStrategy(**fuyou_fields(args))
     # One epoch of exactly steps x accumulate micro-batches: the progress bar counts them against their total.
-    trainer = L.Trainer(strategy=strategy, accelerator="auto", devices=1, precision=args.precision,
+    trainer = L.Trainer(strategy=strategy, accelerator="auto", devices=args.devices, precision=args.precision,
                         max_epochs=1, accumulate_grad_batches=args.accumulate,
                         gradient_clip_val=args.max_grad_norm, logger=False, enable_checkpointing=False,
-                        check_val_every_n_epoch=1, log_every_n_steps=1)
-    start = time.perf_counter()
-    trainer.fit(module, DataLoader(train, batch_size=args.batch_size, shuffle=True),
-                DataLoader(val, batch_size=args.batch_size))
-    seconds = time.perf_counter() - start
-    accuracy = float(trainer.callback_metrics["val_acc"])
-    print_summary("Lightning + FuyouStrategy", strategy.engine.summary(), accuracy,
-                  tokens=micro_batches * args.batch_size * args.seq_len, seconds=seconds)
-    strategy.engine.close()
+                        check_val_every_n_epoch=1, log_every_n_steps=1,
+                        callbacks=[PrintSummary(tokens=micro_batches * args.batch_size * args.seq_len)])
+    trainer.fit(module, DataLoader(train, batch_size=args.batch_size // args.devices, shuffle=True),
+                DataLoader(val, batch_size=args.batch_size // args.devices))
+    if strategy.engine is not None:  # one device: the engine lives here
+        strategy.engine.close()
 
 
 if __name__ == "__main__":

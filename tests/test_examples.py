@@ -29,6 +29,16 @@ def test_lightning_example(tmp_path, capsys):
     assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
 
 
+def test_lightning_example_on_two_ranks_streaming_weights(tmp_path, capfd):
+    import lightning_finetune
+
+    lightning_finetune.main(TINY + ["--swap-dir", str(tmp_path), "--devices", "2", "--weights", "ssd",
+                                    "--activations", "keep"])
+    out, err = capfd.readouterr()
+    assert "Lightning + FuyouDDPStrategy on 2 ranks: 3 optimizer steps" in out, out + err[-3000:]
+    assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_hf_example(tmp_path, capsys, lora):
     import hf_trainer_finetune
