@@ -467,19 +467,21 @@ def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(
     assert max_relative_difference(one["weights"], r0["weights"]) <= TOLERANCE
 
 
-def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path):
+@pytest.mark.parametrize("precision,weights", [("32-true", "device"), ("bf16-true", "ssd")])
+def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path, precision, weights):
+    """bf16: the .ckpt holds every weight's fp32 master, gathered on rank 0 from the owners."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
     from test_lightning import fit
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
-    fit(FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn"), steps=2, devices=2,
-        callbacks=[ckpt, SaveRankResults(str(tmp_path))])
+    fit(FuyouDDPStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn", weights=weights),
+        steps=2, devices=2, callbacks=[ckpt, SaveRankResults(str(tmp_path))], precision=precision)
     ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt") for r in range(2)]
     (path,) = [p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt"]
     single = FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
-    module, trainer = fit(single, steps=2, ckpt_path=str(path))  # restores, nothing left to train
+    module, trainer = fit(single, steps=2, ckpt_path=str(path), precision=precision)  # restores, nothing left to train
     try:
         assert trainer.global_step == 2
         states = _states(single.engine)
@@ -488,6 +490,12 @@ def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path):
             _assert_same_states(r["states"], states)
         for name, p in module.state_dict().items():
             assert torch.equal(p, ranks[0]["weights"][name]), name
+        saved = torch.load(path, weights_only=False)["state_dict"]
+        masters = single.engine.master_weights()
+        assert len(masters) == (len(list(module.parameters())) if precision == "bf16-true" else 0)
+        for name, p in module.named_parameters():
+            if p in masters:
+                assert saved[name].dtype == torch.float32 and torch.equal(saved[name], masters[p]), name
     finally:
         single.engine.close()
 

@@ -519,9 +519,16 @@ class FuyouEngine:
         self.optimizer.load_folder(folder)
 
     def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """The fp32 master weight of every trainable parameter kept in lower precision (bf16)."""
-        return {p: self.optimizer.read_state(p)["master"] for group in self.optimizer.param_groups
-                for p in group["params"] if p.dtype != torch.float32}
+        """The fp32 master weight of every trainable parameter kept in lower precision (bf16). Data
+        parallel: a collective that gathers them, one at a time from their owners, on rank 0 (which
+        writes checkpoints); the other ranks get ``{}``."""
+        opt = self.optimizer
+        params = [p for group in opt.param_groups for p in group["params"] if p.dtype != torch.float32]
+        if opt.shards is None:
+            return {p: opt.read_state(p)["master"] for p in params}
+        gathered = opt.shards.gather_to_first([opt._by_param[p] for p in params],
+                                              lambda ps: opt.read_state(ps.param)["master"])
+        return {ps.param: master for ps, master in gathered.items()}
 
     # -- reporting ------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

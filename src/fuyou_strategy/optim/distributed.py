@@ -195,6 +195,24 @@ class Shards:
         for ps in params:
             dist.broadcast(ps.param.data, src=self.ranks[self.owner[ps.index]], group=self.group)
 
+    def gather_to_first(self, params: list, read: Callable[[Any], torch.Tensor]) -> dict[Any, torch.Tensor]:
+        """Each parameter's tensor (``read(ps)``, on its owner; shaped like the parameter, float32) on the
+        group's first rank, one at a time (point to point over `host_group`); ``{}`` on the others. A
+        collective: every rank calls it with the same ``params``."""
+        out: dict[Any, torch.Tensor] = {}
+        first = self.ranks[0]
+        for ps in params:
+            owner = self.owner[ps.index]
+            if self.rank == 0:
+                if owner == 0:
+                    out[ps] = read(ps)
+                else:
+                    out[ps] = torch.empty(ps.param.shape, dtype=torch.float32)
+                    dist.recv(out[ps], src=self.ranks[owner], group=self.host_group)
+            elif self.owns(ps):
+                dist.send(read(ps), dst=first, group=self.host_group)
+        return out
+
     def open_sender(self, timeout: float) -> "Sender":
         """A `Sender` with a gloo group of its own (a collective: every rank calls it at the same point);
         its `Sender.close` waits up to ``timeout`` seconds for the sends already submitted."""
