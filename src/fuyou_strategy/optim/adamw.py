@@ -45,8 +45,7 @@ import os
 import time
 import weakref
 from collections import deque
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator
 
@@ -58,7 +57,7 @@ from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budge
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
 from .distributed import RankError, Sender, Shards
-from .pipeline import ChunkJob, ChunkPipeline
+from .pipeline import _LIVENESS_POLL, ChunkJob, ChunkPipeline
 from .scaler import LossScaler
 from .schedule import BACKWARD, NEXT_FORWARD, PendingUpdates, ScheduleChooser
 
@@ -771,22 +770,16 @@ class FuyouAdamW(torch.optim.Optimizer):
         deadline = time.monotonic() + self.config.io_timeout
         for p in keys:
             fut = self._sent[p]
-            while True:
-                try:
-                    fut.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                    break
-                except FutureTimeout:
-                    if not fut.done() and not self._sender.alive():
-                        raise RuntimeError("FuyouAdamW: the weight sender thread stopped; the streamed weights "
-                                           "of the last step cannot arrive") from None
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"FuyouAdamW: the new weight of parameter {self._by_param[p].index} "
-                                           f"did not arrive from rank {self.shards.owner[self._by_param[p].index]} "
-                                           f"within io_timeout={self.config.io_timeout:.0f} s") from None
-                except BaseException:
-                    del self._sent[p]
-                    raise
+            while not wait([fut], timeout=_LIVENESS_POLL).done:
+                if not self._sender.alive():
+                    raise RuntimeError("FuyouAdamW: the weight sender thread stopped; the streamed weights "
+                                       "of the last step cannot arrive")
+                if time.monotonic() >= deadline:
+                    index = self._by_param[p].index
+                    raise TimeoutError(f"FuyouAdamW: the new weight of parameter {index} did not arrive from rank "
+                                       f"{self.shards.owner[index]} within io_timeout={self.config.io_timeout:.0f} s")
             del self._sent[p]
+            fut.result()  # what the send raised: the same RankError on every rank
 
     # -- data parallel: updates as DistributedDataParallel's buckets land ---------------------------------
     def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
