@@ -272,9 +272,9 @@ class Shards:
         changed = []
         for param in streamer.streamed():
             mine = streamer.value(param).view(-1)
-            value = mine.clone()
+            value = mine if self.rank == 0 else torch.empty_like(mine)
             dist.broadcast(value, src=self.ranks[0], group=self.host_group)
-            if not torch.equal(value, mine):
+            if value is not mine and not torch.equal(value, mine):
                 streamer.assign(param, value)
                 changed.append(param)
         return changed
