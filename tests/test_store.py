@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import CancelledError, Future
 
 import pytest
@@ -385,6 +386,33 @@ def test_crashed_run_is_found_and_cleaned_by_the_command(tmp_path, capsys):
     assert os.path.isdir(run_dir) and "would remove" in capsys.readouterr().out
     assert fuyou_main(["clean", "--dir", str(tmp_path)]) == 0
     assert not os.path.exists(run_dir)
+
+
+def test_a_zombie_owner_counts_as_gone(tmp_path, capsys):
+    """A killed process its parent has not reaped yet (a dead rank whose launcher lives) will never write
+    again: its run directory is stale, and a new store in the same swap directory removes it."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), "hang"], stdout=subprocess.PIPE, text=True)
+    try:
+        run_dir = child.stdout.readline().strip()
+        assert find_stale_runs([str(tmp_path)]) == []
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _proc_state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _proc_state(child.pid) == "Z", "killed and not reaped: a zombie"
+        stale = find_stale_runs([str(tmp_path)])
+        assert [s.path for s in stale] == [run_dir]
+        with TensorStore(FuyouConfig(swap_dirs=[str(tmp_path)])) as store:
+            assert not os.path.exists(run_dir), "a new run in the same swap directory removed it"
+            assert [os.path.dirname(d) for d in store.run_dirs] == [str(tmp_path)]
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def _proc_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_single_slot_entries_delete_and_space_reuse(small_config):

@@ -18,7 +18,9 @@ that handler decides what SIGTERM means and ours does nothing: Lightning stops a
 batch and its teardown closes the stores.
 
 Other folders a process may leave behind when killed (a checkpoint save in progress) record
-their owner the same way with `write_owner`; `owner_gone` tells whether it still runs.
+their owner the same way with `write_owner`; `owner_gone` tells whether it still runs, and
+`temp_writer_gone` whether anyone still writes or removes a ``*.tmp-<pid>`` folder. A zombie (a
+killed process its parent has not reaped yet, e.g. a dead rank whose launcher lives) counts as gone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -37,33 +40,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir", "write_owner", "owner_gone", "dir_bytes"]
+from ..config import format_bytes
+
+__all__ = ["RUN_PREFIX", "make_run_dir", "StaleRun", "find_stale_runs", "remove_run_dir", "write_owner", "owner_gone",
+           "owner_pid", "pid_running", "temp_writer_gone", "dir_bytes"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
 RUN_PREFIX = "fuyou-run-"
+_RUN_NAME = re.compile(re.escape(RUN_PREFIX) + r"(\d+)-[0-9a-f]+")  # fuyou-run-<pid>-<token>
 OWNER_FILE = "owner.json"
 
 
 def _process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (guards against pid reuse), or None."""
+    """Start time of ``pid`` in clock ticks since boot (guards against pid reuse), or None when no
+    such process runs. A zombie (dead, not yet reaped by its parent: a killed rank whose launcher
+    still lives) or a process being torn down counts as not running: it will never write again."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may contain spaces; fields after the closing paren are plain.
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X", "x"):  # zombie, dead
+        return None
+    return int(fields[19])
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a live (not zombie) process ``pid`` exists on this host."""
+    return _process_start_ticks(pid) is not None
 
 
 def make_run_dir(parent: str | None) -> str:
     """Create this process's 0700 run directory inside ``parent`` and return its path.
 
     ``parent=None`` makes a fresh temporary directory (``fuyou-swap-*``) to hold it, which
-    `remove_run_dir` removes with it.
+    `remove_run_dir` removes with it. The run directories in ``parent`` of processes that are gone
+    (killed runs: their swap files would take the space this run needs) are removed first, with a
+    warning naming each.
     """
     if parent is None:
         return _make_run_dir_in_temporary_dir()
+    for stale in find_stale_runs([parent]):
+        log.warning("fuyou: removing %s (%s), the run directory of a process that is gone (%s)", stale.path,
+                    format_bytes(stale.nbytes), stale.reason)
+        remove_run_dir(stale.path)
     token = secrets.token_hex(4)
     path = os.path.join(parent, f"{RUN_PREFIX}{os.getpid()}-{token}")
     os.mkdir(path, 0o700)
@@ -115,14 +138,19 @@ def find_stale_runs(parents: Iterable[str]) -> list[StaleRun]:
         except FileNotFoundError:
             continue
         for child in children:
-            if child.name.startswith(RUN_PREFIX) and child.is_dir() and (reason := owner_gone(child)) is not None:
-                stale.append(StaleRun(str(child), _owner_pid(child), dir_bytes(str(child)), reason))
+            match = _RUN_NAME.fullmatch(child.name)
+            if match is None or not child.is_dir() or child.is_symlink():
+                continue
+            # A directory whose owner.json is not written yet belongs to the pid in its name.
+            if (reason := owner_gone(child, pid=int(match.group(1)))) is not None:
+                stale.append(StaleRun(str(child), owner_pid(child), dir_bytes(str(child)), reason))
     return stale
 
 
-def _owner_pid(path: Path) -> int | None:
+def owner_pid(path: str | os.PathLike, name: str = OWNER_FILE) -> int | None:
+    """The pid that ``path/<name>`` (`write_owner`) records, or None if it is missing or unreadable."""
     try:
-        pid = json.loads((path / OWNER_FILE).read_text()).get("pid")
+        pid = json.loads((Path(path) / name).read_text()).get("pid")
     except (OSError, ValueError, AttributeError):
         return None
     return pid if isinstance(pid, int) else None
@@ -142,24 +170,24 @@ def remove_run_dir(path: str) -> None:
         shutil.rmtree(temporary_parent, ignore_errors=True)
 
 
-def write_owner(path: str | os.PathLike) -> None:
-    """Record this process (host, pid, start time) in ``path/owner.json`` (mode 0600)."""
+def write_owner(path: str | os.PathLike, name: str = OWNER_FILE) -> None:
+    """Record this process (host, pid, start time) in ``path/<name>`` (mode 0600; it must not exist)."""
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
              "created": time.time()}
-    fd = os.open(os.path.join(path, OWNER_FILE), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(path, name), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(owner, f)
 
 
-def owner_gone(path: str | os.PathLike, pid: int | None = None) -> str | None:
+def owner_gone(path: str | os.PathLike, pid: int | None = None, name: str = OWNER_FILE) -> str | None:
     """Why the process that owns the folder ``path`` no longer runs, or None while it may.
 
-    The owner is read from ``path/owner.json`` (`write_owner`); a folder without one is taken
+    The owner is read from ``path/<name>`` (`write_owner`); a folder without one is taken
     to belong to ``pid`` on this host (None: it is reported gone). A folder owned by another
     host is never reported: we cannot tell whether its process lives.
     """
     try:
-        owner = json.loads((Path(path) / OWNER_FILE).read_text())
+        owner = json.loads((Path(path) / name).read_text())
     except (OSError, ValueError):
         if pid is None:
             return "no readable owner.json"
@@ -173,6 +201,22 @@ def owner_gone(path: str | os.PathLike, pid: int | None = None) -> str | None:
     if owner.get("start_ticks") is not None and ticks != owner["start_ticks"]:
         return f"pid {pid} now belongs to another process"
     return None
+
+
+def temp_writer_gone(path: str | os.PathLike, pid: int) -> str | None:
+    """Why no process writes or removes the temporary folder ``path`` any more, or None while one may.
+
+    ``pid`` is the one in its ``*.tmp-<pid>`` name: the process that made it (a save being written,
+    whose ``owner.json`` names the same process) or renamed it aside to remove it (a save being
+    discarded, whose ``owner.json`` still names the process that wrote it long ago). Both must be
+    gone: the owner by `owner_gone` (start time checked), the renaming process by its pid."""
+    reason = owner_gone(path, pid=pid)
+    if reason is None:
+        return None
+    owner = owner_pid(Path(path))
+    if owner is not None and owner != pid and pid_running(pid):
+        return None  # renamed aside by a live process, which is removing it now
+    return reason
 
 
 # -- removal on SIGTERM (see the module docstring) ------------------------------------------------
