@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
+import signal
 
 import lightning as L
 import pytest
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import tiny_causal_lm
+from fuyou_strategy.cli import main as fuyou_main
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import discover_blocks
 from fuyou_strategy.optim.distributed import RankError
@@ -415,6 +418,59 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tm
         error = torch.load(tmp_path / f"error-{r}.pt")
         assert "the sharded save failed on 1 of 2 ranks" in error and "rank 1: OSError" in error, error
     assert not list((tmp_path / "ckpt-bad").iterdir()), "no save and no temporary folder is left"
+
+
+def _sharded_save_killed(rank, world, tmp, mode):
+    """``kill``: 2 steps and a complete save, 1 more step and a save during which rank 0 is SIGKILLed just
+    after writing its part. ``resume``: load the folder's save, 1 step, save again."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{mode}", rank=rank, world_size=world)
+    try:
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD)
+        try:
+            if mode == "kill":
+                _train(engine, model, rank, world, 2)
+                engine.save(f"{tmp}/ckpt")
+                _train(engine, model, rank, world, 1)
+                from fuyou_strategy.optim import checkpoint
+
+                if rank == 0:
+                    write_state = checkpoint._write_state
+
+                    def write_then_die(*args, **kwargs):
+                        write_state(*args, **kwargs)
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    checkpoint._write_state = write_then_die
+                engine.save(f"{tmp}/ckpt")
+            else:
+                engine.load(f"{tmp}/ckpt")
+                left_by_load = sorted(p for p in os.listdir(f"{tmp}/ckpt") if ".tmp-" in p)
+                _train(engine, model, rank, world, 1)
+                engine.save(f"{tmp}/ckpt")
+                torch.save({"left_by_load": left_by_load, "steps": engine.optimizer.stats.steps},
+                           f"{tmp}/resume-rank{rank}.pt")
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_save_killed_on_one_rank_leaves_nothing_after_clean_or_a_resumed_run(tmp_path):
+    """Rank 0 SIGKILLed inside a sharded save, after writing its part: the ``<token>.tmp-<pid>/`` with
+    ``owner.json`` and ``part-<rank>/`` folders is recognised as stale by ``fuyou clean``, and a resumed
+    2-rank run removes it from the folder it loads from and saves into."""
+    with pytest.raises(Exception, match="signal|SIGKILL|exited"):
+        mp.spawn(_sharded_save_killed, args=(2, str(tmp_path), "kill"), nprocs=2)
+    (temp,) = [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+    assert "part-0" in {p.name for p in temp.iterdir()}, "rank 0 wrote its part before it died"
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "copy")
+    assert fuyou_main(["clean", "--dir", str(tmp_path / "copy")]) == 0
+    assert not [p for p in (tmp_path / "copy").iterdir() if ".tmp-" in p.name], "fuyou clean removed it"
+    mp.spawn(_sharded_save_killed, args=(2, str(tmp_path), "resume"), nprocs=2)
+    for r in range(2):
+        resumed = torch.load(tmp_path / f"resume-rank{r}.pt")
+        assert resumed["steps"] == 3 and resumed["left_by_load"] == [], "the load removed it"
+    assert [len(list((tmp_path / "ckpt").iterdir()))] == [1], "one complete save, nothing else"
 
 
 def _free_port() -> int:

@@ -1,6 +1,11 @@
 """FuyouAdamW checkpoints: exact resume, layout independence, checksums, refusals."""
 
 import copy
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,3 +188,105 @@ def test_a_kill_at_any_step_of_a_save_leaves_a_complete_save(tmp_path):
     argv = ["clean", "--dir", str(tmp_path / "killed")] + [a for r in killed for a in ("--dir", str(r / "swap"))]
     assert fuyou_main(argv) == 0
     assert not [p for p in (tmp_path / "killed").rglob("*") if ".tmp-" in p.name or p.name.startswith("fuyou-run-")]
+
+
+def _edit_meta(save, old, new):
+    meta = save / "optimizer.json"
+    text = meta.read_text()
+    assert old in text, old
+    meta.write_text(text.replace(old, new, 1))
+    return meta
+
+
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "step"])
+def test_a_changed_value_in_optimizer_json_is_refused_naming_the_file(tmp_path, field):
+    """One digit of ``lr``, ``weight_decay`` or a parameter's ``step`` changed by hand (or by bit rot):
+    the metadata's own checksum refuses it, through `load_state_dict` and `load_folder`, and nothing loads."""
+    model = tiny_causal_lm("gpt2")
+    opt = make(tmp_path, model, "a")
+    run(model, opt, 2)
+    sd = opt.state_dict(tmp_path / "ckpt")
+    run(model, opt, 1, start=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    old = {"lr": '"lr": 0.003', "weight_decay": '"weight_decay": 0.1', "step": '"step": 2.0'}[field]
+    meta = _edit_meta(newest(tmp_path / "ckpt"), old, old[:-1] + str(int(old[-1]) + 1))
+    for load in (lambda: opt.load_state_dict(sd), lambda: opt.load_folder(tmp_path / "ckpt")):
+        with pytest.raises(CheckpointError, match=rf"{meta}: its contents do not match the checksum written with them"):
+            load()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "nothing was loaded"
+    assert opt.state[next(model.parameters())]["step"].item() == 3
+    opt.close()
+
+
+def test_a_state_file_of_another_size_is_refused(tmp_path):
+    """Bytes appended to ``master.bin`` (or a file from another save): refused before a byte is read."""
+    model = tiny_causal_lm("gpt2")
+    opt = make(tmp_path, model, "a")
+    run(model, opt, 2)
+    opt.state_dict(tmp_path / "ckpt")
+    master = newest(tmp_path / "ckpt") / "master.bin"
+    size = master.stat().st_size
+    with open(master, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(CheckpointError, match=rf"{master}: {size + 16} bytes, but the save's optimizer.json records "
+                                              rf"{size} \(\d+ parameters\)"):
+        opt.load_folder(tmp_path / "ckpt")
+    opt.close()
+
+
+def test_an_earlier_format_without_a_metadata_checksum_still_loads(tmp_path, caplog):
+    model = tiny_causal_lm("gpt2")
+    opt = make(tmp_path, model, "a")
+    run(model, opt, 2)
+    opt.state_dict(tmp_path / "ckpt")
+    meta = newest(tmp_path / "ckpt") / "optimizer.json"
+    values = json.loads(meta.read_text())
+    del values["meta_sha256"]
+    meta.write_text(json.dumps(dict(values, format=2)))
+    expected = [p.detach().clone() for p in model.parameters()]
+    run(model, opt, 1, start=2)
+    opt.load_folder(tmp_path / "ckpt")
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+    assert any("no checksum" in r.getMessage() for r in caplog.records), "said once"
+    opt.close()
+
+
+def save_killed_before_its_rename(root, k):
+    """Save once, then again killed just before the second save's folder is renamed into place: its
+    ``<token>.tmp-<pid>/`` holds a full copy of the state (run by `killed_once`)."""
+    root = Path(root)
+    model, opt, step = linear_training(root)
+    step(0)
+    opt.state_dict(root / "ckpt")
+    step(1)
+    original = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if ".tmp-" in os.fspath(src):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(src, dst, *args, **kwargs)
+
+    os.rename = rename
+    opt.state_dict(root / "ckpt")
+
+
+def killed_once(root, scenario):
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                          f"import test_optimizer_checkpoint as m; m.{scenario}({str(root)!r}, 0)"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+
+
+@pytest.mark.parametrize("then", ["save", "load"])
+def test_a_killed_saves_temporary_folder_is_removed_by_the_next_save_or_load(tmp_path, then, caplog):
+    killed_once(tmp_path, "save_killed_before_its_rename")
+    (temp,) = [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+    assert {p.name for p in temp.iterdir()} >= {"master.bin", "optimizer.json"}, "a full copy of the state"
+    model, opt, step = linear_training(tmp_path)  # the resumed run: its swap dir is the killed one's
+    with opt:
+        opt.load_folder(tmp_path / "ckpt") if then == "load" else opt.state_dict(tmp_path / "ckpt")
+        assert not temp.exists()
+        assert any(temp.name in r.getMessage() and "interrupted checkpoint save" in r.getMessage()
+                   for r in caplog.records), "a warning names it"
+        assert [p.name.startswith("fuyou-run-") for p in (tmp_path / "swap").iterdir()] == [True], \
+            "the killed run's swap directory went too"

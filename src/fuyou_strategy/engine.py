@@ -509,14 +509,15 @@ class FuyouEngine:
         self.optimizer.flush()
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def save(self, folder: str, *, keep_previous: bool = False) -> dict[str, Any]:
+    def save(self, folder: str, *, keep_previous: bool = False, record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Stream the optimizer's SSD state into a new save in ``folder``; returns the torch-style
-        state dict naming it (see `FuyouAdamW.state_dict` for ``keep_previous``)."""
-        return self.optimizer.state_dict(folder, keep_previous=keep_previous)
+        state dict naming it (see `FuyouAdamW.state_dict` for ``keep_previous`` and ``record``)."""
+        return self.optimizer.state_dict(folder, keep_previous=keep_previous, record=record)
 
-    def load(self, folder: str) -> None:
-        """Restore optimizer state, fp32 masters and weights from the newest save in ``folder``."""
-        self.optimizer.load_folder(folder)
+    def load(self, folder: str, token: str | None = None) -> dict[str, Any]:
+        """Restore optimizer state, fp32 masters and weights from the newest save in ``folder`` (or the
+        one with ``token``); returns the save's metadata."""
+        return self.optimizer.load_folder(folder, token)
 
     def master_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """The fp32 master weight of every trainable parameter kept in lower precision (bf16). Data

@@ -47,6 +47,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -1028,7 +1029,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._flags["updates"] = previous
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def state_dict(self, folder: str | os.PathLike | None = None, *, keep_previous: bool = False) -> dict[str, Any]:
+    def state_dict(self, folder: str | os.PathLike | None = None, *, keep_previous: bool = False,
+                   record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Torch's optimizer state dict; with ``folder``, also stream the SSD state there.
 
         The SSD-resident state (fp32 masters, ``exp_avg``, ``exp_avg_sq``) is written chunk by
@@ -1038,14 +1040,16 @@ class FuyouAdamW(torch.optim.Optimizer):
         are removed once the new one is complete, so a crash at any point leaves a complete
         save behind. ``keep_previous=True`` leaves them for a caller that first records the new
         token elsewhere and then calls ``checkpoint.remove_versions(folder, keep=token)`` (the
-        Lightning strategy, for its ``.ckpt``). Without ``folder`` the dict holds only
-        hyper-parameters and step counts, and `load_state_dict` refuses it once steps were taken.
+        Lightning strategy, for its ``.ckpt``). ``record`` (plain JSON values) is kept in the save's
+        metadata, for a caller that ties the save to its own files (the HF callback: the Trainer's step).
+        Without ``folder`` the dict holds only hyper-parameters and step counts, and
+        `load_state_dict` refuses it once steps were taken.
         """
         self._check_idle("state_dict")
         sd = super().state_dict()
         sd["fuyou"] = {"folder": None}
         if folder is not None:
-            meta = (checkpoint.save_version if keep_previous else checkpoint.save)(self, folder)
+            meta = (checkpoint.save_version if keep_previous else checkpoint.save)(self, folder, record)
             sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
         return sd
 
@@ -1074,11 +1078,12 @@ class FuyouAdamW(torch.optim.Optimizer):
         else:
             checkpoint.restore_groups(self, state_dict["param_groups"])
 
-    def load_folder(self, folder: str | os.PathLike) -> None:
-        """Stream the newest save in ``folder`` (written by ``state_dict(folder)``) back: masters,
-        moments, steps, hyper-parameters and weights (checksums verified; a bad save changes nothing)."""
+    def load_folder(self, folder: str | os.PathLike, token: str | None = None) -> dict[str, Any]:
+        """Stream the newest save in ``folder`` (written by ``state_dict(folder)``), or the one with
+        ``token``, back: masters, moments, steps, hyper-parameters and weights (checksums verified; a bad
+        save changes nothing). Returns the save's metadata."""
         self._check_idle("load_folder")
-        checkpoint.load(self, checkpoint.newest(folder))
+        return checkpoint.load(self, Path(folder) / token if token is not None else checkpoint.newest(folder))
 
     def _check_idle(self, what: str) -> None:
         self._land()
