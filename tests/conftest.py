@@ -97,28 +97,53 @@ def decay_groups(model, weight_decay=0.1):
 _FS_CHANGES = ("mkdir", "rename", "replace", "rmdir")
 
 
-@contextlib.contextmanager
-def killed_before_fs_change(k):
-    """SIGKILL this process right before its k-th directory change (mkdir, rename, replace, rmdir) inside
-    the block: every k gives a kill between another two steps of what the block does on disk."""
-    seen = [0]
-    originals = {name: getattr(os, name) for name in _FS_CHANGES}
+class FsKiller:
+    """SIGKILL this process right before its k-th directory change (mkdir, rename, replace, rmdir) while
+    armed; with ``files``, opening a file to write counts too (``open`` for writing, ``os.open`` with
+    ``O_CREAT``): the Hugging Face Trainer writes its checkpoint files in place. Every k gives a kill
+    between another two steps of what happens on disk while armed."""
 
-    def counted(original):
+    def __init__(self, k, *, files=False):
+        self.k, self.seen, self.files, self._originals = k, 0, files, {}
+
+    def _counted(self, original, counts=lambda *args, **kwargs: True):
         def change(*args, **kwargs):
-            seen[0] += 1
-            if seen[0] == k:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if counts(*args, **kwargs):
+                self.seen += 1
+                if self.seen == self.k:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)
         return change
 
-    for name, original in originals.items():
-        setattr(os, name, counted(original))
+    def arm(self):
+        import builtins
+
+        targets = [(os, name, None) for name in _FS_CHANGES]
+        if self.files:
+            targets += [(os, "open", lambda path, flags, *a, **kw: bool(flags & os.O_CREAT)),
+                        (builtins, "open", lambda file, mode="r", *a, **kw: isinstance(file, (str, os.PathLike))
+                         and any(c in mode for c in "wxa+"))]
+        for module, name, counts in targets:
+            original = getattr(module, name)
+            self._originals[(module, name)] = original
+            setattr(module, name, self._counted(original, counts or (lambda *a, **kw: True)))
+
+    def disarm(self):
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
+        self._originals.clear()
+
+
+@contextlib.contextmanager
+def killed_before_fs_change(k, *, files=False):
+    """SIGKILL this process right before its k-th directory change (mkdir, rename, replace, rmdir) inside
+    the block: every k gives a kill between another two steps of what the block does on disk (`FsKiller`)."""
+    killer = FsKiller(k, files=files)
+    killer.arm()
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(os, name, original)
+        killer.disarm()
 
 
 # One fresh interpreter imports the test module once, then forks processes that each run scenario(root, k) and

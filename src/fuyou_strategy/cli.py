@@ -69,6 +69,7 @@ def _cmd_io_bench(args: argparse.Namespace) -> int:
 def _cmd_clean(args: argparse.Namespace) -> int:
     import shutil
 
+    from .integrations.hf_checkpoints import find_leftovers
     from .optim.checkpoint import find_stale_temps
     from .storage.rundir import find_stale_runs, remove_run_dir
 
@@ -79,6 +80,10 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         dirs += glob.glob(f"{tempfile.gettempdir()}/fuyou-swap-*")
     stale = [(run, remove_run_dir) for run in find_stale_runs(dirs)]
     stale += [(temp, shutil.rmtree) for temp in find_stale_temps(dirs)]  # from checkpoint saves cut short
+    for folder in dirs:  # a Trainer's output_dir: incomplete checkpoint-N folders of a run that is gone
+        leftovers = find_leftovers(folder)
+        inside = tuple(os.path.join(left.path, "") for left in leftovers)
+        stale = [(s, r) for s, r in stale if not s.path.startswith(inside)] + [(left, shutil.rmtree) for left in leftovers]
     if not stale:
         print(f"no stale fuyou run directories or checkpoint temp folders in {', '.join(dirs)}")
         return 0
@@ -215,10 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", help="write the results as JSON")
     plan.set_defaults(func=_cmd_plan)
 
-    clean = sub.add_parser("clean", help="remove run directories and checkpoint temp folders left behind by crashed "
-                           "fuyou processes")
-    clean.add_argument("--dir", action="append", help="swap or checkpoint directory to scan, checkpoint temp folders "
-                       "at any depth (repeatable; default: the temp dir)")
+    clean = sub.add_parser("clean", help="remove run directories, checkpoint temp folders and incomplete HF Trainer "
+                           "checkpoints left behind by crashed fuyou processes")
+    clean.add_argument("--dir", action="append", help="swap, checkpoint or HF Trainer output directory to scan, "
+                       "checkpoint temp folders at any depth (repeatable; default: the temp dir)")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     clean.set_defaults(func=_cmd_clean)
 

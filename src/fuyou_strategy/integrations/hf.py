@@ -15,10 +15,18 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
 - ``on_step_end``: before an evaluation or a save, the updates that the ``next_forward``
   schedule leaves for the next forward are landed (the model's ``state_dict`` and the
   optimizer's checkpoint would also land them; evaluation forwards would wait per module).
-- ``on_save``: the SSD state (fp32 masters and moments) is streamed, checksummed, into
-  ``<checkpoint-N>/fuyou_optimizer/``; checkpoint rotation removes it with its folder.
-- resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams it back
-  from ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``).
+- checkpoints: the SSD state (fp32 masters and moments) is streamed, checksummed, into
+  ``<checkpoint-N>/fuyou_optimizer/<token>/`` *inside* the Trainer's save, after its model files and
+  before its ``trainer_state.json``, which records the token (`state`: the callback is an
+  ``ExportableState``); under data parallelism every rank writes its part at ``on_step_end``, just
+  before the Trainer's save. A checkpoint is complete only when both halves are, decided from the
+  files (`hf_checkpoints`); ``on_init_end`` sets incomplete ones aside, so that
+  ``resume_from_checkpoint=True`` picks the newest complete one. Rotation removes the state with
+  its folder, after the new checkpoint is complete.
+- resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams the save that
+  the checkpoint's ``trainer_state.json`` records back from
+  ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``), and refuses
+  state that belongs to another checkpoint, naming both files.
 - ``on_train_end``: ``max_grad_norm``, the Trainer's own optimizer (with the current learning
   rates) and the scheduler's are put back, the hook removed and the swap files deleted.
 - a ``train()`` that raises: the Trainer has no exception event, so no callback hears of it. The
@@ -42,14 +50,16 @@ import torch
 import torch.distributed as dist
 from accelerate.state import GradientState
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging as hf_logging
 
 from ..config import ConfigError, FuyouConfig, read_mapping
 from ..engine import FuyouEngine, ignore_streamed_in_ddp, rebind_scheduler
+from ..optim import checkpoint as saves
+from . import hf_checkpoints
+from .hf_checkpoints import STATE_FOLDER, TRAINER_STATE
 
 __all__ = ["FuyouCallback", "STATE_FOLDER"]
-
-STATE_FOLDER = "fuyou_optimizer"  # inside each checkpoint-N folder
 _CALLBACK_OPTIONS = ("resume_from", "log_metrics")  # FuyouCallback.from_file: the rest are FuyouConfig fields
 _GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 # The engine's messages (the plan, predicted vs measured) follow the Trainer's verbosity (log_level).
@@ -112,7 +122,11 @@ class _Run:
         try:
             converted.zero_grad()  # after a normal end nothing is pending: it only clears gradients
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                if self.args.should_save:
+                    hf_checkpoints.release(self.args.output_dir)
 
 
 # Runs that began and have not ended (see the module docstring).
@@ -130,7 +144,7 @@ def _ddp_wrapping(model: Any) -> Any:
                 None)
 
 
-class FuyouCallback(TrainerCallback):
+class FuyouCallback(TrainerCallback, ExportableState):
     """Train a ``transformers.Trainer`` with `FuyouAdamW` and activation swapping.
 
     Args:
@@ -161,6 +175,11 @@ class FuyouCallback(TrainerCallback):
     ``DistributedDataParallel`` leave them to the optimizer (pass the callback to
     ``Trainer(callbacks=...)``, not ``add_callback`` after the Trainer was made).
 
+    Checkpoints survive a kill at any instant: pass the callback to ``Trainer(callbacks=...)`` (its
+    ``on_init_end`` sets incomplete checkpoints aside before ``resume_from_checkpoint=True`` picks
+    one) and resume; a checkpoint's fuyou state is tied to its ``trainer_state.json`` (module
+    docstring, `hf_checkpoints`).
+
     When ``train()`` raises, the run's changes to the Trainer, the model and
     ``TrainingArguments`` and its swap files stay until the next ``train()`` on the same model or
     arguments (with any ``FuyouCallback``) or `close` ends the run; ``with FuyouCallback(...) as
@@ -176,6 +195,9 @@ class FuyouCallback(TrainerCallback):
         self.summary: dict[str, Any] | None = None
         self.plan = None  # the planner's Plan after training with activations="auto"
         self._run: _Run | None = None
+        self.fuyou_save: dict[str, Any] | None = None  # the last save made for a checkpoint (token, steps, global_step)
+        self._at: tuple[Any, Any] | None = None  # the Trainer's (args, state) of the run in progress
+        self._save_due = False  # a step ended that the Trainer may save now (until on_save or the next step)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "FuyouCallback":
@@ -217,15 +239,21 @@ class FuyouCallback(TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # Under torchrun / accelerate launch, before the Trainer wraps the model in DistributedDataParallel:
         # DDP must leave the streamed weights to FuyouAdamW, which sums their gradients itself.
-        if model is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if model is not None and distributed:
             ignore_streamed_in_ddp(model, self.config)
+        # Before train(resume_from_checkpoint=True) picks the newest checkpoint: set the incomplete ones aside.
+        if args.should_save:
+            hf_checkpoints.set_aside_incomplete(args.output_dir)
+        if distributed:
+            dist.barrier()  # no rank looks for a checkpoint before they are set aside
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         # A run that raised never reached on_train_end: end it before this one reads what it changed.
         for run in [r for r in _unended if r is self._run or r.model is model or r.args is args]:
             run.end()
-        self._run = None
+        self._run, self._at, self._save_due = None, None, False
         if args.fp16 and getattr(args, "label_smoothing_factor", 0):
             raise ConfigError(f"fp16: got True with label_smoothing_factor={args.label_smoothing_factor}; FuyouCallback "
                               "scales the loss the model returns (outputs.loss), so the loss must come from the model: "
@@ -234,6 +262,8 @@ class FuyouCallback(TrainerCallback):
             raise ConfigError("FuyouCallback: the Trainer gave no accelerate-wrapped optimizer to replace; "
                               "let the Trainer create the optimizer (do not pass optimizers=...)")
         resume = self._resume_folder(args, state)  # before anything is created on disk
+        if resume is not None:
+            token = self._resume_token(resume, state)  # refuses state that belongs to another checkpoint
         max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         optim_name = getattr(args.optim, "value", args.optim)
         # Under torchrun / accelerate launch the Trainer's model is a DistributedDataParallel, which averages
@@ -252,12 +282,15 @@ class FuyouCallback(TrainerCallback):
                     log.warning("FuyouCallback: no DistributedDataParallel wraps the model; the gradients are "
                                 "all-reduced by whatever wraps it, and the 'backward' schedule updates at step()")
             if resume is not None:
-                engine.load(resume)
+                engine.load(resume, token)
             engine.expect_steps(state.max_steps - state.global_step if state.max_steps else None)
         except BaseException:
             engine.close()
             raise
         self._run = _Run(engine, args, model, optimizer, getattr(lr_scheduler, "scheduler", lr_scheduler))
+        self._at = (args, state)
+        if args.should_save:
+            hf_checkpoints.claim(args.output_dir)  # `fuyou clean` leaves this run's checkpoints alone
 
     def _resume_folder(self, args: Any, state: Any) -> str | None:
         if not state.global_step:
@@ -276,6 +309,28 @@ class FuyouCallback(TrainerCallback):
             "if the checkpoint is elsewhere"
         )
 
+    @staticmethod
+    def _resume_token(folder: str, state: Any) -> str:
+        """The save in ``folder`` that belongs to the checkpoint the Trainer resumed from: the one its
+        ``trainer_state.json`` records (``state.stateful_callbacks``), or else the one made for its step;
+        anything else is refused, naming both files."""
+        trainer_state = os.path.join(os.path.dirname(folder), TRAINER_STATE)
+        fix = ("resume from a checkpoint whose fuyou_optimizer/ was written with it, or pass FuyouCallback(resume_from="
+               "<checkpoint folder>) when the Trainer resumed from another folder than <output_dir>/checkpoint-<step>")
+        saved = hf_checkpoints.recorded_save(state.stateful_callbacks)
+        if isinstance(saved, dict) and saved.get("token"):
+            return saves.find(folder, saved["token"], saved.get("steps"), named_by=trainer_state, fix=fix).name
+        save = saves.newest(folder)  # a save that follows the Trainer's files, or one from an earlier version
+        meta = saves.read_meta(save)
+        step = (meta.get("record") or {}).get("trainer_global_step")
+        if step is None:  # an earlier version's save: every Trainer step was one optimizer step, applied or skipped
+            step = meta.get("steps", 0) + (meta.get("stats") or {}).get("skips", 0)
+        if step != state.global_step:
+            raise saves.CheckpointError(
+                f"{save / saves.META} holds the optimizer state of the Trainer's step {step}, but {trainer_state} "
+                f"resumes at step {state.global_step}: the two come from different checkpoints; {fix}")
+        return save.name
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         """Add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the Trainer's logs of a
         training step, and to the entry the Trainer just put in ``state.log_history``. Reporting
@@ -293,17 +348,68 @@ class FuyouCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_due = False
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer's own flow callback ran first: it says whether evaluation or a save follows now.
         # Land the updates left for the next forward before either reads the weights.
         if self.engine is not None and (control.should_evaluate or control.should_save):
             self.engine.flush()
+        self._step_done(args, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_done(args, state, control)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
+    def _step_done(self, args: Any, state: Any, control: Any) -> None:
+        """The Trainer may save this step's checkpoint now (``control.should_save``, or an evaluation that
+        finds a new best). Data parallel: every rank writes its part of fuyou's state first (a collective;
+        the Trainer's save runs its callbacks' `state` on one rank only)."""
+        if self.engine is None:
+            return
+        self._at, self._save_due = (args, state), bool(control.should_save or control.should_evaluate)
+        if control.should_save and self.engine.optimizer.shards is not None and not self._saved_for(state):
+            self._save_state(args, state)
+
+    def _checkpoint_dir(self, args: Any, state: Any) -> str:
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+    def _save_state(self, args: Any, state: Any) -> None:
+        """Stream fuyou's state into ``checkpoint-<step>/fuyou_optimizer/<token>/``, recording the step."""
+        folder = os.path.join(self._checkpoint_dir(args, state), STATE_FOLDER)
+        saved = self.engine.save(folder, record={"trainer_global_step": state.global_step})["fuyou"]
+        self.fuyou_save = {"token": saved["token"], "steps": saved["steps"], "global_step": state.global_step}
+
+    def _saved_for(self, state: Any) -> bool:
+        return self.fuyou_save is not None and self.fuyou_save.get("global_step") == state.global_step \
+            and self.fuyou_save.get("token") is not None
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer records of this callback in a checkpoint's ``trainer_state.json``
+        (``ExportableState``): the fuyou save that belongs to the checkpoint (``fuyou_save``) and the
+        arguments that rebuild the callback (``restore_callback_states_from_checkpoint``).
+
+        The Trainer calls it inside its save, after its model files and before ``trainer_state.json``
+        (and before rotation removes older checkpoints): one process, fuyou's state is written here,
+        so that a ``trainer_state.json`` on disk always names a complete save. Data parallel: the
+        ranks wrote it at ``on_step_end``; if the Trainer saves a step it did not announce there
+        (``save_strategy="best"``), the record says the state follows (`on_save` writes it)."""
+        if self.engine is not None and self._at is not None and not self._saved_for(self._at[1]):
+            args, state = self._at
+            if self._save_due and self.engine.optimizer.shards is None and os.path.isdir(self._checkpoint_dir(args, state)):
+                self._save_state(args, state)
+            else:  # a save this callback did not see coming: written after the Trainer's files, by on_save
+                self.fuyou_save = {"pending": True, "global_step": state.global_step}
+        return {"args": {"config": self.config.to_dict(), "resume_from": self.resume_from,
+                         "log_metrics": self.log_metrics},
+                "attributes": {"fuyou_save": self.fuyou_save}}
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if self.engine is not None and os.path.isdir(checkpoint):
-            self.engine.save(os.path.join(checkpoint, STATE_FOLDER))
+        # Normally written inside the Trainer's save (`state`) or just before it (`_step_done`); else now.
+        self._save_due = False
+        if self.engine is not None and not self._saved_for(state) and os.path.isdir(self._checkpoint_dir(args, state)):
+            self._save_state(args, state)
 
     # -- end -------------------------------------------------------------------------------------------------
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -318,7 +424,7 @@ class FuyouCallback(TrainerCallback):
         """End this callback's run, if one is left: put back ``args.max_grad_norm``, the Trainer's
         optimizer and scheduler, remove the hook, restore the weights of the last completed step
         and delete the swap files. Only needed after ``train()`` raised; a no-op otherwise."""
-        run, self._run = self._run, None
+        run, self._run, self._at, self._save_due = self._run, None, None, False
         if run is not None:
             run.end()
 
