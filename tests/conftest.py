@@ -52,6 +52,21 @@ def nothing_left_behind(tmp_path_factory):
     assert not threads, f"the test session left fuyou threads running: {threads}"
 
 
+def kill_leaving_a_zombie(process, timeout=30):
+    """SIGKILL the `subprocess.Popen` ``process`` and wait until it is a zombie: dead, not reaped yet (as a
+    killed rank whose launcher still lives). The caller reaps it (``process.wait()``)."""
+    process.kill()
+    deadline = time.monotonic() + timeout
+    while _proc_state(process.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _proc_state(process.pid) == "Z", "killed and not reaped: a zombie"
+
+
+def _proc_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.fixture
 def small_config(tmp_path):
     """A config with small chunks so tiny tensors still span several chunks."""

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from conftest import FsKiller, kill_at_every_step, tiny_causal_lm
+from conftest import FsKiller, kill_at_every_step, kill_leaving_a_zombie, tiny_causal_lm
 from fuyou_strategy import FuyouCallback
 from fuyou_strategy.cli import main as fuyou_main
 from fuyou_strategy.integrations import hf_checkpoints
@@ -174,11 +173,7 @@ def test_fuyou_clean_leaves_a_live_runs_incomplete_checkpoint_alone(tmp_path, ca
         assert fuyou_main(["clean", "--dir", str(out)]) == 0
         assert (out / "checkpoint-4").exists(), "a live run's checkpoint is kept"
         assert hf_checkpoints.set_aside_incomplete(out) == [], "and not set aside by another run"
-        run.kill()
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{run.pid}").exists() and _state(run.pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _state(run.pid) == "Z", "not reaped yet: a zombie"
+        kill_leaving_a_zombie(run)
         assert [Path(s.path).name for s in hf_checkpoints.find_leftovers(out)] == ["checkpoint-4"]
         assert fuyou_main(["clean", "--dir", str(out)]) == 0
         assert not (out / "checkpoint-4").exists()
@@ -186,8 +181,3 @@ def test_fuyou_clean_leaves_a_live_runs_incomplete_checkpoint_alone(tmp_path, ca
     finally:
         run.kill()
         run.wait(timeout=30)
-
-
-def _state(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from concurrent.futures import CancelledError, Future
 
 import pytest
 import torch
 
+from conftest import kill_leaving_a_zombie
 from fuyou_strategy import FuyouConfig, TensorStore
 from fuyou_strategy.cli import main as fuyou_main
 from fuyou_strategy.storage import HostBuffer, StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs, gather
@@ -395,11 +395,7 @@ def test_a_zombie_owner_counts_as_gone(tmp_path, capsys):
     try:
         run_dir = child.stdout.readline().strip()
         assert find_stale_runs([str(tmp_path)]) == []
-        child.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while _proc_state(child.pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _proc_state(child.pid) == "Z", "killed and not reaped: a zombie"
+        kill_leaving_a_zombie(child)
         stale = find_stale_runs([str(tmp_path)])
         assert [s.path for s in stale] == [run_dir]
         with TensorStore(FuyouConfig(swap_dirs=[str(tmp_path)])) as store:
@@ -408,11 +404,6 @@ def test_a_zombie_owner_counts_as_gone(tmp_path, capsys):
     finally:
         child.kill()
         child.wait(timeout=30)
-
-
-def _proc_state(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_single_slot_entries_delete_and_space_reuse(small_config):
