@@ -1,12 +1,13 @@
 """A construction that fails at any step raises its own error and leaves nothing behind.
 
 Each case injects one failure at one step of building `FuyouAdamW` (store, run directories, I/O
-engine, swap files, host pool, state entries, the first state writes, the worker, the hooks) and
-checks that the caller gets the injected exception itself — not an ``AttributeError`` from a
-``close()`` run on a half-built object, nor an error of the clean-up — and that no run directory,
-open swap file, fuyou thread or hook outlives it. The checks run while the exception (and through
-its traceback the half-built object) is still alive: what the construction made must be gone
-already, not left to a finalizer at collection.
+engine, swap files, host pool, state entries, the first state writes, the worker, the hooks) or
+`FuyouEngine` (the optimizer's model hooks, a pinned plan, the weight streamer, materialisation,
+the activation swapper, the warm-up profiler), and checks that the caller gets the injected
+exception itself — not an ``AttributeError`` from a ``close()`` run on a half-built object, nor an
+error of the clean-up — and that no run directory, open swap file, fuyou thread or hook outlives it.
+The checks run while the exception (and through its traceback the half-built object) is still
+alive: what the construction made must be gone already, not left to a finalizer at collection.
 """
 
 import errno
@@ -20,11 +21,16 @@ import time
 import pytest
 import torch
 
+import fuyou_strategy.engine as engine_module
 import fuyou_strategy.optim.adamw as adamw_module
 import fuyou_strategy.storage.aio as aio
 import fuyou_strategy.storage.store as store_module
-from fuyou_strategy import FuyouAdamW, FuyouConfig
+from conftest import tiny_causal_lm
+from fuyou_strategy import ActivationSwapper, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.pipeline import ChunkPipeline, PipelineError
+from fuyou_strategy.params import WeightStreamer
+from fuyou_strategy.planner import Plan, PlanError
+from fuyou_strategy.planner.profile import WarmupProfiler
 from fuyou_strategy.storage import IOEngine, StorageIOError, StorageSpaceError
 
 
@@ -196,3 +202,132 @@ def test_a_failing_clean_up_never_replaces_the_construction_error(tmp_path, monk
     assert "the worker did not stop" in caplog.text
     assert_nothing_left(tmp_path, before, excinfo)
     assert_no_grad_hooks(model.parameters())
+
+
+# -- FuyouEngine -------------------------------------------------------------------------------------------------
+def _plan_file(tmp_path):
+    """A valid plan file, for a config that pins it (the engine reads it again)."""
+    path = tmp_path / "plan.json"
+    Plan(policies=["keep", "ssd"], act_bytes=[0, 0], reasons=["given"] * 2, predicted_step_s=1.0, device_peak=0,
+         host_peak=0, ssd_peak=0, budgets={}).save(path)
+    return str(path)
+
+
+def _remove_plan_file(mp, cfg):
+    os.remove(cfg.plan)  # the config checked it; the engine finds it gone: the real PlanError
+
+
+# (step, inject(monkeypatch, config), expected type, expected message, config overrides)
+ENGINE_STEPS = {
+    "the optimizer's first state write gets EIO": (lambda mp, cfg: drive_fails(mp), StorageIOError, EIO_MESSAGE, {}),
+    "the optimizer's model hooks": (
+        lambda mp, cfg: fail_at(mp, FuyouAdamW, "attach_model", Injected("attach_model failed")),
+        Injected, "attach_model failed", {}),
+    "a pinned plan that is gone": (_remove_plan_file, PlanError, "does not exist", {"plan": True}),
+    "weight streamer": (
+        lambda mp, cfg: fail_at(mp, engine_module, "WeightStreamer", Injected("the streamer could not be made")),
+        Injected, "the streamer could not be made", {}),
+    "the second block's tier copy": (
+        lambda mp, cfg: fail_at(mp, WeightStreamer, "_to_tier", eio("the second block's tier copy"), call=2),
+        OSError, "injected EIO at the second block's tier copy", {}),
+    "a tier copy write gets EIO": (lambda mp, cfg: _drive_fails_once_installing(mp), StorageIOError, EIO_MESSAGE, {}),
+    "the optimizer takes the streamed weights": (
+        lambda mp, cfg: fail_at(mp, FuyouAdamW, "attach_weights", Injected("attach_weights failed")),
+        Injected, "attach_weights failed", {}),
+    "materialising the masters": (
+        lambda mp, cfg: fail_at(mp, FuyouAdamW, "initialise_materialized", Injected("initialise failed")),
+        Injected, "initialise failed", {}),
+    "activation swapper": (
+        lambda mp, cfg: fail_at(mp, engine_module, "ActivationSwapper", Injected("the swapper could not be made")),
+        Injected, "the swapper could not be made", {}),
+    "the second block's activation wrapper": (
+        lambda mp, cfg: fail_at(mp, ActivationSwapper, "_wrap", Injected("the second wrapper failed"), call=2),
+        Injected, "the second wrapper failed", {}),
+    "warm-up profiler": (
+        lambda mp, cfg: fail_at(mp, engine_module, "WarmupProfiler", Injected("the profiler could not be made")),
+        Injected, "the profiler could not be made", {"activations": "auto"}),
+    "the warm-up profiler's second block": (
+        lambda mp, cfg: fail_at(mp, WarmupProfiler, "_post", Injected("the second profiling hook failed"), call=2),
+        Injected, "the second profiling hook failed", {"activations": "auto"}),
+    "the engine's step hooks": (
+        lambda mp, cfg: fail_at(mp, FuyouAdamW, "register_step_pre_hook", Injected("step hook failed")),
+        Injected, "step hook failed", {}),
+}
+
+
+def _drive_fails_once_installing(mp):
+    """EIO on every write from the moment the streamer starts copying weights to their tier (the
+    optimizer's state is written by then)."""
+    real = WeightStreamer.install
+
+    def install(self):
+        drive_fails(mp)
+        return real(self)
+
+    mp.setattr(WeightStreamer, "install", install)
+
+
+def _hooks(model):
+    """Every hook and instance attribute the engine's parts put on modules and parameters."""
+    out = []
+    for name, module in model.named_modules():
+        for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+                     "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
+            out += [(name, kind, len(getattr(module, kind)))]
+        out.append((name, "forward", "forward" in vars(module)))
+    for name, p in model.named_parameters():
+        out.append((name, "grad hooks", len(p._post_accumulate_grad_hooks or {})))
+    return out
+
+
+def fail_building_an_engine(tmp_path, monkeypatch, inject, kind, message, **overrides):
+    """Build a FuyouEngine (weights and activations on SSD) with ``inject`` applied, expect ``kind``
+    matching ``message``, and check that the model is as it was before and nothing is left behind."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    values = dict(swap_dirs=[str(swap)], weights="ssd", activations="ssd", weight_prefetch_blocks=1,
+                  chunk_size="8KiB", host_memory_budget="4MiB", activation_min_bytes=0,
+                  optimizer_schedule="next_forward")
+    if overrides.pop("plan", False):
+        values.update(plan=_plan_file(tmp_path), weights="device", activations="keep")
+    values.update(overrides)
+    cfg = FuyouConfig(**values)
+    model = tiny_causal_lm("gpt2")
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    hooks = _hooks(model)
+    before = fuyou_threads()
+    inject(monkeypatch, cfg)
+    with pytest.raises(kind, match=message) as excinfo:
+        FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
+    monkeypatch.undo()
+    assert_nothing_left(swap, before, excinfo)
+    assert _hooks(model) == hooks, "every hook and wrapper is off the model again"
+    for name, p in model.named_parameters():  # streamed weights came back from their tier copies, bitwise
+        assert torch.equal(p.detach(), weights[name]), name
+    # The model trains with plain torch.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+    return excinfo
+
+
+@pytest.mark.parametrize("step", list(ENGINE_STEPS))
+def test_a_failed_engine_construction_raises_its_own_error_and_leaves_the_model_as_it_was(tmp_path, monkeypatch,
+                                                                                           step):
+    inject, kind, message, overrides = ENGINE_STEPS[step]
+    fail_building_an_engine(tmp_path, monkeypatch, inject, kind, message, **overrides)
+
+
+def test_a_failing_engine_clean_up_is_noted_on_the_original_error(tmp_path, monkeypatch, caplog):
+    """Materialising fails, and then the streamer cannot give the weights back either (it raises once it
+    did): the caller gets the first error, the second is noted on it and logged, and the optimizer is
+    closed all the same."""
+    def inject(mp, cfg):
+        fail_at(mp, FuyouAdamW, "initialise_materialized", Injected("initialise failed"))
+        fail_at(mp, WeightStreamer, "uninstall", Injected("uninstall failed too"), after=True)
+
+    excinfo = fail_building_an_engine(tmp_path, monkeypatch, inject, Injected, "^initialise failed")
+    assert "uninstall failed too" in "\n".join(excinfo.value.__notes__)
+    assert "uninstall failed too" in caplog.text
