@@ -15,6 +15,7 @@ import gc
 import glob
 import inspect
 import os
+import re
 import threading
 import time
 
@@ -43,7 +44,7 @@ def fail_at(monkeypatch, owner, name, error, call=1, after=False):
     real = getattr(owner, name)
     calls = [0]
 
-    def failing(*args, **kwargs):
+    def patched(*args, **kwargs):
         calls[0] += 1
         if calls[0] != call:
             return real(*args, **kwargs)
@@ -52,14 +53,19 @@ def fail_at(monkeypatch, owner, name, error, call=1, after=False):
         raise error
 
     static = inspect.isclass(owner) and isinstance(inspect.getattr_static(owner, name), staticmethod)
-    monkeypatch.setattr(owner, name, staticmethod(failing) if static else failing)
+    monkeypatch.setattr(owner, name, staticmethod(patched) if static else patched)
+
+
+def failing(owner, name, error, call=1):
+    """A step that fails when ``owner.name`` raises ``error`` at its ``call``-th call: (inject, type, match)."""
+    return (lambda mp, *_config: fail_at(mp, owner, name, error, call=call)), type(error), re.escape(str(error))
 
 
 def eio(step):
     return OSError(errno.EIO, f"injected EIO at {step}")
 
 
-def drive_fails(mp):
+def drive_fails(mp, *_config):
     """Every write to a swap file from now on gets EIO from the kernel (the documented injection point)."""
     def pwritev(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -125,28 +131,17 @@ def _optimizer_model():
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
 
 
-# (step, inject(monkeypatch), expected type, expected message)
+# step -> (inject(monkeypatch), the error's type, a pattern its message matches)
 OPTIMIZER_STEPS = {
-    "run directory in the second swap dir": (
-        lambda mp: fail_at(mp, store_module, "make_run_dir", eio("the second run directory"), call=2),
-        OSError, "injected EIO at the second run directory"),
-    "O_DIRECT probe of the second swap dir": (
-        lambda mp: fail_at(mp, IOEngine, "_probe_direct",
-                           StorageIOError(errno.EIO, "injected EIO at the second probe"), call=2),
-        StorageIOError, "injected EIO at the second probe"),
-    "swap file in the second swap dir": (
-        lambda mp: fail_at(mp, IOEngine, "open", eio("the second swap file"), call=2),
-        OSError, "injected EIO at the second swap file"),
-    "host buffer pool": (
-        lambda mp: fail_at(mp, store_module, "HostBufferPool", Injected("the host pool could not be made")),
-        Injected, "the host pool could not be made"),
-    "chunk pipeline worker": (
-        lambda mp: fail_at(mp, adamw_module, "ChunkPipeline", Injected("can't start new thread")),
-        Injected, "can't start new thread"),
-    "gradient hook on the second parameter": (
-        lambda mp: fail_at(mp, torch.Tensor, "register_post_accumulate_grad_hook",
-                           Injected("the second hook could not be registered"), call=2),
-        Injected, "the second hook could not be registered"),
+    "run directory in the second swap dir": failing(store_module, "make_run_dir", eio("the second run directory"),
+                                                    call=2),
+    "O_DIRECT probe of the second swap dir": failing(
+        IOEngine, "_probe_direct", StorageIOError(errno.EIO, "injected EIO at the second probe"), call=2),
+    "swap file in the second swap dir": failing(IOEngine, "open", eio("the second swap file"), call=2),
+    "host buffer pool": failing(store_module, "HostBufferPool", Injected("the host pool could not be made")),
+    "chunk pipeline worker": failing(adamw_module, "ChunkPipeline", Injected("can't start new thread")),
+    "gradient hook on the second parameter": failing(
+        torch.Tensor, "register_post_accumulate_grad_hook", Injected("the second hook could not be registered"), call=2),
     "first state write gets EIO": (drive_fails, StorageIOError, EIO_MESSAGE),
     "state does not fit the drive (fallocate)": (
         lambda mp: fail_at(mp, os, "posix_fallocate", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), call=3),
@@ -217,42 +212,27 @@ def _remove_plan_file(mp, cfg):
     os.remove(cfg.plan)  # the config checked it; the engine finds it gone: the real PlanError
 
 
-# (step, inject(monkeypatch, config), expected type, expected message, config overrides)
+# step -> (inject(monkeypatch, config), the error's type, a pattern its message matches)
 ENGINE_STEPS = {
-    "the optimizer's first state write gets EIO": (lambda mp, cfg: drive_fails(mp), StorageIOError, EIO_MESSAGE, {}),
-    "the optimizer's model hooks": (
-        lambda mp, cfg: fail_at(mp, FuyouAdamW, "attach_model", Injected("attach_model failed")),
-        Injected, "attach_model failed", {}),
-    "a pinned plan that is gone": (_remove_plan_file, PlanError, "does not exist", {"plan": True}),
-    "weight streamer": (
-        lambda mp, cfg: fail_at(mp, engine_module, "WeightStreamer", Injected("the streamer could not be made")),
-        Injected, "the streamer could not be made", {}),
-    "the second block's tier copy": (
-        lambda mp, cfg: fail_at(mp, WeightStreamer, "_to_tier", eio("the second block's tier copy"), call=2),
-        OSError, "injected EIO at the second block's tier copy", {}),
-    "a tier copy write gets EIO": (lambda mp, cfg: _drive_fails_once_installing(mp), StorageIOError, EIO_MESSAGE, {}),
-    "the optimizer takes the streamed weights": (
-        lambda mp, cfg: fail_at(mp, FuyouAdamW, "attach_weights", Injected("attach_weights failed")),
-        Injected, "attach_weights failed", {}),
-    "materialising the masters": (
-        lambda mp, cfg: fail_at(mp, FuyouAdamW, "initialise_materialized", Injected("initialise failed")),
-        Injected, "initialise failed", {}),
-    "activation swapper": (
-        lambda mp, cfg: fail_at(mp, engine_module, "ActivationSwapper", Injected("the swapper could not be made")),
-        Injected, "the swapper could not be made", {}),
-    "the second block's activation wrapper": (
-        lambda mp, cfg: fail_at(mp, ActivationSwapper, "_wrap", Injected("the second wrapper failed"), call=2),
-        Injected, "the second wrapper failed", {}),
-    "warm-up profiler": (
-        lambda mp, cfg: fail_at(mp, engine_module, "WarmupProfiler", Injected("the profiler could not be made")),
-        Injected, "the profiler could not be made", {"activations": "auto"}),
-    "the warm-up profiler's second block": (
-        lambda mp, cfg: fail_at(mp, WarmupProfiler, "_post", Injected("the second profiling hook failed"), call=2),
-        Injected, "the second profiling hook failed", {"activations": "auto"}),
-    "the engine's step hooks": (
-        lambda mp, cfg: fail_at(mp, FuyouAdamW, "register_step_pre_hook", Injected("step hook failed")),
-        Injected, "step hook failed", {}),
+    "the optimizer's first state write gets EIO": (drive_fails, StorageIOError, EIO_MESSAGE),
+    "the optimizer's model hooks": failing(FuyouAdamW, "attach_model", Injected("attach_model failed")),
+    "a pinned plan that is gone": (_remove_plan_file, PlanError, "does not exist"),
+    "weight streamer": failing(engine_module, "WeightStreamer", Injected("the streamer could not be made")),
+    "the second block's tier copy": failing(WeightStreamer, "_to_tier", eio("the second block's tier copy"), call=2),
+    "a tier copy write gets EIO": (lambda mp, cfg: _drive_fails_once_installing(mp), StorageIOError, EIO_MESSAGE),
+    "the optimizer takes the streamed weights": failing(FuyouAdamW, "attach_weights", Injected("attach_weights failed")),
+    "materialising the masters": failing(FuyouAdamW, "initialise_materialized", Injected("initialise failed")),
+    "activation swapper": failing(engine_module, "ActivationSwapper", Injected("the swapper could not be made")),
+    "the second block's activation wrapper": failing(ActivationSwapper, "_wrap", Injected("the second wrapper failed"),
+                                                     call=2),
+    "warm-up profiler": failing(engine_module, "WarmupProfiler", Injected("the profiler could not be made")),
+    "the warm-up profiler's second block": failing(WarmupProfiler, "_post", Injected("the second profiling hook failed"),
+                                                   call=2),
+    "the engine's step hooks": failing(FuyouAdamW, "register_step_pre_hook", Injected("step hook failed")),
 }
+# The config of a step, where it is not the default of `fail_building_an_engine`.
+ENGINE_CONFIG = {"a pinned plan that is gone": {"plan": True}, "warm-up profiler": {"activations": "auto"},
+                 "the warm-up profiler's second block": {"activations": "auto"}}
 
 
 def _drive_fails_once_installing(mp):
@@ -316,8 +296,8 @@ def fail_building_an_engine(tmp_path, monkeypatch, inject, kind, message, **over
 @pytest.mark.parametrize("step", list(ENGINE_STEPS))
 def test_a_failed_engine_construction_raises_its_own_error_and_leaves_the_model_as_it_was(tmp_path, monkeypatch,
                                                                                            step):
-    inject, kind, message, overrides = ENGINE_STEPS[step]
-    fail_building_an_engine(tmp_path, monkeypatch, inject, kind, message, **overrides)
+    inject, kind, message = ENGINE_STEPS[step]
+    fail_building_an_engine(tmp_path, monkeypatch, inject, kind, message, **ENGINE_CONFIG.get(step, {}))
 
 
 def test_a_failing_engine_clean_up_is_noted_on_the_original_error(tmp_path, monkeypatch, caplog):
