@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 def undo_after(error: BaseException, *steps: Callable[[], object]) -> None:
     """Run every one of ``steps``, in order, to release what a failed construction made; ``error`` is
-    why it failed, and the caller raises it afterwards. A step that raises does not stop the later
-    ones; its error is logged and noted on ``error`` (``add_note``), never raised in its place."""
+    why it failed, and the caller raises it afterwards. A step that raises an ``Exception`` does not
+    stop the later ones; its error is logged and noted on ``error`` (``add_note``), never raised in its
+    place (a ``KeyboardInterrupt`` still stops everything)."""
     for step in steps:
         try:
             step()
