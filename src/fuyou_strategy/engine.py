@@ -40,6 +40,7 @@ import torch.distributed as dist
 from . import trace
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .activations.spans import BlockSpans
+from .cleanup import close_all, undo_after
 from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
@@ -228,27 +229,32 @@ class FuyouEngine:
         self.model = model
         self.init_weights = init_weights
         self.device = torch.device(device) if device is not None else model_device(model)
+        # What close() reads exists before anything can fail: a construction that fails half-way closes
+        # what it made, and its own error reaches the caller.
+        self.swapper: ActivationSwapper | None = None
+        self.streamer: WeightStreamer | None = None
+        self.plan: Plan | None = None
+        self.profiler: WarmupProfiler | None = None
+        self._step_hook: Any = None
+        self._step_pre_hook: Any = None
+        self._tracer: trace.Tracer | None = None
+        self._plan_applied_at: int | None = None
+        self._plan_reported = False
         groups, defaults = optimizer_arguments(optimizer, where=where)
         if process_group is not None and not gradients_averaged and dist.get_world_size(process_group) > 1:
             sync_module_states(model, process_group)  # no DDP to make the ranks start alike: rank 0's weights
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
                                     release_grads=release_grads, loss_scaling=loss_scaling,
                                     process_group=process_group, gradients_averaged=gradients_averaged)
-        self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
-        if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
-            ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-            self.optimizer.reduce_itself(p for name, p in model.named_parameters() if name in ignored)
-        if norm_order is not None:
-            self.optimizer.set_norm_order(norm_order)
-        if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
-            self.optimizer.attach_model(model)
-        self.swapper: ActivationSwapper | None = None
-        self.streamer: WeightStreamer | None = None
-        self.plan: Plan | None = None
-        self.profiler: WarmupProfiler | None = None
-        self._plan_applied_at: int | None = None
-        self._plan_reported = False
         try:
+            self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
+            if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
+                ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+                self.optimizer.reduce_itself(p for name, p in model.named_parameters() if name in ignored)
+            if norm_order is not None:
+                self.optimizer.set_norm_order(norm_order)
+            if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
+                self.optimizer.attach_model(model)
             if config.plan is not None:  # pinned
                 self.plan = Plan.load(config.plan)
             weights = self.plan.weights if self.plan is not None and config.weights in ("device", "auto") \
@@ -266,16 +272,13 @@ class FuyouEngine:
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
             elif config.activations != "keep":
                 self._install_swapper(config.activations)
-        except BaseException:
-            if self.streamer is not None:
-                self.streamer.close()
-            self.optimizer.close()
+            self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
+            self._step_pre_hook = self.optimizer.register_step_pre_hook(self._before_step)
+        except BaseException as exc:
+            undo_after(exc, self.close)  # the swapper, the streamer (weights resident again), the optimizer
             raise
-        self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
-        self._step_pre_hook = self.optimizer.register_step_pre_hook(self._before_step)
         self._last_step_end: float | None = None
         self._window_open = False  # a micro-batch of the next step has begun
-        self._tracer: trace.Tracer | None = None
         self._trace_spans: BlockSpans | None = None
         self._trace_from = 0  # the optimizer step the trace starts at
         self._trace_marks: dict[str, float] = {}  # window start, step() start (tracer clock)
@@ -648,21 +651,26 @@ class FuyouEngine:
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Land pending updates, take the hooks off the model and optimizer and delete the swap files."""
-        if getattr(self, "_step_hook", None) is not None:
-            self._step_hook.remove()
-            self._step_pre_hook.remove()
-            self._step_hook = None
-        if getattr(self, "_tracer", None) is not None:
-            self.end_trace()
+        """Land pending updates, take the hooks off the model and optimizer and delete the swap files.
+
+        Every part is closed even when an earlier one raises (e.g. a weight that cannot come back because
+        its update failed: the workers still stop and the files still go); the first error is raised."""
+        close_all(self._remove_hooks, self.end_trace, self._close_swapper, self._close_streamer, self.optimizer.close)
+
+    def _remove_hooks(self) -> None:
+        for hook in (self._step_hook, self._step_pre_hook):
+            if hook is not None:
+                hook.remove()
+        self._step_hook = self._step_pre_hook = None
         if self.profiler is not None:
             self.profiler.remove()
             self.profiler = None
+
+    def _close_swapper(self) -> None:
         if self.swapper is not None:
             self.swapper.uninstall()
             self.swapper.close()
-        try:
-            if self.streamer is not None:
-                self.streamer.close()  # every weight resident again before the store goes
-        finally:  # even when a weight cannot come back (its update failed): the workers stop, the files go
-            self.optimizer.close()
+
+    def _close_streamer(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()  # every weight resident again before the store goes

@@ -53,6 +53,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import trace
+from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, HostShares, host_budget_split
 from ..device import Upload
 from ..storage import HostBudgetError, HostBuffer, TensorStore, gather
@@ -368,23 +369,32 @@ class ActivationSwapper:
         # A forward set on the instance by someone else (e.g. another library's hooks) is kept aside
         # and put back on exit; otherwise our instance attribute shadows the class's method.
         self._instance_forwards = {}
-        for i, (block, policy) in enumerate(zip(self.blocks, self.policies)):
-            if self._wrapped(policy):
-                self._instance_forwards[i] = vars(block).get("forward")
-                block.forward = self._wrap(i, policy, block.forward)
+        try:
+            for i, (block, policy) in enumerate(zip(self.blocks, self.policies)):
+                if self._wrapped(policy):
+                    wrapped, previous = self._wrap(i, policy, block.forward), vars(block).get("forward")
+                    block.forward = wrapped
+                    self._instance_forwards[i] = previous  # only once wrapped: `_unwrap` puts it back
+        except BaseException as exc:
+            undo_after(exc, self._unwrap)  # the blocks wrapped before the failure
+            raise
         self._active = True
 
     def uninstall(self) -> None:
         """Take the wrappers off and release every activation still held."""
         if not self._active:
             return
+        self._unwrap()
+        self._active = False
+        self.release()
+
+    def _unwrap(self) -> None:
         for i, previous in self._instance_forwards.items():
             if previous is None:
                 del self.blocks[i].forward
             else:
                 self.blocks[i].forward = previous
-        self._active = False
-        self.release()
+        self._instance_forwards = {}
 
     def _wrapped(self, policy: Policy) -> bool:
         # With SSD blocks anywhere, every block reports when backward reaches it (prefetch).

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_for_loop
 
+from ..cleanup import undo_after
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, gather
 from . import checkpoint
@@ -275,33 +276,34 @@ class FuyouAdamW(torch.optim.Optimizer):
             # memory, or a tier copy: `initialise_materialized`.
             self._pending = [ps for ps in owned if ps.param.is_meta]
             self._initialise_state([ps for ps in owned if not ps.param.is_meta])
-        except BaseException:
-            self.close()
+            self._queued: dict[int, torch.Tensor | None] = {}  # index -> grad norm, for this step
+            self._partial: set[int] = set()  # streamed parameters whose gradient entry holds this window's sum so far
+            self._weights: Any = None  # the WeightStreamer whose tier copies hold streamed parameters (attach_weights)
+            self._grad_keep_free = shares.optimizer_readahead  # a streamed gradient's host copy leaves the worker room
+            # Switches that the user-facing methods (zero_grad, no_update) change live in a mutable
+            # holder, mutated in place: a wrapper that borrows this class's methods but has its own
+            # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
+            self._flags: dict[str, Any] = {"updates": True, "late_error": None}
+            # The schedule of the window being accumulated now (decided when the last one ended), the
+            # updates left for the next forward, and the order they run in (forward order: attach_model).
+            # Data parallel: only next_forward (the updates wait for the ranks' gradient sum at step()).
+            self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
+                self.shards is None or gradients_averaged))
+            self._window, self.stats.last_reason = self.chooser.choose()
+            self.landing = PendingUpdates(self._pipeline)
+            self._update_order = list(self._params)
+            self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
+            self._unsent: list[_Param] = []  # sharded: updated resident weights not yet broadcast from their owners
+            self._sender: Sender | None = None  # sharded, streamed weights: moves them from their owners (attach_weights)
+            self._sent: dict[torch.nn.Parameter, Future] = {}  # sharded: streamed weights on their way, until waited for
+            self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
+            on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+            self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
+                               for ps in self._params)
+        except BaseException as exc:
+            # Not close(): it reads attributes a half-built optimizer may lack, and nothing can be pending yet.
+            undo_after(exc, self._finalizer)
             raise
-        self._queued: dict[int, torch.Tensor | None] = {}  # index -> grad norm, for this step
-        self._partial: set[int] = set()  # streamed parameters whose gradient entry holds this window's sum so far
-        self._weights: Any = None  # the WeightStreamer whose tier copies hold streamed parameters (attach_weights)
-        self._grad_keep_free = shares.optimizer_readahead  # a streamed gradient's host copy leaves the worker room
-        # Switches that the user-facing methods (zero_grad, no_update) change live in a mutable
-        # holder, mutated in place: a wrapper that borrows this class's methods but has its own
-        # __dict__ (Fabric's _FabricOptimizer) then still changes this optimizer, not itself.
-        self._flags: dict[str, Any] = {"updates": True, "late_error": None}
-        # The schedule of the window being accumulated now (decided when the last one ended), the
-        # updates left for the next forward, and the order they run in (forward order: attach_model).
-        # Data parallel: only next_forward (the updates wait for the ranks' gradient sum at step()).
-        self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
-            self.shards is None or gradients_averaged))
-        self._window, self.stats.last_reason = self.chooser.choose()
-        self.landing = PendingUpdates(self._pipeline)
-        self._update_order = list(self._params)
-        self._gated = False  # attach_model: a forward waits for the weights it reads, so step() need not
-        self._unsent: list[_Param] = []  # sharded: updated resident weights not yet broadcast from their owners
-        self._sender: Sender | None = None  # sharded, streamed weights: moves them from their owners (attach_weights)
-        self._sent: dict[torch.nn.Parameter, Future] = {}  # sharded: streamed weights on their way, until waited for
-        self._deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
-        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
-        self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
-                           for ps in self._params)
 
     # -- state on SSD ---------------------------------------------------------------------------
     def _owns(self, ps: _Param) -> bool:

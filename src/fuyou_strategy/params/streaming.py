@@ -60,6 +60,7 @@ SSD reads and the gradients' host copies come from the store's host buffer pool.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,7 @@ import torch
 from ..activations.blocks import discover_blocks, resolve_per_block
 from ..activations.swap import first_tensor, in_backward, storage_id
 from .. import trace
+from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
 from ..device import claim_for_current_stream, copy_to_device
 from ..storage import HostBuffer, TensorStore, round_up
@@ -278,21 +280,22 @@ class WeightStreamer:
                 self._to_tier(unit)
                 self._units[unit.index] = unit
                 self._release(unit)
-        except BaseException:
+            for i, block in enumerate(self.blocks):
+                self._handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i)))
+                self._handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out),
+                                                                 always_call=True))
+                if i in self._units:
+                    unit = self._units[i]
+                    self._handles.append(block.register_state_dict_post_hook(self._state_dict_hook(unit)))
+                    self._handles.append(block.register_load_state_dict_pre_hook(
+                        lambda *args, unit=unit: self._load_begin(unit)))
+                    self._handles.append(block.register_load_state_dict_post_hook(
+                        lambda module, keys, unit=unit: self._load_end(unit)))
+        except BaseException as exc:
             self._units.update(units)
-            self.uninstall(force=True)
+            # The hooks off, the weights made resident again from their tier copies, the entries gone.
+            undo_after(exc, functools.partial(self.uninstall, force=True))
             raise
-        for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i)))
-            self._handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out),
-                                                             always_call=True))
-            if i in self._units:
-                unit = self._units[i]
-                self._handles.append(block.register_state_dict_post_hook(self._state_dict_hook(unit)))
-                self._handles.append(block.register_load_state_dict_pre_hook(
-                    lambda *args, unit=unit: self._load_begin(unit)))
-                self._handles.append(block.register_load_state_dict_post_hook(
-                    lambda module, keys, unit=unit: self._load_end(unit)))
         self._all = {w.param: w for u in self._units.values() for w in u.weights}
         self._weights = {p: w for p, w in self._all.items() if w.trainable}
         self.stats.tiers = {i: u.tier.value for i, u in self._units.items()}

@@ -35,6 +35,7 @@ import torch
 
 from ..activations.blocks import resolve_per_block
 from ..activations.swap import first_tensor, storage_id, swappable
+from ..cleanup import undo_after
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
 from ..optim.adamw import adamw_kernel
@@ -66,10 +67,14 @@ class WarmupProfiler:
         self.step_times: list[float] = []
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None  # entered while a block runs
         self._handles = []
-        for i, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre(i)))
-            # always_call: a forward that raises still leaves the counting hook, which is process-global
-            self._handles.append(block.register_forward_hook(self._post(i), always_call=True))
+        try:
+            for i, block in enumerate(blocks):
+                self._handles.append(block.register_forward_pre_hook(self._pre(i)))
+                # always_call: a forward that raises still leaves the counting hook, which is process-global
+                self._handles.append(block.register_forward_hook(self._post(i), always_call=True))
+        except BaseException as exc:
+            undo_after(exc, self.remove)  # the hooks put on the blocks before the failure
+            raise
 
     # -- hooks ----------------------------------------------------------------------------------
     def _now(self) -> float:

@@ -171,7 +171,8 @@ class TensorStore:
                 block_size=config.io_block_size,
                 direct_io=config.direct_io,
             )
-            res.files = [res.engine.open(i, "data.bin") for i in range(len(res.run_dirs))]
+            for i in range(len(res.run_dirs)):  # one at a time: a failure closes the files opened before it
+                res.files.append(res.engine.open(i, "data.bin"))
             if pool is None:
                 pool = res.pool = HostBufferPool(config.host_memory_budget)
         except BaseException:
