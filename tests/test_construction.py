@@ -311,3 +311,34 @@ def test_a_failing_engine_clean_up_is_noted_on_the_original_error(tmp_path, monk
     excinfo = fail_building_an_engine(tmp_path, monkeypatch, inject, Injected, "^initialise failed")
     assert "uninstall failed too" in "\n".join(excinfo.value.__notes__)
     assert "uninstall failed too" in caplog.text
+
+
+# -- the adapters: a failure right after the engine is built ---------------------------------------------------
+def test_lightning_setup_failing_after_the_engine_is_built_closes_it_and_raises_its_own_error(tmp_path,
+                                                                                          monkeypatch):
+    from test_lightning import fit
+
+    from fuyou_strategy import FuyouStrategy
+
+    fail_at(monkeypatch, FuyouEngine, "rebind_schedulers", eio("rebinding the LR schedulers"))
+    fail_at(monkeypatch, FuyouEngine, "close", Injected("closing failed too"), after=True)
+    threads_before = fuyou_threads()
+    with pytest.raises(OSError, match="injected EIO at rebinding the LR schedulers") as excinfo:
+        fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
+    assert any("closing failed too" in note for note in excinfo.value.__notes__), "the clean-up's error is noted"
+    assert_nothing_left(tmp_path, threads_before, excinfo)
+
+
+def test_hf_train_begin_failing_after_the_engine_is_built_closes_it_and_raises_its_own_error(tmp_path,
+                                                                                          monkeypatch):
+    from test_hf import train
+
+    from fuyou_strategy import FuyouCallback
+
+    fail_at(monkeypatch, FuyouEngine, "expect_steps", eio("planning the run's length"))
+    fail_at(monkeypatch, FuyouEngine, "close", Injected("closing failed too"), after=True)
+    threads_before = fuyou_threads()
+    with pytest.raises(OSError, match="injected EIO at planning the run's length") as excinfo:
+        train(tmp_path, FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
+    assert any("closing failed too" in note for note in excinfo.value.__notes__), "the clean-up's error is noted"
+    assert_nothing_left(tmp_path, threads_before, excinfo)

@@ -53,6 +53,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging as hf_logging
 
+from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, read_mapping
 from ..engine import FuyouEngine, ignore_streamed_in_ddp, rebind_scheduler
 from ..optim import checkpoint as saves
@@ -284,8 +285,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
             if resume is not None:
                 engine.load(resume, token)
             engine.expect_steps(state.max_steps - state.global_step if state.max_steps else None)
-        except BaseException:
-            engine.close()
+        except BaseException as exc:
+            undo_after(exc, engine.close)  # its own error reaches the user, not one of the clean-up
             raise
         self._run = _Run(engine, args, model, optimizer, getattr(lr_scheduler, "scheduler", lr_scheduler))
         self._at = (args, state)

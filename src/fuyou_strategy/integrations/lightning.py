@@ -51,6 +51,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
+from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
@@ -231,12 +232,17 @@ class _FuyouTrainerStrategy(_EngineOwner):
                                   max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
                                   report=rank_zero_info, loss_scaling=True if fp16 else None,
                                   **self._data_parallel())
-        self._engine_made()
-        self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
+        try:
+            self._engine_made()
+            self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
+            if trainer.state.fn == "fit":
+                steps = trainer.estimated_stepping_batches  # the run's length, for the SSD wear projection
+                self.engine.expect_steps(int(steps) if math.isfinite(steps) else None)
+        except BaseException as exc:
+            engine, self.engine = self.engine, None
+            undo_after(exc, engine.close)  # its own error reaches the user, not one of the clean-up
+            raise
         self.optimizers = [self.engine.optimizer]
-        if trainer.state.fn == "fit":
-            steps = trainer.estimated_stepping_batches  # the run's length, for the SSD wear projection
-            self.engine.expect_steps(int(steps) if math.isfinite(steps) else None)
 
     # -- the step ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
