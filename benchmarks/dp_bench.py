@@ -12,7 +12,7 @@ with the blocks' weights resident (``device``) or streamed from the SSD (``ssd``
 Per configuration: the median step time after warm-up (rank 0's), its ratio to one process with
 the same weights tier, each rank's optimizer state on its SSD and peak RSS, and where a rank's
 step goes beyond compute: the time ``step()`` spends summing the streamed gradients onto their
-owners and the time the forward waits for the owners' new weights (``FuyouAdamW._land``).
+owners and the time the forward waits for the owners' new weights (``Sharding.land``).
 
     .venv/bin/python benchmarks/dp_bench.py                  # ~25M parameters, a few minutes
     .venv/bin/python benchmarks/dp_bench.py --quick          # a few MB, under a minute
@@ -45,8 +45,8 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
-    from fuyou_strategy.optim import adamw
+    from fuyou_strategy import FuyouConfig, FuyouEngine
+    from fuyou_strategy.optim import distributed
 
     if world > 1:
         torch.set_num_threads(1)
@@ -72,14 +72,16 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
             return wrapper
 
         # On the classes, before the engine binds them into the model's hooks: the training thread's waits
-        # for new weights, resident (FuyouAdamW._land, a collective) and streamed (the streamer's, which
-        # do not go through _land)
-        FuyouAdamW._land = timed("land", FuyouAdamW._land)
-        adamw._SentWeights.wait = timed("land", adamw._SentWeights.wait)
+        # for new weights, resident (Sharding.land, a collective) and streamed (the streamer's, which
+        # do not go through land)
+        for kind in (distributed.Solo, distributed.Sharding):
+            kind.land = timed("land", kind.land)
+        distributed._SentWeights.wait = timed("land", distributed._SentWeights.wait)
         engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config=config,
                              process_group=dist.group.WORLD if world > 1 else None)
         opt = engine.optimizer
-        opt._reduce_streamed = timed("reduce_streamed", opt._reduce_streamed)
+        if world > 1:
+            opt.sharding.sum_streamed = timed("reduce_streamed", opt.sharding.sum_streamed)
         per_rank = args.batch // world
         data = torch.randint(0, args.vocab, (args.warmup + args.steps, args.batch, args.seq),
                              generator=torch.Generator().manual_seed(0))
@@ -196,7 +198,7 @@ def main() -> None:
                      f"{max(m['state']) / one['state'][0]:>6.2f} {rss:>22} {m['land']:>15.3f} {m['reduce']:>11.3f} "
                      f"{m['forward']:>10.3f} {m['backward']:>11.3f} {m['optimizer_step']:>9.3f}")
     lines += ["", "x one: against one process with the same weights tier; 'weights wait': the training thread's waits for "
-              "the owners' new weights (FuyouAdamW._land, and the streamer's waits for streamed ones); 'grad sum': step()'s sum "
+              "the owners' new weights (Sharding.land, and the streamer's waits for streamed ones); 'grad sum': step()'s sum "
               "of the streamed gradients onto their owners (host copies, gloo)"]
     write_results(args.json, {"runs": runs, "merged": merged, "table": "\n".join(lines)})
 

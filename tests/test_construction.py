@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fuyou_strategy.engine as engine_module
-import fuyou_strategy.optim.adamw as adamw_module
+import fuyou_strategy.optim.state as state_module
 import fuyou_strategy.storage.aio as aio
 import fuyou_strategy.storage.store as store_module
 from conftest import tiny_causal_lm
@@ -139,7 +139,7 @@ OPTIMIZER_STEPS = {
         IOEngine, "_probe_direct", StorageIOError(errno.EIO, "injected EIO at the second probe"), call=2),
     "swap file in the second swap dir": failing(IOEngine, "open", eio("the second swap file"), call=2),
     "host buffer pool": failing(store_module, "HostBufferPool", Injected("the host pool could not be made")),
-    "chunk pipeline worker": failing(adamw_module, "ChunkPipeline", Injected("can't start new thread")),
+    "chunk pipeline worker": failing(state_module, "ChunkPipeline", Injected("can't start new thread")),
     "gradient hook on the second parameter": failing(
         torch.Tensor, "register_post_accumulate_grad_hook", Injected("the second hook could not be registered"), call=2),
     "first state write gets EIO": (drive_fails, StorageIOError, EIO_MESSAGE),

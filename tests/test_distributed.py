@@ -55,7 +55,7 @@ def _rank_main(rank, world, tmp, family, fields):
                 engine.optimizer.zero_grad(set_to_none=True)
             # step() returned with the updates still running: each weight is broadcast when the next
             # forward reaches its module (here: when state_dict below lands them all)
-            pending = len(engine.optimizer._unsent)
+            pending = len(engine.optimizer.sharding.unsent)
             stats = engine.optimizer.stats
             torch.save({"weights": model.state_dict(), "state_bytes": state_bytes, "clipped": stats.clipped,
                         "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
@@ -666,13 +666,13 @@ class CountHookUpdates(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         opt = trainer.strategy.engine.optimizer
-        original, self.count = opt._queue_update, 0
+        original, self.count = opt.updates.queue, 0
 
-        def counting(ps, *args, **kwargs):
-            if kwargs.get("grad") is not None:
+        def counting(ps, grad, *args, **kwargs):
+            if grad.kind == "bucket":
                 self.count += 1
-            return original(ps, *args, **kwargs)
-        opt._queue_update = counting
+            return original(ps, grad, *args, **kwargs)
+        opt.updates.queue = counting
 
     def on_train_end(self, trainer, pl_module):
         stats = trainer.strategy.engine.optimizer.stats
@@ -711,7 +711,7 @@ class FirstGradients(L.Callback):
         if trainer.global_step:
             return
         opt = trainer.strategy.engine.optimizer
-        owned = {ps.param for ps in opt._owned()}
+        owned = {ps.param for ps in opt.sharding.owned(opt._params)}
         torch.save({name: (p in owned, p.grad.clone()) for name, p in pl_module.named_parameters()},
                    os.path.join(self.folder, f"grads-{self.tag}-rank{trainer.global_rank}.pt"))
 
@@ -777,7 +777,7 @@ def _fp16_rank(rank, world, tmp):
             opt.flush()
             torch.save({"weights": {n: p.clone() for n, p in model.named_parameters()}, "scales": scales,
                         "skips": opt.stats.skips, "masters": {n: opt.read_state(p)["master"]
-                                                              for n, p in model.named_parameters() if opt._owns(opt._by_param[p])}},
+                                                              for n, p in model.named_parameters() if opt.sharding.owns(opt._by_param[p])}},
                        f"{tmp}/fp16-rank{rank}.pt")
         finally:
             opt.close()

@@ -67,7 +67,7 @@ def test_the_optimizer_reads_ahead_as_the_split_says(tmp_path):
     cfg = config(tmp_path, "keep", "48KiB")
     opt = FuyouAdamW(torch.nn.Linear(64, 64).parameters(), config=cfg)
     try:
-        assert opt._pipeline.depth == host_budget_split(cfg).optimizer_depth == 1
+        assert opt.adam_state.pipeline.depth == host_budget_split(cfg).optimizer_depth == 1
     finally:
         opt.close()
 

@@ -291,7 +291,7 @@ def test_a_dropped_optimizer_releases_its_thread_and_swap_files(small_config):
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     run_dir = opt.store.run_dirs[0]
-    thread = opt._pipeline._thread
+    thread = opt.adam_state.pipeline._thread
     del opt
     gc.collect()
     thread.join(timeout=10)

@@ -230,7 +230,7 @@ def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_p
     opt = FuyouAdamW(model.parameters(), lr=0.1, config=config(tmp_path))
     end = lambda: None  # noqa: E731
     if fault == "worker dies":
-        monkeypatch.setattr(opt._pipeline, "_process", die)
+        monkeypatch.setattr(opt.adam_state.pipeline, "_process", die)
     else:
         end = hang_reads(opt.store, monkeypatch)
 

@@ -15,7 +15,7 @@ import torch
 
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
-from fuyou_strategy.optim import adamw
+from fuyou_strategy.optim import state
 from fuyou_strategy.optim.schedule import BACKWARD, NEXT_FORWARD, ScheduleChooser
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -92,13 +92,13 @@ def train(model, opt, begin=None, steps=range(STEPS), loss_fn=None):
 def slow_updates(monkeypatch):
     """Every chunk's AdamW takes 3 ms longer: the next forward catches up with the updates, so a forward
     that did not wait for them would read stale weights (and the losses would differ)."""
-    real = adamw.adamw_kernel
+    real = state.adamw_kernel
 
     def slowly(*args, **kwargs):
         time.sleep(0.003)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adamw, "adamw_kernel", slowly)
+    monkeypatch.setattr(state, "adamw_kernel", slowly)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -8,13 +8,15 @@ Byte sizes accept ints or strings such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
+from .planfile import read as read_plan
 
 __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "parse_bytes", "format_bytes",
            "read_mapping", "STATE_BYTES_PER_PARAM"]
@@ -61,13 +63,6 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     if nbytes < 0 or nbytes != nbytes:
         raise ConfigError(f"{name}: got {value!r}; a byte size must be >= 0")
     return int(nbytes)
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """For an "unknown field" error: ``"did you mean 'x'?"`` for a near miss, else the known fields."""
-    known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(known)}"
 
 
 def format_bytes(nbytes: float) -> str:
@@ -292,9 +287,9 @@ class FuyouConfig:
         timeout = self.io_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
-        self.activations = _per_block("activations", self.activations, ("keep", "host", "ssd", "recompute"),
+        self.activations = _per_block("activations", self.activations, POLICIES,
                                       auto=True)
-        self.weights = _per_block("weights", self.weights, ("device", "host", "ssd"), auto=True)
+        self.weights = _per_block("weights", self.weights, WEIGHT_TIERS, auto=True)
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
@@ -321,15 +316,13 @@ class FuyouConfig:
                 raise ConfigError(f"plan: got {self.plan!r}; expected the path of a plan JSON written by `fuyou plan "
                                   "--save` or Plan.save")
             self.plan = os.fspath(self.plan)
-            from .planner.solver import Plan, PlanError  # the plan's format is the planner's (a layer above)
-
             try:
-                plan = Plan.load(self.plan)  # a bad plan fails here, where it is written, not at the first step
+                streamed = streamed_tiers(read_plan(self.plan))  # a bad plan fails here, not at the first step
             except PlanError as exc:
                 raise ConfigError(f"plan: {exc}") from None
-            if plan.weights and self.weights not in ("device", "auto"):
+            if streamed and self.weights not in ("device", "auto"):
                 raise ConfigError(f"weights: got {self.weights!r}, but the plan {self.plan!r} chooses the weight tiers "
-                                  f"{plan.weights}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
+                                  f"{streamed}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
                                   "a plan that keeps every block's weights on the device")
         elif self.weights == "auto" and self.activations != "auto":
             raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "

@@ -27,9 +27,6 @@ Lightning and transformers are never imported here.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
-import warnings
 import weakref
 from functools import wraps
 from typing import Any, Callable, Iterable
@@ -37,28 +34,23 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import trace
 from .activations import ActivationSwapper, Policy, discover_blocks
-from .activations.spans import BlockSpans
 from .cleanup import close_all, undo_after
-from .config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, format_bytes
+from .config import ConfigError, FuyouConfig
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
-from .optim.schedule import NEXT_FORWARD
 from .params import WeightStreamer
-from .params.streaming import streamed_parameter_names
 from .params.materialize import has_meta, materialize, model_device
+from .params.streaming import streamed_parameter_names
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
-from .storage.wear import TB, Wear, drive_capacity
+from .run_report import RunReport
+from .storage.wear import Wear
 
 log = logging.getLogger("fuyou_strategy")
 log.addHandler(logging.NullHandler())  # the application decides handlers and levels
 
 __all__ = ["FuyouEngine", "ignore_streamed_in_ddp", "optimizer_arguments", "rebind_scheduler"]
-
-# Steps measured (after the first) before the SSD wear of a run is projected and reported.
-WEAR_SAMPLE_STEPS = 3
 
 # Options of torch's Adam/AdamW that only choose an implementation: dropped on conversion.
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -121,10 +113,8 @@ def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[
     neither broadcast nor average it; `FuyouAdamW` sums these gradients over the ranks at ``step()``
     (`FuyouAdamW.reduce_itself`) and makes the tier copies rank 0's at the start. Returns their
     names (none: nothing changed)."""
-    weights = config.weights
-    if config.plan is not None and weights in ("device", "auto"):
-        weights = Plan.load(config.plan).weights
-    elif weights == "auto":  # the planner chooses after the wrap: every block may be streamed
+    weights = weight_tiers(config, pinned_plan(config))
+    if weights == "auto":  # the planner chooses after the wrap: every block may be streamed
         weights = "ssd"
     if weights in ("device", {}):
         return []
@@ -134,6 +124,18 @@ def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, sorted(ignored | set(names)))
     return names
+
+
+def pinned_plan(config: FuyouConfig) -> Plan | None:
+    """The plan ``config.plan`` pins, loaded here, where it is used (`Plan.load`: a file that is not a whole,
+    valid plan raises `PlanError` naming it); ``None`` without one."""
+    return Plan.load(config.plan) if config.plan is not None else None
+
+
+def weight_tiers(config: FuyouConfig, plan: Plan | None) -> str | dict:
+    """The weight tiers to start with: a pinned plan's when ``weights`` leaves them to it (``"device"`` or
+    ``"auto"``), else ``weights``."""
+    return plan.weights if plan is not None and config.weights in ("device", "auto") else config.weights
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -237,9 +239,7 @@ class FuyouEngine:
         self.profiler: WarmupProfiler | None = None
         self._step_hook: Any = None
         self._step_pre_hook: Any = None
-        self._tracer: trace.Tracer | None = None
-        self._plan_applied_at: int | None = None
-        self._plan_reported = False
+        self.reporting: RunReport | None = None  # made once the optimizer is: it reads its counters
         groups, defaults = optimizer_arguments(optimizer, where=where)
         if process_group is not None and not gradients_averaged and dist.get_world_size(process_group) > 1:
             sync_module_states(model, process_group)  # no DDP to make the ranks start alike: rank 0's weights
@@ -247,6 +247,7 @@ class FuyouEngine:
                                     release_grads=release_grads, loss_scaling=loss_scaling,
                                     process_group=process_group, gradients_averaged=gradients_averaged)
         try:
+            self.reporting = RunReport(self)
             self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
             if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
                 ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -255,10 +256,8 @@ class FuyouEngine:
                 self.optimizer.set_norm_order(norm_order)
             if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
                 self.optimizer.attach_model(model)
-            if config.plan is not None:  # pinned
-                self.plan = Plan.load(config.plan)
-            weights = self.plan.weights if self.plan is not None and config.weights in ("device", "auto") \
-                else config.weights
+            self.plan = pinned_plan(config)
+            weights = weight_tiers(config, self.plan)
             if weights not in ("device", "auto", {}):  # "auto" without a plan: after the warm-up
                 self._install_streamer(weights)
             if has_meta(model):  # the rest of a model built on the meta device: resident
@@ -277,21 +276,6 @@ class FuyouEngine:
         except BaseException as exc:
             undo_after(exc, self.close)  # the swapper, the streamer (weights resident again), the optimizer
             raise
-        self._last_step_end: float | None = None
-        self._window_open = False  # a micro-batch of the next step has begun
-        self._trace_spans: BlockSpans | None = None
-        self._trace_from = 0  # the optimizer step the trace starts at
-        self._trace_marks: dict[str, float] = {}  # window start, step() start (tracer clock)
-        self._trace_written = config.trace is None
-        self._planned_at_step: int | None = None
-        self.run_steps: int | None = None  # optimizer steps of the whole run, from the adapter (`expect_steps`)
-        self.wear: Wear | None = None
-        self._wear_warned = False
-        self._written_per_step: list[float] = []
-        self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
-        self._metrics: dict[str, float] = {}
-        self.step_times: list[float] = []  # seconds between consecutive optimizer steps
-        self.micro_batches = 0
 
     def _install_streamer(self, weights: str | dict) -> None:
         """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
@@ -331,141 +315,36 @@ class FuyouEngine:
             self.swapper.begin_pass()
         if self.profiler is not None:
             self.profiler.begin_micro_batch()
-        self.micro_batches += 1
-        if self._last_step_end is None:
-            self._last_step_end = time.perf_counter()
-        if not self._window_open:
-            self._window_open = True
-            if not self._trace_written:
-                self._trace_window()
-
-    # -- the trace ------------------------------------------------------------------------------------
-    def _trace_window(self) -> None:
-        """At the first micro-batch of a step: start the trace, or end it after ``trace_steps`` steps."""
-        steps = self.optimizer.stats.steps
-        if self._tracer is None:
-            first = self._planned_at_step + 1 if self._planned_at_step is not None else 1
-            if self.profiler is not None or steps < first:
-                return
-            if trace.active() is not None:
-                self._trace_written = True
-                warnings.warn(f"fuyou: trace={self.config.trace!r} not recorded: another engine in this process is "
-                              "recording a trace (one at a time)", stacklevel=3)
-                return
-            self._tracer = trace.Tracer().start()
-            self._trace_spans = BlockSpans(discover_blocks(self.model, self.config.blocks))
-            self._trace_from = steps
-        elif steps >= self._trace_from + self.config.trace_steps:
-            self._write_trace()
-            return
-        self._trace_marks["window"] = self._tracer.now()
+        self.reporting.begin_micro_batch()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._tracer is not None:
-            self._trace_marks["step"] = self._tracer.now()
+        self.reporting.before_step()
 
-    def _trace_step(self) -> None:
-        tracer, marks = self._tracer, self._trace_marks
-        now, n = tracer.now(), self.optimizer.stats.steps
-        if "step" in marks:
-            tracer.add("compute", "optimizer.step()", marks.pop("step"), now)
-        if "window" in marks:
-            tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n,
-                       schedule=self.optimizer.stats.last_schedule)
-
-    def end_trace(self) -> None:
-        """Write the trace now if one is recording (training ended inside the traced steps: those
-        recorded are kept); `close` and the adapters' end of training call it."""
-        if self._tracer is not None:
-            self._write_trace()
-
-    def _write_trace(self) -> None:
-        """Stop recording and write the trace (with the plan's predicted step beside the first traced one)."""
-        tracer, self._tracer = self._tracer, None
-        tracer.stop()
-        self._trace_spans.remove()
-        self._trace_written = True
-        steps = [e for e in tracer.events if e[0] == "steps"]
-        measured = [end - start for _lane, _name, start, end, _args in steps]
-        predicted = self.plan.timeline() if self.plan is not None else []
-        try:
-            tracer.save(self.config.trace, predicted=predicted, predicted_offset=steps[0][2] if steps else 0.0,
-                        metadata={"steps": len(steps), "measured_step_s": measured,
-                                  "predicted_step_s": self.plan.predicted_step_s if self.plan is not None else None,
-                                  "plan": self.plan.policies if self.plan is not None else None,
-                                  "weight_tiers": self.plan.weight_tiers if self.plan is not None else None})
-        except OSError as exc:  # a lost trace is no reason to stop training
-            warnings.warn(f"fuyou: trace={self.config.trace!r} could not be written: {exc}", stacklevel=3)
-            return
-        self.report(f"fuyou: trace of {len(steps)} step(s) written to {self.config.trace} (open it in "
-                    f"https://ui.perfetto.dev, or draw it: fuyou report {self.config.trace} --png)")
-
-    # -- SSD wear -------------------------------------------------------------------------------------
     def expect_steps(self, steps: int | None) -> None:
         """The run's length in optimizer steps (the adapters pass the trainer's), for the SSD wear
         projection. Warns at once if the optimizer state's own writes (12 bytes per trainable
         parameter per step, a floor) would spend more than ``ssd_wear_warning`` of the drives'
         rated endurance; the measured figure follows after the first steps (`wear`)."""
-        self.run_steps = int(steps) if steps is not None and steps > 0 else None
-        if self.run_steps is None:
-            return
-        params = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
-        floor = self._wear(params * STATE_BYTES_PER_PARAM, 0.0)
-        self._check_wear(floor, "at least (the optimizer state's writes alone)")
+        self.reporting.expect_steps(steps)
 
-    def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
-        dirs = self.optimizer.store.run_dirs
-        return Wear(bytes_per_step, step_seconds, drives=len(dirs), drive_bytes=drive_capacity(dirs),
-                    endurance_tbw=self.config.ssd_endurance_tbw, steps=self.run_steps)
-
-    def _check_wear(self, wear: Wear, how: str) -> None:
-        share = wear.run_fraction
-        if share is None or share <= self.config.ssd_wear_warning or self._wear_warned:
-            return
-        self._wear_warned = True
-        warnings.warn(
-            f"fuyou: this run's {wear.steps} steps write {how} {format_bytes(wear.bytes_per_step * wear.steps)} "
-            f"to the swap drives: {share:.1%} of their rated endurance ({self.config.ssd_endurance_tbw:g} TBW each, "
-            f"{wear.drives} drive(s)), over ssd_wear_warning={self.config.ssd_wear_warning:g}. Set "
-            "FuyouConfig.ssd_endurance_tbw to your drive's rating (its datasheet), add drives (swap_dirs), keep "
-            "activations off the SSD, or raise ssd_wear_warning", stacklevel=3)
-
-    def _measure_wear(self, written: float) -> None:
-        if self.wear is not None:  # measured once: the sample is not kept growing with the run
-            return
-        self._written_per_step.append(written)
-        if len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
-            return
-        sample = self._written_per_step[1:]  # the first step includes the warm-up
-        self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
-        self.report(f"fuyou: {self.wear.describe()}")
-        self._check_wear(self.wear, "about")
+    def end_trace(self) -> None:
+        """Write the trace now if one is recording (training ended inside the traced steps: those
+        recorded are kept); `close` and the adapters' end of training call it."""
+        if self.reporting is not None:
+            self.reporting.end_trace()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.swapper is not None:
             self.swapper.release()  # every backward of the window is done: anything left is garbage
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self.step_times.append(now - self._last_step_end)
-            self._metrics = self._step_metrics(now - self._last_step_end)
-            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"])
-        self._last_step_end = now
-        self._window_open = False
-        if self._tracer is not None:
-            self._trace_step()
+        self.reporting.after_step()
         if self.profiler is not None:
             self.profiler.after_step()
             if self.profiler.done:
                 self._plan_from_warmup()
             else:  # the warm-up's progress, through the framework's channel
                 self.report(f"fuyou planner: warm-up step {self.profiler.steps_seen}/{self.profiler.steps} profiled")
-        elif self._plan_applied_at is not None and not self._plan_reported:
-            measured = self.step_times[self._plan_applied_at + 1:]  # the first planned step warms the swap path up
-            if len(measured) >= 3:
-                self._plan_reported = True
-                m = statistics.median(measured)
-                self.report(f"fuyou planner: predicted {self.plan.predicted_step_s:.3f} s/step, measured {m:.3f} s "
-                            f"(median of {len(measured)} steps): {m / self.plan.predicted_step_s:.2f}x")
+        else:
+            self.reporting.report_plan()
 
     def _plan_from_warmup(self) -> None:
         """Solve on the warm-up's profile and switch the activation policies (and, with
@@ -498,8 +377,7 @@ class FuyouEngine:
             self._install_streamer(self.plan.weights)
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
-        self._plan_applied_at = len(self.step_times)
-        self._planned_at_step = self.optimizer.stats.steps
+        self.reporting.plan_applied()
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
         """Point the framework's LR schedulers at the converted optimizer."""
@@ -526,15 +404,9 @@ class FuyouEngine:
         """The fp32 master weight of every trainable parameter kept in lower precision (bf16). Data
         parallel: a collective that gathers them, one at a time from their owners, on rank 0 (which
         writes checkpoints); the other ranks get ``{}``."""
-        opt = self.optimizer
-        params = [p for group in opt.param_groups for p in group["params"] if p.dtype != torch.float32]
-        if opt.shards is None:
-            return {p: opt.read_state(p)["master"] for p in params}
-        gathered = opt.shards.gather_to_first([opt._by_param[p] for p in params],
-                                              lambda ps: opt.read_state(ps.param)["master"])
-        return {ps.param: master for ps, master in gathered.items()}
+        return self.optimizer.master_weights()
 
-    # -- reporting ------------------------------------------------------------------------------------
+    # -- reporting (`run_report.RunReport`) ---------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """The last optimizer step's figures, for a training logger (keys under ``fuyou/``; empty
         before the first step). Plain floats read from counters the step keeps anyway: reading
@@ -550,104 +422,65 @@ class FuyouEngine:
         ``device_peak_bytes`` (weights and gradients, with weight streaming), and with a plan
         ``plan_predicted_step_seconds``.
         """
-        return dict(self._metrics)
-
-    def _counters(self) -> dict[str, float]:
-        stats, engine = self.optimizer.stats, self.optimizer.store.engine
-        swap = self.swapper.stats if self.swapper is not None else None
-        return {"ssd_read_bytes": engine.bytes_read, "ssd_write_bytes": engine.bytes_written,
-                "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
-                "activation_bytes_to_host": swap.host_bytes if swap else 0,
-                "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
-
-    def _step_metrics(self, seconds: float) -> dict[str, float]:
-        now = self._counters()
-        # A swapper installed by the planner starts its own counts: never a negative difference.
-        delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
-        self._counted = now
-        stats = self.optimizer.stats
-        out = {"step_seconds": seconds, **delta,
-               "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-               "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-               "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
-               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": self.optimizer.store.pool.high_water,
-               # cumulative: the share of each drive's rated endurance the run has written so far
-               "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(self.optimizer.store.run_dirs))
-               / (self.config.ssd_endurance_tbw * TB)}
-        if self.streamer is not None:
-            out["device_peak_bytes"] = self.streamer.meter.high_water
-        if self.plan is not None:
-            out["plan_predicted_step_seconds"] = self.plan.predicted_step_s
-        return {f"fuyou/{k}": float(v) for k, v in out.items()}
+        return self.reporting.metrics()
 
     def summary(self) -> dict[str, Any]:
         """What the run did: steps, clipping outcomes, bytes on SSD, peak host memory, step time."""
-        opt, store = self.optimizer, self.optimizer.store
-        stats = opt.stats
-        swap = self.swapper.stats if self.swapper is not None else None
-        stream = self.streamer.stats if self.streamer is not None else None
-        times = self.step_times[1:] or self.step_times  # the first step includes warm-up
-        return {
-            "trainable_parameters": sum(p.numel() for g in opt.param_groups for p in g["params"]),
-            "optimizer_steps": stats.steps,
-            "commits": stats.commits,
-            "redos": stats.redos,
-            "deferred": stats.deferred,  # next_forward steps: exact at once, no rollback possible
-            "skips": stats.skips,
-            "clipped": stats.clipped,
-            "rollbacks": stats.rollbacks,
-            "rollback_rate": stats.rollback_rate,
-            "schedule_steps": dict(stats.schedules),
-            "schedule_next": opt._window,
-            "schedule_reason": stats.last_reason,
-            "last_grad_norm": stats.last_grad_norm,
-            "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
-            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
-            "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
-                                             if name.startswith("adamw.")),
-            "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
-            "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
-            "activation_bytes_to_host": swap.host_bytes if swap else 0,
-            "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
-            "weight_bytes_streamed": stream.streamed_bytes if stream else 0,
-            "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
-            "weight_bytes_trainable_streamed": stream.trainable_bytes if stream else 0,
-            # Weights and gradients on the device at most (activations not counted); None without streaming.
-            "device_peak_bytes": self.streamer.meter.high_water if stream else None,
-            "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, sum(
-                p.numel() for g in opt.param_groups for p in g["params"])),
-            "host_pool_peak_bytes": store.pool.high_water,
-            "host_pool_budget_bytes": store.pool.budget,
-            "median_step_seconds": statistics.median(times) if times else float("nan"),
-            "plan": self.plan.policies if self.plan is not None else None,
-            "plan_predicted_step_seconds": self.plan.predicted_step_s if self.plan is not None else None,
-            "plan_measured_step_seconds": (statistics.median(self.step_times[self._plan_applied_at + 1:])
-                                           if self._plan_applied_at is not None
-                                           and len(self.step_times) > self._plan_applied_at + 1 else None),
-            "ssd_write_bytes_total": self.optimizer.store.engine.bytes_written,
-            # measured after WEAR_SAMPLE_STEPS steps: per step and hour, DWPD, the run's share of the rating
-            "wear": self.wear.as_dict() if self.wear is not None else None,
-        }
+        return self.reporting.summary()
 
     def format_summary(self) -> str:
         """`summary` as a few human-readable lines."""
-        s = self.summary()
-        mix = ", ".join(f"{n} {name}" for name, n in s["schedule_steps"].items() if n)
-        return "\n".join([
-            f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed as computed during backward, "
-            f"{s['redos']} redone for clipping, {s['deferred']} updated ahead of the next forward, {s['skips']} "
-            f"skipped), {s['clipped']} clipped, last grad norm {s['last_grad_norm']:.4g}",
-            f"  schedule: {mix or 'no step yet'}; rollback rate {s['rollback_rate']:.0%} ({s['rollbacks']} "
-            f"rollbacks); next step {s['schedule_next']} ({s['schedule_reason']})",
-            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])} (swap files "
-            f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
-            f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
-            f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
-            f"median step {s['median_step_seconds']:.3f} s",
-        ] + ([f"  weights streamed: {format_bytes(s['weight_bytes_streamed'])} in {len(s['weight_tiers'])} blocks "
-              f"{s['weight_tiers']} ({format_bytes(s['weight_bytes_trainable_streamed'])} trainable), device peak "
-              f"{format_bytes(s['weight_device_peak_bytes'])} of streamed weights, "
-              f"{format_bytes(s['device_peak_bytes'])} of weights and gradients"] if s["weight_tiers"] else []))
+        return self.reporting.format_summary()
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds between consecutive optimizer steps."""
+        return self.reporting.step_times
+
+    @property
+    def micro_batches(self) -> int:
+        return self.reporting.micro_batches
+
+    @property
+    def wear(self) -> Wear | None:
+        """The run's SSD wear, measured after the first steps."""
+        return self.reporting.wear
+
+    # -- what the adapters ask of the run --------------------------------------------------------------------
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 loss scaling is on: the loop's loss must be backwarded scaled (`scale_loss`, `scale_backward`)."""
+        return self.optimizer.scaler is not None
+
+    @property
+    def data_parallel(self) -> bool:
+        """The optimizer state is sharded over several ranks."""
+        return self.optimizer.shards is not None
+
+    @property
+    def last_grad_norm(self) -> float:
+        """The global gradient norm of the last step (over every rank's parameters), before clipping."""
+        return self.optimizer.stats.last_grad_norm
+
+    @property
+    def closed(self) -> bool:
+        return self.optimizer.closed
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, to backward (`FuyouAdamW.scale_loss`)."""
+        return self.optimizer.scale_loss(loss)
+
+    def scale_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Make the backward of ``loss`` run scaled; returns it unchanged (`FuyouAdamW.scale_backward`)."""
+        return self.optimizer.scale_backward(loss)
+
+    def attach_ddp(self, ddp_model: Any) -> None:
+        """Updates as a ``DistributedDataParallel`` model's buckets land (`FuyouAdamW.attach_ddp`)."""
+        self.optimizer.attach_ddp(ddp_model)
+
+    def stop_updates(self) -> None:
+        """No backward queues an update from now on (a stray backward after training)."""
+        self.optimizer.updates_enabled = False
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:

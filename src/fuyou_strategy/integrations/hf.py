@@ -84,7 +84,7 @@ class _Run:
             rebind_scheduler(scheduler, engine.optimizer)
         self.hook = model.register_forward_pre_hook(self._before_forward)
         self.scaling_hook, self.accelerate_scaler = None, None
-        if engine.optimizer.scaler is not None:  # fp16: the optimizer scales, unscales and skips, not accelerate
+        if engine.scales_loss:  # fp16: the optimizer scales, unscales and skips, not accelerate
             self.scaling_hook = model.register_forward_hook(self._scale_loss)
             scaler = getattr(wrapper, "scaler", None)  # accelerate's GradScaler (CUDA), shared with the Accelerator
             if scaler is not None and getattr(scaler, "_enabled", False):
@@ -95,7 +95,7 @@ class _Run:
     def _scale_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
         if module.training and torch.is_grad_enabled() and loss is not None and loss.requires_grad:
-            self.engine.optimizer.scale_backward(loss)  # the Trainer logs the real loss, backward runs scaled
+            self.engine.scale_backward(loss)  # the Trainer logs the real loss, backward runs scaled
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
@@ -275,10 +275,10 @@ class FuyouCallback(TrainerCallback, ExportableState):
                              release_grads=False, norm_order=model.parameters(), loss_scaling=True if args.fp16 else None,
                              where=f"TrainingArguments(optim={optim_name!r})", report=log.info, **parallel)
         try:
-            if parallel and engine.optimizer.shards is not None:
+            if parallel and engine.data_parallel:
                 ddp = _ddp_wrapping(model)  # the Trainer hands callbacks the model inside accelerate's DDP
                 if ddp is not None:  # each bucket summed onto its owners; `backward`: updates as buckets land
-                    engine.optimizer.attach_ddp(ddp)
+                    engine.attach_ddp(ddp)
                 else:
                     log.warning("FuyouCallback: no DistributedDataParallel wraps the model; the gradients are "
                                 "all-reduced by whatever wraps it, and the 'backward' schedule updates at step()")
@@ -340,11 +340,11 @@ class FuyouCallback(TrainerCallback, ExportableState):
         if self.engine is None or logs is None or "loss" not in logs:
             return  # evaluation logs and the closing train_runtime line carry no step
         metrics = self.engine.metrics() if self.log_metrics else {}
-        if self.engine.optimizer.shards is not None and "grad_norm" in logs:
+        if self.engine.data_parallel and "grad_norm" in logs:
             # Data parallel: the Trainer took the norm of this rank's .grad, which holds the average only for
             # the parameters the rank owns (the comm hook sums each bucket onto its owners); the
             # optimizer's is the global one.
-            metrics["grad_norm"] = self.engine.optimizer.stats.last_grad_norm
+            metrics["grad_norm"] = self.engine.last_grad_norm
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
@@ -370,7 +370,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         if self.engine is None:
             return
         self._at, self._save_due = (args, state), bool(control.should_save or control.should_evaluate)
-        if control.should_save and self.engine.optimizer.shards is not None and not self._saved_for(state):
+        if control.should_save and self.engine.data_parallel and not self._saved_for(state):
             self._save_state(args, state)
 
     def _checkpoint_dir(self, args: Any, state: Any) -> str:
@@ -398,7 +398,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         (``save_strategy="best"``), the record says the state follows (`on_save` writes it)."""
         if self.engine is not None and self._at is not None and not self._saved_for(self._at[1]):
             args, state = self._at
-            if self._save_due and self.engine.optimizer.shards is None and os.path.isdir(self._checkpoint_dir(args, state)):
+            if self._save_due and not self.engine.data_parallel and os.path.isdir(self._checkpoint_dir(args, state)):
                 self._save_state(args, state)
             else:  # a save this callback did not see coming: written after the Trainer's files, by on_save
                 self.fuyou_save = {"pending": True, "global_step": state.global_step}

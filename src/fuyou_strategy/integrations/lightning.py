@@ -252,8 +252,8 @@ class _FuyouTrainerStrategy(_EngineOwner):
         return super().training_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.engine is not None and self.engine.optimizer.scaler is not None:  # fp16: GradScaler.scale's place
-            closure_loss = self.engine.optimizer.scale_loss(closure_loss)
+        if self.engine is not None and self.engine.scales_loss:  # fp16: GradScaler.scale's place
+            closure_loss = self.engine.scale_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -326,7 +326,7 @@ class _FuyouTrainerStrategy(_EngineOwner):
 
     # -- pending updates: landed before anything reads the weights outside a training forward ---------------
     def _flush(self) -> None:
-        if self.engine is not None and not self.engine.optimizer.closed:
+        if self.engine is not None and not self.engine.closed:
             self.engine.flush()
 
     def on_validation_start(self) -> None:
@@ -351,7 +351,7 @@ class _FuyouTrainerStrategy(_EngineOwner):
     def teardown(self) -> None:
         if self.engine is not None:
             self._flush()  # the model outlives fit with its final weights
-            self.engine.optimizer.updates_enabled = False  # a stray backward after fit queues nothing
+            self.engine.stop_updates()  # a stray backward after fit queues nothing
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
         share_display(None)
@@ -454,8 +454,8 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
         super().configure_ddp()
 
     def _engine_made(self) -> None:
-        if self.engine.optimizer.shards is not None:  # updates as DDP's buckets land (backward schedule)
-            self.engine.optimizer.attach_ddp(self.model)
+        if self.engine.data_parallel:  # updates as DDP's buckets land (backward schedule)
+            self.engine.attach_ddp(self.model)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

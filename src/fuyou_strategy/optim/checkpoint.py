@@ -1,4 +1,7 @@
-"""Streaming `FuyouAdamW` state between the SSD tier and a checkpoint folder.
+"""The checkpoint file format of the optimizer state: writing, reading, verifying, tokens, atomic replace.
+
+This module knows files, not optimizers: what a save holds comes from its caller (`FuyouAdamW`, which
+streams its state through `SaveWriter` and back through `SaveReader`, and describes its own fields).
 
 A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
 ``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32,
@@ -25,17 +28,18 @@ Lightning strategy's ``.ckpt`` — writes with `save_version` and removes the ea
 leaves at least one complete save, and every record names a save that exists.
 
 Loading takes the save a state dict names (`find`: its token must be in the folder, or the
-error says which side is stale) or the newest one (`newest`), writes it into the store's
-shadow slot and commits only once every checksum matched, so a bad checkpoint changes nothing.
+error says which side is stale) or the newest one (`newest`); the optimizer stages what
+`SaveReader` reads and commits it only once every checksum matched, so a bad checkpoint changes
+nothing.
 
-**Data parallel** (an optimizer sharded over a process group, `distributed.Shards`): every rank
-writes the parameters it owns into ``<token>.tmp-<pid>/part-<rank>/`` (the same files, its
-parameters only, with their global indices); when every rank reports success, rank 0 writes the
-top ``optimizer.json`` (every parameter, with the part that holds it) and renames the folder into
-place; if any rank failed, the save fails on every rank and nothing is left. A save stores
-parameters, not rank shards: any number of ranks (one included) loads it, each reading the
-parameters it owns from whichever part holds them, and an unsharded save loads into N ranks.
-The folder must be shared by the ranks (one machine, or a shared filesystem).
+**Data parallel** (a `Group` of N ranks): every rank writes the parameters it owns into
+``<token>.tmp-<pid>/part-<rank>/`` (the same files, its parameters only, with their global
+indices); when every rank reports success, rank 0 writes the top ``optimizer.json`` (every
+parameter, with the part that holds it) and renames the folder into place; if any rank failed,
+the save fails on every rank and nothing is left. A save stores parameters, not rank shards: any
+number of ranks (one included) loads it, each reading the parameters it owns from whichever part
+holds them, and an unsharded save loads into N ranks. The folder must be shared by the ranks (one
+machine, or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -48,30 +52,24 @@ import re
 import shutil
 import time
 import uuid
-from concurrent.futures import Future
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Callable, Iterable
 
-import torch
-
-from ..config import STATE_BYTES_PER_PARAM, format_bytes
+from ..config import format_bytes
 from ..progress import Progress
-from ..storage import ACTIVE, SHADOW, HostBuffer, byte_view, gather
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, temp_writer_gone, write_owner
-from .pipeline import ChunkJob
+from .state import KINDS  # one file per kind of state
 
-if TYPE_CHECKING:
-    from .adamw import FuyouAdamW
-
-__all__ = ["CheckpointError", "save", "save_version", "remove_versions", "discard", "find", "newest", "load",
-           "read_meta", "save_dirs", "find_stale_temps", "remove_stale_temps", "KINDS", "META"]
+__all__ = ["CheckpointError", "Group", "SOLO", "SaveReader", "SaveWriter", "save", "save_version", "remove_versions",
+           "discard", "find", "newest", "read_meta", "save_dirs", "find_stale_temps", "remove_stale_temps", "KINDS",
+           "META"]
 
 log = logging.getLogger("fuyou_strategy.checkpoint")
 
 FORMAT = 3  # 2: optimizer.json without its own checksum (still read); 1: the state files directly in the folder
 _READABLE_FORMATS = (2, FORMAT)
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 META = "optimizer.json"
 META_DIGEST = "meta_sha256"  # optimizer.json's checksum of its other contents
 _TOKEN = re.compile(r"[0-9a-f]{32}")
@@ -84,89 +82,181 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder is missing, does not match the optimizer or its record, or fails its checksums."""
 
 
-def save(opt: "FuyouAdamW", folder: str | os.PathLike, record: dict | None = None) -> dict:
-    """Add a save of the committed state to ``folder``, then remove the earlier saves there;
-    returns its metadata (``token``, ``steps``, ...)."""
-    meta = save_version(opt, folder, record)
-    if opt.shards is None or opt.shards.rank == 0:  # the ranks share the folder
+class Group:
+    """The ranks writing one save together (`distributed.Shards`-like); a process alone is a group of one
+    (`SOLO`). Only what a save needs: who I am, and three collectives on plain Python values."""
+
+    rank: int
+    world: int
+
+    def broadcast_object(self, values: list) -> None: ...
+    def all_gather_object(self, value: Any) -> list: ...
+    def barrier(self) -> None: ...
+
+
+class _Solo:
+    rank, world = 0, 1
+
+    def broadcast_object(self, values: list) -> None:
+        pass
+
+    def all_gather_object(self, value: Any) -> list:
+        return [value]
+
+    def barrier(self) -> None:
+        pass
+
+
+SOLO: Group = _Solo()  # type: ignore[assignment]
+
+
+@dataclass
+class SaveWriter:
+    """Writes one part of a save (a process's parameters, or one rank's): the three state files, each
+    parameter's chunks in element order, hashed as they go; `chunk` is called on the optimizer's worker
+    thread, one parameter after another (its only caller while the writer is open)."""
+
+    into: Path
+    total_bytes: int
+    progress: bool = True
+    params: list[dict] = field(default_factory=list)  # per parameter: index, shape, numel, offset, step, sha256
+
+    def __post_init__(self) -> None:
+        self._stack = ExitStack()
+        self._files = {kind: self._stack.enter_context(open(self.into / f"{kind}.bin", "wb")) for kind in KINDS}
+        self._bar = self._stack.enter_context(Progress(self.total_bytes, f"fuyou: saving optimizer state to "
+                                                       f"{self.into.parent}", enabled=self.progress))
+        self._digests: list[dict] = []
+
+    def chunk(self, index: int, shape: list[int], numel: int, step: float, data: dict[str, memoryview]) -> None:
+        """The next chunk of parameter ``index`` (a new parameter starts when the index changes)."""
+        if not self.params or self.params[-1]["index"] != index:
+            self.params.append({"index": index, "shape": shape, "numel": numel, "offset": _next_offset(self.params),
+                                "step": step})
+            self._digests.append({kind: hashlib.sha256() for kind in KINDS})
+        for kind in KINDS:
+            self._files[kind].write(data[kind])
+            self._digests[-1][kind].update(data[kind])
+            self._bar.update(len(data[kind]))
+
+    def close(self) -> list[dict]:
+        """Flush and fsync the files; returns each parameter's record with its checksums."""
+        try:
+            for f in self._files.values():
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            self._stack.close()
+        for record, digest in zip(self.params, self._digests):
+            record["sha256"] = {kind: d.hexdigest() for kind, d in digest.items()}
+        return self.params
+
+    def abandon(self) -> None:
+        self._stack.close()
+
+
+def save(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict], *,
+         group: Group = SOLO, total_bytes: int = 0, progress: bool = True, record: dict | None = None) -> dict:
+    """Add a save to ``folder`` (`save_version`), then remove the earlier saves there; returns its metadata."""
+    meta = save_version(folder, write_state, describe, group=group, total_bytes=total_bytes, progress=progress,
+                        record=record)
+    if group.rank == 0:  # the ranks share the folder
         remove_versions(folder, keep=meta["token"])
-    if opt.shards is not None:
-        opt.shards.barrier()
+    group.barrier()
     return meta
 
 
-def save_version(opt: "FuyouAdamW", folder: str | os.PathLike, record: dict | None = None) -> dict:
-    """Write the committed state of every parameter to ``folder/<token>/`` and return its
-    metadata; no other save in ``folder`` changes. The subfolder appears complete and fsynced,
-    or not at all (an interrupted save leaves a ``<token>.tmp-<pid>/``, which the next save or
-    load in ``folder`` removes, as does ``fuyou clean``). ``record`` (plain JSON values) is kept
-    in the metadata as ``meta["record"]``: what the caller needs to tie the save to its own files.
-    Sharded over a process group: a collective, every rank writing its part (module docstring)."""
-    if opt.shards is not None:
-        return _save_sharded(opt, Path(folder), record)
+def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict],
+                 *, group: Group = SOLO, total_bytes: int = 0, progress: bool = True,
+                 record: dict | None = None) -> dict:
+    """Write a new save ``folder/<token>/`` and return its metadata; no other save in ``folder`` changes.
+
+    ``write_state(writer)`` streams this process's state into a `SaveWriter` (its parameters only, with
+    their global indices); ``describe()`` gives the optimizer's own fields (hyper-parameters, counters).
+    ``record`` (plain JSON values) is kept as ``meta["record"]``: what the caller ties the save to.
+    The subfolder appears complete and fsynced, or not at all (an interrupted save leaves a
+    ``<token>.tmp-<pid>/``, which the next save or load in ``folder`` removes, as does ``fuyou clean``).
+    ``group`` of more than one rank: a collective, every rank writing its ``part-<rank>/`` (module
+    docstring); the save exists, complete, on every rank's return, or fails on all."""
     folder = Path(folder)
-    token = uuid.uuid4().hex
-    tmp = folder / f"{token}.tmp-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(folder)
-    tmp.mkdir()
+    name = [f"{uuid.uuid4().hex}.tmp-{os.getpid()}" if group.rank == 0 else None]
+    group.broadcast_object(name)  # rank 0 names the save (its pid: `fuyou clean` knows whether it runs)
+    token = name[0].split(".", 1)[0]
+    tmp = folder / name[0]
+    sharded = group.world > 1
+    into = tmp / f"part-{group.rank}" if sharded else tmp
+    error, params, meta = None, [], {}
     try:
-        write_owner(tmp)  # kept in the save: who wrote it
-        meta = _write_state(opt, tmp, token, record=record)
-        _fsync_dir(tmp)
-        tmp.rename(folder / token)
-        _fsync_dir(folder)
-        return meta
+        if group.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(folder)
+            tmp.mkdir()
+            write_owner(tmp)  # kept in the save: who wrote it
+        group.barrier()
+        if sharded:
+            into.mkdir()
+        meta = _write_state(into, token, write_state, describe, total_bytes, progress, record)
+        params = [dict(pm, part=into.name) for pm in meta["params"]] if sharded else meta["params"]
+    except Exception as exc:  # noqa: BLE001 - every rank learns it, below
+        if not sharded:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not sharded:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_state(opt: "FuyouAdamW", into: Path, token: str, owned: list | None = None, record: dict | None = None) -> dict:
-    """Stream the state of every parameter (or of ``owned``) into ``into``'s files, fsync them, and
-    write optimizer.json last."""
-    owned = opt._params if owned is None else owned
-    with ExitStack() as stack:
-        files = {kind: stack.enter_context(open(into / f"{kind}.bin", "wb")) for kind in KINDS}
-        bar = stack.enter_context(Progress(sum(ps.numel for ps in owned) * STATE_BYTES_PER_PARAM,
-                                           f"fuyou: saving optimizer state to {into.parent}", enabled=opt.config.progress))
-        hashes = []
-        params = []
-        for ps in owned:
-            digest = {kind: hashlib.sha256() for kind in KINDS}
-            hashes.append(digest)
-            params.append({"index": ps.index, "shape": list(ps.param.shape), "numel": ps.numel,
-                           "offset": ps_offset(params), "step": float(opt.state[ps.param]["step"])})
-
-            def write_chunk(k: int, buf: HostBuffer, ps=ps, digest=digest) -> None:
-                _start, n = ps.span(k)
-                with buf:
-                    state = buf.view(torch.float32)
-                    for i, kind in enumerate(KINDS):
-                        view = byte_view(state[i * n : (i + 1) * n])
-                        files[kind].write(view)
-                        digest[kind].update(view)
-                    bar.update(3 * 4 * n)
-
-            opt._pipeline.submit(ChunkJob(ps.entry, ps.nchunks, write_chunk))
-        opt._pipeline.drain()
-        for f in files.values():
-            f.flush()
-            os.fsync(f.fileno())
-    for meta, digest in zip(params, hashes):
-        meta["sha256"] = {kind: d.hexdigest() for kind, d in digest.items()}
-    meta = _optimizer_meta(opt, token, params, record)
-    _write_meta(into, meta)
+    if not sharded:
+        try:
+            tmp.rename(folder / token)
+            _fsync_dir(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return meta
+    reports = group.all_gather_object((error, params))
+    failed = [e for e, _p in reports if e is not None]
+    if failed:
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        group.barrier()
+        raise CheckpointError(f"{folder}: the sharded save failed on {len(failed)} of {group.world} ranks "
+                              f"({'; '.join(failed)}); nothing was saved")
+    meta = _meta(token, sorted((pm for _e, ps in reports for pm in ps), key=lambda pm: pm["index"]), describe(), record)
+    meta["parts"] = [f"part-{r}" for r in range(group.world)]
+    if group.rank == 0:
+        try:
+            _write_meta(tmp, meta)
+            _fsync_dir(tmp)
+            tmp.rename(folder / token)
+            _fsync_dir(folder)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"rank 0 (completing the save): {type(exc).__name__}: {exc}"
+    if group.all_gather_object(error)[0] is not None:
+        raise CheckpointError(f"{folder}: the sharded save failed: {error or 'on rank 0'}; nothing was saved")
     return meta
 
 
-def _optimizer_meta(opt: "FuyouAdamW", token: str, params: list[dict], record: dict | None) -> dict:
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [opt._by_param[p].index for p in g["params"]]}
-              for g in opt.param_groups]
-    return {"format": FORMAT, "token": token, "steps": opt.stats.steps, "saved_ns": time.time_ns(),
-            "param_groups": groups, "params": params, "stats": opt.stats.to_dict(), "schedule": opt.chooser.state_dict(),
-            "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-            "max_grad_norm": opt.max_grad_norm, "record": record}
+def _write_state(into: Path, token: str, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict],
+                total_bytes: int, progress: bool, record: dict | None) -> dict:
+    """The three state files and ``optimizer.json`` of one part (a whole save, in one process), fsynced;
+    returns that metadata."""
+    writer = SaveWriter(into, total_bytes, progress)
+    try:
+        write_state(writer)
+    except BaseException:
+        writer.abandon()
+        raise
+    meta = _meta(token, writer.close(), describe(), record)
+    _write_meta(into, meta)
+    _fsync_dir(into)
+    return meta
+
+
+def _meta(token: str, params: list[dict], described: dict, record: dict | None) -> dict:
+    return {"format": FORMAT, "token": token, "saved_ns": time.time_ns(), **described, "params": params,
+            "record": record}
 
 
 def _meta_digest(meta: dict) -> str:
@@ -184,51 +274,7 @@ def _write_meta(into: Path, meta: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _save_sharded(opt: "FuyouAdamW", folder: Path, record: dict | None) -> dict:
-    """Every rank writes its part; the save exists, complete, on every rank's return, or fails on all."""
-    shards = opt.shards
-    name = [f"{uuid.uuid4().hex}.tmp-{os.getpid()}" if shards.rank == 0 else None]
-    shards.broadcast_object(name)  # rank 0 names the save (its pid: `fuyou clean` knows whether it runs)
-    token = name[0].split(".", 1)[0]
-    tmp, part = folder / name[0], f"part-{shards.rank}"
-    error, params = None, []
-    try:
-        if shards.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(folder)
-            tmp.mkdir()
-            write_owner(tmp)
-        shards.barrier()
-        (tmp / part).mkdir()
-        params = [dict(pm, part=part) for pm in _write_state(opt, tmp / part, token, opt._owned(), record)["params"]]
-        _fsync_dir(tmp / part)
-    except Exception as exc:  # noqa: BLE001 - every rank learns it, below
-        error = f"rank {shards.rank}: {type(exc).__name__}: {exc}"
-    reports = shards.all_gather_object((error, params))
-    failed = [e for e, _p in reports if e is not None]
-    if failed:
-        if shards.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        shards.barrier()
-        raise CheckpointError(f"{folder}: the sharded save failed on {len(failed)} of {shards.world} ranks "
-                              f"({'; '.join(failed)}); nothing was saved")
-    meta = _optimizer_meta(opt, token, sorted((pm for _e, ps in reports for pm in ps), key=lambda pm: pm["index"]), record)
-    meta["parts"] = [f"part-{r}" for r in range(shards.world)]
-    if shards.rank == 0:
-        try:
-            _write_meta(tmp, meta)
-            _fsync_dir(tmp)
-            tmp.rename(folder / token)
-            _fsync_dir(folder)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"rank 0 (completing the save): {type(exc).__name__}: {exc}"
-    if shards.all_gather_object(error)[0] is not None:
-        raise CheckpointError(f"{folder}: the sharded save failed: {error or 'on rank 0'}; nothing was saved")
-    return meta
-
-
-def ps_offset(previous: list[dict]) -> int:
+def _next_offset(previous: list[dict]) -> int:
     """Byte offset of the next parameter in each state file."""
     return previous[-1]["offset"] + 4 * previous[-1]["numel"] if previous else 0
 
@@ -375,41 +421,76 @@ def find(folder: str | os.PathLike, token: str | None, steps: int | None, *, nam
     raise CheckpointError(f"{recorded} holds {held}: {stale}; {fix}")
 
 
-def load(opt: "FuyouAdamW", path: str | os.PathLike) -> dict:
-    """Stream the save at ``path`` (a ``<folder>/<token>/`` from `find` or `newest`) back into
-    the store and the parameters."""
-    folder = Path(path)
-    meta = read_meta(folder)
-    if opt.shards is None or opt.shards.rank == 0:  # the ranks share the folder
-        remove_stale_temps(folder.parent)
-    if len(meta["params"]) != len(opt._params):
-        raise CheckpointError(f"{folder}: holds {len(meta['params'])} parameters, the optimizer has {len(opt._params)}")
-    for ps, pm in zip(opt._params, meta["params"]):
-        if list(ps.param.shape) != pm["shape"]:
-            raise CheckpointError(f"{folder}: parameter {ps.index} has shape {pm['shape']} there, {list(ps.param.shape)} here")
-    _check_sizes(folder, meta)
-    # This rank's parameters (all of them without a process group), each from the part that holds it.
-    owned = opt._owned()
-    items = [(ps, pm, folder / pm["part"] if "part" in pm else folder) for ps, pm in zip(opt._params, meta["params"])
-             if opt._owns(ps)]
-    if opt.config.state_slots == 1:  # no shadow slot to stage in: verify every checksum first, then write
-        _stream_state(opt, items, write=False)
-    _stream_state(opt, items, write=True)
-    opt.store.commit([ps.entry for ps in owned])
-    for ps, pm in zip(opt._params, meta["params"]):
-        opt.state[ps.param]["step"] = torch.tensor(pm["step"])
-    restore_groups(opt, meta["param_groups"])
-    if "stats" in meta:
-        opt.stats = type(opt.stats).from_dict(meta["stats"])  # commit / redo / skip counts carry on
-    opt.chooser.load_state_dict(meta.get("schedule", {}))
-    if opt.scaler is not None and meta.get("scaler") is not None:
-        opt.scaler.load_state_dict(meta["scaler"])
-    opt._window, opt.stats.last_reason = opt.chooser.choose()
-    opt._restore_weights(owned)
-    if opt.shards is not None:  # every weight from its owner, as after a step, and landed now
-        opt._send_later({ps.index for ps in opt._params})
-        opt._land()
-    return meta
+class SaveReader:
+    """One save, read back for loading: its ``optimizer.json`` (verified, `read_meta`), its state files'
+    sizes (checked against it before a byte is read), and each parameter's bytes chunk by chunk, hashed
+    as they are read (`read`, then `finish` per parameter, then `check`). Opening it removes the temporary
+    folders a dead writer left beside the save (on ``group``'s first rank: the ranks share the folder)."""
+
+    def __init__(self, save: str | os.PathLike, group: Group = SOLO) -> None:
+        self.path = Path(save)
+        self.meta = read_meta(self.path)
+        if group.rank == 0:
+            remove_stale_temps(self.path.parent)
+        _check_sizes(self.path, self.meta)
+        self._records = {pm["index"]: pm for pm in self.meta["params"]}
+        self._files: dict[Path, dict] = {}  # a part's folder -> its open state files
+        self._digests: dict[int, dict] = {}
+        self._bad: list[str] = []
+        self._first: Path | None = None  # the folder of the first parameter read (named in a checksum error)
+
+    def check_shapes(self, shapes: list[list[int]]) -> None:
+        """Refuse a save of other parameters than ``shapes`` (the optimizer's, in order)."""
+        params = self.meta["params"]
+        if len(params) != len(shapes):
+            raise CheckpointError(f"{self.path}: holds {len(params)} parameters, the optimizer has {len(shapes)}")
+        for index, (pm, shape) in enumerate(zip(params, shapes)):
+            if list(shape) != pm["shape"]:
+                raise CheckpointError(f"{self.path}: parameter {index} has shape {pm['shape']} there, {list(shape)} here")
+
+    def steps(self) -> list[float]:
+        """Each parameter's step count, in order."""
+        return [pm["step"] for pm in self.meta["params"]]
+
+    def read(self, index: int, start: int, data: dict[str, memoryview]) -> None:
+        """Fill ``data`` (per kind, bytes) from parameter ``index``'s elements at ``start`` on."""
+        pm = self._records[index]
+        folder = self.path / pm["part"] if "part" in pm else self.path
+        if folder not in self._files:
+            self._files[folder] = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
+            self._first = self._first or folder
+        if start == 0:
+            self._digests[index] = {kind: hashlib.sha256() for kind in KINDS}
+        for kind in KINDS:
+            got = os.preadv(self._files[folder][kind].fileno(), [data[kind]], pm["offset"] + 4 * start)
+            if got != len(data[kind]):
+                raise CheckpointError(f"{folder / (kind + '.bin')}: truncated at parameter {index}")
+            self._digests[index][kind].update(data[kind])
+
+    def finish(self, index: int) -> None:
+        """Parameter ``index`` was read whole: note each file whose checksum does not match."""
+        digest = self._digests.pop(index)
+        for kind in KINDS:
+            if digest[kind].hexdigest() != self._records[index]["sha256"][kind]:
+                self._bad.append(f"{kind}.bin parameter {index}")
+
+    def check(self) -> None:
+        """Raise if any parameter read so far failed its checksum."""
+        if self._bad:
+            raise CheckpointError(f"{self._first or self.path}: checksum mismatch in {', '.join(self._bad[:5])}; "
+                                  "nothing was loaded")
+
+    def close(self) -> None:
+        for files in self._files.values():
+            for f in files.values():
+                f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "SaveReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _check_sizes(save: Path, meta: dict) -> None:
@@ -430,71 +511,6 @@ def _check_sizes(save: Path, meta: dict) -> None:
             if actual != size:
                 raise CheckpointError(f"{file}: {actual} bytes, but the save's {META} records {size} ({count} "
                                       "parameters): it is not the file this save wrote; nothing was loaded")
-
-
-def _stream_state(opt: "FuyouAdamW", items: list[tuple], *, write: bool) -> None:
-    """Read the state of each ``(parameter, its metadata, the folder holding it)`` from the save,
-    checking its checksums; with ``write``, into the store's shadow slot (the active one with
-    ``state_slots=1``, once a pass without ``write`` found every checksum good). Raises
-    `CheckpointError` on a mismatch, with nothing committed."""
-    slot = ACTIVE if opt.config.state_slots == 1 else SHADOW
-    opened: dict[Path, dict] = {}
-    writes: list[Future] = []
-    bad = []
-    where = items[0][2] if items else Path(".")
-    bar = Progress(sum(ps.numel for ps, _pm, _f in items) * STATE_BYTES_PER_PARAM,
-                   f"fuyou: {'loading' if write else 'checking'} optimizer state from {where.parent}",
-                   enabled=opt.config.progress)
-    try:
-        for ps, pm, folder in items:
-            if folder not in opened:
-                opened[folder] = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
-            files = opened[folder]
-            digest = {kind: hashlib.sha256() for kind in KINDS}
-            for k in range(ps.nchunks):
-                start, n = ps.span(k)
-                buf = opt.store.pool.acquire(3 * 4 * n)
-                state = buf.view(torch.float32)
-                try:
-                    for i, kind in enumerate(KINDS):
-                        view = byte_view(state[i * n : (i + 1) * n])
-                        got = os.preadv(files[kind].fileno(), [view], pm["offset"] + 4 * start)
-                        if got != len(view):
-                            raise CheckpointError(f"{folder / (kind + '.bin')}: truncated at parameter {ps.index}")
-                        digest[kind].update(view)
-                except BaseException:
-                    buf.release()
-                    raise
-                del state, view  # no view may outlive the buffer, which the write gives back to the pool
-                if write:
-                    writes.append(opt.store.write_chunk(ps.entry, k, buf, slot=slot))
-                else:
-                    buf.release()
-                bar.update(3 * 4 * n)
-            for kind in KINDS:
-                if digest[kind].hexdigest() != pm["sha256"][kind]:
-                    bad.append(f"{kind}.bin parameter {ps.index}")
-    except BaseException:
-        gather(writes).exception()
-        opt.store.rollback()
-        raise
-    finally:
-        bar.close()
-        for files in opened.values():
-            for f in files.values():
-                f.close()
-    error = gather(writes).exception()
-    if error is not None or bad:
-        opt.store.rollback()
-        if error is not None:
-            raise error
-        raise CheckpointError(f"{where}: checksum mismatch in {', '.join(bad[:5])}; nothing was loaded")
-
-
-def restore_groups(opt: "FuyouAdamW", saved_groups: list[dict]) -> None:
-    """Put saved hyper-parameters (lr, betas, ...) back into the optimizer's param groups."""
-    for group, saved in zip(opt.param_groups, saved_groups):
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
 
 
 def find_stale_temps(roots: Iterable[str]) -> list[StaleRun]:

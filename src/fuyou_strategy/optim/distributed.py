@@ -36,15 +36,21 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
+import weakref
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from .gradients import grad_norm
 
-__all__ = ["RankError", "Sender", "Shards", "sync_module_states"]
+__all__ = ["RankError", "Sender", "Sharding", "Shards", "Solo", "sync_module_states"]
+
+_SENDER_POLL = 1.0  # seconds between checks that the sender thread lives, while a wait for a weight goes on
 
 
 class RankError(RuntimeError):
@@ -313,3 +319,365 @@ class Sender:
             warnings.warn(f"fuyou: the weight sender was still sending after {self.timeout:.0f} s (another rank "
                           "stopped taking part?); destroying the process group now may abort the process",
                           stacklevel=2)
+
+
+# -- the optimizer's collaborator: one process, or a shard of a process group ------------------------------------
+class Solo:
+    """One process: every parameter's state is here, and there is nothing to send, sum or agree on. The
+    do-nothing `Sharding`, so that a one-process step reads straight through."""
+
+    shards = None
+    rank, world = 0, 1
+
+    def __init__(self, landing: Any) -> None:
+        self.landing = landing  # `schedule.PendingUpdates`
+
+    def owns(self, ps: Any) -> bool:
+        return True
+
+    def owned(self, params: Iterable[Any]) -> list:
+        return list(params)
+
+    def pending(self) -> bool:
+        """Whether the last step left updates for the next forward (the next backward lands them first)."""
+        return bool(self.landing.jobs)
+
+    def land(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Land the pending updates of ``params`` (default: all)."""
+        self.landing.wait_all() if params is None else self.landing.wait(params)
+
+    def updated(self, params: list, *, gated: bool) -> None:
+        """These weights changed; unless a forward waits for them, land their updates now (as torch.optim does)."""
+        if not gated:
+            self.land()
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        if error is not None:
+            raise error
+
+    def agree_on_failure(self, error: BaseException, what: str) -> None:
+        """The caller raises ``error`` itself."""
+
+    def share_norms(self, norms: dict, params: list) -> dict:
+        return norms
+
+    def sum_at_step(self, params: list, norms: dict, inv_scale: torch.Tensor | None) -> None:
+        """The gradients are this process's own: nothing to sum."""
+
+    def same_choice(self, choice: list) -> list:
+        return choice
+
+    def updates_gate(self) -> Any:
+        """What a `WeightStreamer` waits on before it reads a block's tier copies: the pending updates."""
+        return self.landing
+
+    def attach_weights(self, streamer: Any) -> list:
+        """Nothing to make alike: returns the parameters whose value changed (none)."""
+        return []
+
+    def check_owner(self, ps: Any, what: str) -> None:
+        pass
+
+    def gather_to_first(self, params: list, read: Callable[[Any], torch.Tensor]) -> dict:
+        return {ps: read(ps) for ps in params}
+
+    # what a checkpoint save needs of a group (`checkpoint.Group`)
+    def broadcast_object(self, values: list) -> None:
+        pass
+
+    def all_gather_object(self, value: Any) -> list:
+        return [value]
+
+    def barrier(self) -> None:
+        pass
+
+
+class Sharding:
+    """Data parallel: each rank owns ~1/N of the optimizer state (`Shards`), and the step's collectives.
+
+    What it adds to a one-process step (module docstring): the gradients summed onto their owners and the
+    norms shared (`sum_at_step`, `share_norms`, or DDP's comm hook: `attach_ddp`), one decision on every rank
+    (`agree`, `same_choice`), and each updated weight sent from its owner (`updated`): resident weights
+    broadcast when the next forward reaches their module (`land`), streamed ones by the sender thread.
+
+    Threads: the training thread owns ``unsent`` and adds to and pops from ``sent``; the sender thread only
+    completes the futures in ``sent`` (and pops `landing`'s jobs, see `PendingUpdates`); DDP's collective
+    thread runs `comm_hook`, which only reads (owners, the window) and queues updates."""
+
+    def __init__(self, shards: Shards, params: list, config: Any, landing: Any, store: Any, *,
+                 gradients_averaged: bool) -> None:
+        self.shards = shards
+        self.rank, self.world = self.shards.rank, self.shards.world
+        self.landing, self.store = landing, store
+        self.timeout, self.reduction = config.io_timeout, config.gradient_reduction
+        self.averaged = gradients_averaged  # by DistributedDataParallel: step() moves none
+        self.self_reduced: set[int] = set()  # ... but these, which DDP was told to leave alone (`reduce_itself`)
+        self.by_param = {ps.param: ps for ps in params}
+        self.unsent: list = []  # updated resident weights not yet broadcast from their owners
+        self.sent: dict[torch.nn.Parameter, Future] = {}  # streamed weights on their way, until waited for
+        self.sender: Sender | None = None  # moves streamed weights from their owners (`attach_weights`)
+        self.streamer: Any = None
+
+    def owns(self, ps: Any) -> bool:
+        return self.shards.owns(ps)
+
+    def owned(self, params: Iterable[Any]) -> list:
+        return [ps for ps in params if self.shards.owns(ps)]
+
+    def pending(self) -> bool:
+        return bool(self.unsent or self.sent)
+
+    def land(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Land the pending updates of ``params`` (default: all): the owners land theirs, every rank agrees
+        that they did, and each weight is broadcast from its owner, in update order; the pending list is the
+        same on every rank, so the ranks issue the same collectives."""
+        if params is not None:
+            params = list(params)
+        self.wait_sent(params)
+        wanted = None if params is None else set(params)
+        todo = [ps for ps in self.unsent if wanted is None or ps.param in wanted]
+        if not todo:
+            return
+        error = None
+        try:
+            self.landing.wait([ps.param for ps in todo if self.owns(ps)])
+        except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
+            error = exc
+        self.shards.agree(error, "the last step's optimizer updates")
+        self.shards.broadcast_weights(todo)
+        sent = {ps.index for ps in todo}
+        self.unsent = [ps for ps in self.unsent if ps.index not in sent]
+
+    def updated(self, params: list, *, gated: bool) -> None:
+        """These weights (in update order) changed on their owners: they go to every rank before they are
+        next read — resident ones at `land` (the next forward, module by module, or now if nothing gates the
+        forward), streamed ones on the sender thread from now on."""
+        streamer = self.streamer if self.sender is not None else None
+        self.unsent = [ps for ps in params if not (streamer is not None and streamer.streams(ps.param))]
+        if streamer is not None:
+            self._start_sending([ps for ps in params if streamer.streams(ps.param)])
+        if not gated:
+            self.land()
+
+    def _start_sending(self, params: list) -> None:
+        """Hand these streamed weights to the sender: each goes once its owner's update landed, and its
+        future (in ``sent``) completes once this rank's tier copy holds it."""
+        if not params:
+            return
+        futures = {ps.param: Future() for ps in params}
+        self.sent.update(futures)
+        landing = self.landing
+
+        def landed(ps: Any) -> None:
+            landing.wait([ps.param], stall=False)
+
+        def finish(ps: Any, error: BaseException | None) -> None:
+            fut = futures[ps.param]
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(None)
+
+        self.sender.submit(self.shards.send_streamed, self.sender, params, self.streamer, landed, finish)
+
+    def wait_sent(self, params: list[torch.nn.Parameter] | None = None) -> None:
+        """Wait until the sender has put these streamed weights (default: all on their way) into this
+        rank's tier copies; raises what the send raised (the same `RankError` on every rank). No
+        collective: each rank waits for its own copies. A way out: ``io_timeout``, and the sender's
+        liveness."""
+        if not self.sent:
+            return
+        keys = list(self.sent) if params is None else [p for p in params if p in self.sent]
+        deadline = time.monotonic() + self.timeout
+        for p in keys:
+            fut = self.sent[p]
+            while not wait([fut], timeout=_SENDER_POLL).done:
+                if not self.sender.alive():
+                    raise RuntimeError("FuyouAdamW: the weight sender thread stopped; the streamed weights "
+                                       "of the last step cannot arrive")
+                if time.monotonic() >= deadline:
+                    index = self.by_param[p].index
+                    raise TimeoutError(f"FuyouAdamW: the new weight of parameter {index} did not arrive from rank "
+                                       f"{self.shards.owner[index]} within io_timeout={self.timeout:.0f} s")
+            del self.sent[p]
+            fut.result()  # what the send raised: the same RankError on every rank
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        self.shards.agree(error, what)
+
+    def agree_on_failure(self, error: BaseException, what: str) -> None:
+        """This rank failed at ``what``: the others hear of it (a `RankError` raised everywhere), unless the
+        failure is that agreement itself."""
+        if not isinstance(error, RankError):
+            self.shards.agree(error, what)
+
+    def share_norms(self, norms: dict, params: list) -> dict:
+        return self.shards.share_norms(norms, params)
+
+    def sum_at_step(self, params: list, norms: dict, inv_scale: torch.Tensor | None) -> None:
+        """Each gradient of the window, averaged over the ranks, onto its owner: streamed ones from the ranks'
+        gradient entries (one in host memory at a time; its norm in ``norms`` becomes the owner's of the
+        average), resident ones in ``.grad`` (nothing moves for those DistributedDataParallel averaged)."""
+        self.sum_streamed([ps for ps in params if ps.grads is not None], norms, inv_scale)
+        resident = [ps for ps in params if ps.grads is None]
+        self.shards.reduce_grads([ps for ps in resident if ps.index in self.self_reduced])
+        self.shards.reduce_grads([ps for ps in resident if ps.index not in self.self_reduced], averaged=self.averaged)
+
+    def sum_streamed(self, streamed: list, norms: dict, inv_scale: torch.Tensor | None) -> None:
+        """The streamed gradients of `sum_at_step`, each back into its owner's gradient entry."""
+        mine = {ps.index for ps in streamed if ps.index in norms}
+        for ps in streamed:
+            norms.pop(ps.index, None)  # this rank's own: the owner's of the average replaces it
+        timeout, store = self.timeout, self.store
+
+        def read(ps: Any) -> torch.Tensor:
+            if ps.index not in mine:
+                return torch.zeros(ps.numel, dtype=ps.param.dtype)
+            return store.read(ps.grads, timeout=timeout).result(timeout=timeout)
+
+        for ps, total in self.shards.sum_onto_owners(streamed, lambda ps: ps.index in mine, read, host=True):
+            if total is not None:
+                total.div_(self.world)
+                norms[ps.index] = grad_norm(total.view(ps.param.shape), inv_scale)
+                store.write(ps.grads, total, timeout=timeout).result(timeout=timeout)
+
+    def same_choice(self, choice: list) -> list:
+        """Rank 0's choice of the next schedule on every rank (each rank's chooser measured its own waits)."""
+        self.shards.broadcast_object(choice)
+        return choice
+
+    def updates_gate(self) -> Any:
+        return _SentWeights(self)
+
+    def attach_weights(self, streamer: Any) -> list:
+        """Each rank streams every streamed weight from its own tier copy, made rank 0's here (a collective);
+        new values reach the other ranks on a sender thread of its own group. Returns the parameters whose
+        value changed on this rank."""
+        self.streamer = streamer
+        if not streamer.streamed():
+            return []
+        if self.sender is None:
+            self.sender = self.shards.open_sender(self.timeout)
+        return self.shards.sync_streamed(streamer)
+
+    def reduce_itself(self, params: Iterable[Any]) -> bool:
+        """The DistributedDataParallel model leaves these parameters alone: ``step()`` sums their gradients
+        itself. Returns whether there are any (the updates then run at ``step()``)."""
+        indices = {ps.index for ps in params}
+        self.self_reduced |= indices
+        return bool(indices)
+
+    def check_owner(self, ps: Any, what: str) -> None:
+        if not self.owns(ps):
+            raise ConfigError(f"{what}: parameter {ps.index} {tuple(ps.param.shape)} is owned by rank "
+                              f"{self.shards.owner[ps.index]}, not this rank ({self.rank}); read it there")
+
+    def gather_to_first(self, params: list, read: Callable[[Any], torch.Tensor]) -> dict:
+        return self.shards.gather_to_first(params, read)
+
+    # -- DistributedDataParallel: updates as its buckets land --------------------------------------------------
+    def attach_ddp(self, ddp_model: Any, optimizer: Any) -> None:
+        """Register the comm hook on a ``DistributedDataParallel`` model (before its first backward): each
+        bucket's average goes to `comm_hook` of the optimizer that attached last (weakly: DDP takes one hook
+        for its lifetime and a model may outlive its optimizer; with none left it averages as DDP does)."""
+        target = getattr(ddp_model, "_fuyou_hook_target", None)
+        if target is not None:
+            target.optimizer = weakref.ref(optimizer)
+            return
+        target = _HookTarget(weakref.ref(optimizer), self.shards.group, self.world)
+        ddp_model._fuyou_hook_target = target
+        ddp_model.register_comm_hook(target, _comm_hook)
+
+    def comm_hook(self, bucket: Any, deliver: Callable[[Any, torch.Tensor], None]) -> Future:
+        """DDP's averaging (divide, then sum over the ranks) and, when it completes, ``deliver(ps, average)``
+        for each of this rank's parameters in the bucket. ``gradient_reduction="owner"``: each run of
+        parameters with one owner is summed onto that rank only (a ``reduce``); ``"all"``: one ``all_reduce``.
+        The callback runs on the collective's thread."""
+        shards = self.shards
+        buffer = bucket.buffer().div_(self.world)
+        if self.reduction == "all":
+            fut = dist.all_reduce(buffer, group=shards.group, async_op=True).get_future()
+        else:
+            fut = torch.futures.collect_all([
+                dist.reduce(buffer[start:end], dst=shards.ranks[owner], group=shards.group, async_op=True).get_future()
+                for owner, start, end in self._owner_runs(bucket)])
+
+        def landed(fut: Future) -> torch.Tensor:
+            fut.wait()  # raises if a collective failed
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                ps = self.by_param.get(param)
+                if ps is not None and self.owns(ps):
+                    # a view of the bucket: DDP leaves it alone until the next window's backward, and step()
+                    # drains every update before that
+                    deliver(ps, grad.detach().view_as(param))
+            return buffer
+
+        return fut.then(landed)
+
+    def _owner_runs(self, bucket: Any) -> list[tuple[int, int, int]]:
+        """``(owner rank index, start, end)`` of each run of consecutive gradients in the bucket's flat
+        buffer whose parameters have the same owner (a parameter this optimizer does not train: rank 0)."""
+        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
+        runs: list[list[int]] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            ps = self.by_param.get(param)
+            owner = self.shards.owner[ps.index] if ps is not None else 0
+            start = (grad.data_ptr() - base) // size
+            if runs and runs[-1][0] == owner and runs[-1][2] == start:
+                runs[-1][2] = start + grad.numel()
+            else:
+                runs.append([owner, start, start + grad.numel()])
+        return [tuple(r) for r in runs]
+
+    # what a checkpoint save needs of a group (`checkpoint.Group`)
+    def broadcast_object(self, values: list) -> None:
+        self.shards.broadcast_object(values)
+
+    def all_gather_object(self, value: Any) -> list:
+        return self.shards.all_gather_object(value)
+
+    def barrier(self) -> None:
+        self.shards.barrier()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class _SentWeights:
+    """What a `WeightStreamer` waits on under data parallelism: a streamed weight is ready once the sender
+    put its owner's new value into this rank's tier copy (`Sharding.wait_sent`; no collective, so the ranks
+    may put blocks on the device ahead at different moments)."""
+
+    def __init__(self, sharding: Sharding) -> None:
+        self._sharding = weakref.ref(sharding)  # the model's hooks must not keep the optimizer's parts alive
+
+    def pending(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Whether any of ``params`` is still on its way (or failed to arrive: `wait` raises that)."""
+        sharding = self._sharding()
+        if sharding is None or not sharding.sent:
+            return False
+        futures = [sharding.sent.get(p) for p in params]
+        return any(f is not None and (not f.done() or f.exception() is not None) for f in futures)
+
+    def wait(self, params: Iterable[torch.nn.Parameter]) -> None:
+        sharding = self._sharding()
+        if sharding is not None:
+            sharding.wait_sent(list(params))
+
+
+class _HookTarget:
+    """The state of the comm hook `Sharding.attach_ddp` registers: the optimizer it serves (weakly)."""
+
+    def __init__(self, optimizer: "weakref.ref", group: Any, world: int) -> None:
+        self.optimizer, self.group, self.world = optimizer, group, world
+
+
+def _comm_hook(state: _HookTarget, bucket: Any) -> Any:
+    opt = state.optimizer()
+    if opt is not None and not opt.closed:
+        return opt.ddp_comm_hook(state, bucket)
+    buffer = bucket.buffer().div_(state.world)  # DDP's own averaging
+    return dist.all_reduce(buffer, group=state.group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks the annotations as objects (this module's are strings: `from __future__ import annotations`).
+_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

@@ -66,6 +66,12 @@ class LossScaler:
         """``loss * scale``, as ``GradScaler.scale``."""
         return loss * self._scale.to(device=loss.device, non_blocking=True)
 
+    def scale_backward(self, loss: torch.Tensor) -> None:
+        """Make the gradient reaching ``loss`` in backward ``scale`` times larger (the same values as
+        backwarding ``scale(loss)``: the scale is a power of two), read when backward runs."""
+        scale = self._scale
+        loss.register_hook(lambda grad: (grad * scale.to(grad.device)).to(grad.dtype))
+
     def inv_scale(self) -> torch.Tensor:
         """``1 / scale`` in fp32, computed as ``GradScaler.unscale_`` does."""
         return self._scale.double().reciprocal().float()

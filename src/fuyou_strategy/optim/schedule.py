@@ -1,31 +1,46 @@
 """When a step's AdamW updates run: during backward, or ahead of the next forward.
 
-Two schedules give bitwise the same weights (see `FuyouConfig.optimizer_schedule`):
+Two schedules give bitwise the same weights (see `FuyouConfig.optimizer_schedule`), as two objects with
+one interface — `on_gradient_final` (a gradient is final and its update may run now), `finish` (the
+window ends at ``step()``: commit, redo or skip; or queue the exact updates) and `discard` (``zero_grad``
+between backward and ``step()``):
 
-- ``"backward"``: each update runs speculatively as its gradient becomes final, into the shadow
-  slot; ``step()`` commits, or — clipping bit, or a gradient was not finite — rolls back and
-  redoes every update with the clip coefficient (a second pass over the state, not overlapped
-  with anything) or skips.
-- ``"next_forward"``: backward only moves gradients out of the way; ``step()`` knows the global
+- `Speculative` (``"backward"``): each update runs speculatively as its gradient becomes final, into the
+  shadow slot; ``step()`` commits, or — clipping bit, or a gradient was not finite — rolls back and
+  redoes every update with the clip coefficient (a second pass over the state, not overlapped with
+  anything) or skips.
+- `Exact` (``"next_forward"``): backward only moves gradients out of the way; ``step()`` knows the global
   norm, queues every exact update in forward order and returns; the next forward waits, module by
   module, only for the updates of the weights it is about to use (`PendingUpdates`).
 
-`ScheduleChooser` picks one per accumulation window for ``"auto"``, from what it measured: the
-seconds the compute thread waited for the optimizer under each schedule, the seconds a rollback
-took, and how often clipping or a non-finite gradient forced one lately.
+Both work with the same parts (`Parts`): the state, the updater, the gradients, the window, the sharding
+(a do-nothing `Solo` in one process), and neither asks which kind of gradient or process it has.
+`ScheduleChooser` picks one per accumulation window for ``"auto"``, from what it measured: the seconds
+the compute thread waited for the optimizer under each schedule, the seconds a rollback took, and how
+often clipping or a non-finite gradient forced one lately.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from typing import Any, Iterable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
+from .gradients import Grad
 from .pipeline import ChunkJob, ChunkPipeline
 
-__all__ = ["BACKWARD", "NEXT_FORWARD", "PendingUpdates", "ScheduleChooser"]
+if TYPE_CHECKING:
+    from .gradients import Gradients
+    from .state import OptimizerState, ParamState
+    from .updates import Updater
+    from .window import Window
+
+__all__ = ["BACKWARD", "NEXT_FORWARD", "Exact", "Order", "Outcome", "Parts", "PendingUpdates", "ScheduleChooser",
+           "Speculative", "StepStats"]
 
 BACKWARD, NEXT_FORWARD = "backward", "next_forward"
 
@@ -42,8 +57,12 @@ class PendingUpdates:
 
     def __init__(self, pipeline: ChunkPipeline) -> None:
         self.pipeline = pipeline
+        # The training thread adds (at step()) and pops (forward pre-hooks, waits); the weight sender's thread
+        # (data parallel) pops too: each pop is one atomic dict operation, and a job is waited for by whoever
+        # popped it, so no job is waited for twice or lost.
         self.jobs: dict[torch.nn.Parameter, tuple[ChunkJob, str]] = {}
-        self.stall = 0.0
+        self.stall = 0.0  # the training thread's
+        self.gated = False  # a forward waits for the weights it reads (`FuyouAdamW.attach_model`), so step() need not
 
     def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str) -> None:
         self.jobs[param] = (job, what)
@@ -68,7 +87,7 @@ class PendingUpdates:
                 job, what = entry
                 try:
                     self.pipeline.wait_job(job, what)
-                except BaseException as exc:
+                except Exception as exc:  # a KeyboardInterrupt stays one
                     raise RuntimeError(
                         f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
                         "the last checkpoint") from exc
@@ -110,6 +129,7 @@ class ScheduleChooser:
         self.rolled: deque[bool] = deque(maxlen=history)
         self.rollback_s: float | None = None
         self.wait_s: dict[str, float | None] = {BACKWARD: None, NEXT_FORWARD: None}
+        self.deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
 
     def choose(self) -> tuple[str, str]:
         """The next window's schedule and why (for the logs)."""
@@ -128,6 +148,24 @@ class ScheduleChooser:
         why = (f"backward expected {expected:.3g} s (wait {wait_b:.3g} s + rollback rate {rate:.2f} x "
                f"{self.rollback_s:.3g} s) vs next_forward {wait_n:.3g} s")
         return (NEXT_FORWARD if wait_n < expected else BACKWARD), why
+
+    def begin_step(self, landing: PendingUpdates) -> None:
+        """At ``step()``: the last ``next_forward`` window's wait is complete now — its own ``step()``'s and
+        the forward's, module by module (``landing``'s stall)."""
+        if self.deferred_wait is not None:
+            self.record_wait(NEXT_FORWARD, self.deferred_wait + landing.take_stall())
+            self.deferred_wait = None
+
+    def end_step(self, schedule: str, wait: float, landing: PendingUpdates, *, rolled: bool,
+                 rollback_s: float | None) -> None:
+        """A window ended under ``schedule``: ``step()`` waited ``wait`` seconds for it (a rollback aside),
+        and ``backward`` rolled back, or would have (``rolled``), taking ``rollback_s``."""
+        if schedule == BACKWARD:
+            self.record_wait(BACKWARD, wait)
+        else:  # its forward's waits are still to come
+            self.deferred_wait = wait
+            landing.take_stall()
+        self.record(rolled=rolled, rollback_s=rollback_s)
 
     def record(self, *, rolled: bool, rollback_s: float | None = None) -> None:
         """One window's outcome: whether ``backward`` rolled back (or would have), and how long that took."""
@@ -151,3 +189,255 @@ class ScheduleChooser:
         self.rolled.extend(bool(r) for r in state.get("rolled", ()))
         self.rollback_s = state.get("rollback_s")
         self.wait_s.update(state.get("wait_s", {}))
+
+
+@dataclass
+class StepStats:
+    """What happened to the optimizer steps so far (one step: one accumulation window)."""
+
+    commits: int = 0  # backward schedule: the speculative update kept as is
+    redos: int = 0  # backward schedule, clipping bit: rolled back, every update recomputed with the coefficient
+    deferred: int = 0  # next_forward schedule: exact updates run ahead of the next forward (clipped or not)
+    skips: int = 0  # a gradient was not finite: step skipped (a rollback under the backward schedule)
+    rollbacks: int = 0  # backward schedule: speculative updates discarded (redos + its skips)
+    clipped: int = 0  # steps whose gradients clipping scaled down
+    schedules: dict = field(default_factory=lambda: {BACKWARD: 0, NEXT_FORWARD: 0})  # steps per schedule
+    last_schedule: str = ""  # the schedule of the last step
+    last_reason: str = ""  # why the next step uses the schedule it does ("auto")
+    history: deque = field(default_factory=lambda: deque(maxlen=256))  # (schedule, outcome) of recent steps
+    last_grad_norm: float = float("nan")  # global L2 norm of the last step's gradients (before clipping)
+
+    @property
+    def steps(self) -> int:
+        """Steps whose update was applied (skipped ones excluded)."""
+        return self.commits + self.redos + self.deferred
+
+    @property
+    def rollback_rate(self) -> float:
+        """Rollbacks per step taken (applied or skipped): the share of steps that paid a second pass."""
+        return self.rollbacks / max(1, self.steps + self.skips)
+
+    def record(self, schedule: str, outcome: str) -> None:
+        self.schedules[schedule] += 1
+        self.last_schedule = schedule
+        self.history.append((schedule, outcome))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (checkpoints)."""
+        return {**vars(self), "schedules": dict(self.schedules), "history": [list(h) for h in self.history]}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StepStats":
+        """The inverse of `to_dict`; fields a checkpoint of an older version lacks keep their defaults."""
+        known = {f.name for f in fields(cls)} - {"history"}
+        stats = cls(**{k: v for k, v in values.items() if k in known})
+        stats.history.extend(tuple(h) for h in values.get("history", ()))
+        return stats
+
+    def load(self, values: dict[str, Any]) -> None:
+        """Take the counts of a checkpoint (`from_dict`), in place."""
+        loaded = self.from_dict(values)
+        for f in fields(self):
+            setattr(self, f.name, getattr(loaded, f.name))
+
+
+class Order:
+    """The orders parameters are visited in: the global norm's sum (``clip_grad_norm_``'s: float sums depend
+    on order) and the updates' (forward order once the model is known, so the next forward waits least)."""
+
+    def __init__(self, params: list["ParamState"]) -> None:
+        self.params = params
+        self.norm = list(params)
+        self.update = list(params)
+
+    @staticmethod
+    def ranked(params: list["ParamState"], order: Iterable[torch.nn.Parameter]) -> list["ParamState"]:
+        """``params`` in the order of ``order``; the others after them, in their own order."""
+        rank = {p: i for i, p in enumerate(order)}
+        return sorted(params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
+
+
+@dataclass
+class Outcome:
+    """How a window ended: ``commit``, ``redo``, ``skip`` or ``deferred``; ``rollback_s``: what undoing took."""
+
+    name: str
+    rollback_s: float | None = None
+
+
+@dataclass
+class Parts:
+    """What the schedules work with, built once by `FuyouAdamW` (none of it is ever rebound)."""
+
+    state: "OptimizerState"
+    updates: "Updater"
+    gradients: "Gradients"
+    sharding: Any  # `distributed.Sharding`, or `distributed.Solo` in one process
+    window: "Window"
+    order: Order
+    landing: PendingUpdates
+    stats: StepStats
+    steps: Mapping[torch.nn.Parameter, dict]  # the optimizer's state: steps[param]["step"]
+    max_grad_norm: float | None
+
+    def total_norm(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]) -> torch.Tensor | None:
+        """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms);
+        ``None`` (and the step counted as skipped) when it is not finite."""
+        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in counted]), 2)
+        self.stats.last_grad_norm = float(total)
+        if not math.isfinite(self.stats.last_grad_norm):
+            self.stats.skips += 1
+            return None
+        return total
+
+    def clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
+        """``clip_grad_norm_``'s clamped coefficient when it scales the gradients down, else ``None``."""
+        if self.max_grad_norm is None:
+            return None
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        return coef if coef < 1.0 else None
+
+    def advance(self, ps: "ParamState") -> None:
+        """``ps``'s step count after its update was queued (the update read the count it completes)."""
+        self.steps[ps.param]["step"] += 1
+
+    def updated(self, norms: Iterable[int]) -> None:
+        """The weights with these indices changed: make them every rank's (`Sharding.updated`; in one
+        process, land the updates now unless a forward waits for them)."""
+        self.sharding.updated([ps for ps in self.order.update if ps.index in norms], gated=self.landing.gated)
+
+
+class Speculative:
+    """The ``backward`` schedule: speculative updates during backward; commit, redo or skip at ``step()``."""
+
+    name = BACKWARD
+    speculates = True  # updates run as gradients become final
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+
+    def on_gradient_final(self, ps: "ParamState", grad: Grad) -> None:
+        self.parts.updates.queue(ps, grad)
+
+    def finish(self) -> Outcome | None:
+        p = self.parts
+        window, sharding = p.window, p.sharding
+        for ps in p.order.params:  # gradients set without hooks firing (by hand): this rank's own
+            if ps.grads is None and ps.param.grad is not None and not window.queued(ps) and sharding.owns(ps):
+                p.updates.queue(ps, Grad(ps, ps.param.grad))
+        queued = [ps for ps in p.order.norm if window.queued(ps)]
+        norms, late = window.take()
+        error = None
+        try:
+            self._drain_or_undo(queued, late)
+        except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait (one process: raised)
+            error = exc
+        sharding.agree(error, "the updates of the accumulation window")
+        norms = sharding.share_norms(norms, p.order.params)  # every rank: every norm, the same decision everywhere
+        if not norms:
+            return None
+        total = p.total_norm(norms, [ps for ps in p.order.norm if ps.index in norms])
+        if total is None:
+            start = time.perf_counter()
+            self._undo(queued)
+            p.stats.rollbacks += 1
+            return Outcome("skip", time.perf_counter() - start)
+        coef = p.clip_coef(total)
+        if coef is not None:
+            start = time.perf_counter()
+            p.state.rollback()
+            for ps in queued:
+                p.updates.queue(ps, p.gradients.at_step(ps), coef=coef)
+            self._drain_or_undo(queued)
+            self._commit(queued)
+            p.updated(norms)
+            p.stats.redos += 1
+            p.stats.rollbacks += 1
+            p.stats.clipped += 1
+            return Outcome("redo", time.perf_counter() - start)
+        p.stats.commits += 1
+        self._commit(queued)
+        p.updated(norms)
+        return Outcome("commit")
+
+    def discard(self, queued: list["ParamState"]) -> None:
+        """``zero_grad`` between backward and ``step()``: the speculative updates are undone."""
+        self._undo(queued)
+
+    def _undo(self, queued: list["ParamState"]) -> None:
+        """Discard the shadow writes and put the committed weights back into the parameters."""
+        p = self.parts
+        p.state.rollback()
+        p.window.partial.clear()
+        p.state.restore_weights(queued, p.updates.publisher())
+
+    def _drain_or_undo(self, queued: list["ParamState"], error: BaseException | None = None) -> None:
+        """Wait for every queued update; on any failure (or ``error``), undo them and raise."""
+        try:
+            self.parts.state.drain()
+            if error is not None:
+                raise error
+        except BaseException:
+            self._undo(queued)
+            raise
+
+    def _commit(self, queued: list["ParamState"]) -> None:
+        self.parts.state.commit(queued)
+        for ps in queued:
+            self.parts.advance(ps)
+
+
+class Exact:
+    """The ``next_forward`` schedule: at ``step()`` the window's gradients are all known; every update is
+    queued exact, in forward order, to land ahead of the next forward (or now, if nothing gates it)."""
+
+    name = NEXT_FORWARD
+    speculates = False  # backward only moves the gradients out of the way
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+
+    def on_gradient_final(self, ps: "ParamState", grad: Grad) -> None:
+        raise AssertionError("the next_forward schedule queues no update during backward")
+
+    def finish(self) -> Outcome | None:
+        p = self.parts
+        window, sharding = p.window, p.sharding
+        try:
+            p.state.drain()  # streamed gradients written, their norms known
+            if window.late is not None:
+                raise window.late
+            sharding.agree(None, "the end of the accumulation window")  # a rank that cannot step stops the others
+        except BaseException as exc:
+            window.forget()
+            sharding.agree_on_failure(exc, "the end of the accumulation window")
+            raise
+        norms, _late = window.take()
+        window.partial.clear()
+        sharding.sum_at_step(p.order.params, norms, p.updates.inv_scale())  # each gradient, averaged, onto its owner
+        inv = p.updates.inv_scale()
+        for ps in p.order.params:
+            if ps.grads is None and ps.param.grad is not None:
+                norms[ps.index] = p.gradients.at_step(ps).norm(inv)
+        norms = sharding.share_norms(norms, p.order.params)
+        counted = [ps for ps in p.order.norm if ps.index in norms]
+        if not counted:
+            return None
+        total = p.total_norm(norms, counted)
+        if total is None:
+            return Outcome("skip")  # nothing was written: state and weights are as they were
+        coef = p.clip_coef(total)
+        for ps in (ps for ps in p.order.update if ps.index in norms):
+            if sharding.owns(ps):  # else its owner updates it
+                job = p.updates.queue(ps, p.gradients.at_step(ps), coef=coef, exact=True)
+                p.landing.add(ps.param, job, f"the update of {ps.describe()}")
+                if ps.grads is None:
+                    ps.param.grad = None  # the job holds it: a new backward accumulates afresh, zero_grad has nothing to do
+            p.advance(ps)  # after queueing: the update read the step it completes
+        p.stats.deferred += 1
+        p.stats.clipped += coef is not None
+        p.updated(norms)
+        return Outcome("deferred")
+
+    def discard(self, queued: list["ParamState"]) -> None:
+        """``zero_grad`` between backward and ``step()``: nothing was written yet."""

@@ -53,13 +53,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Sequence
 
 from ..activations.blocks import Policy
-from ..optim.adamw import STATE_BYTES_PER_PARAM
+from ..config import STATE_BYTES_PER_PARAM
+from ..planfile import WEIGHT_TIERS
 
 __all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow
-WEIGHT_TIERS = ("device", "host", "ssd")  # where a block's compute weights live between uses
 
 
 @dataclass

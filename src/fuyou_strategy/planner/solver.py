@@ -28,20 +28,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
 from ..activations.blocks import Policy
-from ..config import did_you_mean, format_bytes
+from ..config import format_bytes
+from ..planfile import PlanError, read
 from .cost import WEIGHT_TIERS, Prediction, Profile, predict
 
 __all__ = ["Plan", "PlanError", "solve", "fixed_plan"]
 
 _TOLERANCE = 1e-9
-
-
-class PlanError(RuntimeError):
-    """No assignment of policies fits the budgets."""
 
 
 @dataclass
@@ -123,81 +120,9 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by `save` (or ``fuyou plan --save``).
-
-        Raises `PlanError` naming the file and what is wrong: missing or unreadable, not JSON (with
-        line and column), an unknown field (with the nearest field name) or a missing one, a value
-        of the wrong type, a policy that is not one of `Policy`, lists of different lengths.
-        """
-        name = os.fspath(path)
-        try:
-            with open(path) as f:
-                values = json.load(f)
-        except FileNotFoundError:
-            problem = "does not exist"
-        except json.JSONDecodeError as exc:
-            problem = f"is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
-        except (OSError, UnicodeDecodeError) as exc:
-            problem = f"cannot be read ({exc})"
-        else:
-            problem = _shape_problem(values)
-        if problem is not None:
-            raise PlanError(f"{name!r} {problem}; write a plan with Plan.save or `fuyou plan --save`")
-        return cls(**values)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# What each field of a plan file holds (a description and a test); the per-block fields are lists of such values.
-_BYTES = ("a byte count (int)", _is_int)
-_TEXT = ("a string", lambda v: isinstance(v, str))
-_FIELDS = {
-    "policies": (f"one of {[p.value for p in Policy]}", lambda v: v in [p.value for p in Policy]),
-    "act_bytes": _BYTES,
-    "reasons": _TEXT,
-    "predicted_step_s": ("seconds (a number)", lambda v: _is_int(v) or isinstance(v, float)),
-    "device_peak": _BYTES,
-    "host_peak": _BYTES,
-    "ssd_peak": _BYTES,
-    "budgets": ("an object of byte counts (or null) per tier",
-                lambda v: isinstance(v, dict) and all(b is None or _is_int(b) for b in v.values())),
-    "source": _TEXT,
-    "profile": ("an object", lambda v: isinstance(v, dict)),
-    "weight_tiers": (f"one of {list(WEIGHT_TIERS)}", lambda v: v in WEIGHT_TIERS),
-    "note": _TEXT,
-}
-_PER_BLOCK = ("policies", "act_bytes", "reasons", "weight_tiers")
-
-
-def _shape_problem(values: object) -> str | None:
-    """What keeps ``values`` (a parsed plan file) from being a `Plan`, or ``None``."""
-    if not isinstance(values, dict):
-        return f"expected a JSON object of plan fields ({', '.join(_FIELDS)}), got {type(values).__name__}"
-    for key in values:
-        if key not in _FIELDS:
-            return f"has an unknown field {key!r} ({did_you_mean(key, _FIELDS)})"
-    required = [f.name for f in fields(Plan) if f.default is MISSING and f.default_factory is MISSING]
-    missing = [key for key in required if key not in values]
-    if missing:
-        return f"is missing the field{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"
-    for key, value in values.items():
-        what, ok = _FIELDS[key]
-        if key not in _PER_BLOCK:
-            items = [(key, value)]
-        elif isinstance(value, list):
-            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)]
-        else:
-            return f"{key}: got {value!r} ({type(value).__name__}); expected a list, one entry per block, each {what}"
-        for where, item in items:
-            if not ok(item):
-                return f"{where}: got {item!r} ({type(item).__name__}); expected {what}"
-    blocks = len(values["policies"])
-    for key in _PER_BLOCK[1:]:
-        if key in values and len(values[key]) != blocks:
-            return f"policies has {blocks} entries but {key} has {len(values[key])}: one entry per block"
-    return None
+        """Read a plan written by `save` (or ``fuyou plan --save``); `PlanError` names the file and what is
+        wrong with it (`planfile.read`)."""
+        return cls(**read(path))
 
 
 def fixed_plan(profile: Profile, policies: Sequence[Policy | str], *, weight_tiers: Sequence[str] | None = None,

@@ -1,0 +1,194 @@
+"""Where a parameter's gradient is when its update runs, behind one shape (`Grad`).
+
+Three kinds of gradient feed the updates, and the schedules never ask which one they have:
+
+- **resident**: the parameter's own ``.grad`` (a one-process model, or a DistributedDataParallel one whose
+  bucket averaged it in place);
+- **a DDP bucket's average**, as the comm hook hands it over (a view of the bucket: DDP leaves it alone
+  until the next window's backward, and every update has drained by then);
+- **streamed** (`StreamedGradients`): a streamed weight's gradient leaves the device as soon as it is
+  final, into a host pool buffer, and either feeds the update at once or waits in a store entry of its
+  dtype — the window's partial sum, a gradient that a clipping redo or the ``next_forward`` schedule
+  reads at ``step()``.
+
+`Grad` gives an update job each chunk (`Grad.chunk`) and the gradient's norm (`Grad.norm`), and releases
+what it holds when the job is done (`Grad.release`).
+
+Threads: `StreamedGradients.take` runs on the autograd thread, during backward; the jobs it queues run on
+the state's worker. What it records for the window (``Window.partial``, ``Window.norms``) follows the
+`Window`'s rules.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..storage import HostBuffer
+from .pipeline import ChunkJob
+
+if TYPE_CHECKING:
+    from .state import OptimizerState, ParamState
+    from .window import Window
+
+__all__ = ["Grad", "Gradients", "StreamedGradients", "grad_norm", "unscaled"]
+
+
+def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """A gradient as the update and the norm see it: in fp32 times ``1/scale`` under loss scaling
+    (``GradScaler.unscale_``'s in-place multiply, which is exact: the scale is a power of two)."""
+    return grad if inv_scale is None else grad.to(torch.float32) * inv_scale
+
+
+def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The per-tensor norm ``clip_grad_norm_`` computes on the CPU (of the unscaled gradient)."""
+    return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
+
+
+class Grad:
+    """One gradient an update reads, chunk by chunk.
+
+    ``tensor``: a gradient in memory (``.grad``, a DDP bucket's view, a host buffer's view), shaped like
+    the parameter or flat; ``host``: the pool buffer ``tensor`` lives in, given back by `release`;
+    ``entry``: the store entry holding it instead (read alongside the state chunks, `extra`).
+    ``kind`` names where it came from (for tests and traces).
+    """
+
+    def __init__(self, ps: "ParamState", tensor: torch.Tensor | None = None, *, host: HostBuffer | None = None,
+                 entry: str | None = None, kind: str = "resident") -> None:
+        self.shape, self.dtype, self.kind = ps.param.shape, ps.param.dtype, kind
+        self.flat = tensor.reshape(-1) if tensor is not None else None
+        self.host, self.entry = host, entry
+
+    @classmethod
+    def stored(cls, ps: "ParamState") -> "Grad":
+        """A streamed parameter's gradient, kept in its store entry for ``step()``."""
+        return cls(ps, entry=ps.grads, kind="stored")
+
+    @property
+    def extra(self) -> tuple[str, ...]:
+        """The store entries an update job reads alongside the state (`ChunkJob.extra`)."""
+        return (self.entry,) if self.entry is not None else ()
+
+    def chunk(self, start: int, n: int, stored: HostBuffer | None) -> torch.Tensor:
+        """Elements ``[start, start + n)``: from memory, or from ``stored`` (the entry's chunk just read)."""
+        if stored is not None:
+            return stored.view(self.dtype)[:n]
+        return self.flat[start : start + n]
+
+    def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
+        return grad_norm(self.flat.view(self.shape), inv_scale)
+
+    def release(self) -> None:
+        if self.host is not None:
+            self.host.release()
+
+
+class StreamedGradients:
+    """The gradients of streamed parameters (`WeightStreamer`): off the device as soon as they are final.
+
+    ``take`` moves one off the device into a host pool buffer (counted in the streamer's device meter
+    until then), adds the window's partial sum kept so far (bitwise autograd's accumulation), and then
+    either hands it on for an update now (a `Grad` holding the buffer) or keeps it in the parameter's
+    gradient entry for ``step()``.
+    """
+
+    def __init__(self, state: "OptimizerState", window: "Window", *, keep_free: int, timeout: float) -> None:
+        self.state, self.window = state, window
+        self.keep_free = keep_free  # a gradient's host copy leaves the worker room to read ahead
+        self.timeout = timeout
+        self.streamer: Any = None  # the WeightStreamer whose meter counts the device bytes (`attach`)
+
+    def attach(self, streamer: Any, params: list["ParamState"]) -> None:
+        """Make a gradient entry (its dtype, chunked like the state) for each parameter ``streamer`` streams."""
+        self.streamer = streamer
+        for ps in params:
+            if streamer.streams(ps.param) and ps.grads is None:
+                ps.grads = f"grads.{ps.index}"
+                self.state.store.create(ps.grads, (ps.numel,), ps.param.dtype, slots=1,
+                                        chunk_bytes=ps.elems_per_chunk * ps.param.element_size())
+
+    def take(self, ps: "ParamState", *, now: bool, norm: bool, inv_scale: torch.Tensor | None) -> Grad | None:
+        """``ps``'s gradient of this backward, off the device. ``now``: it is final for this window and its
+        update runs now: returned as a `Grad` (released by the update). Else it is kept in the gradient
+        entry as the window's sum so far (``norm``: its norm recorded for ``step()``) and ``None`` returned."""
+        param, window = ps.param, self.window
+        grad, param.grad = param.grad, None
+        meter = self.streamer.meter
+        nbytes = grad.numel() * grad.element_size()
+        meter.add(nbytes)  # on the device from its accumulation until this copy
+        try:
+            host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=self.keep_free)
+            host.view(grad.dtype)[: grad.numel()].copy_(grad.reshape(-1))
+        finally:
+            del grad
+            meter.sub(nbytes)
+        flat = host.view(param.dtype)[: ps.numel]
+        if ps.index in window.partial:
+
+            def add(k: int, buf: HostBuffer) -> None:  # grad += partial: bitwise autograd's accumulation
+                start, n = ps.span(k)
+                with buf:
+                    flat[start : start + n].add_(buf.view(param.dtype)[:n])
+
+            self.state.run(ChunkJob(ps.grads, ps.nchunks, add, fence=True))  # after the last write of it
+        if now:
+            window.partial.discard(ps.index)
+            return Grad(ps, flat, host=host, kind="streamed")
+        window.partial.add(ps.index)
+        if norm:  # next_forward: step() needs the window's norm (the last micro-batch's sum: a later one overwrites it)
+            window.norms[ps.index] = None
+        last, store, norms = ps.nchunks - 1, self.state.store, window.norms
+
+        def keep(k: int) -> Future:
+            if k == 0 and norm:
+                norms[ps.index] = grad_norm(flat.view(param.shape), inv_scale)
+            start, n = ps.span(k)
+            fut = self.write(ps, k, flat[start : start + n])
+            if k == last:
+                host.release()
+            return fut
+
+        self.state.run(ChunkJob(None, ps.nchunks, keep))
+        return None
+
+    def write(self, ps: "ParamState", k: int, grad: torch.Tensor) -> Future:
+        """Chunk ``k`` of ``ps``'s gradient (its dtype) into its entry (a redo reads it from there)."""
+        store = self.state.store
+        buf = store.pool.acquire(grad.numel() * grad.element_size(), timeout=self.timeout)
+        buf.view(grad.dtype)[: grad.numel()].copy_(grad)
+        return store.write_chunk(ps.grads, k, buf)
+
+
+class Gradients:
+    """Every parameter's gradient, by kind: resident ones are their ``.grad``, streamed ones pass through
+    `StreamedGradients`. With several ranks (``sharded``) a rank's own resident gradient is never the one to
+    update with: DDP's comm hook hands over the ranks' average as its bucket lands, or ``step()`` sums it."""
+
+    def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool) -> None:
+        self.streamed, self.window, self.sharded = streamed, window, sharded
+
+    def on_backward(self, ps: "ParamState", *, speculating: bool, inv_scale: torch.Tensor | None) -> Grad | None:
+        """``ps``'s gradient has accumulated in this backward (autograd's thread): the `Grad` to update with
+        now, or ``None`` — the window accumulates on, the schedule updates at ``step()``, or the gradient was
+        accumulated again after its update was queued (recorded in the window: ``step()`` raises)."""
+        window = self.window
+        now = window.updates and speculating
+        if ps.grads is not None:  # streamed: off the device now, whatever happens next
+            if now and window.queued(ps):
+                ps.param.grad = None
+                window.mark_late(ps)
+                return None
+            return self.streamed.take(ps, now=now, norm=not speculating, inv_scale=inv_scale)
+        if self.sharded or not now:
+            return None  # the ranks' average comes later; or it waits on the parameter for step()
+        if window.queued(ps):
+            window.mark_late(ps)
+            return None
+        return Grad(ps, ps.param.grad)
+
+    def at_step(self, ps: "ParamState") -> Grad:
+        """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo)."""
+        return Grad.stored(ps) if ps.grads is not None else Grad(ps, ps.param.grad)

@@ -1,0 +1,301 @@
+"""`OptimizerState`: every parameter's fp32 master weight and Adam moments, chunk by chunk.
+
+This module is the one owner of the state's layout. Each parameter's state is one tensor-store
+entry (on the SSD tier) of chunks; chunk ``k`` covers the parameter's elements
+``[k * E, k * E + n)`` as ``[master | exp_avg | exp_avg_sq]`` — ``3 n`` fp32 values, so that one
+read fetches all three. Nothing outside this module slices a chunk: `views` hands out the three
+tensors by name (`KINDS`), and checkpoints stream them through `export` and `load` without knowing
+where they sit.
+
+Everything that touches the state runs as a `ChunkJob` on one worker thread (`pipeline`), reading
+ahead: the AdamW update (`update_job`), restoring weights from the masters, reading a parameter's
+state back, checkpoints. ``state_slots=2`` gives every entry a second (*shadow*) slot that
+speculative updates write into; `commit` flips it in, `rollback` drops it.
+
+Threads: the pipeline's worker runs every job function; the training thread submits jobs, drains,
+commits and rolls back — the last two only after a drain, when no job runs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch.optim.adamw import adamw as adamw_for_loop
+
+from ..config import STATE_BYTES_PER_PARAM, FuyouConfig
+from ..progress import Progress
+from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
+from .pipeline import ChunkJob, ChunkPipeline
+
+if TYPE_CHECKING:
+    from .gradients import Grad
+
+__all__ = ["KINDS", "ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel", "views"]
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # 4 bytes per kind: a step reads and writes this much per parameter
+
+
+@dataclass(eq=False)
+class ParamState:
+    """One trainable parameter as the optimizer sees it: its place in the global-norm order, its
+    param group, its state entry and chunking, and (streamed) the entry holding its gradient."""
+
+    index: int  # position across all param groups; the order of the global norm
+    param: torch.nn.Parameter
+    group: dict
+    entry: str
+    elems_per_chunk: int
+    nchunks: int
+    grads: str | None = None  # the store entry of a streamed parameter's gradient (`StreamedGradients`)
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def span(self, k: int) -> tuple[int, int]:
+        """``(first element, elements)`` of chunk ``k``."""
+        start = k * self.elems_per_chunk
+        return start, min(self.elems_per_chunk, self.numel - start)
+
+    def describe(self) -> str:
+        return f"parameter {self.index} {tuple(self.param.shape)}"
+
+
+def views(buf: HostBuffer, n: int) -> dict[str, torch.Tensor]:
+    """The ``master``, ``exp_avg`` and ``exp_avg_sq`` of a chunk of ``n`` elements held in ``buf``
+    (views: none may outlive the buffer once it is handed on)."""
+    state = buf.view(torch.float32)
+    return {kind: state[i * n : (i + 1) * n] for i, kind in enumerate(KINDS)}
+
+
+def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
+    """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
+    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
+    if fused:
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False,
+                            maximize=False, **hyper)
+    else:  # the for-loop kernel increments its step tensor: give it a copy
+        adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
+                       amsgrad=False, maximize=False, **hyper)
+
+
+class OptimizerState:
+    """The masters and moments of ``owned`` (this rank's parameters; all of them in one process).
+
+    Args:
+        owned: the parameters whose state this process keeps.
+        config: swap directories, chunk and pool sizes, ``state_slots``, ``io_timeout``.
+        depth: chunks the worker reads ahead (`ChunkPipeline`).
+
+    A construction that fails part-way releases what it made and raises its own error.
+    """
+
+    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int) -> None:
+        self.config, self.slots = config, config.state_slots
+        self.store = TensorStore(config)
+        try:
+            self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
+            try:
+                for ps in owned:
+                    self.store.create(ps.entry, (ps.numel * len(KINDS),), torch.float32,
+                                      chunk_bytes=ps.elems_per_chunk * ELEMENT_BYTES, slots=self.slots)
+            except BaseException:
+                self.pipeline.close()
+                raise
+        except BaseException:
+            self.store.close()
+            raise
+
+    @property
+    def pool(self) -> Any:
+        return self.store.pool
+
+    # -- initialising ---------------------------------------------------------------------------------
+    def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:
+        """Write ``[master = weight in fp32 | 0 | 0]`` into each entry's active slot, one parameter's
+        weight (``weight(ps)``) in memory at a time."""
+        for ps in params:
+            flat = weight(ps).reshape(-1)
+            writes = []
+            for k in range(ps.nchunks):
+                start, n = ps.span(k)
+                buf = self.pool.acquire(n * ELEMENT_BYTES)
+                state = views(buf, n)
+                state["master"].copy_(flat[start : start + n])
+                state["exp_avg"].zero_()
+                state["exp_avg_sq"].zero_()
+                del state  # a view must not outlive the buffer, which the write gives back to the pool
+                writes.append(self.store.write_chunk(ps.entry, k, buf, slot=ACTIVE))
+            gather(writes).result()  # raises if any write failed
+            del flat
+
+    # -- the update -----------------------------------------------------------------------------------
+    def update_job(self, ps: ParamState, grad: "Grad", *, step: torch.Tensor, fused: bool, exact: bool,
+                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None,
+                   publish: Callable[[ParamState, int, torch.Tensor], Future | None],
+                   keep: Callable[[ParamState, int, torch.Tensor], Future] | None = None,
+                   norm: Callable[[torch.Tensor], None] | None = None,
+                   finished: Callable[[], None] | None = None) -> ChunkJob:
+        """A job applying ``ps``'s AdamW update chunk by chunk on the worker.
+
+        ``grad`` gives each chunk of the gradient (`Grad`); ``step`` is the count before the update.
+        ``exact=False`` (speculative): the new state goes to the shadow slot; ``exact=True``: the global
+        norm is known, it goes to the active slot in place, and the job's ``done`` completes once it
+        landed. Per chunk: the gradient is unscaled (``inv_scale``, `GradScaler.unscale_`) and clipped
+        (``coef``, ``clip_grad_norm_``'s in-place multiply) in fp32, the kernel runs, the new master goes
+        to ``publish`` and, with ``keep``, the raw gradient chunk to ``keep`` (a redo may need it again).
+        ``norm`` gets the gradient as the norm sees it, before the first chunk; ``finished`` runs after
+        the last chunk (it releases what the gradient held)."""
+        group = ps.group
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+        last, store, slot = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW
+
+        def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
+            if k == 0 and norm is not None:
+                norm(grad.norm(inv_scale))
+            start, n = ps.span(k)
+            state = views(buf, n)
+            raw = grad.chunk(start, n, stored[0] if stored else None)
+            g = raw.to(device="cpu", dtype=torch.float32)
+            if inv_scale is not None:
+                g = g * inv_scale  # GradScaler.unscale_
+            if coef is not None:
+                g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
+            adamw_kernel(state["master"], g, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
+            futures = [publish(ps, k, state["master"])]
+            if keep is not None:
+                futures.append(keep(ps, k, raw))
+            del state, raw, g  # no view may outlive a buffer given back
+            if stored:
+                stored[0].release()
+            if k == last and finished is not None:
+                finished()
+            futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
+            return gather([f for f in futures if f is not None])
+
+        return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None)
+
+    def run(self, job: ChunkJob) -> ChunkJob:
+        """Queue ``job`` on the worker; returns it."""
+        self.pipeline.submit(job)
+        return job
+
+    def drain(self) -> None:
+        """Wait for every job queued so far (and the writes they made); raises the first error."""
+        self.pipeline.drain()
+
+    def commit(self, params: Iterable[ParamState]) -> None:
+        """The shadow slot of these parameters becomes the active one (after a drain)."""
+        self.store.commit([ps.entry for ps in params])
+
+    def rollback(self) -> None:
+        """Drop every shadow write (after a drain)."""
+        self.store.rollback()
+
+    def restore_weights(self, params: Iterable[ParamState],
+                        publish: Callable[[ParamState, int, torch.Tensor], Future | None]) -> None:
+        """Publish the active masters again (after a skip or a failure, or a checkpoint load)."""
+        for ps in params:
+
+            def restore(k: int, buf: HostBuffer, ps: ParamState = ps) -> Future | None:
+                with buf:
+                    return publish(ps, k, views(buf, ps.span(k)[1])["master"])
+
+            self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
+        self.pipeline.drain()
+
+    # -- reading it back -------------------------------------------------------------------------------
+    def read(self, ps: ParamState) -> dict[str, torch.Tensor]:
+        """The committed master and moments of one parameter, in RAM, shaped like it."""
+        out = {kind: torch.empty(ps.numel, dtype=torch.float32) for kind in KINDS}
+
+        def gather_chunk(k: int, buf: HostBuffer) -> None:
+            start, n = ps.span(k)
+            with buf:
+                for kind, view in views(buf, n).items():
+                    out[kind][start : start + n].copy_(view)
+
+        self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, gather_chunk))
+        self.pipeline.drain()
+        return {kind: t.view(ps.param.shape) for kind, t in out.items()}
+
+    # -- checkpoints: the state as bytes per kind, never whole in RAM ----------------------------------------
+    def export(self, params: list[ParamState], write: Callable[[ParamState, dict[str, memoryview]], None]) -> None:
+        """Stream the committed state of ``params`` in order: ``write(ps, {kind: bytes})`` per chunk, on the
+        worker thread, chunks in element order (a checkpoint's files do not depend on the chunk size)."""
+        for ps in params:
+
+            def write_chunk(k: int, buf: HostBuffer, ps: ParamState = ps) -> None:
+                with buf:
+                    write(ps, {kind: byte_view(view) for kind, view in views(buf, ps.span(k)[1]).items()})
+
+            self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, write_chunk))
+        self.pipeline.drain()
+
+    def load(self, params: list[ParamState], read: Callable[[ParamState, int, dict[str, memoryview]], None],
+             finish: Callable[[ParamState], None], check: Callable[[], None], *, what: str,
+             progress: bool) -> None:
+        """Stream saved state into the store and commit it only if it all checks out.
+
+        For each chunk, ``read(ps, start, {kind: bytes})`` fills the chunk's bytes (raising on a short file);
+        after each parameter ``finish(ps)``; after all of them ``check()`` raises if anything failed its
+        checksum. Two slots: the state goes to the shadow slot and is committed after ``check``; one slot: a
+        first pass reads without writing (``check`` must pass) and a second one writes in place. On any error
+        nothing is committed and the store is as before."""
+        if self.slots == 1:  # no shadow slot to stage in: verify every checksum first, then write
+            self._load_pass(params, read, finish, write=False, what=what, progress=progress)
+            check()
+        self._load_pass(params, read, finish, write=True, what=what, progress=progress)
+        if self.slots == 2:
+            try:
+                check()
+            except BaseException:
+                self.store.rollback()
+                raise
+        self.commit(params)
+
+    def _load_pass(self, params: list[ParamState], read: Callable, finish: Callable, *, write: bool, what: str,
+                   progress: bool) -> None:
+        slot = ACTIVE if self.slots == 1 else SHADOW
+        writes: list[Future] = []
+        bar = Progress(sum(ps.numel for ps in params) * ELEMENT_BYTES,
+                       f"fuyou: {'loading' if write else 'checking'} optimizer state from {what}", enabled=progress)
+        try:
+            for ps in params:
+                for k in range(ps.nchunks):
+                    start, n = ps.span(k)
+                    buf = self.pool.acquire(n * ELEMENT_BYTES)
+                    try:
+                        read(ps, start, {kind: byte_view(view) for kind, view in views(buf, n).items()})
+                    except BaseException:
+                        buf.release()
+                        raise
+                    if write:
+                        writes.append(self.store.write_chunk(ps.entry, k, buf, slot=slot))
+                    else:
+                        buf.release()
+                    bar.update(n * ELEMENT_BYTES)
+                finish(ps)
+        except BaseException:
+            gather(writes).exception()
+            self.store.rollback()
+            raise
+        finally:
+            bar.close()
+        error = gather(writes).exception()
+        if error is not None:
+            self.store.rollback()
+            raise error
+
+    def close(self) -> None:
+        """Stop the worker (up to ``io_timeout`` for the job running now) and delete the swap files."""
+        try:
+            self.pipeline.close()
+        finally:
+            self.store.close()

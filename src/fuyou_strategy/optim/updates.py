@@ -1,0 +1,94 @@
+"""`Updater`: queues one parameter's AdamW update on the state's worker — the one place an update is built.
+
+An update is speculative (the ``backward`` schedule, into the shadow slot, recording its gradient's norm
+for ``step()``), a redo (with the clip coefficient, after a rollback) or exact (``next_forward``, the
+global norm known, into the active slot in place). Its new weight is published into the parameter, or
+into a streamed parameter's tier copy (`WeightStreamer.publish`). Whichever `Grad` it reads, the job
+gives the gradient's buffer back when it is done.
+
+Threads: `queue` runs on the thread that has the gradient (autograd's, DDP's collective thread, or the
+training thread at ``step()``); the job runs on the state's worker. The jobs hold no reference to the
+optimizer, so that a forgotten optimizer is collected and its finalizer deletes the swap files.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from .pipeline import ChunkJob
+from .state import OptimizerState, ParamState
+
+if TYPE_CHECKING:
+    from .gradients import Grad, StreamedGradients
+    from .scaler import LossScaler
+    from .window import Window
+
+__all__ = ["Updater"]
+
+
+class Updater:
+    """Builds and queues AdamW updates (module docstring).
+
+    Args:
+        state: the masters and moments, and the worker.
+        steps: the optimizer's per-parameter state (``steps[param]["step"]``, the count before the update).
+        window: where a speculative update records its gradient's norm.
+        streamed: the streamed gradients (a redo under clipping keeps a streamed gradient in its entry).
+        fused: the kernel (`adamw_kernel`).
+        release_grads: drop a resident ``.grad`` once its speculative update is written.
+        clipping: a clip norm is set (a redo may read the gradients again).
+        scaler: fp16 loss scaling, or None (the gradient is unscaled in the update).
+    """
+
+    def __init__(self, state: OptimizerState, steps: Mapping[torch.nn.Parameter, dict], window: "Window",
+                 streamed: "StreamedGradients", *, fused: bool, release_grads: bool, clipping: bool,
+                 scaler: "LossScaler | None") -> None:
+        self.state, self.steps, self.window, self.streamed = state, steps, window, streamed
+        self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
+        self.weights: Any = None  # the WeightStreamer whose tier copies take streamed parameters' weights
+
+    def inv_scale(self) -> torch.Tensor | None:
+        """``1 / scale`` of this window under loss scaling (the scale is fixed for a window), else None."""
+        return self.scaler.inv_scale() if self.scaler is not None else None
+
+    def queue(self, ps: ParamState, grad: "Grad", *, coef: torch.Tensor | None = None, exact: bool = False) -> ChunkJob:
+        """Queue ``ps``'s update with ``grad``; ``coef`` is the clip coefficient of a redo or an exact update.
+        Returns the job (an exact one's ``done`` completes once it landed)."""
+        speculative = coef is None and not exact
+        record = speculative and grad.kind != "stored"  # its norm goes into the window's, for step()
+        norms = self.window.norms
+        if record:
+            norms[ps.index] = None
+
+        def norm(value: torch.Tensor) -> None:
+            norms[ps.index] = value
+
+        drop = self.release_grads and speculative and ps.grads is None  # no redo can need it
+        param = ps.param
+
+        def finished() -> None:
+            grad.release()
+            if drop:
+                param.grad = None
+
+        keep = self.streamed.write if grad.host is not None and self.clipping else None
+        job = self.state.update_job(ps, grad, step=self.steps[param]["step"].clone(), fused=self.fused, exact=exact,
+                                    coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(), keep=keep,
+                                    norm=norm if record else None, finished=finished)
+        return self.state.run(job)
+
+    def publisher(self) -> Any:
+        """Where new weights go (a function of ``(ps, chunk, master)``), held by jobs instead of the updater."""
+        weights = self.weights
+
+        def publish(ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
+            if ps.grads is not None:  # streamed: its tier copy
+                return weights.publish(ps.param, k, master)
+            start, n = ps.span(k)
+            ps.param.detach().view(-1)[start : start + n].copy_(master)  # backward is done with this weight
+            return None
+
+        return publish

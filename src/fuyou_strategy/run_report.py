@@ -1,0 +1,303 @@
+"""`RunReport`: what a `FuyouEngine` run reports — per-step metrics, the summary, SSD wear, the step trace,
+and the planner's predicted against measured step time.
+
+The engine owns one and calls it at the loop's events (`begin_window`, `before_step`, `after_step`); it
+reads the engine's parts (optimizer counters, tensor store, swapper, streamer, plan) and never changes
+them. Everything here runs on the training thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from . import trace
+from .activations import discover_blocks
+from .activations.spans import BlockSpans
+from .config import STATE_BYTES_PER_PARAM, format_bytes
+from .optim.schedule import NEXT_FORWARD
+from .storage.wear import TB, Wear, drive_capacity
+
+if TYPE_CHECKING:
+    from .engine import FuyouEngine
+
+__all__ = ["RunReport", "WEAR_SAMPLE_STEPS"]
+
+# Steps measured (after the first) before the SSD wear of a run is projected and reported.
+WEAR_SAMPLE_STEPS = 3
+
+
+class RunReport:
+    """The figures of one engine's run (module docstring)."""
+
+    def __init__(self, engine: "FuyouEngine") -> None:
+        self.engine, self.config = engine, engine.config
+        self.step_times: list[float] = []  # seconds between consecutive optimizer steps
+        self.micro_batches = 0
+        self.run_steps: int | None = None  # optimizer steps of the whole run, from the adapter (`expect_steps`)
+        self.wear: Wear | None = None
+        self._last_step_end: float | None = None
+        self._window_open = False  # a micro-batch of the next step has begun
+        self._tracer: trace.Tracer | None = None
+        self._trace_spans: BlockSpans | None = None
+        self._trace_from = 0  # the optimizer step the trace starts at
+        self._trace_marks: dict[str, float] = {}  # window start, step() start (tracer clock)
+        self._trace_written = self.config.trace is None
+        self._plan_applied_at: int | None = None  # the step (index into step_times) the planner's plan began at
+        self._planned_at_step: int | None = None
+        self._plan_reported = False
+        self._wear_warned = False
+        self._written_per_step: list[float] = []
+        self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
+        self._metrics: dict[str, float] = {}
+
+    @property
+    def _optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    # -- the loop's events -------------------------------------------------------------------------------
+    def begin_micro_batch(self) -> None:
+        """A training forward begins (the first of a step starts the step's clock and trace)."""
+        self.micro_batches += 1
+        if self._last_step_end is None:
+            self._last_step_end = time.perf_counter()
+        if not self._window_open:
+            self._window_open = True
+            if not self._trace_written:
+                self._trace_window()
+
+    def before_step(self) -> None:
+        if self._tracer is not None:
+            self._trace_marks["step"] = self._tracer.now()
+
+    def after_step(self) -> None:
+        """``optimizer.step()`` returned: the step's time, metrics, wear sample and trace."""
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.step_times.append(now - self._last_step_end)
+            self._metrics = self._step_metrics(now - self._last_step_end)
+            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"])
+        self._last_step_end = now
+        self._window_open = False
+        if self._tracer is not None:
+            self._trace_step()
+
+    def plan_applied(self) -> None:
+        """The planner's plan applies from the next step on (predicted vs measured is reported after it)."""
+        self._plan_applied_at = len(self.step_times)
+        self._planned_at_step = self._optimizer.stats.steps
+
+    def report_plan(self) -> None:
+        """Once a few planned steps ran: the plan's predicted step time against the measured one."""
+        plan = self.engine.plan
+        if self._plan_applied_at is None or self._plan_reported:
+            return
+        measured = self.step_times[self._plan_applied_at + 1:]  # the first planned step warms the swap path up
+        if len(measured) >= 3:
+            self._plan_reported = True
+            m = statistics.median(measured)
+            self.engine.report(f"fuyou planner: predicted {plan.predicted_step_s:.3f} s/step, measured {m:.3f} s "
+                               f"(median of {len(measured)} steps): {m / plan.predicted_step_s:.2f}x")
+
+    # -- the trace ------------------------------------------------------------------------------------
+    def _trace_window(self) -> None:
+        """At the first micro-batch of a step: start the trace, or end it after ``trace_steps`` steps."""
+        steps = self._optimizer.stats.steps
+        if self._tracer is None:
+            first = self._planned_at_step + 1 if self._planned_at_step is not None else 1
+            if self.engine.profiler is not None or steps < first:
+                return
+            if trace.active() is not None:
+                self._trace_written = True
+                warnings.warn(f"fuyou: trace={self.config.trace!r} not recorded: another engine in this process is "
+                              "recording a trace (one at a time)", stacklevel=4)
+                return
+            self._tracer = trace.Tracer().start()
+            self._trace_spans = BlockSpans(discover_blocks(self.engine.model, self.config.blocks))
+            self._trace_from = steps
+        elif steps >= self._trace_from + self.config.trace_steps:
+            self._write_trace()
+            return
+        self._trace_marks["window"] = self._tracer.now()
+
+    def _trace_step(self) -> None:
+        tracer, marks = self._tracer, self._trace_marks
+        now, n = tracer.now(), self._optimizer.stats.steps
+        if "step" in marks:
+            tracer.add("compute", "optimizer.step()", marks.pop("step"), now)
+        if "window" in marks:
+            tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n,
+                       schedule=self._optimizer.stats.last_schedule)
+
+    def end_trace(self) -> None:
+        """Write the trace now if one is recording (training ended inside the traced steps: those
+        recorded are kept)."""
+        if self._tracer is not None:
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        """Stop recording and write the trace (with the plan's predicted step beside the first traced one)."""
+        tracer, self._tracer = self._tracer, None
+        tracer.stop()
+        self._trace_spans.remove()
+        self._trace_written = True
+        plan = self.engine.plan
+        steps = [e for e in tracer.events if e[0] == "steps"]
+        measured = [end - start for _lane, _name, start, end, _args in steps]
+        predicted = plan.timeline() if plan is not None else []
+        try:
+            tracer.save(self.config.trace, predicted=predicted, predicted_offset=steps[0][2] if steps else 0.0,
+                        metadata={"steps": len(steps), "measured_step_s": measured,
+                                  "predicted_step_s": plan.predicted_step_s if plan is not None else None,
+                                  "plan": plan.policies if plan is not None else None,
+                                  "weight_tiers": plan.weight_tiers if plan is not None else None})
+        except OSError as exc:  # a lost trace is no reason to stop training
+            warnings.warn(f"fuyou: trace={self.config.trace!r} could not be written: {exc}", stacklevel=4)
+            return
+        self.engine.report(f"fuyou: trace of {len(steps)} step(s) written to {self.config.trace} (open it in "
+                           f"https://ui.perfetto.dev, or draw it: fuyou report {self.config.trace} --png)")
+
+    # -- SSD wear -------------------------------------------------------------------------------------
+    def expect_steps(self, steps: int | None) -> None:
+        """The run's length in optimizer steps, for the SSD wear projection; warns at once if the optimizer
+        state's own writes (a floor) would spend more than ``ssd_wear_warning`` of the drives' rating."""
+        self.run_steps = int(steps) if steps is not None and steps > 0 else None
+        if self.run_steps is None:
+            return
+        params = sum(p.numel() for g in self._optimizer.param_groups for p in g["params"])
+        floor = self._wear(params * STATE_BYTES_PER_PARAM, 0.0)
+        self._check_wear(floor, "at least (the optimizer state's writes alone)")
+
+    def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
+        dirs = self._optimizer.store.run_dirs
+        return Wear(bytes_per_step, step_seconds, drives=len(dirs), drive_bytes=drive_capacity(dirs),
+                    endurance_tbw=self.config.ssd_endurance_tbw, steps=self.run_steps)
+
+    def _check_wear(self, wear: Wear, how: str) -> None:
+        share = wear.run_fraction
+        if share is None or share <= self.config.ssd_wear_warning or self._wear_warned:
+            return
+        self._wear_warned = True
+        warnings.warn(
+            f"fuyou: this run's {wear.steps} steps write {how} {format_bytes(wear.bytes_per_step * wear.steps)} "
+            f"to the swap drives: {share:.1%} of their rated endurance ({self.config.ssd_endurance_tbw:g} TBW each, "
+            f"{wear.drives} drive(s)), over ssd_wear_warning={self.config.ssd_wear_warning:g}. Set "
+            "FuyouConfig.ssd_endurance_tbw to your drive's rating (its datasheet), add drives (swap_dirs), keep "
+            "activations off the SSD, or raise ssd_wear_warning", stacklevel=4)
+
+    def _measure_wear(self, written: float) -> None:
+        if self.wear is not None:  # measured once: the sample is not kept growing with the run
+            return
+        self._written_per_step.append(written)
+        if len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
+            return
+        sample = self._written_per_step[1:]  # the first step includes the warm-up
+        self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
+        self.engine.report(f"fuyou: {self.wear.describe()}")
+        self._check_wear(self.wear, "about")
+
+    # -- metrics and the summary --------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """`FuyouEngine.metrics`."""
+        return dict(self._metrics)
+
+    def _counters(self) -> dict[str, float]:
+        stats, io = self._optimizer.stats, self._optimizer.store.engine
+        swapper = self.engine.swapper
+        swap = swapper.stats if swapper is not None else None
+        return {"ssd_read_bytes": io.bytes_read, "ssd_write_bytes": io.bytes_written,
+                "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
+                "activation_bytes_to_host": swap.host_bytes if swap else 0,
+                "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
+
+    def _step_metrics(self, seconds: float) -> dict[str, float]:
+        now = self._counters()
+        # A swapper installed by the planner starts its own counts: never a negative difference.
+        delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
+        self._counted = now
+        opt = self._optimizer
+        stats = opt.stats
+        out = {"step_seconds": seconds, **delta,
+               "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+               "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+               "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
+               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": opt.store.pool.high_water,
+               # cumulative: the share of each drive's rated endurance the run has written so far
+               "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(opt.store.run_dirs))
+               / (self.config.ssd_endurance_tbw * TB)}
+        if self.engine.streamer is not None:
+            out["device_peak_bytes"] = self.engine.streamer.meter.high_water
+        if self.engine.plan is not None:
+            out["plan_predicted_step_seconds"] = self.engine.plan.predicted_step_s
+        return {f"fuyou/{k}": float(v) for k, v in out.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """`FuyouEngine.summary`."""
+        engine, opt = self.engine, self._optimizer
+        store, stats, plan = opt.store, opt.stats, engine.plan
+        swap = engine.swapper.stats if engine.swapper is not None else None
+        stream = engine.streamer.stats if engine.streamer is not None else None
+        times = self.step_times[1:] or self.step_times  # the first step includes warm-up
+        trainable = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        return {
+            "trainable_parameters": trainable,
+            "optimizer_steps": stats.steps,
+            "commits": stats.commits,
+            "redos": stats.redos,
+            "deferred": stats.deferred,  # next_forward steps: exact at once, no rollback possible
+            "skips": stats.skips,
+            "clipped": stats.clipped,
+            "rollbacks": stats.rollbacks,
+            "rollback_rate": stats.rollback_rate,
+            "schedule_steps": dict(stats.schedules),
+            "schedule_next": opt.next_schedule,
+            "schedule_reason": stats.last_reason,
+            "last_grad_norm": stats.last_grad_norm,
+            "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
+            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
+            "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
+                                             if name.startswith("adamw.")),
+            "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
+            "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
+            "activation_bytes_to_host": swap.host_bytes if swap else 0,
+            "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
+            "weight_bytes_streamed": stream.streamed_bytes if stream else 0,
+            "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
+            "weight_bytes_trainable_streamed": stream.trainable_bytes if stream else 0,
+            # Weights and gradients on the device at most (activations not counted); None without streaming.
+            "device_peak_bytes": engine.streamer.meter.high_water if stream else None,
+            "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, trainable),
+            "host_pool_peak_bytes": store.pool.high_water,
+            "host_pool_budget_bytes": store.pool.budget,
+            "median_step_seconds": statistics.median(times) if times else float("nan"),
+            "plan": plan.policies if plan is not None else None,
+            "plan_predicted_step_seconds": plan.predicted_step_s if plan is not None else None,
+            "plan_measured_step_seconds": (statistics.median(self.step_times[self._plan_applied_at + 1:])
+                                           if self._plan_applied_at is not None
+                                           and len(self.step_times) > self._plan_applied_at + 1 else None),
+            "ssd_write_bytes_total": store.engine.bytes_written,
+            # measured after WEAR_SAMPLE_STEPS steps: per step and hour, DWPD, the run's share of the rating
+            "wear": self.wear.as_dict() if self.wear is not None else None,
+        }
+
+    def format_summary(self) -> str:
+        """`summary` as a few human-readable lines."""
+        s = self.summary()
+        mix = ", ".join(f"{n} {name}" for name, n in s["schedule_steps"].items() if n)
+        return "\n".join([
+            f"Fuyou: {s['optimizer_steps']} optimizer steps ({s['commits']} committed as computed during backward, "
+            f"{s['redos']} redone for clipping, {s['deferred']} updated ahead of the next forward, {s['skips']} "
+            f"skipped), {s['clipped']} clipped, last grad norm {s['last_grad_norm']:.4g}",
+            f"  schedule: {mix or 'no step yet'}; rollback rate {s['rollback_rate']:.0%} ({s['rollbacks']} "
+            f"rollbacks); next step {s['schedule_next']} ({s['schedule_reason']})",
+            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])} (swap files "
+            f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
+            f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
+            f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "
+            f"median step {s['median_step_seconds']:.3f} s",
+        ] + ([f"  weights streamed: {format_bytes(s['weight_bytes_streamed'])} in {len(s['weight_tiers'])} blocks "
+              f"{s['weight_tiers']} ({format_bytes(s['weight_bytes_trainable_streamed'])} trainable), device peak "
+              f"{format_bytes(s['weight_device_peak_bytes'])} of streamed weights, "
+              f"{format_bytes(s['device_peak_bytes'])} of weights and gradients"] if s["weight_tiers"] else []))
