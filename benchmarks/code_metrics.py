@@ -12,7 +12,7 @@ Prints, and writes as JSON (``--json``):
   and does not count a class reading its own private fields of another instance;
 - the import cycles among the package's modules (strongly connected components of the graph of
   ``from . import`` / ``from ..x import`` / ``import fuyou_strategy.x`` edges, at module level or in
-  functions alike).
+  functions alike; imports under ``if TYPE_CHECKING:`` never run and do not count).
 
 Run: ``python benchmarks/code_metrics.py [--json out.json]``.
 """
@@ -55,7 +55,7 @@ def import_graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
         is_package = path.name == "__init__.py"
-        for node in ast.walk(tree):
+        for node in _runtime_nodes(tree):
             targets = []
             if isinstance(node, ast.ImportFrom):
                 base = _resolve(name, is_package, node.level, node.module) if node.level else (node.module or "")
@@ -70,6 +70,21 @@ def import_graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
                 if target and target != name:
                     graph[name].add(target)
     return {m: graph.get(m, set()) for m in mods}
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (imports for annotations only,
+    which never run)."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -181,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mods = modules()
     files = sorted((PACKAGE / "optim").glob("*.py")) + [PACKAGE / "engine.py"]
-    files += [p for p in [PACKAGE / "reporting.py"] if p.exists()]
+    files += [p for p in [PACKAGE / "run_report.py"] if p.exists()]
     table = sizes(files)
     print(f"{'file':44} {'lines':>6}  largest classes (lines / methods)")
     for file, info in table.items():

@@ -1,0 +1,58 @@
+"""The package's structure, as the code shows it (read with Python's ``ast``, `benchmarks/code_metrics.py`):
+no import cycle, layers that import only downward, and one definition of what two modules share."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from code_metrics import cycles, import_graph, private_accesses  # noqa: E402
+
+from fuyou_strategy import planfile  # noqa: E402
+from fuyou_strategy.activations import Policy  # noqa: E402
+from fuyou_strategy.planner import Plan  # noqa: E402
+
+# Layers, bottom first: a module may import its own layer and those below (DESIGN.md's arrows).
+LAYERS = [
+    ("planfile", "config", "cleanup", "progress", "device", "trace"),
+    ("storage",),
+    ("optim", "activations", "params"),
+    ("planner",),
+    ("run_report", "engine", "doctor", "report"),
+    ("integrations", "cli", "fuyou_strategy"),
+]
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    for i, layer in enumerate(LAYERS):
+        if name in layer:
+            return i
+    raise AssertionError(f"{module}: not in any layer of LAYERS; add it where it belongs")
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, f"import cycles: {found}"
+
+
+def test_every_import_points_down_or_sideways():
+    upward = [(m, t) for m, targets in import_graph().items() for t in targets
+              if t != "fuyou_strategy" and _layer(t) > _layer(m)]
+    assert not upward, f"modules importing a layer above them: {upward}"
+
+
+def test_the_optimizer_and_its_checkpoints_read_no_private_field_of_each_other():
+    optim = [a for a in private_accesses() if a[0].startswith("fuyou_strategy.optim.")]
+    allowed = {"ddp_model._fuyou_hook_target"}  # our own mark on the DDP model (one comm hook per lifetime)
+    assert [a for a in optim if a[2] not in allowed] == []
+
+
+def test_the_plan_file_vocabulary_is_the_packages_one():
+    assert planfile.POLICIES == tuple(p.value for p in Policy)
+    assert set(planfile.FIELDS) == {f.name for f in dataclasses.fields(Plan)}
+    required = {f.name for f in dataclasses.fields(Plan)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert set(planfile.REQUIRED) == required
