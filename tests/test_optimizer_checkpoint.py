@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,3 +291,29 @@ def test_a_killed_saves_temporary_folder_is_removed_by_the_next_save_or_load(tmp
                    for r in caplog.records), "a warning names it"
         assert [p.name.startswith("fuyou-run-") for p in (tmp_path / "swap").iterdir()] == [True], \
             "the killed run's swap directory went too"
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_checkpoint_written_by_an_earlier_version_still_loads(tmp_path, fmt):
+    """Committed saves of a small model after 3 steps, written by the version that landed before issue 23
+    (format 2) and by the one before the optimizer's redesign (format 3), with the weights, masters,
+    moments and step counts they held: all of it comes back bitwise."""
+    fixture = FIXTURES / f"checkpoint-format{fmt}"
+    shutil.copytree(fixture / "ckpt", tmp_path / "ckpt")  # a load tidies its folder: never the committed one
+    expected = torch.load(fixture / "expected.pt")
+    torch.manual_seed(123)  # other initial weights: everything must come from the checkpoint
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8))
+    (tmp_path / "swap").mkdir()
+    with FuyouAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                    config=small_config(tmp_path / "swap")) as opt:
+        meta = opt.load_folder(tmp_path / "ckpt")
+        assert meta["format"] == fmt
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, expected["weights"][name]), name
+        for p, state, step in zip(model.parameters(), expected["state"], expected["steps"]):
+            got = opt.read_state(p)
+            assert all(torch.equal(got[k], state[k]) for k in state)
+            assert float(opt.state[p]["step"]) == step
