@@ -314,31 +314,30 @@ def test_a_failing_engine_clean_up_is_noted_on_the_original_error(tmp_path, monk
 
 
 # -- the adapters: a failure right after the engine is built ---------------------------------------------------
-def test_lightning_setup_failing_after_the_engine_is_built_closes_it_and_raises_its_own_error(tmp_path,
-                                                                                          monkeypatch):
+def _lightning_fit(tmp_path):
     from test_lightning import fit
 
     from fuyou_strategy import FuyouStrategy
 
-    fail_at(monkeypatch, FuyouEngine, "rebind_schedulers", eio("rebinding the LR schedulers"))
-    fail_at(monkeypatch, FuyouEngine, "close", Injected("closing failed too"), after=True)
-    threads_before = fuyou_threads()
-    with pytest.raises(OSError, match="injected EIO at rebinding the LR schedulers") as excinfo:
-        fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
-    assert any("closing failed too" in note for note in excinfo.value.__notes__), "the clean-up's error is noted"
-    assert_nothing_left(tmp_path, threads_before, excinfo)
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
 
 
-def test_hf_train_begin_failing_after_the_engine_is_built_closes_it_and_raises_its_own_error(tmp_path,
-                                                                                          monkeypatch):
+def _hf_train(tmp_path):
     from test_hf import train
 
     from fuyou_strategy import FuyouCallback
 
-    fail_at(monkeypatch, FuyouEngine, "expect_steps", eio("planning the run's length"))
+    train(tmp_path, FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
+
+
+@pytest.mark.parametrize("run,step", [(_lightning_fit, "rebind_schedulers"), (_hf_train, "expect_steps")],
+                         ids=["lightning setup", "hf train begin"])
+def test_an_adapter_failing_after_the_engine_is_built_closes_it_and_raises_its_own_error(tmp_path, monkeypatch,
+                                                                                       run, step):
+    fail_at(monkeypatch, FuyouEngine, step, eio(step))
     fail_at(monkeypatch, FuyouEngine, "close", Injected("closing failed too"), after=True)
     threads_before = fuyou_threads()
-    with pytest.raises(OSError, match="injected EIO at planning the run's length") as excinfo:
-        train(tmp_path, FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB"), steps=1)
+    with pytest.raises(OSError, match=f"injected EIO at {step}") as excinfo:
+        run(tmp_path)
     assert any("closing failed too" in note for note in excinfo.value.__notes__), "the clean-up's error is noted"
     assert_nothing_left(tmp_path, threads_before, excinfo)

@@ -423,3 +423,31 @@ def test_lightning_fp16_scales_in_the_optimizer_bitwise_across_schedules(tmp_pat
         assert summary["loss_scale"] == ref_summary["loss_scale"]
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
             assert p.dtype == dtype and torch.isfinite(p).all() and torch.equal(p, q), f"{schedule}: {name}"
+
+
+class _Interrupted:
+    """A pipeline whose wait for a job is interrupted (Ctrl-C while the next forward waits for an update)."""
+
+    def wait_job(self, job, what):
+        raise KeyboardInterrupt
+
+
+class _Failed:
+    def wait_job(self, job, what):
+        raise OSError(5, "Input/output error")
+
+
+def test_a_wait_for_an_update_stays_a_keyboard_interrupt_and_a_failure_says_the_state_is_partly_updated():
+    from fuyou_strategy.optim.schedule import PendingUpdates
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    interrupted = PendingUpdates(_Interrupted())
+    interrupted.add(param, object(), "the update of parameter 0 (2,)")
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.wait([param])
+    failed = PendingUpdates(_Failed())
+    failed.add(param, object(), "the update of parameter 0 (2,)")
+    with pytest.raises(RuntimeError, match="the update of parameter 0 .2,. failed, so the optimizer state on SSD is "
+                                           "partly updated") as excinfo:
+        failed.wait([param])
+    assert isinstance(excinfo.value.__cause__, OSError)

@@ -62,7 +62,7 @@ from ..progress import Progress
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, temp_writer_gone, write_owner
 from .state import KINDS  # one file per kind of state
 
-__all__ = ["CheckpointError", "Group", "SOLO", "SaveReader", "SaveWriter", "save", "save_version", "remove_versions",
+__all__ = ["CheckpointError", "Group", "SaveReader", "SaveWriter", "save", "save_version", "remove_versions",
            "discard", "find", "newest", "read_meta", "save_dirs", "find_stale_temps", "remove_stale_temps", "KINDS",
            "META"]
 
@@ -83,8 +83,8 @@ class CheckpointError(RuntimeError):
 
 
 class Group:
-    """The ranks writing one save together (`distributed.Shards`-like); a process alone is a group of one
-    (`SOLO`). Only what a save needs: who I am, and three collectives on plain Python values."""
+    """The ranks writing one save together (`distributed.Sharding`); a process alone is a group of one
+    (`distributed.Solo`). Only what a save needs: who I am, and three collectives on plain Python values."""
 
     rank: int
     world: int
@@ -92,22 +92,6 @@ class Group:
     def broadcast_object(self, values: list) -> None: ...
     def all_gather_object(self, value: Any) -> list: ...
     def barrier(self) -> None: ...
-
-
-class _Solo:
-    rank, world = 0, 1
-
-    def broadcast_object(self, values: list) -> None:
-        pass
-
-    def all_gather_object(self, value: Any) -> list:
-        return [value]
-
-    def barrier(self) -> None:
-        pass
-
-
-SOLO: Group = _Solo()  # type: ignore[assignment]
 
 
 @dataclass
@@ -156,7 +140,7 @@ class SaveWriter:
 
 
 def save(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict], *,
-         group: Group = SOLO, total_bytes: int = 0, progress: bool = True, record: dict | None = None) -> dict:
+         group: Group, total_bytes: int = 0, progress: bool = True, record: dict | None = None) -> dict:
     """Add a save to ``folder`` (`save_version`), then remove the earlier saves there; returns its metadata."""
     meta = save_version(folder, write_state, describe, group=group, total_bytes=total_bytes, progress=progress,
                         record=record)
@@ -167,7 +151,7 @@ def save(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], d
 
 
 def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict],
-                 *, group: Group = SOLO, total_bytes: int = 0, progress: bool = True,
+                 *, group: Group, total_bytes: int = 0, progress: bool = True,
                  record: dict | None = None) -> dict:
     """Write a new save ``folder/<token>/`` and return its metadata; no other save in ``folder`` changes.
 
@@ -427,7 +411,7 @@ class SaveReader:
     as they are read (`read`, then `finish` per parameter, then `check`). Opening it removes the temporary
     folders a dead writer left beside the save (on ``group``'s first rank: the ranks share the folder)."""
 
-    def __init__(self, save: str | os.PathLike, group: Group = SOLO) -> None:
+    def __init__(self, save: str | os.PathLike, group: Group) -> None:
         self.path = Path(save)
         self.meta = read_meta(self.path)
         if group.rank == 0:
