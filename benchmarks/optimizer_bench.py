@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - start)
     out.update(step_s=times, loss=float(loss), peak_rss=peak_rss_bytes())
     if hasattr(opt, "stats"):
-        out["stats"] = vars(opt.stats).copy()
+        out["stats"] = opt.stats.to_dict()
         opt.close()
     return out
 
