@@ -24,12 +24,13 @@ class Norms(TrainerCallback):
 
 if __name__ == "__main__":
     out, batch, weights, schedule = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    saving = dict(save_strategy="steps", save_steps=2) if sys.argv[5:] == ["save"] else dict(save_strategy="no")
     model = tiny_causal_lm("gpt2")
     fuyou = FuyouCallback(swap_dirs=[out], chunk_size="8KiB", weights=weights, optimizer_schedule=schedule)
     norms = Norms()
     args = TrainingArguments(output_dir=os.path.join(out, "out"), max_steps=3, per_device_train_batch_size=batch,
                              gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, weight_decay=0.1,
-                             report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1, **saving,
                              ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None)
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[fuyou, norms])
     shard = {}

@@ -523,6 +523,42 @@ def test_hf_trainer_under_torchrun_shards_the_state_and_trains_like_one_process(
     assert max_relative_difference(one["weights"], r0["weights"]) <= TOLERANCE
 
 
+def test_hf_checkpoints_under_torchrun_are_complete_tied_and_resume_in_one_process(tmp_path):
+    """Every rank writes its part of fuyou's state just before the Trainer's save (``on_step_end``: a
+    collective), rank 0's ``trainer_state.json`` records that save; the checkpoint is complete by the files,
+    and one process resumes it (a save stores parameters, not rank shards)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import Trainer, TrainingArguments
+
+    from fuyou_strategy import FuyouCallback
+    from fuyou_strategy.integrations import hf_checkpoints
+    from fuyou_strategy.optim import checkpoint
+    from test_hf import dataset
+
+    worker = os.path.join(os.path.dirname(__file__), "_hf_ddp_worker.py")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    proc = subprocess.run([*launch, worker, str(tmp_path), "2", "device", "next_forward", "save"], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    assert hf_checkpoints.why_incomplete(ckpt) is None
+    saved = hf_checkpoints.recorded_save(json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"])
+    (save,) = checkpoint.save_dirs(ckpt / hf_checkpoints.STATE_FOLDER)
+    assert saved == {"token": save.name, "steps": 2, "global_step": 2}
+    meta = checkpoint.read_meta(save)
+    assert meta["parts"] == ["part-0", "part-1"] and meta["record"] == {"trainer_global_step": 2}
+    callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="next_forward")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, weight_decay=0.1,
+                             report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    Trainer(model=tiny_causal_lm("gpt2", seed=1), args=args, train_dataset=dataset(),
+            callbacks=[callback]).train(resume_from_checkpoint=str(ckpt))
+    assert callback.summary["optimizer_steps"] == 3, "2 restored + 1 new"
+
+
 @pytest.mark.parametrize("precision,weights", [("32-true", "device"), ("bf16-true", "ssd")])
 def test_lightning_fuyou_ddp_checkpoints_resume_on_one_device(tmp_path, precision, weights):
     """bf16: the .ckpt holds every weight's fp32 master, gathered on rank 0 from the owners."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from . import trace
 from .activations import discover_blocks
@@ -20,19 +20,30 @@ from .config import STATE_BYTES_PER_PARAM, format_bytes
 from .optim.schedule import NEXT_FORWARD
 from .storage.wear import TB, Wear, drive_capacity
 
-if TYPE_CHECKING:
-    from .engine import FuyouEngine
-
 __all__ = ["RunReport", "WEAR_SAMPLE_STEPS"]
 
 # Steps measured (after the first) before the SSD wear of a run is projected and reported.
 WEAR_SAMPLE_STEPS = 3
 
 
+class Run(Protocol):
+    """What a report reads of its run (`FuyouEngine`'s parts, which the engine may swap as it goes: the
+    planner installs a swapper, a streamer, a plan)."""
+
+    config: Any
+    model: Any
+    optimizer: Any
+    swapper: Any
+    streamer: Any
+    profiler: Any
+    plan: Any
+    report: Callable[[str], Any]
+
+
 class RunReport:
     """The figures of one engine's run (module docstring)."""
 
-    def __init__(self, engine: "FuyouEngine") -> None:
+    def __init__(self, engine: Run) -> None:
         self.engine, self.config = engine, engine.config
         self.step_times: list[float] = []  # seconds between consecutive optimizer steps
         self.micro_batches = 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch.optim.adamw import adamw as adamw_for_loop
@@ -29,9 +29,6 @@ from ..config import STATE_BYTES_PER_PARAM, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
 from .pipeline import ChunkJob, ChunkPipeline
-
-if TYPE_CHECKING:
-    from .gradients import Grad
 
 __all__ = ["KINDS", "ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel", "views"]
 
@@ -82,6 +79,17 @@ def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     else:  # the for-loop kernel increments its step tensor: give it a copy
         adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
                        amsgrad=False, maximize=False, **hyper)
+
+
+class GradChunks(Protocol):
+    """What an update reads of its gradient (`gradients.Grad`): the store entries to read alongside the state,
+    each chunk, and the gradient's norm."""
+
+    extra: tuple[str, ...]
+
+    def chunk(self, start: int, n: int, stored: HostBuffer | None) -> torch.Tensor: ...
+
+    def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class OptimizerState:
@@ -135,7 +143,7 @@ class OptimizerState:
             del flat
 
     # -- the update -----------------------------------------------------------------------------------
-    def update_job(self, ps: ParamState, grad: "Grad", *, step: torch.Tensor, fused: bool, exact: bool,
+    def update_job(self, ps: ParamState, grad: GradChunks, *, step: torch.Tensor, fused: bool, exact: bool,
                    coef: torch.Tensor | None, inv_scale: torch.Tensor | None,
                    publish: Callable[[ParamState, int, torch.Tensor], Future | None],
                    keep: Callable[[ParamState, int, torch.Tensor], Future] | None = None,
