@@ -234,7 +234,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         if self.sharding.pending():
             self.sharding.land()
         ps, schedule = self._by_param[param], self.window.schedule
-        grad = self.gradients.on_backward(ps, speculating=schedule.speculates, inv_scale=self.updates.inv_scale())
+        grad = self.gradients.on_backward(ps, speculating=schedule.speculates, inv_scale=self.updates.inv_scale)
         if grad is not None:
             schedule.on_gradient_final(ps, grad)
 

@@ -22,7 +22,7 @@ the state's worker. What it records for the window (``Window.partial``, ``Window
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -170,7 +170,8 @@ class Gradients:
     def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool) -> None:
         self.streamed, self.window, self.sharded = streamed, window, sharded
 
-    def on_backward(self, ps: "ParamState", *, speculating: bool, inv_scale: torch.Tensor | None) -> Grad | None:
+    def on_backward(self, ps: "ParamState", *, speculating: bool,
+                    inv_scale: Callable[[], torch.Tensor | None]) -> Grad | None:
         """``ps``'s gradient has accumulated in this backward (autograd's thread): the `Grad` to update with
         now, or ``None`` — the window accumulates on, the schedule updates at ``step()``, or the gradient was
         accumulated again after its update was queued (recorded in the window: ``step()`` raises)."""
@@ -181,7 +182,7 @@ class Gradients:
                 ps.param.grad = None
                 window.mark_late(ps)
                 return None
-            return self.streamed.take(ps, now=now, norm=not speculating, inv_scale=inv_scale)
+            return self.streamed.take(ps, now=now, norm=not speculating, inv_scale=inv_scale())
         if self.sharded or not now:
             return None  # the ranks' average comes later; or it waits on the parameter for step()
         if window.queued(ps):
