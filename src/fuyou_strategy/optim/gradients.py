@@ -193,3 +193,18 @@ class Gradients:
     def at_step(self, ps: "ParamState") -> Grad:
         """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo)."""
         return Grad.stored(ps) if ps.grads is not None else Grad(ps, ps.param.grad)
+
+    def set_by_hand(self, params: list["ParamState"]) -> list["ParamState"]:
+        """The resident parameters with a gradient but no update queued: set without backward hooks firing."""
+        return [ps for ps in params if ps.grads is None and ps.param.grad is not None and not self.window.queued(ps)]
+
+    def resident_norms(self, params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept)."""
+        return {ps.index: grad_norm(ps.param.grad, inv_scale) for ps in params
+                if ps.grads is None and ps.param.grad is not None}
+
+    def handed_over(self, ps: "ParamState") -> None:
+        """An exact update now holds ``ps``'s gradient: a resident ``.grad`` is dropped, so that the next
+        backward accumulates afresh and ``zero_grad`` has nothing to do."""
+        if ps.grads is None:
+            ps.param.grad = None

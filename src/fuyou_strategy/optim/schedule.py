@@ -322,9 +322,8 @@ class Speculative:
     def finish(self) -> Outcome | None:
         p = self.parts
         window, sharding = p.window, p.sharding
-        for ps in p.order.params:  # gradients set without hooks firing (by hand): this rank's own
-            if ps.grads is None and ps.param.grad is not None and not window.queued(ps) and sharding.owns(ps):
-                p.updates.queue(ps, Grad(ps, ps.param.grad))
+        for ps in p.gradients.set_by_hand(sharding.owned(p.order.params)):  # no hook fired for them
+            p.updates.queue(ps, p.gradients.at_step(ps))
         queued = [ps for ps in p.order.norm if window.queued(ps)]
         norms, late = window.take()
         error = None
@@ -415,10 +414,7 @@ class Exact:
         norms, _late = window.take()
         window.partial.clear()
         sharding.sum_at_step(p.order.params, norms, p.updates.inv_scale())  # each gradient, averaged, onto its owner
-        inv = p.updates.inv_scale()
-        for ps in p.order.params:
-            if ps.grads is None and ps.param.grad is not None:
-                norms[ps.index] = p.gradients.at_step(ps).norm(inv)
+        norms.update(p.gradients.resident_norms(p.order.params, p.updates.inv_scale()))
         norms = sharding.share_norms(norms, p.order.params)
         counted = [ps for ps in p.order.norm if ps.index in norms]
         if not counted:
@@ -431,8 +427,7 @@ class Exact:
             if sharding.owns(ps):  # else its owner updates it
                 job = p.updates.queue(ps, p.gradients.at_step(ps), coef=coef, exact=True)
                 p.landing.add(ps.param, job, f"the update of {ps.describe()}")
-                if ps.grads is None:
-                    ps.param.grad = None  # the job holds it: a new backward accumulates afresh, zero_grad has nothing to do
+                p.gradients.handed_over(ps)
             p.advance(ps)  # after queueing: the update read the step it completes
         p.stats.deferred += 1
         p.stats.clipped += coef is not None
