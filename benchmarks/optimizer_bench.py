@@ -57,6 +57,10 @@ def worker(args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     out["params"] = n_params
     cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, io_threads=args.io_threads)
+    if args.config in ("fuyou-ram", "fuyou-io-ram"):
+        # The whole state (both slots, with padding) in host RAM (FuyouConfig.host_state), the pool as before.
+        state = 2 * 12 * n_params + 2**30
+        cfg = cfg.replace(host_memory_budget=cfg.host_memory_budget + state, host_state=state)
     if args.config == "no-optimizer":
         opt = None  # forward + backward only: the floor of step time and memory
     elif args.config == "torch":
@@ -71,7 +75,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 
-    if args.config == "fuyou-io":
+    if args.config in ("fuyou-io", "fuyou-io-ram"):
         # Optimizer alone: hand-set gradients, so every update runs inside step().
         grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
         times = []
@@ -171,6 +175,8 @@ def main() -> None:
     ]
     labels = {"no-optimizer": "forward+backward only (floor)", "torch": "torch.optim.AdamW(fused) in RAM",
               "fuyou": "FuyouAdamW", "fuyou-clip": "FuyouAdamW max_grad_norm=1.0",
+              "fuyou-ram": "FuyouAdamW, state in host RAM", "fuyou-io-ram": "optimizer alone, state in RAM",
+              "fuyou-io": "optimizer alone, state on SSD",
               "fuyou+act-ssd": "FuyouAdamW + activations to SSD"}
     for config in configs:
         r, label = results[config], labels[config]

@@ -167,6 +167,12 @@ class FuyouConfig:
             longer overlaps backward. A failure inside that in-place pass leaves the state
             half-updated: resume from a checkpoint. One slot implies
             ``optimizer_schedule="next_forward"``.
+        host_state: bytes of ``host_memory_budget`` that hold optimizer state (masters and moments,
+            every slot) in host RAM instead of on the SSD: parameters take it whole, in the optimizer's
+            order (the embedding of an HF model first: its update comes last in backward, where its
+            I/O is hardest to hide), while it lasts. Exact: the results are bitwise those of the state
+            on the SSD, and checkpoints do not depend on the split. The rest of the budget stays the
+            transfer pool (`host_budget_split`). Default ``0``: all of the state on the SSD.
         optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
             way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
             at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update
@@ -221,6 +227,7 @@ class FuyouConfig:
     weights: str | dict = "device"
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
+    host_state: int | str = 0
     optimizer_schedule: str = "auto"
     gradient_reduction: str = "owner"
     plan: str | None = None
@@ -296,6 +303,13 @@ class FuyouConfig:
         if self.state_slots not in (1, 2) or isinstance(self.state_slots, bool):
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
                               "slot) or 1 (updates in step(), half the SSD state)")
+        raw_state = self.host_state
+        self.host_state = parse_bytes(raw_state, name="host_state")
+        if self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
+            raise ConfigError(
+                f"host_state: got {raw_state!r} ({format_bytes(self.host_state)}) of host_memory_budget="
+                f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
+                f"({format_bytes(2 * self.chunk_size)}) of what is left: lower host_state or raise host_memory_budget")
         if self.optimizer_schedule not in SCHEDULES:
             raise ConfigError(f"optimizer_schedule: got {self.optimizer_schedule!r}; expected one of "
                               f"{', '.join(map(repr, SCHEDULES))}")
@@ -434,6 +448,8 @@ class HostShares:
 
     Attributes:
         budget: ``host_memory_budget``.
+        state_in_ram: ``host_state``: optimizer state held in host RAM (not lent by the pool); the
+            rest (`pool`) is the transfer pool's budget, which the shares below divide.
         state_chunk: one optimizer state chunk: the most whole groups of 2048 parameters'
             ``[master | exp_avg | exp_avg_sq]`` (24 KiB each) that ``chunk_size`` holds, at least
             one; so the same parameters' bf16 or fp32 weights or gradients are a whole number of
@@ -454,11 +470,17 @@ class HostShares:
     activation_staging: int
     activation_readback: int
     host_activations: int
+    state_in_ram: int = 0
+
+    @property
+    def pool(self) -> int:
+        """The transfer pool's budget: what ``host_state`` leaves of ``host_memory_budget``."""
+        return self.budget - self.state_in_ram
 
     @property
     def reserved(self) -> int:
-        """What host-policy activations always leave free (all of the budget if it is that small)."""
-        return self.budget - self.host_activations
+        """What host-policy activations always leave free (all of the pool if it is that small)."""
+        return self.pool - self.host_activations
 
 
 def host_budget_split(config: FuyouConfig) -> HostShares:
@@ -472,9 +494,10 @@ def host_budget_split(config: FuyouConfig) -> HostShares:
     """
     unit = STATE_CHUNK_ELEMENTS * STATE_BYTES_PER_PARAM
     state_chunk = max(1, config.chunk_size // unit) * unit
+    pool = config.host_memory_budget - config.host_state
     staging = readback = max(2, len(config.swap_dirs or ())) * config.chunk_size
-    depth = max(1, min(config.optimizer_prefetch_chunks,
-                       (config.host_memory_budget - staging - readback) // state_chunk - 1))
+    depth = max(1, min(config.optimizer_prefetch_chunks, (pool - staging - readback) // state_chunk - 1))
     readahead = (depth + 1) * state_chunk
-    host = max(0, config.host_memory_budget - readahead - staging - readback)
-    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, readback, host)
+    host = max(0, pool - readahead - staging - readback)
+    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, readback, host,
+                      config.host_state)

@@ -177,8 +177,9 @@ class RunReport:
         self.run_steps = int(steps) if steps is not None and steps > 0 else None
         if self.run_steps is None:
             return
-        params = sum(p.numel() for g in self._optimizer.param_groups for p in g["params"])
-        floor = self._wear(params * STATE_BYTES_PER_PARAM, 0.0)
+        opt = self._optimizer
+        on_ssd = sum(p.numel() for g in opt.param_groups for p in g["params"]) - opt.adam_state.numel_in_memory()
+        floor = self._wear(on_ssd * STATE_BYTES_PER_PARAM, 0.0)
         self._check_wear(floor, "at least (the optimizer state's writes alone)")
 
     def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
@@ -267,9 +268,11 @@ class RunReport:
             "schedule_reason": stats.last_reason,
             "last_grad_norm": stats.last_grad_norm,
             "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
-            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding.
+            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD,
+            # and in host RAM (FuyouConfig.host_state)
             "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
-                                             if name.startswith("adamw.")),
+                                             if name.startswith("adamw.") and e.memory is None),
+            "host_bytes_optimizer_state": store.bytes_in_memory,
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,
@@ -303,7 +306,9 @@ class RunReport:
             f"skipped), {s['clipped']} clipped, last grad norm {s['last_grad_norm']:.4g}",
             f"  schedule: {mix or 'no step yet'}; rollback rate {s['rollback_rate']:.0%} ({s['rollbacks']} "
             f"rollbacks); next step {s['schedule_next']} ({s['schedule_reason']})",
-            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])} (swap files "
+            f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])}"
+            + (f" (and {format_bytes(s['host_bytes_optimizer_state'])} in host RAM)" if s["host_bytes_optimizer_state"]
+               else "") + " (swap files "
             f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "

@@ -12,6 +12,11 @@ ahead: the AdamW update (`update_job`), restoring weights from the masters, read
 state back, checkpoints. ``state_slots=2`` gives every entry a second (*shadow*) slot that
 speculative updates write into; `commit` flips it in, `rollback` drops it.
 
+Tiers: with ``FuyouConfig.host_state`` the entries of the first parameters that fit live in host RAM
+(`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD. Nothing else
+changes: the same jobs read and write the same bytes, so the results are bitwise those of the state
+all on the SSD.
+
 Threads: the pipeline's worker runs every job function; the training thread submits jobs, drains,
 commits and rolls back — the last two only after a drain, when no job runs.
 """
@@ -105,13 +110,15 @@ class OptimizerState:
 
     def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int) -> None:
         self.config, self.slots = config, config.state_slots
+        self.in_memory = self._host_tier(owned)  # indices of the parameters whose state lives in host RAM
         self.store = TensorStore(config)
         try:
             self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
             try:
                 for ps in owned:
                     self.store.create(ps.entry, (ps.numel * len(KINDS),), torch.float32,
-                                      chunk_bytes=ps.elems_per_chunk * ELEMENT_BYTES, slots=self.slots)
+                                      chunk_bytes=ps.elems_per_chunk * ELEMENT_BYTES, slots=self.slots,
+                                      in_memory=ps.index in self.in_memory)
             except BaseException:
                 self.pipeline.close()
                 raise
@@ -119,9 +126,25 @@ class OptimizerState:
             self.store.close()
             raise
 
+    def _host_tier(self, owned: list[ParamState]) -> set[int]:
+        """The parameters whose state ``host_state`` holds: whole, in order, each that still fits (an HF model's
+        embedding comes first; its update is the last in backward, where the SSD's time is hardest to hide)."""
+        left, chosen = self.config.host_state, set()
+        for ps in owned:
+            need = TensorStore.footprint(ps.numel * ELEMENT_BYTES, ps.elems_per_chunk * ELEMENT_BYTES, self.slots)
+            if need <= left:
+                chosen.add(ps.index)
+                left -= need
+        return chosen
+
     @property
     def pool(self) -> Any:
         return self.store.pool
+
+    def numel_in_memory(self) -> int:
+        """Parameters (elements) whose state lives in host RAM."""
+        return sum(e.nbytes // ELEMENT_BYTES for name, e in self.store.entries.items()
+                   if name.startswith("adamw.") and e.memory is not None)
 
     # -- initialising ---------------------------------------------------------------------------------
     def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:

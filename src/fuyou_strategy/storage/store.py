@@ -12,6 +12,13 @@ Two slots make speculative updates safe: the optimizer reads the *active* slot a
 the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollback` throws
 the shadow away. A slot is only readable once all its chunks were written successfully, so
 a failed or partial write is never served as good data.
+
+An entry created ``in_memory`` keeps its chunks (both slots) in host RAM instead — the host tier
+of the optimizer state (``FuyouConfig.host_state``, which caps them all together) — behind the same
+interface and bookkeeping: reading copies a chunk into a pool buffer, writing copies it back, and
+the slots flip and roll back alike, so whoever reads and writes chunks cannot tell the tiers apart
+(and the bytes are the same). Its memory counts towards ``host_memory_budget``, whose pool shrinks
+by ``host_state``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import PAGE, FuyouConfig, format_bytes
+from ..config import PAGE, FuyouConfig, format_bytes, host_budget_split
+from ..device import alloc_host_buffer
 from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
@@ -66,6 +74,7 @@ class Entry:
     failed: list[str | None] = field(default_factory=lambda: [None, None])
     inflight: list[int] = field(default_factory=lambda: [0, 0])
     writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
+    memory: list[torch.Tensor] | None = None  # in_memory: each physical slot's chunks, padded like on disk
 
     @property
     def stride(self) -> int:
@@ -73,6 +82,11 @@ class Entry:
 
     def chunk_len(self, k: int) -> int:
         return min(self.chunk_bytes, self.nbytes - k * self.chunk_bytes)
+
+    def chunk_memory(self, k: int, slot: int) -> torch.Tensor:
+        """The bytes of chunk ``k`` in physical slot ``slot`` of an in-memory entry."""
+        start = k * self.stride
+        return self.memory[slot][start : start + self.chunk_len(k)]
 
     def location(self, k: int, slot: int) -> tuple[int, int]:
         """(directory index, file offset) of chunk ``k`` in physical slot ``slot``."""
@@ -173,8 +187,8 @@ class TensorStore:
             )
             for i in range(len(res.run_dirs)):  # one at a time: a failure closes the files opened before it
                 res.files.append(res.engine.open(i, "data.bin"))
-            if pool is None:
-                pool = res.pool = HostBufferPool(config.host_memory_budget)
+            if pool is None:  # the budget less what the host tier of the state holds (`host_budget_split`)
+                pool = res.pool = HostBufferPool(host_budget_split(config).pool)
         except BaseException:
             self._finalizer()
             raise
@@ -184,6 +198,7 @@ class TensorStore:
         self._space = [_FileSpace() for _ in res.files]
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
+        self._in_memory = 0  # bytes of in-memory entries, at most config.host_state
         self._lock = threading.Lock()
 
     # -- entries --------------------------------------------------------------------------------
@@ -202,6 +217,17 @@ class TensorStore:
         reserved for later entries; the files are given back only at `close`."""
         return sum(space.size for space in self._space)
 
+    @property
+    def bytes_in_memory(self) -> int:
+        """Bytes the in-memory entries hold (every slot, with padding)."""
+        return self._in_memory
+
+    @staticmethod
+    def footprint(nbytes: int, chunk_bytes: int, slots: int) -> int:
+        """The bytes an entry of ``nbytes`` in chunks of ``chunk_bytes`` takes, every slot, with padding."""
+        chunk_bytes = min(chunk_bytes, round_up(nbytes))
+        return slots * -(-nbytes // chunk_bytes) * round_up(chunk_bytes)
+
     def entry(self, name: str) -> Entry:
         try:
             return self._entries[name]
@@ -216,6 +242,7 @@ class TensorStore:
         *,
         chunk_bytes: int | None = None,
         slots: int = 2,
+        in_memory: bool = False,
     ) -> Entry:
         """Reserve space for a tensor of ``shape`` and ``dtype``.
 
@@ -223,7 +250,8 @@ class TensorStore:
         of striping and of `read_chunk`/`write_chunk`. ``slots=1`` makes an entry without a
         shadow slot (scratch data such as activations). Space freed by `delete` is reused.
         Raises `StorageSpaceError` naming the bytes needed and available when a directory is
-        too full.
+        too full. ``in_memory``: the chunks live in host RAM (module docstring), within
+        ``config.host_state``; `StorageSpaceError` when that is spent.
         """
         self._check_open()
         shape = tuple(int(s) for s in shape)
@@ -238,6 +266,8 @@ class TensorStore:
         chunk_bytes = min(chunk_bytes, round_up(nbytes))
         nchunks = -(-nbytes // chunk_bytes)
         num_dirs = len(self._files)
+        if in_memory:
+            return self._create_in_memory(name, shape, dtype, nbytes, chunk_bytes, nchunks, slots)
         with self._lock:
             if name in self._entries:
                 raise StorageError(f"entry {name!r} exists already")
@@ -257,6 +287,29 @@ class TensorStore:
             self._entries[name] = entry
         return entry
 
+    def _create_in_memory(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int,
+                          chunk_bytes: int, nchunks: int, slots: int) -> Entry:
+        need = slots * nchunks * round_up(chunk_bytes)
+        with self._lock:
+            if name in self._entries:
+                raise StorageError(f"entry {name!r} exists already")
+            if self._in_memory + need > self.config.host_state:
+                raise StorageSpaceError(
+                    f"entry {name!r} needs {format_bytes(need)} of host memory but host_state="
+                    f"{format_bytes(self.config.host_state)} has {format_bytes(self.config.host_state - self._in_memory)} "
+                    "left; raise host_state or keep the entry on the SSD")
+            self._in_memory += need
+        try:
+            memory = [alloc_host_buffer(nchunks * round_up(chunk_bytes)) for _ in range(slots)]
+        except BaseException:
+            with self._lock:
+                self._in_memory -= need
+            raise
+        entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, 0, 1, {}, {}, slots, memory=memory)
+        with self._lock:
+            self._entries[name] = entry
+        return entry
+
     def delete(self, name: str) -> None:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
         with self._lock:
@@ -264,6 +317,8 @@ class TensorStore:
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
+            if entry.memory is not None:
+                self._in_memory -= entry.slots * entry.nchunks * entry.stride
             for d, offset in entry.base.items():
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
 
@@ -354,6 +409,13 @@ class TensorStore:
                 into.release()
             raise
         buf = into if into is not None else self.pool.acquire(entry.chunk_len(k), timeout=timeout)
+        if entry.memory is not None:  # the host tier: a copy, done when this returns
+            try:
+                buf.view().copy_(entry.chunk_memory(k, phys))
+            except BaseException:
+                buf.release()
+                raise
+            return _done(buf)
         d, offset = entry.location(k, phys)
         try:
             inner = self.engine.read(self._files[d], offset, buf.data)
@@ -382,6 +444,19 @@ class TensorStore:
         entry = self.entry(name)
         phys = self._slot(entry, slot)
         self._check_chunk_buffer(entry, k, buf)
+        if entry.memory is not None:  # the host tier: a copy, recorded as written before the future completes
+            self._begin_write(entry, phys, k)
+            try:
+                entry.chunk_memory(k, phys).copy_(buf.view())
+            except BaseException as exc:
+                self._end_write(entry, phys, k, _done(None, exc))
+                raise
+            finally:
+                if release:
+                    buf.release()
+            fut = _done(None)
+            self._end_write(entry, phys, k, fut)
+            return fut
         d, offset = entry.location(k, phys)
         self._begin_write(entry, phys, k)
         try:
@@ -508,6 +583,13 @@ class TensorStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _done(result: object, error: BaseException | None = None) -> Future:
+    """A future completed at once (a host-tier transfer is a copy made before it returns)."""
+    fut: Future = Future()
+    fut.set_exception(error) if error is not None else fut.set_result(result)
+    return fut
 
 
 def rank_path(path: str) -> str:
