@@ -76,15 +76,15 @@ def test_a_save_resumes_into_another_split_exactly(tmp_path):
 
 
 def test_the_host_tier_stays_within_host_memory_budget(tmp_path):
-    """The state in RAM comes out of host_memory_budget: the pool shrinks by host_state, and every host
-    buffer of the process together (the process-wide counter) never exceeds the budget."""
+    """The state in RAM comes out of host_memory_budget: the pool lends it for the entries' life, and every
+    host buffer of the process together (the process-wide counter) never exceeds the budget."""
     cfg = config(tmp_path, "backward", host_state="512KiB")
     model = tiny_causal_lm("gpt2")
     reset_host_buffer_high_water()
     base = host_buffer_usage().live
     with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=cfg) as opt:
-        assert opt.store.pool.budget == cfg.host_memory_budget - cfg.host_state
-        assert 0 < opt.store.bytes_in_memory <= cfg.host_state
+        assert opt.store.pool.budget == cfg.host_memory_budget
+        assert 0 < opt.store.bytes_in_memory <= cfg.host_state and opt.store.pool.lent >= opt.store.bytes_in_memory
         train(model, opt, steps=range(3))
     assert host_buffer_usage().high_water - base <= cfg.host_memory_budget
 
@@ -95,8 +95,8 @@ def test_host_state_is_checked_against_the_budget_and_the_store_keeps_to_it(tmp_
     with TensorStore(FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB",
                                  host_state="16KiB")) as store:
         store.create("a", (2048,), torch.float32, in_memory=True)  # 8 KiB, two slots
-        with pytest.raises(StorageSpaceError, match=r"entry 'b' needs 16.00 KiB of host memory but host_state=16.00 "
-                                                    r"KiB has 0 B left"):
+        with pytest.raises(StorageSpaceError, match=r"entry 'b' needs 16.00 KiB of host memory but the optimizer "
+                                                    r"state's host tier \(host_state\) has 0 B of 16.00 KiB left"):
             store.create("b", (2048,), torch.float32, in_memory=True)
         x = torch.randn(2048)
         store.write("a", x, slot="shadow").result()

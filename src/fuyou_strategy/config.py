@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -18,8 +20,10 @@ from typing import Any, Iterable, Mapping
 from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
 from .planfile import read as read_plan
 
-__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "parse_bytes", "format_bytes",
-           "read_mapping", "STATE_BYTES_PER_PARAM"]
+__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "auto_host_budget",
+           "available_memory", "parse_bytes", "format_bytes", "read_mapping", "STATE_BYTES_PER_PARAM"]
+
+log = logging.getLogger("fuyou_strategy")
 
 PAGE = 4096
 STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and slot: fp32 master, exp_avg, exp_avg_sq
@@ -38,6 +42,40 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+# host_memory_budget="auto": this share of the RAM available at start, leaving at least AUTO_BUDGET_KEEP to
+# the process itself (the model, its gradients and activations on a CPU device), the data loader and the
+# rest of the machine; never less than AUTO_BUDGET_MIN (the transfers' buffers). Below AUTO_BUDGET_LOW
+# the optimizer state stays on the SSD (host_state="auto" takes nothing) and a warning says so.
+AUTO_BUDGET_SHARE = 0.5
+AUTO_BUDGET_KEEP = 4 * 1024**3
+AUTO_BUDGET_MIN = 512 * 1024**2
+AUTO_BUDGET_LOW = 2 * 1024**3
+
+
+def available_memory() -> int:
+    """Bytes of RAM available to new allocations without swapping (``MemAvailable`` of ``/proc/meminfo``;
+    0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key == "MemAvailable":
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def auto_host_budget(available: int) -> tuple[int, str]:
+    """What ``host_memory_budget="auto"`` takes of ``available`` bytes of RAM, and why (one sentence)."""
+    share = min(int(available * AUTO_BUDGET_SHARE), available - AUTO_BUDGET_KEEP) // PAGE * PAGE
+    if share >= AUTO_BUDGET_MIN:
+        return share, (f"{AUTO_BUDGET_SHARE:.0%} of the {format_bytes(available)} of RAM available at start, leaving "
+                       f"at least {format_bytes(AUTO_BUDGET_KEEP)} to the model, the data loader and the machine")
+    return AUTO_BUDGET_MIN, (f"only {format_bytes(available)} of RAM is available: the minimum for the transfers, "
+                             f"{format_bytes(AUTO_BUDGET_MIN)}")
 
 
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
@@ -261,7 +299,16 @@ class FuyouConfig:
                 raise ConfigError(f"swap_dirs: got {resolved}; a directory is listed twice, list each drive once")
             self.swap_dirs = resolved
         raw_budget = self.host_memory_budget
-        self.host_memory_budget = parse_bytes(raw_budget, name="host_memory_budget")
+        if raw_budget == "auto":  # resolved once, here: every copy of this config (replace) keeps the number
+            available = available_memory()
+            self.host_memory_budget, why = auto_host_budget(available)
+            log.info("fuyou: host_memory_budget='auto' took %s: %s", format_bytes(self.host_memory_budget), why)
+            if self.host_state == "auto" and available < AUTO_BUDGET_LOW:
+                warnings.warn(f"fuyou: only {format_bytes(available)} of RAM is available, less than "
+                              f"{format_bytes(AUTO_BUDGET_LOW)}: host_state='auto' keeps the optimizer state on the SSD "
+                              "(free memory, or set host_memory_budget and host_state)", stacklevel=3)
+                self.host_state = 0
+        self.host_memory_budget = parse_bytes(self.host_memory_budget, name="host_memory_budget")
         if self.host_memory_budget < PAGE:
             raise ConfigError(
                 f"host_memory_budget: got {raw_budget!r} ({self.host_memory_budget} bytes); it must hold at "
@@ -304,8 +351,9 @@ class FuyouConfig:
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
                               "slot) or 1 (updates in step(), half the SSD state)")
         raw_state = self.host_state
-        self.host_state = parse_bytes(raw_state, name="host_state")
-        if self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
+        if raw_state != "auto":
+            self.host_state = parse_bytes(raw_state, name="host_state")
+        if raw_state != "auto" and self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
             raise ConfigError(
                 f"host_state: got {raw_state!r} ({format_bytes(self.host_state)}) of host_memory_budget="
                 f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
@@ -483,6 +531,34 @@ class HostShares:
         return self.pool - self.host_activations
 
 
+def _transfers(config: FuyouConfig, pool: int) -> tuple[int, int, int, int]:
+    """(state chunk, read-ahead depth, read-ahead bytes, staging = readback bytes) of a pool of ``pool`` bytes."""
+    unit = STATE_CHUNK_ELEMENTS * STATE_BYTES_PER_PARAM
+    state_chunk = max(1, config.chunk_size // unit) * unit
+    staging = max(2, len(config.swap_dirs or ())) * config.chunk_size
+    depth = max(1, min(config.optimizer_prefetch_chunks, (pool - 2 * staging) // state_chunk - 1))
+    return state_chunk, depth, (depth + 1) * state_chunk, staging
+
+
+def host_state_bytes(config: FuyouConfig) -> int:
+    """The bytes of ``host_memory_budget`` the optimizer state takes in host RAM from the start.
+
+    A number of ``host_state`` is itself. ``"auto"``: everything the transfers (the optimizer's full
+    read-ahead, the staging of SSD activations both ways) leave, when nothing else claims the host
+    tier; when something may (``activations`` or ``weights`` naming ``"host"``, or ``"auto"`` — the
+    planner's), nothing at first: `FuyouEngine` gives the state what the plan leaves once it is made
+    (`planner.Plan.state_in_ram`)."""
+    if config.host_state != "auto":
+        return config.host_state
+    values = [config.activations, config.weights]
+    claims = [v.values() if isinstance(v, dict) else [v] for v in values]
+    if any(v in ("host", "auto") for c in claims for v in c) or config.plan is not None:
+        return 0
+    _, _, readahead, staging = _transfers(config, config.host_memory_budget)
+    free = config.host_memory_budget - readahead - 2 * staging
+    return max(0, free // PAGE * PAGE)
+
+
 def host_budget_split(config: FuyouConfig) -> HostShares:
     """The one division of ``config.host_memory_budget``; see `HostShares`.
 
@@ -492,12 +568,8 @@ def host_budget_split(config: FuyouConfig) -> HostShares:
     A budget smaller than the reserved shares together is still valid: the transfers then
     take turns, and host-policy activations stay on the device.
     """
-    unit = STATE_CHUNK_ELEMENTS * STATE_BYTES_PER_PARAM
-    state_chunk = max(1, config.chunk_size // unit) * unit
-    pool = config.host_memory_budget - config.host_state
-    staging = readback = max(2, len(config.swap_dirs or ())) * config.chunk_size
-    depth = max(1, min(config.optimizer_prefetch_chunks, (pool - staging - readback) // state_chunk - 1))
-    readahead = (depth + 1) * state_chunk
-    host = max(0, pool - readahead - staging - readback)
-    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, readback, host,
-                      config.host_state)
+    state = host_state_bytes(config)
+    pool = config.host_memory_budget - state
+    state_chunk, depth, readahead, staging = _transfers(config, pool)
+    host = max(0, pool - readahead - 2 * staging)
+    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, staging, host, state)

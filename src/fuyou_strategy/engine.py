@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
-from .config import ConfigError, FuyouConfig
+from .config import ConfigError, FuyouConfig, format_bytes
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -264,6 +264,7 @@ class FuyouEngine:
                 materialize(model, self.device, init_weights)
             self.optimizer.initialise_materialized()
             if self.plan is not None:
+                self._hold_state_in_ram(self.plan)
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
@@ -298,6 +299,19 @@ class FuyouEngine:
                                        init_weights=self.init_weights)
         self.streamer.install()
         self.optimizer.attach_weights(self.streamer)
+
+    def _hold_state_in_ram(self, plan: Plan) -> None:
+        """With ``host_state="auto"``, move as much optimizer state into host RAM as ``plan`` leaves it
+        (`Plan.state_in_ram`), before the plan's other host users start; from then on the engine's config
+        (which the streamer's and the swapper's derive from) says what the state took."""
+        if self.config.host_state != "auto":
+            return
+        held = self.optimizer.hold_state_in_ram(plan.state_in_ram) if plan.state_in_ram else 0
+        self.config = self.config.replace(host_state=held)
+        on_ssd, in_ram = self.optimizer.adam_state.footprint()
+        self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
+                    f"{format_bytes(on_ssd + in_ram)} in host RAM (what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
+                    "leaves beside the plan's activations and weights), the rest on the SSD")
 
     def _install_swapper(self, activations: str | dict) -> None:
         # The swapper applies only the activation policies (the engine applies the plan's weight tiers).
@@ -373,6 +387,7 @@ class FuyouEngine:
             raise error
         self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
                     f"{self.plan.table(compact=True)}")
+        self._hold_state_in_ram(self.plan)
         if tiers and self.plan.weights:
             self._install_streamer(self.plan.weights)
         if any(p != Policy.KEEP.value for p in self.plan.policies):

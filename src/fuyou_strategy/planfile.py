@@ -54,6 +54,7 @@ FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "profile": ("an object", lambda v: isinstance(v, dict)),
     "weight_tiers": (f"one of {list(WEIGHT_TIERS)}", lambda v: v in WEIGHT_TIERS),
     "note": _TEXT,
+    "state_in_ram": _BYTES,
 }
 REQUIRED = ("policies", "act_bytes", "reasons", "predicted_step_s", "device_peak", "host_peak", "ssd_peak", "budgets")
 _PER_BLOCK = ("policies", "act_bytes", "reasons", "weight_tiers")

@@ -253,6 +253,9 @@ class RunReport:
         stream = engine.streamer.stats if engine.streamer is not None else None
         times = self.step_times[1:] or self.step_times  # the first step includes warm-up
         trainable = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD, and in
+        # host RAM (FuyouConfig.host_state)
+        state_on_ssd, state_in_ram = opt.adam_state.footprint()
         return {
             "trainable_parameters": trainable,
             "optimizer_steps": stats.steps,
@@ -268,11 +271,8 @@ class RunReport:
             "schedule_reason": stats.last_reason,
             "last_grad_norm": stats.last_grad_norm,
             "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
-            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD,
-            # and in host RAM (FuyouConfig.host_state)
-            "ssd_bytes_optimizer_state": sum(e.slots * e.nchunks * e.stride for name, e in store.entries.items()
-                                             if name.startswith("adamw.") and e.memory is None),
-            "host_bytes_optimizer_state": store.bytes_in_memory,
+            "ssd_bytes_optimizer_state": state_on_ssd,
+            "host_bytes_optimizer_state": state_in_ram,
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,

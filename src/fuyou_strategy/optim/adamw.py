@@ -374,6 +374,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         data parallelism: every rank calls it at the same point."""
         self._land()
 
+    def hold_state_in_ram(self, nbytes: int) -> int:
+        """Let the state's host tier hold ``nbytes`` (of ``host_memory_budget``) and move this rank's next
+        parameters' state there from the SSD (`OptimizerState.hold_in_ram`); returns the bytes it holds.
+        Between steps: the updates left for the next forward land first. Bitwise nothing changes."""
+        self.flush()
+        self.adam_state.drain()
+        return self.adam_state.hold_in_ram(self.sharding.owned(self._params), nbytes)
+
     def _land(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         self.sharding.land(params)
 

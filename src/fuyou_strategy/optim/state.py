@@ -13,7 +13,8 @@ state back, checkpoints. ``state_slots=2`` gives every entry a second (*shadow*)
 speculative updates write into; `commit` flips it in, `rollback` drops it.
 
 Tiers: with ``FuyouConfig.host_state`` the entries of the first parameters that fit live in host RAM
-(`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD. Nothing else
+(`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD; `hold_in_ram`
+moves more there between steps (the engine, once the planner says what the host budget leaves). Nothing else
 changes: the same jobs read and write the same bytes, so the results are bitwise those of the state
 all on the SSD.
 
@@ -110,9 +111,10 @@ class OptimizerState:
 
     def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int) -> None:
         self.config, self.slots = config, config.state_slots
-        self.in_memory = self._host_tier(owned)  # indices of the parameters whose state lives in host RAM
         self.store = TensorStore(config)
         try:
+            # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
+            self.in_memory = self._host_tier(owned, self.store.memory_limit)
             self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
             try:
                 for ps in owned:
@@ -126,20 +128,40 @@ class OptimizerState:
             self.store.close()
             raise
 
-    def _host_tier(self, owned: list[ParamState]) -> set[int]:
-        """The parameters whose state ``host_state`` holds: whole, in order, each that still fits (an HF model's
-        embedding comes first; its update is the last in backward, where the SSD's time is hardest to hide)."""
-        left, chosen = self.config.host_state, set()
+    def _host_tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None) -> set[int]:
+        """The parameters (indices) whose state ``nbytes`` of host RAM holds beside ``chosen`` (those there
+        already, within ``nbytes``): whole, in order, each that still fits (an HF model's embedding comes
+        first; its update is the last in backward, where the SSD's time is hardest to hide)."""
+        chosen = set(chosen or ())
+        left = nbytes
         for ps in owned:
             need = TensorStore.footprint(ps.numel * ELEMENT_BYTES, ps.elems_per_chunk * ELEMENT_BYTES, self.slots)
-            if need <= left:
+            if ps.index in chosen or need <= left:
                 chosen.add(ps.index)
                 left -= need
         return chosen
 
+    def hold_in_ram(self, owned: list[ParamState], nbytes: int) -> int:
+        """Let the host tier hold ``nbytes`` of state and move the next parameters' state (in order, whole,
+        those that fit) from the SSD into it; returns the bytes it holds now. Bitwise nothing changes. Only
+        between steps, with nothing in flight (after `drain`)."""
+        self.store.allow_in_memory(nbytes)
+        chosen = self._host_tier(owned, self.store.memory_limit, self.in_memory)
+        for ps in owned:
+            if ps.index in chosen and ps.index not in self.in_memory:
+                self.store.to_memory(ps.entry, timeout=self.config.io_timeout)
+                self.in_memory.add(ps.index)
+        return self.store.bytes_in_memory
+
     @property
     def pool(self) -> Any:
         return self.store.pool
+
+    def footprint(self) -> tuple[int, int]:
+        """Bytes of state (every slot, with padding) on the SSD and in host RAM."""
+        entries = [e for name, e in self.store.entries.items() if name.startswith("adamw.")]
+        in_ram = sum(e.slots * e.nchunks * e.stride for e in entries if e.memory is not None)
+        return sum(e.slots * e.nchunks * e.stride for e in entries) - in_ram, in_ram
 
     def numel_in_memory(self) -> int:
         """Parameters (elements) whose state lives in host RAM."""

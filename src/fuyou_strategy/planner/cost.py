@@ -59,7 +59,7 @@ from ..planfile import WEIGHT_TIERS
 __all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
-OPTIMIZER_SSD_SLOTS = 2  # active + shadow
+OPTIMIZER_SSD_SLOTS = 2  # active + shadow (`Profile.state_slots`' default)
 
 
 @dataclass
@@ -139,6 +139,10 @@ class Profile:
     # its gradients off it, on the compute thread; only the SSD reads ahead are asynchronous. False models
     # side-stream copies over the link.
     blocking_weight_copy: bool = True
+    state_slots: int = OPTIMIZER_SSD_SLOTS  # FuyouConfig.state_slots: copies of the state kept per parameter
+    # Optimizer state held in host RAM (FuyouConfig.host_state): bytes (every slot), or None: whatever the
+    # host budget leaves (all of it without a host budget); 0: all of the state on the SSD.
+    host_state: int | None = 0
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -194,6 +198,7 @@ class Prediction:
     # Bytes written to the SSD per step (optimizer state, SSD activations, streamed weights' write-back):
     # what the drives' endurance pays (the clipping redo's second write excluded).
     ssd_write_bytes: float = 0.0
+    state_in_ram: int = 0  # bytes of optimizer state (every slot) held in host RAM; counted in host_peak
 
     @property
     def fits(self) -> bool:
@@ -242,13 +247,18 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         raise ValueError(f"{len(policies)} policies for {n} blocks")
     k, kw = profile.prefetch_blocks, profile.weight_window
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
+    device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
+    ram = _state_in_ram(profile, blocks, host_peak)  # "rest" or block index -> parameters whose state is in RAM
+    state_ram = sum(ram.values()) * profile.state_slots * STATE_BYTES_PER_PARAM
+    host_peak += state_ram
+    ssd_peak -= state_ram
     s = _Schedule(record=timeline)
     t = 0.0  # end of the previous phase on the compute resource
     backward_end = 0.0
     landed: dict[int, float] = {}  # next_forward: when each block's update (of the step before) landed
     if ahead:
-        t = _update(s, profile, profile.other_params, 0.0, name="rest")  # the embeddings run first
-        landed = {i: _update(s, profile, b.params, 0.0, b, name=f"block {i}") for i, b in enumerate(blocks)}
+        t = _update(s, profile, profile.other_params, 0.0, ram=ram["rest"], name="rest")  # the embeddings run first
+        landed = {i: _update(s, profile, b.params, 0.0, b, ram=ram[i], name=f"block {i}") for i, b in enumerate(blocks)}
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
         # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
@@ -296,7 +306,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
             if last and profile.data_parallel > 1 and b.grad_bytes:  # the ranks' average, before the update
                 grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
             if last and overlap_optimizer and not ahead:
-                updates_done.append(_update(s, profile, b.params, grads, b, name=f"block {i}"))
+                updates_done.append(_update(s, profile, b.params, grads, b, ram=ram[i], name=f"block {i}"))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if profile.data_parallel > 1 and profile.other_params:
@@ -306,23 +316,22 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     if ahead:
         updates_done = []  # they run ahead of the next forward: the next step's start, above
     elif overlap_optimizer:
-        updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
+        updates_done.append(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest"))
     else:
-        updates_done = [_update(s, profile, b.params, backward_end, b, name=f"block {i}")
+        updates_done = [_update(s, profile, b.params, backward_end, b, ram=ram[i], name=f"block {i}")
                         for i, b in reversed(list(enumerate(blocks)))]
-        updates_done.append(_update(s, profile, profile.other_params, backward_end, name="rest"))
+        updates_done.append(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest"))
     step = max([backward_end, *updates_done])
     timeline, s.tasks = s.tasks or [], None  # the redo below is a share of a pass, not a task on the timeline
     if profile.redo_fraction > 0 and not ahead:
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
-        for b in reversed(blocks):
-            redo = max(redo, _update(s, profile, b.params, step, b))
-        redo = max(redo, _update(s, profile, profile.other_params, step))
+        for i, b in reversed(list(enumerate(blocks))):
+            redo = max(redo, _update(s, profile, b.params, step, b, ram=ram[i]))
+        redo = max(redo, _update(s, profile, profile.other_params, step, ram=ram["rest"]))
         step += profile.redo_fraction * (redo - step)
 
-    device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
-    ssd_writes = (profile.params * STATE_BYTES_PER_PARAM
+    ssd_writes = ((profile.params - sum(ram.values())) * STATE_BYTES_PER_PARAM
                   + profile.micro_batches * sum(b.act_bytes for b, p in zip(blocks, policies) if p is Policy.SSD)
                   + sum(b.grad_bytes for b in blocks if b.weight_tier == "ssd"))
     over = {}
@@ -332,7 +341,25 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
             over[tier] = peak - budget
     return Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
                       s.busy["cpu"], step - backward_end, over, timeline, schedule if overlap_optimizer else "backward",
-                      ssd_writes)
+                      ssd_writes, state_ram)
+
+
+def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) -> dict:
+    """Per update (``"rest"``, then each block index), the parameters whose optimizer state is in host RAM:
+    ``profile.host_state`` bytes, or what the host budget leaves beside ``host_peak`` (the other host
+    users), given in the optimizer's order (the rest of the model first, then block 0, 1, ...)."""
+    per_param = profile.state_slots * STATE_BYTES_PER_PARAM
+    total = profile.params * per_param
+    if profile.host_state is not None:
+        room = profile.host_state
+    else:
+        room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
+    params = min(total, room) // per_param
+    ram: dict = {}
+    for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:
+        ram[key] = min(n, params)
+        params -= ram[key]
+    return ram
 
 
 def _ring(profile: Profile) -> float:
@@ -375,15 +402,17 @@ class _WeightReads:
 
 
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
-            name: str = "") -> float:
+            ram: int = 0, name: str = "") -> float:
     """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
     weight: uploaded to the device when resident (``block`` None or on the device), written back to
-    SSD for the ``ssd`` tier, left in place for ``host``."""
+    SSD for the ``ssd`` tier, left in place for ``host``. The state of ``ram`` of the ``params`` is
+    in host RAM: it moves nothing over the SSD."""
     if params == 0:
         return grads_ready
-    read = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
+    on_ssd = (params - ram) * STATE_BYTES_PER_PARAM
+    read = s.run("ssd", on_ssd / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
     done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
-    written = s.run("ssd", params * STATE_BYTES_PER_PARAM / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
+    written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
     tier = block.weight_tier if block is not None else "device"
     if tier == "ssd" and block.grad_bytes:  # frozen weights are never written back
         written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
@@ -429,7 +458,7 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
             + sum(b.weight_bytes for b in blocks if b.weight_tier == "host")
             + max((b.weight_bytes for b in blocks if b.weight_tier == "ssd"), default=0)
             + max((b.grad_bytes for b in streamed), default=0))
-    ssd = (OPTIMIZER_SSD_SLOTS * STATE_BYTES_PER_PARAM * profile.params
+    ssd = (profile.state_slots * STATE_BYTES_PER_PARAM * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
            + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))
     return device, host, ssd

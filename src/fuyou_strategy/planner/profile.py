@@ -201,6 +201,8 @@ class WarmupProfiler:
             # The streamer copies prefetched blocks onto the device on its upload thread (a side
             # stream on CUDA), not on the compute thread.
             blocking_weight_copy=False,
+            # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
+            state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",

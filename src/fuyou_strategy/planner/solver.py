@@ -61,6 +61,9 @@ class Plan:
     profile: dict = field(default_factory=dict, repr=False)
     weight_tiers: list[str] = field(default_factory=list)
     note: str = ""  # e.g. what sparing the drives' endurance (write_tolerance) saved and cost
+    # Bytes of optimizer state (every slot) the plan holds in host RAM (FuyouConfig.host_state): what the host
+    # budget leaves with host_state="auto"; counted in host_peak. The engine moves that much state there.
+    state_in_ram: int = 0
 
     def __post_init__(self) -> None:
         if not self.weight_tiers:
@@ -99,7 +102,8 @@ class Plan:
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
             f"{format_bytes(self.host_peak)} (budget {budget.get('host')}), ssd {format_bytes(self.ssd_peak)} "
             f"(budget {budget.get('ssd')})",
-        ] + ([self.note] if self.note else [])
+        ] + ([f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
+             if self.state_in_ram else []) + ([self.note] if self.note else [])
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -303,6 +307,7 @@ def _plan(profile: Profile, state: _State, pred: Prediction, reasons: list[str],
         source=source,
         profile=profile.to_dict(),
         weight_tiers=list(weights),
+        state_in_ram=pred.state_in_ram,
     )
 
 

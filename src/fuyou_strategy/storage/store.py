@@ -13,12 +13,13 @@ the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollb
 the shadow away. A slot is only readable once all its chunks were written successfully, so
 a failed or partial write is never served as good data.
 
-An entry created ``in_memory`` keeps its chunks (both slots) in host RAM instead — the host tier
-of the optimizer state (``FuyouConfig.host_state``, which caps them all together) — behind the same
-interface and bookkeeping: reading copies a chunk into a pool buffer, writing copies it back, and
-the slots flip and roll back alike, so whoever reads and writes chunks cannot tell the tiers apart
-(and the bytes are the same). Its memory counts towards ``host_memory_budget``, whose pool shrinks
-by ``host_state``.
+An entry created ``in_memory`` (or moved there by `to_memory`) keeps its chunks (both slots) in
+host RAM instead — the host tier of the optimizer state — behind the same interface and
+bookkeeping: reading copies a chunk into a pool buffer, writing copies it back, and the slots flip
+and roll back alike, so whoever reads and writes chunks cannot tell the tiers apart (and the bytes
+are the same). Its memory is lent by the pool for the entry's life, so it counts in
+``host_memory_budget`` like every other host buffer; all in-memory entries together stay within
+`memory_limit` (``host_state_bytes(config)``, raised by `allow_in_memory`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import shutil
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from ..config import PAGE, FuyouConfig, format_bytes, host_budget_split
-from ..device import alloc_host_buffer
+from ..config import PAGE, FuyouConfig, format_bytes, host_state_bytes
 from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
@@ -74,7 +75,7 @@ class Entry:
     failed: list[str | None] = field(default_factory=lambda: [None, None])
     inflight: list[int] = field(default_factory=lambda: [0, 0])
     writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
-    memory: list[torch.Tensor] | None = None  # in_memory: each physical slot's chunks, padded like on disk
+    memory: list[HostBuffer] | None = None  # in_memory: each physical slot's chunks, padded like on disk
 
     @property
     def stride(self) -> int:
@@ -86,7 +87,7 @@ class Entry:
     def chunk_memory(self, k: int, slot: int) -> torch.Tensor:
         """The bytes of chunk ``k`` in physical slot ``slot`` of an in-memory entry."""
         start = k * self.stride
-        return self.memory[slot][start : start + self.chunk_len(k)]
+        return self.memory[slot].data[start : start + self.chunk_len(k)]
 
     def location(self, k: int, slot: int) -> tuple[int, int]:
         """(directory index, file offset) of chunk ``k`` in physical slot ``slot``."""
@@ -187,8 +188,8 @@ class TensorStore:
             )
             for i in range(len(res.run_dirs)):  # one at a time: a failure closes the files opened before it
                 res.files.append(res.engine.open(i, "data.bin"))
-            if pool is None:  # the budget less what the host tier of the state holds (`host_budget_split`)
-                pool = res.pool = HostBufferPool(host_budget_split(config).pool)
+            if pool is None:
+                pool = res.pool = HostBufferPool(config.host_memory_budget)
         except BaseException:
             self._finalizer()
             raise
@@ -198,7 +199,9 @@ class TensorStore:
         self._space = [_FileSpace() for _ in res.files]
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
-        self._in_memory = 0  # bytes of in-memory entries, at most config.host_state
+        # Bytes of in-memory entries, at most memory_limit (both change under the lock).
+        self._in_memory = 0
+        self.memory_limit = host_state_bytes(config)
         self._lock = threading.Lock()
 
     # -- entries --------------------------------------------------------------------------------
@@ -221,6 +224,12 @@ class TensorStore:
     def bytes_in_memory(self) -> int:
         """Bytes the in-memory entries hold (every slot, with padding)."""
         return self._in_memory
+
+    def allow_in_memory(self, nbytes: int) -> None:
+        """Let in-memory entries take up to ``nbytes`` in all (`FuyouEngine`, once a plan says what the host
+        tier leaves the optimizer state); never below what they hold."""
+        with self._lock:
+            self.memory_limit = max(nbytes, self._in_memory)
 
     @staticmethod
     def footprint(nbytes: int, chunk_bytes: int, slots: int) -> int:
@@ -289,26 +298,79 @@ class TensorStore:
 
     def _create_in_memory(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int,
                           chunk_bytes: int, nchunks: int, slots: int) -> Entry:
-        need = slots * nchunks * round_up(chunk_bytes)
         with self._lock:
             if name in self._entries:
                 raise StorageError(f"entry {name!r} exists already")
-            if self._in_memory + need > self.config.host_state:
-                raise StorageSpaceError(
-                    f"entry {name!r} needs {format_bytes(need)} of host memory but host_state="
-                    f"{format_bytes(self.config.host_state)} has {format_bytes(self.config.host_state - self._in_memory)} "
-                    "left; raise host_state or keep the entry on the SSD")
-            self._in_memory += need
-        try:
-            memory = [alloc_host_buffer(nchunks * round_up(chunk_bytes)) for _ in range(slots)]
-        except BaseException:
-            with self._lock:
-                self._in_memory -= need
-            raise
-        entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, 0, 1, {}, {}, slots, memory=memory)
+        entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, 0, 1, {}, {}, slots)
+        entry.memory = self._lend_memory(entry)
         with self._lock:
             self._entries[name] = entry
         return entry
+
+    def _lend_memory(self, entry: Entry, timeout: float | None = None) -> list[HostBuffer]:
+        """The pool buffers (one per slot) of an in-memory entry, within `memory_limit`."""
+        need = entry.slots * entry.nchunks * entry.stride
+        with self._lock:
+            if self._in_memory + need > self.memory_limit:
+                raise StorageSpaceError(
+                    f"entry {entry.name!r} needs {format_bytes(need)} of host memory but the optimizer state's host "
+                    f"tier (host_state) has {format_bytes(self.memory_limit - self._in_memory)} of "
+                    f"{format_bytes(self.memory_limit)} left; raise host_state or keep the entry on the SSD")
+            self._in_memory += need
+        buffers: list[HostBuffer] = []
+        try:
+            for _ in range(entry.slots):
+                buffers.append(self.pool.acquire(entry.nchunks * entry.stride, timeout=timeout))
+        except BaseException:
+            for buf in buffers:
+                buf.release()
+            with self._lock:
+                self._in_memory -= need
+            raise
+        return buffers
+
+    def to_memory(self, name: str, *, timeout: float | None = None) -> int:
+        """Move an entry from the SSD into host RAM (every written chunk of both slots, read straight into
+        the entry's new memory), then give its disk space back; returns the bytes it now holds in RAM
+        (0 if it was there already). Nothing may be in flight for the entry. On failure the entry stays
+        on the SSD, unchanged."""
+        entry = self.entry(name)
+        if entry.memory is not None:
+            return 0
+        with self._lock:
+            if any(entry.inflight):
+                raise StorageError(f"cannot move entry {name!r} to host memory while a write to it is in flight")
+            written = [sorted(w) for w in entry.written]
+        memory = self._lend_memory(entry, timeout)
+        futures, error = [], None
+        try:
+            for phys in range(entry.slots):
+                for k in written[phys]:
+                    d, offset = entry.location(k, phys)
+                    start = k * entry.stride
+                    futures.append(self.engine.read(self._files[d], offset,
+                                                    memory[phys].data[start : start + round_up(entry.chunk_len(k))]))
+        except BaseException as exc:
+            error = exc
+        try:  # every read submitted ends before its memory may be given back
+            gather(futures).result(timeout=self.config.io_timeout)
+        except FutureTimeout:  # reads may still land in the memory: it stays lent (until close), not reused
+            raise StorageError(f"moving entry {name!r} to host memory: the SSD reads took longer than "
+                               f"io_timeout={self.config.io_timeout} s") from error
+        except BaseException as exc:
+            error = error or exc
+        if error is not None:
+            for buf in memory:
+                buf.release()
+            with self._lock:
+                self._in_memory -= entry.slots * entry.nchunks * entry.stride
+            raise error
+        with self._lock:
+            entry.memory = memory
+            for d, offset in entry.base.items():
+                self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
+            entry.base, entry.count = {}, {}
+        return entry.slots * entry.nchunks * entry.stride
 
     def delete(self, name: str) -> None:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
@@ -319,6 +381,8 @@ class TensorStore:
             del self._entries[name]
             if entry.memory is not None:
                 self._in_memory -= entry.slots * entry.nchunks * entry.stride
+                for buf in entry.memory:
+                    buf.release()
             for d, offset in entry.base.items():
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
 
