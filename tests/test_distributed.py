@@ -136,11 +136,14 @@ def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_
     assert all(abs(r["state_bytes"] - whole / 2) <= 0.1 * whole for r in ranks), [r["state_bytes"] for r in ranks]
 
 
-def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(tmp_path):
-    """Each rank's own shard splits between host RAM and its SSD (``host_state``): bitwise the same as one
-    process summing the ranks' gradients alike, as with the state all on the SSD."""
-    mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", "host_state": "64KiB"}),
-             nprocs=2)
+@pytest.mark.parametrize("split", [{"host_state": "64KiB"},
+                                   {"host_state": "auto", "activations": "auto", "planner_warmup_steps": 2}],
+                         ids=["fixed", "planned"])
+def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(tmp_path, split):
+    """Each rank's own shard splits between host RAM and its SSD (``host_state``; ``"auto"``: what rank 0's
+    plan leaves, moved there after the warm-up): bitwise the same as one process summing the ranks' gradients
+    alike, as with the state all on the SSD."""
+    mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", **split}), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["host_bytes_optimizer_state"] > 0 for r in ranks), "each rank kept some of its shard in RAM"
     same_sum, norms = reference("gpt2", as_ranks=True)

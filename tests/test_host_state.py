@@ -3,12 +3,16 @@ state between host RAM and the SSD trains bitwise like the state all on the SSD,
 stays within ``host_memory_budget``."""
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
 
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.activations import Policy
+from fuyou_strategy.config import host_budget_split, host_state_bytes, parse_bytes
 from fuyou_strategy.device import host_buffer_usage, reset_host_buffer_high_water
 from fuyou_strategy.storage import StorageSpaceError, TensorStore
 from test_schedule import MAX_NORM, STEPS, config, reference, train
@@ -136,3 +140,146 @@ def test_through_lightning_and_hf_a_split_changes_no_bit(tmp_path, run):
     assert summary["redos"] + summary["clipped"] > 0, "clipping bit"
     for (name, p), q in zip(on_ssd.named_parameters(), split.parameters()):
         assert torch.equal(p, q), name
+
+
+# -- host_state="auto": the planner's split, and the budget that fits the machine ----------------------------------
+def test_the_cost_model_gives_the_state_what_the_host_budget_leaves_in_the_optimizers_order():
+    from test_planner import K, MiB, S, synthetic
+
+    from fuyou_strategy.planner import fixed_plan, predict, solve
+
+    # 8 blocks and the rest of 10**6 parameters each: 24 MB of state per block (two slots); a slow SSD
+    on_ssd = synthetic(n=8, ssd_bw=1e9, host=120 * MiB, optimizer_host_bytes=8 * MiB)  # 216 MB in all
+    auto = dataclasses.replace(on_ssd, host_state=None)
+    base, ram = predict(on_ssd, [K] * 8), predict(auto, [K] * 8)
+    per_block = 2 * 12 * 10**6
+    assert base.state_in_ram == 0 and ram.state_in_ram > 0
+    assert ram.host_peak <= 120 * MiB and ram.host_peak == base.host_peak + ram.state_in_ram
+    assert ram.state_in_ram == (120 * MiB - base.host_peak) // 24 * 24, "all the room, in whole parameters"
+    assert ram.ssd_peak == base.ssd_peak - ram.state_in_ram
+    assert ram.ssd_write_bytes == base.ssd_write_bytes - ram.state_in_ram // 2, "one slot written per step"
+    assert ram.step_s < base.step_s, "less SSD traffic, a shorter step"
+    timeline = {name: end - start for _res, name, start, end in predict(auto, [K] * 8, timeline=True).timeline}
+    # the rest of the model (first in the optimizer's order) and the first blocks move nothing over the SSD
+    assert "read state rest" not in timeline and "read state block 0" not in timeline
+    assert "read state block 7" in timeline
+    assert ram.state_in_ram // per_block < 8
+    # an activation on the host leaves the state less room; the solver weighs it
+    host_act = predict(auto, [S] + [K] * 7)
+    assert host_act.state_in_ram == ram.state_in_ram
+    assert predict(auto, [Policy.HOST] + [K] * 7).state_in_ram < ram.state_in_ram
+    plan = solve(auto, allowed=[K, Policy.HOST])
+    assert plan.state_in_ram > 0 and plan.host_peak <= 120 * MiB
+    # a fixed host_state counts in the host peak and can overflow it
+    fixed = dataclasses.replace(on_ssd, host_state=200 * MiB)
+    assert "host" in predict(fixed, [K] * 8).over
+    assert fixed_plan(auto, [K] * 8).state_in_ram == ram.state_in_ram
+
+
+def test_fuyou_plan_models_the_split(capsys, tmp_path):
+    from fuyou_strategy.cli import main as fuyou
+
+    out = tmp_path / "plan.json"
+    results = {}
+    for host_state in ["0", "auto"]:
+        assert fuyou(["plan", "gpt3-13b", "--gpu", "a100-80g", "--host-memory", "768GB", "--host-state", host_state,
+                      "--batch", "32", "--seq", "1024", "--json", str(out)]) == 0
+        results[host_state] = json.loads(out.read_text())["results"]["fuyou"]
+    printed = capsys.readouterr().out
+    assert "optimizer state in host RAM" in printed
+    assert results["0"]["state_in_ram"] == 0 and results["auto"]["state_in_ram"] > 0
+    assert results["auto"]["step_s"] < results["0"]["step_s"]
+    assert results["auto"]["host_peak"] <= parse_bytes("768GB")
+
+
+def test_auto_moves_what_the_plan_leaves_into_host_ram_after_the_warm_up_and_changes_no_bit(tmp_path):
+    """The planner profiles 2 steps with the state on the SSD, then the engine moves what the plan leaves the
+    state into host RAM between steps; the run is bitwise torch's and the state-on-SSD run's."""
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    said = []
+    cfg = config(tmp_path, "auto", host_state="auto", activations="auto", planner_warmup_steps=2,
+                 activation_min_bytes=0)
+    assert host_state_bytes(cfg) == 0, "the planner decides"
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=cfg, report=said.append)
+    opt = engine.optimizer
+    assert state_bytes(opt)[1] == 0
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    summary, plan = engine.summary(), engine.plan
+    engine.close()
+    assert plan is not None and plan.state_in_ram > 0
+    assert 0 < summary["host_bytes_optimizer_state"] <= plan.state_in_ram
+    assert any("host_state='auto'" in line and "in host RAM" in line for line in said), said
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_pinned_plan_holds_its_state_in_ram_from_the_first_step(tmp_path):
+    from test_planner import synthetic
+
+    from fuyou_strategy.planner import fixed_plan
+
+    plan = fixed_plan(synthetic(n=2, host=None), ["keep", "keep"])
+    plan.state_in_ram = 96 * 1024
+    plan.save(tmp_path / "plan.json")
+    model = tiny_causal_lm("gpt2")
+    cfg = config(tmp_path, "next_forward", host_state="auto", plan=str(tmp_path / "plan.json"))
+    with FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3), config=cfg) as engine:
+        on_ssd, in_ram = state_bytes(engine.optimizer)
+        assert 0 < in_ram <= 96 * 1024 and on_ssd > 0
+        assert engine.config.host_state == in_ram
+
+
+def test_moving_an_entry_to_memory_keeps_both_slots_and_gives_the_disk_back(tmp_path):
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB")
+    with TensorStore(cfg) as store:
+        store.create("a", (5000,), torch.float32, chunk_bytes=8192)
+        old, new = torch.randn(5000), torch.randn(5000)
+        store.write("a", old).result()
+        store.write("a", new, slot="shadow").result()
+        with pytest.raises(StorageSpaceError, match="host_state"):
+            store.to_memory("a")
+        store.allow_in_memory(64 * 1024)
+        assert store.to_memory("a") == 2 * 3 * 8192 and store.to_memory("a") == 0
+        assert store.entry("a").base == {} and store.bytes_in_memory == 2 * 3 * 8192
+        assert torch.equal(store.read("a").result(), old) and torch.equal(store.read("a", slot="shadow").result(), new)
+        store.commit(["a"])
+        assert torch.equal(store.read("a").result(), new)
+        store.create("b", (5000,), torch.float32, chunk_bytes=8192)  # reuses the space "a" gave back
+        assert store.entry("b").base == {0: 0}
+        store.delete("a")
+        assert store.bytes_in_memory == 0 and store.pool.lent == 0
+
+
+def test_host_state_auto_without_a_planner_takes_what_the_transfers_leave(tmp_path):
+    cfg = config(tmp_path, "auto", host_state="auto")
+    shares = host_budget_split(cfg)
+    assert shares.state_in_ram == host_state_bytes(cfg) > 0
+    assert shares.host_activations == 0 and shares.state_in_ram + shares.reserved == cfg.host_memory_budget
+    for claims in [dict(activations="host"), dict(weights={0: "host"}), dict(activations="auto")]:
+        assert host_state_bytes(config(tmp_path, "auto", host_state="auto", **claims)) == 0, claims
+
+
+def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_ssd_when_little(tmp_path, monkeypatch,
+                                                                                              caplog):
+    import fuyou_strategy.config as config_module
+
+    GiB = 1024**3
+    monkeypatch.setattr(config_module, "available_memory", lambda: 20 * GiB)
+    with caplog.at_level("INFO", logger="fuyou_strategy"):
+        roomy = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")
+    assert roomy.host_memory_budget == 10 * GiB and roomy.host_state == "auto"
+    assert "host_memory_budget='auto' took 10.00 GiB: 50% of the 20.00 GiB of RAM available" in caplog.text
+    assert roomy.replace(io_threads=1).host_memory_budget == 10 * GiB, "resolved once"
+    monkeypatch.setattr(config_module, "available_memory", lambda: 6 * GiB)
+    assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 2 * GiB, "at least 4 GiB left to the rest"
+    monkeypatch.setattr(config_module, "available_memory", lambda: GiB)
+    with pytest.warns(UserWarning, match=r"only 1.00 GiB of RAM is available.*keeps the optimizer state on the SSD"):
+        tight = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")
+    assert tight.host_memory_budget == 512 * 1024**2 and tight.host_state == 0
+    model = tiny_causal_lm("gpt2")
+    with FuyouAdamW(decay_groups(model), lr=1e-3, config=tight) as opt:
+        assert state_bytes(opt)[1] == 0 and state_bytes(opt)[0] > 0

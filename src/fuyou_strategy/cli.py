@@ -127,13 +127,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"TFLOPS count model FLOPs, {flops / 1e15:.3g} PFLOP/step (forward + backward, 6*P*tokens + attention; "
           f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
           "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
+    host_state = None if args.host_state == "auto" else parse_bytes(args.host_state, name="--host-state")
     results = {}
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
         print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
                                  if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
-        try:
-            plan = solve(profile, **kwargs)
+        try:  # the host tier of the optimizer state is fuyou's; ZeRO-Infinity keeps it on NVMe
+            plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state), **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
@@ -144,7 +145,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s)")
         results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
-                         "policies": plan.policies}
+                         "policies": plan.policies, "state_in_ram": plan.state_in_ram}
         if name == "fuyou" and args.save:
             plan.save(args.save)
             print(f"plan written to {args.save}")
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default 1)")
     plan.add_argument("--prefetch-blocks", type=int, default=2)
+    plan.add_argument("--host-state", default="0",
+                      help="optimizer state held in host RAM: bytes, or 'auto' (what the host memory leaves beside the "
+                           "plan's activations and weights); default 0: all of it on the SSDs, the paper's design")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")
     plan.add_argument("--full-table", action="store_true", help="one row per block")
     plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")

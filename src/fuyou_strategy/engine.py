@@ -498,6 +498,12 @@ class FuyouEngine:
         self.optimizer.updates_enabled = False
 
     # -- lifetime -------------------------------------------------------------------------------------
+    def __enter__(self) -> "FuyouEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Land pending updates, take the hooks off the model and optimizer and delete the swap files.
 
