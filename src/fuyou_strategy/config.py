@@ -140,8 +140,12 @@ class FuyouConfig:
             own directory, e.g. ``"/nvme{local_rank}/fuyou"``; ranks sharing a directory are safe
             too (each process works in its own run folder inside it).
         host_memory_budget: hard cap, in bytes, on every host buffer fuyou holds: one pool
-            for the optimizer's read-ahead, the staging of SSD activations both ways and
-            host-policy activations, divided by `host_budget_split`. Default ``"2GiB"``.
+            for the optimizer's read-ahead, the staging of SSD activations both ways,
+            host-policy activations, host-tier weights and the optimizer state's host tier
+            (``host_state``), divided by `host_budget_split`. Default ``"auto"``: half of the RAM
+            available when the config is made, leaving at least 4 GiB to the process itself, the
+            data loader and the machine (`auto_host_budget`; logged on the ``fuyou_strategy``
+            logger with its reason), at least 512 MiB. A number is a hard cap.
         device_memory_budget: bytes of device memory the planner may plan for; ``None`` means
             the accelerator's total memory, and no limit on the CPU (where the device tier is
             host RAM).
@@ -210,7 +214,12 @@ class FuyouConfig:
             order (the embedding of an HF model first: its update comes last in backward, where its
             I/O is hardest to hide), while it lasts. Exact: the results are bitwise those of the state
             on the SSD, and checkpoints do not depend on the split. The rest of the budget stays the
-            transfer pool (`host_budget_split`). Default ``0``: all of the state on the SSD.
+            transfer pool (`host_budget_split`). ``0``: all of the state on the SSD. Default
+            ``"auto"``: what the budget leaves once the transfers and the other host users are served
+            (`host_state_bytes`): with the planner (``activations="auto"``, or a pinned plan), what the
+            plan leaves beside its host activations and weights, moved into RAM after the warm-up;
+            nothing when ``host_memory_budget="auto"`` finds less than 2 GiB of RAM available (a
+            warning says so).
         optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
             way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
             at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update
@@ -249,7 +258,7 @@ class FuyouConfig:
     """
 
     swap_dirs: list[str] | None = None
-    host_memory_budget: int | str = "2GiB"
+    host_memory_budget: int | str = "auto"
     device_memory_budget: int | str | None = None
     io_threads: int = 4
     io_block_size: int | str = "1MiB"
@@ -265,7 +274,7 @@ class FuyouConfig:
     weights: str | dict = "device"
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
-    host_state: int | str = 0
+    host_state: int | str = "auto"
     optimizer_schedule: str = "auto"
     gradient_reduction: str = "owner"
     plan: str | None = None
