@@ -122,6 +122,9 @@ def add_gpt2_arguments(parser: argparse.ArgumentParser, name: str, *, layers: in
     parser.add_argument("--rounds", type=int, default=rounds,
                         help="run the configurations this many times, interleaved, each a fresh process")
     parser.add_argument("--host-budget", default=host_budget, help="FuyouConfig.host_memory_budget")
+    parser.add_argument("--host-state", default="0",
+                        help="FuyouConfig.host_state (default 0: the optimizer state all on the SSD, as measured before "
+                             "the host tier existed; 'auto': what the budget leaves)")
     parser.add_argument("--swap-dir", help="directory on the SSD (default: a temporary one)")
     parser.add_argument("--no-jemalloc", action="store_true")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / f"{name}.json"))

@@ -58,7 +58,7 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace, folder: str) ->
                                            vocab_size=args.vocab, n_positions=args.seq)).to(dtype)
         swap = os.path.join(args.swap_dir, f"rank{rank}")
         os.makedirs(swap, exist_ok=True)
-        config = FuyouConfig(swap_dirs=[swap], host_memory_budget=args.host_budget, weights=args.weights,
+        config = FuyouConfig(swap_dirs=[swap], host_memory_budget=args.host_budget, host_state=args.host_state, weights=args.weights,
                              optimizer_schedule="next_forward")
         spent = {"land": 0.0, "reduce_streamed": 0.0}
 

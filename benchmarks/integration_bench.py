@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     policy = CONFIGS[args.worker]
     strategy = "auto" if policy is None else fuyou_strategy.FuyouStrategy(
-        swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, activations=policy)
+        swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state, activations=policy)
     steps, trainer = fit_gpt2_lightning(args, strategy, args.warmup + args.steps, warmup_schedule=True)
     result = {"step_s": steps[-args.steps:], "peak_rss": peak_rss_bytes()}
     if policy is not None:

@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> dict:
     model = build_model(args.layers, args.hidden, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     out["params"] = n_params
-    cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, io_threads=args.io_threads)
+    cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state, io_threads=args.io_threads)
     if args.config in ("fuyou-ram", "fuyou-io-ram"):
         # The whole state (both slots, with padding) in host RAM (FuyouConfig.host_state), the pool as before.
         state = 2 * 12 * n_params + 2**30
@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the step configurations this many times, interleaved, each a fresh process")
     parser.add_argument("--host-budget", default="512MiB")
+    parser.add_argument("--host-state", default="0", help="FuyouConfig.host_state of the fuyou configurations without "
+                                                          "'-ram' (default 0: the state on the SSD)")
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--io-size", default=str(2 * 2**30))
     parser.add_argument("--io-block", type=int, default=2**20)

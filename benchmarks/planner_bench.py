@@ -36,7 +36,7 @@ def worker(args: argparse.Namespace) -> dict:
     import fuyou_strategy
 
     config = args.worker
-    fields = dict(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, planner_warmup_steps=args.warmup)
+    fields = dict(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state, planner_warmup_steps=args.warmup)
     if config == "auto":
         fields.update(activations="auto", device_memory_budget=args.device_budget)
     elif config.startswith("plan:"):

@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> dict:
     model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
                                        vocab_size=args.vocab, n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0)).to({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
-    cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget,
+    cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state,
                       optimizer_schedule=schedule or "auto")
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), config=cfg,
                          max_grad_norm=CLIP[kind])

@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> dict:
             p.requires_grad_(False)
     out = {"config": args.worker, "params": sum(p.numel() for p in model.parameters()),
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    config = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget,
+    config = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state,
                          device_memory_budget=args.device_budget, weights=args.worker,
                          weight_prefetch_blocks=args.prefetch_blocks, state_slots=args.state_slots,
                          activations=args.activations)
@@ -366,6 +366,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="compare: run the configurations this many times, "
                                                               "interleaved, each a fresh process")
     parser.add_argument("--host-budget", default="4GiB", help="FuyouConfig.host_memory_budget")
+    parser.add_argument("--host-state", default="0", help="FuyouConfig.host_state (default 0: the state on the SSD)")
     parser.add_argument("--device-budget", help="FuyouConfig.device_memory_budget (compare: none, scale: 2GiB)")
     parser.add_argument("--prefetch-blocks", type=int, default=2, help="FuyouConfig.weight_prefetch_blocks")
     parser.add_argument("--activations", choices=("keep", "ssd", "recompute"), default="keep",

@@ -259,7 +259,7 @@ def test_host_state_auto_without_a_planner_takes_what_the_transfers_leave(tmp_pa
     shares = host_budget_split(cfg)
     assert shares.state_in_ram == host_state_bytes(cfg) > 0
     assert shares.host_activations == 0 and shares.state_in_ram + shares.reserved == cfg.host_memory_budget
-    for claims in [dict(activations="host"), dict(weights={0: "host"}), dict(activations="auto")]:
+    for claims in [dict(activations="host"), dict(weights={0: "host"}), dict(weights="ssd"), dict(activations="auto")]:
         assert host_state_bytes(config(tmp_path, "auto", host_state="auto", **claims)) == 0, claims
 
 

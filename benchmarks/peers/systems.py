@@ -127,7 +127,7 @@ def torch_adamw(job: Job) -> Trace:
 def _fuyou_fields(job: Job, everything_on_ssd: bool) -> dict:
     traced = dict(trace=job.trace) if job.trace else {}
     if everything_on_ssd:
-        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", **traced)
+        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", host_state=0, **traced)
     # the default plan: the planner profiles the first steps and places activations and weights
     return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2, **traced)
 

@@ -554,14 +554,14 @@ def host_state_bytes(config: FuyouConfig) -> int:
 
     A number of ``host_state`` is itself. ``"auto"``: everything the transfers (the optimizer's full
     read-ahead, the staging of SSD activations both ways) leave, when nothing else claims the host
-    tier; when something may (``activations`` or ``weights`` naming ``"host"``, or ``"auto"`` — the
-    planner's), nothing at first: `FuyouEngine` gives the state what the plan leaves once it is made
+    tier; when something may (``activations`` naming ``"host"`` or ``"auto"`` — the planner's —, streamed
+    weights, or a pinned plan), nothing at first: `FuyouEngine` gives the state what the plan leaves once it is made
     (`planner.Plan.state_in_ram`)."""
     if config.host_state != "auto":
         return config.host_state
-    values = [config.activations, config.weights]
-    claims = [v.values() if isinstance(v, dict) else [v] for v in values]
-    if any(v in ("host", "auto") for c in claims for v in c) or config.plan is not None:
+    policies = config.activations.values() if isinstance(config.activations, dict) else [config.activations]
+    streams = config.weights not in ("device", {})  # staging buffers and gradients' host copies, host-tier weights
+    if streams or any(p in ("host", "auto") for p in policies) or config.plan is not None:
         return 0
     _, _, readahead, staging = _transfers(config, config.host_memory_budget)
     free = config.host_memory_budget - readahead - 2 * staging
