@@ -19,10 +19,14 @@ def test_parse_bytes_rejects_and_names_the_field(bad):
         parse_bytes(bad, name="host_memory_budget")
 
 
-def test_defaults_are_valid_and_normalised():
+def test_defaults_are_valid_and_normalised(monkeypatch):
+    import fuyou_strategy.config as config_module
+
+    monkeypatch.setattr(config_module, "available_memory", lambda: 20 * 2**30)
     cfg = FuyouConfig()
     assert cfg.swap_dirs is None
-    assert cfg.host_memory_budget == 2 * 2**30
+    assert cfg.host_memory_budget == 10 * 2**30, "host_memory_budget='auto': half the available RAM"
+    assert cfg.host_state == "auto"
     assert cfg.chunk_size == 16 * 2**20 and cfg.io_block_size == 2**20
 
 

@@ -172,7 +172,8 @@ def test_optimizer_state_that_does_not_fit_the_free_space_says_what_it_needs(tmp
         usage = real(path)
         return usage._replace(total=64 * 2**20, used=64 * 2**20 - 8192, free=8192)
 
-    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="256KiB", preallocate=False)
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="256KiB", preallocate=False,
+                      host_state=0)
     before = fuyou_threads()
     monkeypatch.setattr(store_module.shutil, "disk_usage", nearly_full)
     with pytest.raises(StorageSpaceError, match=r"entry 'adamw\.0' needs 96\.00 KiB more in .* but only 8\.00 KiB "

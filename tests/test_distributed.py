@@ -614,8 +614,8 @@ def _disk_fails_on_rank_1(rank, world, tmp, weights):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # the backstop; the test needs no wait
-    try:
-        model, engine = _engine(rank, tmp, group=dist.group.WORLD, weights=weights)
+    try:  # host_state=0: the optimizer state on the disk that fails
+        model, engine = _engine(rank, tmp, group=dist.group.WORLD, weights=weights, host_state=0)
         try:
             _train(engine, model, rank, world, 1)
             if rank == 1:

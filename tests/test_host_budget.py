@@ -47,19 +47,20 @@ def train(model, cfg, steps=3, swap=True):
 
 
 def test_the_split_of_the_default_budget_and_of_small_ones():
-    shares = host_budget_split(FuyouConfig())
+    # The transfers' shares (host_state=0: no state in RAM; its share is tests/test_host_state.py's)
+    shares = host_budget_split(FuyouConfig(host_memory_budget="2GiB", host_state=0))
     state_chunk = 16 * MiB // (24 * KiB) * 24 * KiB  # whole groups of 2048 parameters' [master | m | v]
     assert shares == HostShares(budget=2 * 2**30, state_chunk=state_chunk, optimizer_depth=4,
                                 optimizer_readahead=5 * state_chunk, activation_staging=32 * MiB,
                                 activation_readback=32 * MiB,
                                 host_activations=2 * 2**30 - 5 * state_chunk - 64 * MiB)
     assert shares.reserved + shares.host_activations == shares.budget
-    small = host_budget_split(FuyouConfig(chunk_size="8KiB", host_memory_budget="96KiB"))
+    small = host_budget_split(FuyouConfig(chunk_size="8KiB", host_memory_budget="96KiB", host_state=0))
     assert small.state_chunk == 24 * KiB, "a state chunk holds at least 2048 parameters"
     assert small.optimizer_depth == 1 and small.host_activations == 96 * KiB - 48 * KiB - 32 * KiB
-    drives = host_budget_split(FuyouConfig(swap_dirs=["/tmp", "/var/tmp", "/dev/shm"], chunk_size="8KiB"))
+    drives = host_budget_split(FuyouConfig(swap_dirs=["/tmp", "/var/tmp", "/dev/shm"], chunk_size="8KiB", host_state=0))
     assert drives.activation_staging == drives.activation_readback == 3 * 8 * KiB, "a chunk per drive in flight"
-    tiny = host_budget_split(FuyouConfig(chunk_size="16KiB", host_memory_budget="16KiB"))
+    tiny = host_budget_split(FuyouConfig(chunk_size="16KiB", host_memory_budget="16KiB", host_state=0))
     assert tiny.optimizer_depth == 1 and tiny.host_activations == 0 and tiny.reserved == tiny.budget
 
 

@@ -133,7 +133,7 @@ def test_through_lightning_and_hf_a_split_changes_no_bit(tmp_path, run):
     """6 steps, 2 micro-batches each, clipping that bites (the integrations' own tests' runs)."""
     (tmp_path / "ssd").mkdir()
     (tmp_path / "split").mkdir()
-    on_ssd, ssd_summary = run(tmp_path / "ssd")
+    on_ssd, ssd_summary = run(tmp_path / "ssd", host_state=0)
     split, summary = run(tmp_path / "split", host_state="64KiB")
     assert summary["host_bytes_optimizer_state"] > 0 and ssd_summary["host_bytes_optimizer_state"] == 0
     assert summary["ssd_bytes_optimizer_state"] < ssd_summary["ssd_bytes_optimizer_state"]
@@ -234,7 +234,7 @@ def test_a_pinned_plan_holds_its_state_in_ram_from_the_first_step(tmp_path):
 
 
 def test_moving_an_entry_to_memory_keeps_both_slots_and_gives_the_disk_back(tmp_path):
-    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB")
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state=0)
     with TensorStore(cfg) as store:
         store.create("a", (5000,), torch.float32, chunk_bytes=8192)
         old, new = torch.randn(5000), torch.randn(5000)
@@ -274,6 +274,9 @@ def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_
     assert roomy.host_memory_budget == 10 * GiB and roomy.host_state == "auto"
     assert "host_memory_budget='auto' took 10.00 GiB: 50% of the 20.00 GiB of RAM available" in caplog.text
     assert roomy.replace(io_threads=1).host_memory_budget == 10 * GiB, "resolved once"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this machine share it
+    assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 5 * GiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(config_module, "available_memory", lambda: 6 * GiB)
     assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 2 * GiB, "at least 4 GiB left to the rest"
     monkeypatch.setattr(config_module, "available_memory", lambda: GiB)

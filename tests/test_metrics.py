@@ -30,7 +30,8 @@ def train_engine(tmp_path, steps=3, *, max_grad_norm=None, expect=None, **fields
     the bytes of one slot of optimizer state, and the summary taken before closing."""
     torch.manual_seed(0)
     model = tiny_causal_lm("gpt2")
-    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **fields)
+    # host_state=0: the state on the SSD, whose traffic these tests count
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", **{"host_state": 0, **fields})
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config,
                          max_grad_norm=max_grad_norm)
     g, seen = torch.Generator().manual_seed(0), []
@@ -89,7 +90,7 @@ def test_lightning_logs_the_metrics_to_the_trainers_loggers(tmp_path):
     from test_lightning import fit
 
     logger = CSVLogger(str(tmp_path / "logs"), name="run")
-    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward"),
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward", host_state=0),
         logger=logger, log_every_n_steps=1)
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("fuyou/grad_norm")]
@@ -109,7 +110,7 @@ def test_hf_trainer_logs_carry_the_metrics_and_its_grad_norm_agrees(tmp_path):
 
     # "backward": every step's state writes complete before step() returns, so each step counts its own
     # (under next_forward they run after it, and land in whichever step they complete in)
-    callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward")
+    callback = FuyouCallback(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward", host_state=0)
     _, trainer = train(tmp_path, callback)
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 6 and all(KEYS <= set(h) for h in logged)

@@ -68,14 +68,24 @@ def available_memory() -> int:
     return 0
 
 
-def auto_host_budget(available: int) -> tuple[int, str]:
-    """What ``host_memory_budget="auto"`` takes of ``available`` bytes of RAM, and why (one sentence)."""
-    share = min(int(available * AUTO_BUDGET_SHARE), available - AUTO_BUDGET_KEEP) // PAGE * PAGE
+def _local_ranks() -> int:
+    """Processes of this training on this machine (``$LOCAL_WORLD_SIZE``, as torchrun sets it; else 1)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def auto_host_budget(available: int, ranks: int = 1) -> tuple[int, str]:
+    """What ``host_memory_budget="auto"`` takes of ``available`` bytes of RAM, shared by ``ranks`` processes
+    of this machine (``$LOCAL_WORLD_SIZE``), and why (one sentence)."""
+    share = min(int(available * AUTO_BUDGET_SHARE), available - AUTO_BUDGET_KEEP) // max(1, ranks) // PAGE * PAGE
+    each = f", shared by the {ranks} ranks of this machine" if ranks > 1 else ""
     if share >= AUTO_BUDGET_MIN:
-        return share, (f"{AUTO_BUDGET_SHARE:.0%} of the {format_bytes(available)} of RAM available at start, leaving "
-                       f"at least {format_bytes(AUTO_BUDGET_KEEP)} to the model, the data loader and the machine")
-    return AUTO_BUDGET_MIN, (f"only {format_bytes(available)} of RAM is available: the minimum for the transfers, "
-                             f"{format_bytes(AUTO_BUDGET_MIN)}")
+        return share, (f"{AUTO_BUDGET_SHARE:.0%} of the {format_bytes(available)} of RAM available at start{each}, "
+                       f"leaving at least {format_bytes(AUTO_BUDGET_KEEP)} to the model, the data loader and the machine")
+    return AUTO_BUDGET_MIN, (f"only {format_bytes(available)} of RAM is available{each}: the minimum for the "
+                             f"transfers, {format_bytes(AUTO_BUDGET_MIN)}")
 
 
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
@@ -310,7 +320,7 @@ class FuyouConfig:
         raw_budget = self.host_memory_budget
         if raw_budget == "auto":  # resolved once, here: every copy of this config (replace) keeps the number
             available = available_memory()
-            self.host_memory_budget, why = auto_host_budget(available)
+            self.host_memory_budget, why = auto_host_budget(available, _local_ranks())
             log.info("fuyou: host_memory_budget='auto' took %s: %s", format_bytes(self.host_memory_budget), why)
             if self.host_state == "auto" and available < AUTO_BUDGET_LOW:
                 warnings.warn(f"fuyou: only {format_bytes(available)} of RAM is available, less than "

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .config import FuyouConfig, format_bytes
+from .config import FuyouConfig, auto_host_budget, format_bytes
 from .device import accelerator
 
 __all__ = ["Check", "Diagnosis", "diagnose"]
@@ -157,10 +157,13 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
                 "some refuse O_DIRECT: 'auto' falls back to buffered I/O there")
     threads = max(1, min(defaults.io_threads, cores))
     d.recommend("io_threads", threads, f"per directory; {cores} core(s) here, O_DIRECT reads release the GIL")
-    budget = max(GiB, min(16 * GiB, available // 4 // GiB * GiB))
+    budget, why = auto_host_budget(available)  # the rule of host_memory_budget="auto", in whole GiB
+    budget = max(budget // GiB * GiB, min(budget, GiB))
     d.recommend("host_memory_budget", format_bytes(budget),
-                f"a quarter of the available {format_bytes(available)} (1-16 GiB): optimizer read-ahead and "
-                "activation staging; the model and data loader keep the rest")
+                f"what 'auto' takes now, in whole GiB: {why}; the optimizer's read-ahead, the activations' staging, "
+                "and then as much optimizer state as fits")
+    d.recommend("host_state", "auto",
+                "the optimizer state the budget leaves room for stays in RAM (exact), the rest on the SSD")
     if usable:
         slowest = min(min(b["write_bps"], b["read_bps"]) for b in d.bandwidth.values())
         # Enough chunks in flight to cover ~20 ms of the slowest drive at 16 MiB each, within the budget.

@@ -306,7 +306,10 @@ class FuyouEngine:
         (which the streamer's and the swapper's derive from) says what the state took."""
         if self.config.host_state != "auto":
             return
-        held = self.optimizer.hold_state_in_ram(plan.state_in_ram) if plan.state_in_ram else 0
+        # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
+        room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
+        want = max(0, min(plan.state_in_ram, room))
+        held = self.optimizer.hold_state_in_ram(want) if want else 0
         self.config = self.config.replace(host_state=held)
         on_ssd, in_ram = self.optimizer.adam_state.footprint()
         self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "

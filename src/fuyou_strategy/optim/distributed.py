@@ -104,10 +104,12 @@ class Shards:
         return self.owner[ps.index] == self.rank
 
     def _check_same_everywhere(self, params: list, config: Any) -> None:
-        """Every rank must train the same parameters with the same configuration (swap directories
-        aside); a mismatch is an error on every rank that names it."""
+        """Every rank must train the same parameters with the same configuration (swap directories,
+        traces and host budgets aside); a mismatch is an error on every rank that names it."""
         values = config.to_dict()
-        for key in ("swap_dirs", "trace"):  # may differ per rank
+        # Each rank's own: its drives, its trace, its host memory ("auto" resolves on each rank: a few pages
+        # apart, or another machine's RAM; the plan's state in RAM is capped by each rank's budget).
+        for key in ("swap_dirs", "trace", "host_memory_budget"):
             values.pop(key, None)
         mine = {"params": [list(ps.param.shape) for ps in params], "values": values}
         for r, theirs in enumerate(self.all_gather_object(mine)):
@@ -118,8 +120,8 @@ class Shards:
             if theirs["values"] != values:
                 fields = sorted(k for k in values if theirs["values"].get(k) != values.get(k))
                 raise ConfigError(f"process_group: rank {r}'s FuyouConfig differs from rank {self.rank}'s in "
-                                  f"{', '.join(fields)}; give every rank the same configuration (swap_dirs "
-                                  "may differ)")
+                                  f"{', '.join(fields)}; give every rank the same configuration (swap_dirs, "
+                                  "trace and host_memory_budget may differ)")
 
     def reduce_grads(self, params: Iterable[Any], *, averaged: bool = False) -> None:
         """Each parameter's gradient, averaged over the ranks, on its owner; ``None`` elsewhere.
