@@ -124,15 +124,16 @@ def torch_adamw(job: Job) -> Trace:
     return _loop(job, model, step, "plain loop")
 
 
-def _fuyou_fields(job: Job, everything_on_ssd: bool) -> dict:
+def _fuyou_fields(job: Job, everything_on_ssd: bool, **more) -> dict:
     traced = dict(trace=job.trace) if job.trace else {}
     if everything_on_ssd:
         return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", host_state=0, **traced)
-    # the default plan: the planner profiles the first steps and places activations and weights
-    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2, **traced)
+    # the default plan: the planner profiles the first steps and places activations and weights (and, with the
+    # default host_memory_budget="auto" and host_state="auto", as much optimizer state in RAM as the plan leaves)
+    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2, **traced, **more)
 
 
-def fuyou_lightning(job: Job, everything_on_ssd: bool = False) -> Trace:
+def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
     """``Trainer(strategy=FuyouStrategy(...))`` on the CPU."""
     import lightning as L
     import torch
@@ -165,7 +166,8 @@ def fuyou_lightning(job: Job, everything_on_ssd: bool = False) -> Trace:
             self.times.append(time.perf_counter() - self.start)
 
     recorder = Recorder()
-    trainer = L.Trainer(strategy=FuyouStrategy(**_fuyou_fields(job, everything_on_ssd)), accelerator="cpu", devices=1,
+    trainer = L.Trainer(strategy=FuyouStrategy(**_fuyou_fields(job, everything_on_ssd, **more)), accelerator="cpu",
+                        devices=1,
                         max_steps=job.steps, precision="bf16-mixed" if job.dtype == "bf16" else "32-true",
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[recorder])
@@ -343,6 +345,8 @@ SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
     "fuyou-lightning": (fuyou_lightning, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
     "fuyou-hf": (fuyou_hf, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-state-ssd": (lambda job: fuyou_lightning(job, host_state=0),
+                        "fuyou, Lightning strategy, planner's plan, optimizer state all on SSD (host_state=0)"),
     "fuyou-ssd": (lambda job: fuyou_lightning(job, everything_on_ssd=True),
                   "fuyou, Lightning strategy, activations and weights on SSD"),
     "ds-offload": (lambda job: deepspeed_zero(job, "offload"), "DeepSpeed ZeRO-2 + CPU optimizer (ZeRO-Offload)"),
