@@ -14,7 +14,7 @@ from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.config import host_budget_split, host_state_bytes, parse_bytes
 from fuyou_strategy.device import host_buffer_usage, reset_host_buffer_high_water
-from fuyou_strategy.storage import StorageSpaceError, TensorStore
+from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore
 from test_schedule import MAX_NORM, STEPS, config, reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -286,3 +286,35 @@ def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_
     model = tiny_causal_lm("gpt2")
     with FuyouAdamW(decay_groups(model), lr=1e-3, config=tight) as opt:
         assert state_bytes(opt)[1] == 0 and state_bytes(opt)[0] > 0
+
+
+def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_back_like_a_write(tmp_path):
+    """read_chunk(lend='shadow') of an in-memory entry: the shadow slot's own memory holding the active chunk
+    (the speculative update's buffer, no pool buffer); handed back it is a write of the shadow slot, given up
+    it fails the slot until a rollback, and a rollback gives up what is still lent (a worker that died)."""
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
+    with TensorStore(cfg) as store:
+        store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
+        x = torch.randn(4096)
+        store.write("a", x).result()
+        lent = store.read_chunk("a", 0, lend="shadow").result()
+        assert store.pool.lent == store.bytes_in_memory, "no pool buffer beside the state's own"
+        assert torch.equal(lent.view(torch.float32), x[:2048])
+        lent.view(torch.float32).mul_(2)  # the update, in place
+        assert torch.equal(store.read("a").result(), x), "the active slot is untouched"
+        with pytest.raises(StorageError, match="in flight"):
+            store.commit(["a"])
+        store.write_chunk("a", 0, lent, slot="shadow").result()
+        second = store.read_chunk("a", 1, slot="active").result()  # the other chunk: an ordinary copy
+        store.write_chunk("a", 1, second, slot="shadow").result()
+        store.commit(["a"])
+        assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))
+        given_up = store.read_chunk("a", 1, lend="shadow").result()
+        given_up.release()
+        with pytest.raises(StorageError, match="did not finish"):
+            store.read("a", slot="shadow").result()
+        store.rollback(["a"])
+        store.read_chunk("a", 0, lend="shadow").result()  # never handed back
+        store.rollback(["a"])
+        assert store.entry("a").inflight == [0, 0] and not store.entry("a").lent
+        assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))

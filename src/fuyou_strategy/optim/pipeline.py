@@ -62,6 +62,7 @@ class ChunkJob:
     extra: tuple[str, ...] = ()
     fence: bool = False
     done: Future | None = None
+    lend: str | None = None  # fn writes each chunk back to this slot (SHADOW): `TensorStore.read_chunk`'s ``lend``
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
@@ -260,7 +261,7 @@ class ChunkPipeline:
         reads = []
         try:
             if job.entry is not None:
-                reads.append(self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout))
+                reads.append(self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend))
             for name in job.extra:
                 reads.append(self.store.read_chunk(name, k, timeout=self.timeout))
         except BaseException as exc:  # noqa: BLE001 - handed to drain()

@@ -232,7 +232,9 @@ class OptimizerState:
             futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
             return gather([f for f in futures if f is not None])
 
-        return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None)
+        # Speculative: an in-memory entry lends its shadow slot's chunk (one copy, none back; `TensorStore`).
+        return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
+                        lend=None if exact else SHADOW)
 
     def run(self, job: ChunkJob) -> ChunkJob:
         """Queue ``job`` on the worker; returns it."""

@@ -76,6 +76,7 @@ class Entry:
     inflight: list[int] = field(default_factory=lambda: [0, 0])
     writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
     memory: list[HostBuffer] | None = None  # in_memory: each physical slot's chunks, padded like on disk
+    lent: dict = field(default_factory=dict)  # in_memory: chunk -> its open `LentChunk` (shadow slot), under the lock
 
     @property
     def stride(self) -> int:
@@ -432,14 +433,18 @@ class TensorStore:
 
     def _end_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
         with self._lock:
-            entry.inflight[phys] -= 1
-            entry.writing[phys][k] -= 1
-            if not entry.writing[phys][k]:
-                del entry.writing[phys][k]
-            if fut.exception() is None:
-                entry.written[phys].add(k)
-            elif entry.failed[phys] is None:
-                entry.failed[phys] = str(fut.exception())
+            self._finish_write(entry, phys, k, fut)
+
+    def _finish_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
+        """`_end_write` under the lock."""
+        entry.inflight[phys] -= 1
+        entry.writing[phys][k] -= 1
+        if not entry.writing[phys][k]:
+            del entry.writing[phys][k]
+        if fut.exception() is None:
+            entry.written[phys].add(k)
+        elif entry.failed[phys] is None:
+            entry.failed[phys] = str(fut.exception())
 
     def _check_readable(self, entry: Entry, phys: int, k: int | None) -> None:
         with self._lock:
@@ -453,8 +458,14 @@ class TensorStore:
 
     # -- chunk I/O ----------------------------------------------------------------------------------
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
-                   into: HostBuffer | None = None) -> Future:
+                   into: HostBuffer | None = None, lend: str | None = None) -> Future:
         """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
+
+        ``lend=SHADOW`` (the caller will write the chunk back to the shadow slot): an in-memory entry
+        copies the chunk into its own shadow slot's memory and lends that (`LentChunk`: no pool buffer,
+        one copy instead of two); `write_chunk` of it back to the shadow slot then copies nothing. The
+        chunk counts as being written from here on; given back unwritten, the shadow slot is marked
+        failed (a `rollback` clears it). Ignored for an entry on the SSD.
 
         The buffer is ``into`` when given (one the caller holds already, acquired for
         ``chunk_len(k)`` bytes, e.g. with `HostBufferPool.try_acquire`), else one acquired
@@ -472,6 +483,8 @@ class TensorStore:
             if into is not None:
                 into.release()
             raise
+        if lend is not None and entry.memory is not None and into is None:
+            return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend)))
         buf = into if into is not None else self.pool.acquire(entry.chunk_len(k), timeout=timeout)
         if entry.memory is not None:  # the host tier: a copy, done when this returns
             try:
@@ -497,6 +510,32 @@ class TensorStore:
 
         return then(inner, done)
 
+    def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int) -> "LentChunk":
+        if dst == src:
+            raise StorageError(f"entry {entry.name!r}: a chunk is lent in the slot it is written back to, not "
+                               "the one it is read from (lend='shadow')")
+        self._begin_write(entry, dst, k)
+        try:
+            target = entry.chunk_memory(k, dst)
+            target.copy_(entry.chunk_memory(k, src))
+        except BaseException as exc:
+            self._end_write(entry, dst, k, _done(None, exc))
+            raise
+        start = k * entry.stride
+        chunk = LentChunk(entry.memory[dst].data[start : start + round_up(entry.chunk_len(k))], entry.chunk_len(k),
+                          self, entry, dst, k)
+        with self._lock:
+            entry.lent[k] = chunk
+        return chunk
+
+    def _close_lend(self, chunk: "LentChunk", error: BaseException | None) -> None:
+        """A lent chunk came back (``error`` None: written in place) or was given up; once."""
+        with self._lock:
+            if chunk.entry.lent.get(chunk.k) is not chunk:  # closed already (or by a rollback)
+                return
+            del chunk.entry.lent[chunk.k]
+            self._finish_write(chunk.entry, chunk.slot, chunk.k, _done(None, error))
+
     def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
         """Write chunk ``k`` from ``buf`` (a pool buffer holding ``chunk_len(k)`` bytes).
 
@@ -508,6 +547,12 @@ class TensorStore:
         entry = self.entry(name)
         phys = self._slot(entry, slot)
         self._check_chunk_buffer(entry, k, buf)
+        if isinstance(buf, LentChunk):  # the chunk's own memory: already in place
+            if (buf.entry, buf.slot, buf.k) != (entry, phys, k):
+                raise StorageError(f"entry {name!r} chunk {k}: a chunk lent for {buf.entry.name!r} chunk {buf.k} "
+                                   "goes back where it was lent, the shadow slot")
+            buf.written()
+            return _done(None)
         if entry.memory is not None:  # the host tier: a copy, recorded as written before the future completes
             self._begin_write(entry, phys, k)
             try:
@@ -622,6 +667,10 @@ class TensorStore:
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
             entries = [e for e in entries if e.slots == 2]
+            for e in entries:  # chunks lent in memory and never handed back (a worker that died): given up
+                for k, chunk in list(e.lent.items()):
+                    del e.lent[k]
+                    self._finish_write(e, chunk.slot, k, _done(None, StorageError("rolled back")))
             busy = [e.name for e in entries if e.inflight[1 - e.active]]
             if busy:
                 raise StorageError(f"cannot roll back while shadow writes are in flight for {busy[:5]}")
@@ -647,6 +696,28 @@ class TensorStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LentChunk(HostBuffer):
+    """A chunk of an in-memory entry's shadow slot, lent by `TensorStore.read_chunk` (``lend=SHADOW``) to be
+    updated in place and handed back to `write_chunk`. Owned by one thread at a time, like any buffer;
+    `release` without that write marks the slot failed (its bytes are no longer the read ones)."""
+
+    __slots__ = ("store", "entry", "slot", "k")
+
+    def __init__(self, data: torch.Tensor, nbytes: int, store: "TensorStore", entry: Entry, slot: int, k: int) -> None:
+        super().__init__(data, nbytes, None)
+        self.store, self.entry, self.slot, self.k = store, entry, slot, k
+
+    def written(self) -> None:
+        """Back in place: the write that `read_chunk` began is done."""
+        self.store._close_lend(self, None)
+        self.data = None
+
+    def release(self) -> None:
+        self.store._close_lend(self, StorageError(
+            f"entry {self.entry.name!r}: chunk {self.k} was lent for an update that did not finish"))
+        self.data = None
 
 
 def _done(result: object, error: BaseException | None = None) -> Future:
