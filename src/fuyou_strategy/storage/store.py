@@ -15,8 +15,9 @@ a failed or partial write is never served as good data.
 
 An entry created ``in_memory`` (or moved there by `to_memory`) keeps its chunks (both slots) in
 host RAM instead — the host tier of the optimizer state — behind the same interface and
-bookkeeping: reading copies a chunk into a pool buffer, writing copies it back, and the slots flip
-and roll back alike, so whoever reads and writes chunks cannot tell the tiers apart (and the bytes
+bookkeeping: reading copies a chunk into a pool buffer, writing copies it back (a speculative
+update instead borrows its shadow slot's own memory: `LentChunk`), and the slots flip and roll back
+alike, so whoever reads and writes chunks cannot tell the tiers apart (and the bytes
 are the same). Its memory is lent by the pool for the entry's life, so it counts in
 ``host_memory_budget`` like every other host buffer; all in-memory entries together stay within
 `memory_limit` (``host_state_bytes(config)``, raised by `allow_in_memory`).
@@ -261,7 +262,7 @@ class TensorStore:
         shadow slot (scratch data such as activations). Space freed by `delete` is reused.
         Raises `StorageSpaceError` naming the bytes needed and available when a directory is
         too full. ``in_memory``: the chunks live in host RAM (module docstring), within
-        ``config.host_state``; `StorageSpaceError` when that is spent.
+        `memory_limit`; `StorageSpaceError` when that is spent.
         """
         self._check_open()
         shape = tuple(int(s) for s in shape)
