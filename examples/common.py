@@ -91,7 +91,8 @@ def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: 
         f"  optimizer schedule: {', '.join(f'{n} {s}' for s, n in summary['schedule_steps'].items() if n)}; rollback "
         f"rate {summary['rollback_rate']:.0%} ({summary['rollbacks']} of {summary['optimizer_steps'] + summary['skips']} "
         "steps paid a second pass over the state)",
-        f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])}, swap files "
+        f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])} (in host RAM "
+        f"{format_bytes(summary['host_bytes_optimizer_state'])}: host_state), swap files "
         f"{format_bytes(summary['ssd_file_bytes'])} at most; activations written "
         f"{format_bytes(summary['activation_bytes_to_ssd'])} (to host {format_bytes(summary['activation_bytes_to_host'])})",
         f"  host memory: Fuyou buffers peaked at {format_bytes(summary['host_pool_peak_bytes'])} of "
