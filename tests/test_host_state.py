@@ -318,3 +318,30 @@ def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_ba
         store.rollback(["a"])
         assert store.entry("a").inflight == [0, 0] and not store.entry("a").lent
         assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))
+
+
+def test_fuyou_ddp_shares_the_auto_budget_between_the_ranks_of_the_machine(monkeypatch, tmp_path):
+    """The strategy's config is resolved once, where the strategy is made; with "auto" each of the node's
+    ranks takes its share when it sets up (a number given stays a hard cap)."""
+    import fuyou_strategy.config as config_module
+    from fuyou_strategy import FuyouDDPStrategy
+
+    GiB = 1024**3
+    monkeypatch.setattr(config_module, "available_memory", lambda: 20 * GiB)
+    import fuyou_strategy.integrations.lightning as lightning_module
+
+    monkeypatch.setattr(lightning_module, "available_memory", lambda: 20 * GiB)
+    two = [torch.device("cpu")] * 2
+    auto = FuyouDDPStrategy(parallel_devices=two, swap_dirs=[str(tmp_path)])
+    assert auto.fuyou_config.host_memory_budget == 10 * GiB
+    auto.share_auto_budget()
+    auto.share_auto_budget()  # once
+    assert auto.fuyou_config.host_memory_budget == 5 * GiB
+    for fixed in [FuyouDDPStrategy(parallel_devices=two, host_memory_budget="3GiB"),
+                  FuyouDDPStrategy(FuyouConfig(host_memory_budget="auto"), parallel_devices=two)]:
+        budget = fixed.fuyou_config.host_memory_budget
+        fixed.share_auto_budget()
+        assert fixed.fuyou_config.host_memory_budget == budget
+    from_dict = FuyouDDPStrategy({"swap_dirs": [str(tmp_path)]}, parallel_devices=two)
+    from_dict.share_auto_budget()
+    assert from_dict.fuyou_config.host_memory_budget == 5 * GiB

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
 from ..cleanup import undo_after
-from ..config import ConfigError, FuyouConfig
+from ..config import ConfigError, FuyouConfig, auto_host_budget, available_memory, format_bytes, read_mapping
 from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
@@ -437,6 +437,7 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
                  process_group_backend: str | None = None, timeout: Any = default_pg_timeout,
                  start_method: str = "popen", **config_fields: Any) -> None:
         self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        self._auto_budget = _asks_auto_budget(config, config_fields)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -447,6 +448,21 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
 
     def _data_parallel(self) -> dict[str, Any]:
         return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        self.share_auto_budget()
+        super().setup_optimizers(trainer)
+
+    def share_auto_budget(self) -> None:
+        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
+        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
+        with ``ranks`` = the processes on this node), once."""
+        if not self._auto_budget or self.num_processes <= 1:
+            return
+        self._auto_budget = False
+        budget, why = auto_host_budget(available_memory(), self.num_processes)
+        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
+        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
 
     def configure_ddp(self) -> None:
         # Before the wrap: DDP leaves the streamed weights to FuyouAdamW (it sums their gradients itself).
@@ -461,6 +477,20 @@ class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls,
                                    description="Fuyou, data parallel: each rank owns a shard of the SSD optimizer state")
+
+
+def _asks_auto_budget(config: Any, fields: dict) -> bool:
+    """Whether the strategy's config leaves ``host_memory_budget`` at ``"auto"`` (a `FuyouConfig` object has
+    resolved it to a number already: that number stands)."""
+    if "host_memory_budget" in fields:
+        return fields["host_memory_budget"] == "auto"
+    if config is None:
+        return FuyouConfig.__dataclass_fields__["host_memory_budget"].default == "auto"
+    if isinstance(config, dict):
+        return config.get("host_memory_budget", "auto") == "auto"
+    if isinstance(config, (str, os.PathLike)):
+        return read_mapping(config).get("host_memory_budget", "auto") == "auto"
+    return False
 
 
 class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
