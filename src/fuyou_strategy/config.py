@@ -369,14 +369,14 @@ class FuyouConfig:
         if self.state_slots not in (1, 2) or isinstance(self.state_slots, bool):
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
                               "slot) or 1 (updates in step(), half the SSD state)")
-        raw_state = self.host_state
-        if raw_state != "auto":
-            self.host_state = parse_bytes(raw_state, name="host_state")
-        if raw_state != "auto" and self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
-            raise ConfigError(
-                f"host_state: got {raw_state!r} ({format_bytes(self.host_state)}) of host_memory_budget="
-                f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
-                f"({format_bytes(2 * self.chunk_size)}) of what is left: lower host_state or raise host_memory_budget")
+        if self.host_state != "auto":
+            raw_state, self.host_state = self.host_state, parse_bytes(self.host_state, name="host_state")
+            if self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
+                raise ConfigError(
+                    f"host_state: got {raw_state!r} ({format_bytes(self.host_state)}) of host_memory_budget="
+                    f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
+                    f"({format_bytes(2 * self.chunk_size)}) of what is left: lower host_state or raise "
+                    "host_memory_budget")
         if self.optimizer_schedule not in SCHEDULES:
             raise ConfigError(f"optimizer_schedule: got {self.optimizer_schedule!r}; expected one of "
                               f"{', '.join(map(repr, SCHEDULES))}")
@@ -515,8 +515,9 @@ class HostShares:
 
     Attributes:
         budget: ``host_memory_budget``.
-        state_in_ram: ``host_state``: optimizer state held in host RAM (not lent by the pool); the
-            rest (`pool`) is the transfer pool's budget, which the shares below divide.
+        state_in_ram: `host_state_bytes`: optimizer state held in host RAM (the pool lends it for the
+            entries' life); the rest (`pool`) is the transfers' and host users' share, which the shares
+            below divide.
         state_chunk: one optimizer state chunk: the most whole groups of 2048 parameters'
             ``[master | exp_avg | exp_avg_sq]`` (24 KiB each) that ``chunk_size`` holds, at least
             one; so the same parameters' bf16 or fp32 weights or gradients are a whole number of

@@ -157,16 +157,19 @@ class OptimizerState:
     def pool(self) -> Any:
         return self.store.pool
 
+    def _entries(self, in_memory: bool | None = None) -> list[Any]:
+        """The state's store entries (all, or those in host RAM / on the SSD)."""
+        return [e for name, e in self.store.entries.items() if name.startswith("adamw.")
+                and (in_memory is None or (e.memory is not None) == in_memory)]
+
     def footprint(self) -> tuple[int, int]:
         """Bytes of state (every slot, with padding) on the SSD and in host RAM."""
-        entries = [e for name, e in self.store.entries.items() if name.startswith("adamw.")]
-        in_ram = sum(e.slots * e.nchunks * e.stride for e in entries if e.memory is not None)
-        return sum(e.slots * e.nchunks * e.stride for e in entries) - in_ram, in_ram
+        return (sum(e.footprint for e in self._entries(in_memory=False)),
+                sum(e.footprint for e in self._entries(in_memory=True)))
 
     def numel_in_memory(self) -> int:
         """Parameters (elements) whose state lives in host RAM."""
-        return sum(e.nbytes // ELEMENT_BYTES for name, e in self.store.entries.items()
-                   if name.startswith("adamw.") and e.memory is not None)
+        return sum(e.nbytes // ELEMENT_BYTES for e in self._entries(in_memory=True))
 
     # -- initialising ---------------------------------------------------------------------------------
     def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:

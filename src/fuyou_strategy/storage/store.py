@@ -83,6 +83,11 @@ class Entry:
     def stride(self) -> int:
         return round_up(self.chunk_bytes)
 
+    @property
+    def footprint(self) -> int:
+        """Bytes of every slot's chunks, with padding: on the SSD, or in memory."""
+        return self.slots * self.nchunks * self.stride
+
     def chunk_len(self, k: int) -> int:
         return min(self.chunk_bytes, self.nbytes - k * self.chunk_bytes)
 
@@ -311,7 +316,7 @@ class TensorStore:
 
     def _lend_memory(self, entry: Entry, timeout: float | None = None) -> list[HostBuffer]:
         """The pool buffers (one per slot) of an in-memory entry, within `memory_limit`."""
-        need = entry.slots * entry.nchunks * entry.stride
+        need = entry.footprint
         with self._lock:
             if self._in_memory + need > self.memory_limit:
                 raise StorageSpaceError(
@@ -365,14 +370,14 @@ class TensorStore:
             for buf in memory:
                 buf.release()
             with self._lock:
-                self._in_memory -= entry.slots * entry.nchunks * entry.stride
+                self._in_memory -= entry.footprint
             raise error
         with self._lock:
             entry.memory = memory
             for d, offset in entry.base.items():
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
             entry.base, entry.count = {}, {}
-        return entry.slots * entry.nchunks * entry.stride
+        return entry.footprint
 
     def delete(self, name: str) -> None:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
@@ -382,7 +387,7 @@ class TensorStore:
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
             if entry.memory is not None:
-                self._in_memory -= entry.slots * entry.nchunks * entry.stride
+                self._in_memory -= entry.footprint
                 for buf in entry.memory:
                     buf.release()
             for d, offset in entry.base.items():
