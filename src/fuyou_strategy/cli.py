@@ -9,7 +9,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from .config import PAGE, ConfigError, format_bytes, parse_bytes
+from .config import PAGE, STATE_FORMATS, ConfigError, format_bytes, parse_bytes
 
 __all__ = ["main"]
 
@@ -128,24 +128,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
           "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
     host_state = None if args.host_state == "auto" else parse_bytes(args.host_state, name="--host-state")
+    state_bytes = _state_bytes(args.state_format)
+    print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot "
+          "(ZeRO-Infinity keeps fp32)")
     results = {}
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
         print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
                                  if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
-        try:  # the host tier of the optimizer state is fuyou's; ZeRO-Infinity keeps it on NVMe
-            plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state), **kwargs)
+        try:  # the host tier and the compact state formats are fuyou's; ZeRO-Infinity keeps fp32 state on NVMe
+            plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state,
+                                             state_bytes=_state_bytes("fp32") if kwargs else state_bytes), **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
             continue
         print(plan.table(compact=True) if not args.full_table else plan.table())
         tflops, tflops_paper = (f / plan.predicted_step_s / 1e12 for f in (flops, flops_paper))
+        drives = -(-plan.ssd_peak // hw.ssd_capacity)
         print(f"predicted step {plan.predicted_step_s:.2f} s, {tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
-              f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s)")
+              f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s); "
+              f"SSD space {format_bytes(plan.ssd_peak)}: {drives} drive(s) of {hw.ssd_capacity / 1e12:g} TB")
         results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
-                         "policies": plan.policies, "state_in_ram": plan.state_in_ram}
+                         "policies": plan.policies, "state_in_ram": plan.state_in_ram, "ssd_drives_needed": drives}
         if name == "fuyou" and args.save:
             plan.save(args.save)
             print(f"plan written to {args.save}")
@@ -155,8 +161,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw), "batch": args.batch,
-                       "seq": args.seq, "results": results}, f, indent=1)
+                       "seq": args.seq, "state_format": args.state_format, "results": results}, f, indent=1)
     return 0 if results["fuyou"]["fits"] else 1
+
+
+def _state_bytes(name: str) -> float:
+    """Optimizer-state bytes per parameter and slot of ``state_format`` ``name`` (`optim.formats`; no torchao needed)."""
+    from .optim.formats import Layout
+
+    return Layout(name).nbytes(1 << 20) / (1 << 20)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -218,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-state", default="0",
                       help="optimizer state held in host RAM: bytes, or 'auto' (what the host memory leaves beside the "
                            "plan's activations and weights); default 0: all of it on the SSDs, the paper's design")
+    plan.add_argument("--state-format", default="fp32", choices=list(STATE_FORMATS),
+                      help="optimizer state format (FuyouConfig.state_format; default fp32, exact)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")
     plan.add_argument("--full-table", action="store_true", help="one row per block")
     plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 from . import trace
 from .activations import discover_blocks
 from .activations.spans import BlockSpans
-from .config import STATE_BYTES_PER_PARAM, format_bytes
+from .config import format_bytes
 from .optim.schedule import NEXT_FORWARD
 from .storage.wear import TB, Wear, drive_capacity
 
@@ -178,8 +178,7 @@ class RunReport:
         if self.run_steps is None:
             return
         opt = self._optimizer
-        on_ssd = sum(p.numel() for g in opt.param_groups for p in g["params"]) - opt.adam_state.numel_in_memory()
-        floor = self._wear(on_ssd * STATE_BYTES_PER_PARAM, 0.0)
+        floor = self._wear(opt.adam_state.slot_bytes(in_memory=False), 0.0)
         self._check_wear(floor, "at least (the optimizer state's writes alone)")
 
     def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
@@ -271,6 +270,7 @@ class RunReport:
             "schedule_reason": stats.last_reason,
             "last_grad_norm": stats.last_grad_norm,
             "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
+            "state_format": opt.state_format.name,  # FuyouConfig.state_format: the bytes per parameter of the state
             "ssd_bytes_optimizer_state": state_on_ssd,
             "host_bytes_optimizer_state": state_in_ram,
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark

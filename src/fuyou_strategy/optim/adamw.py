@@ -64,6 +64,7 @@ from .distributed import Sharding, Shards, Solo
 from .gradients import Grad, Gradients, StreamedGradients
 from .scaler import LossScaler
 from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleChooser, Speculative, StepStats
+from .formats import StateFormat
 from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel
 from .updates import Updater
 from .window import Window
@@ -137,12 +138,14 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.config = config = config if config is not None else FuyouConfig()
         shares = host_budget_split(config)
         elems = shares.state_chunk // ELEMENT_BYTES
+        self.state_format = StateFormat(config.state_format)
         self._params: list[ParamState] = []
         for group in self.param_groups:
             for p in group["params"]:
                 _check_param(p, len(self._params), scaled=self.scaler is not None)
                 i = len(self._params)
-                self._params.append(ParamState(i, p, group, f"adamw.{i}", elems, -(-p.numel() // elems)))
+                self._params.append(ParamState(i, p, group, f"adamw.{i}", elems, -(-p.numel() // elems),
+                                               layout=self.state_format.layout(p.numel())))
         if not self._params:
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
         self._by_param = {ps.param: ps for ps in self._params}
@@ -462,8 +465,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             save = checkpoint.save_version if keep_previous else checkpoint.save
             meta = save(folder, lambda writer: self.adam_state.export(owned, lambda ps, data: writer.chunk(
                 ps.index, list(ps.param.shape), ps.numel, steps[ps.index], data)), self._describe,
-                group=self.sharding, total_bytes=sum(ps.numel for ps in owned) * STATE_BYTES_PER_PARAM,
-                progress=self.config.progress, record=record)
+                group=self.sharding, total_bytes=sum(ps.nbytes for ps in owned), progress=self.config.progress,
+                record=record, kinds=self.state_format.kinds)
             sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
         return sd
 
@@ -471,7 +474,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """This optimizer's own fields, as a save records them."""
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._by_param[p].index for p in g["params"]]}
                   for g in self.param_groups]
-        return {"steps": self.stats.steps, "param_groups": groups, "stats": self.stats.to_dict(),
+        return {"steps": self.stats.steps, "state_format": self.state_format.name, "param_groups": groups, "stats": self.stats.to_dict(),
                 "schedule": self.chooser.state_dict(), "max_grad_norm": self.max_grad_norm,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
@@ -502,6 +505,12 @@ class FuyouAdamW(torch.optim.Optimizer):
         owned = self.sharding.owned(self._params)
         with checkpoint.SaveReader(path, group=self.sharding) as reader:
             reader.check_shapes([list(ps.param.shape) for ps in self._params])
+            saved = reader.meta.get("state_format", "fp32")
+            if saved != self.state_format.name:
+                raise checkpoint.CheckpointError(
+                    f"{path}: holds optimizer state in state_format={saved!r}, this optimizer keeps "
+                    f"state_format={self.state_format.name!r}; resume with FuyouConfig(state_format={saved!r}) (a "
+                    "save is not converted between formats: that would change the training); nothing was loaded")
             self.adam_state.load(owned, lambda ps, start, data: reader.read(ps.index, start, data),
                                  lambda ps: reader.finish(ps.index), reader.check, what=str(path.parent),
                                  progress=self.config.progress)

@@ -4,17 +4,19 @@ This module knows files, not optimizers: what a save holds comes from its caller
 streams its state through `SaveWriter` and back through `SaveReader`, and describes its own fields).
 
 A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
-``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32,
-parameters one after another, each in its natural element order, independent of the chunk
-size) and ``optimizer.json`` (the token, the optimizer step count, hyper-parameters, shapes,
-offsets, a SHA-256 per parameter and file, what the caller asked to record — the HF Trainer's
+``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32 in the
+exact ``state_format``; an 8-bit save adds ``exp_avg.scale.bin`` and ``exp_avg_sq.scale.bin``,
+`formats`: parameters one after another, each in its natural element order, independent of the chunk
+size) and ``optimizer.json`` (the token, the state format and its files, the optimizer step count,
+hyper-parameters, shapes, each parameter's byte offset and size per file, a SHA-256 per parameter and file, what the caller asked to record — the HF Trainer's
 step — and a SHA-256 of ``optimizer.json``'s own contents). State moves chunk by chunk through the
 host pool; nothing holds a whole parameter's state, let alone the model's, in RAM.
 
 Nothing damaged loads: a changed value in ``optimizer.json`` (an ``lr``, a ``step``) fails its own
 checksum, a state file of another size than the one recorded is refused before a byte is read,
 and a flipped, missing or truncated byte in one fails that file's checksum; each error names the
-file. A save written by the previous format (2, without the metadata checksum) still loads.
+file. Saves written by the previous formats (3: every file fp32 at one offset per parameter; 2: also
+without the metadata checksum) still load.
 
 A save never touches an earlier one before it is complete: it writes ``<token>.tmp-<pid>/``
 (with an ``owner.json`` first, so that ``fuyou clean`` can tell whether its writer still runs),
@@ -60,7 +62,8 @@ from typing import Any, Callable, Iterable
 from ..config import format_bytes
 from ..progress import Progress
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, temp_writer_gone, write_owner
-from .state import KINDS  # one file per kind of state
+from .formats import ALL_KINDS
+from .state import KINDS  # the files of an fp32 save (a caller names its format's own)
 
 __all__ = ["CheckpointError", "Group", "SaveReader", "SaveWriter", "save", "save_version", "remove_versions",
            "discard", "find", "newest", "read_meta", "save_dirs", "find_stale_temps", "remove_stale_temps", "KINDS",
@@ -68,14 +71,15 @@ __all__ = ["CheckpointError", "Group", "SaveReader", "SaveWriter", "save", "save
 
 log = logging.getLogger("fuyou_strategy.checkpoint")
 
-FORMAT = 3  # 2: optimizer.json without its own checksum (still read); 1: the state files directly in the folder
-_READABLE_FORMATS = (2, FORMAT)
+FORMAT = 4  # 3: one offset per parameter, 4 bytes per element in every file; 2: also optimizer.json without its
+#            own checksum (both still read); 1: the state files directly in the folder
+_READABLE_FORMATS = (2, 3, FORMAT)
 META = "optimizer.json"
 META_DIGEST = "meta_sha256"  # optimizer.json's checksum of its other contents
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 _TEMP = re.compile(r".+\.tmp-(\d+)")  # a save being written or removed (also format 1's <folder>.tmp-<pid>)
 _PART = re.compile(r"part-\d+")  # a rank's files inside a sharded save
-_SAVE_FILES = {META, OWNER_FILE, *(f"{kind}.bin" for kind in KINDS)}
+_SAVE_FILES = {META, OWNER_FILE, *(f"{kind}.bin" for kind in ALL_KINDS)}
 
 
 class CheckpointError(RuntimeError):
@@ -96,32 +100,40 @@ class Group:
 
 @dataclass
 class SaveWriter:
-    """Writes one part of a save (a process's parameters, or one rank's): the three state files, each
+    """Writes one part of a save (a process's parameters, or one rank's): one state file per kind, each
     parameter's chunks in element order, hashed as they go; `chunk` is called on the optimizer's worker
     thread, one parameter after another (its only caller while the writer is open)."""
 
     into: Path
     total_bytes: int
     progress: bool = True
-    params: list[dict] = field(default_factory=list)  # per parameter: index, shape, numel, offset, step, sha256
+    kinds: tuple[str, ...] = KINDS  # the files (the state format's pieces; `formats`)
+    # per parameter: index, shape, numel, offsets and bytes per kind, step, sha256 per kind
+    params: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._stack = ExitStack()
-        self._files = {kind: self._stack.enter_context(open(self.into / f"{kind}.bin", "wb")) for kind in KINDS}
+        self._files = {kind: self._stack.enter_context(open(self.into / f"{kind}.bin", "wb")) for kind in self.kinds}
+        self._at = dict.fromkeys(self.kinds, 0)  # bytes written per file
         self._bar = self._stack.enter_context(Progress(self.total_bytes, f"fuyou: saving optimizer state to "
                                                        f"{self.into.parent}", enabled=self.progress))
         self._digests: list[dict] = []
 
     def chunk(self, index: int, shape: list[int], numel: int, step: float, data: dict[str, memoryview]) -> None:
-        """The next chunk of parameter ``index`` (a new parameter starts when the index changes)."""
+        """The next chunk of parameter ``index`` (a new parameter starts when the index changes); ``data``
+        holds its bytes per kind (a kind the parameter's layout lacks — the scales of a small parameter
+        in an 8-bit save — is absent)."""
         if not self.params or self.params[-1]["index"] != index:
-            self.params.append({"index": index, "shape": shape, "numel": numel, "offset": _next_offset(self.params),
-                                "step": step})
-            self._digests.append({kind: hashlib.sha256() for kind in KINDS})
-        for kind in KINDS:
-            self._files[kind].write(data[kind])
-            self._digests[-1][kind].update(data[kind])
-            self._bar.update(len(data[kind]))
+            self.params.append({"index": index, "shape": shape, "numel": numel, "offsets": dict(self._at),
+                                "bytes": dict.fromkeys(self.kinds, 0), "step": step})
+            self._digests.append({kind: hashlib.sha256() for kind in self.kinds})
+        record = self.params[-1]
+        for kind, piece in data.items():
+            self._files[kind].write(piece)
+            self._digests[-1][kind].update(piece)
+            self._at[kind] += len(piece)
+            record["bytes"][kind] += len(piece)
+            self._bar.update(len(piece))
 
     def close(self) -> list[dict]:
         """Flush and fsync the files; returns each parameter's record with its checksums."""
@@ -140,10 +152,11 @@ class SaveWriter:
 
 
 def save(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict], *,
-         group: Group, total_bytes: int = 0, progress: bool = True, record: dict | None = None) -> dict:
+         group: Group, total_bytes: int = 0, progress: bool = True, record: dict | None = None,
+         kinds: tuple[str, ...] = KINDS) -> dict:
     """Add a save to ``folder`` (`save_version`), then remove the earlier saves there; returns its metadata."""
     meta = save_version(folder, write_state, describe, group=group, total_bytes=total_bytes, progress=progress,
-                        record=record)
+                        record=record, kinds=kinds)
     if group.rank == 0:  # the ranks share the folder
         remove_versions(folder, keep=meta["token"])
     group.barrier()
@@ -152,12 +165,13 @@ def save(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], d
 
 def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict],
                  *, group: Group, total_bytes: int = 0, progress: bool = True,
-                 record: dict | None = None) -> dict:
+                 record: dict | None = None, kinds: tuple[str, ...] = KINDS) -> dict:
     """Write a new save ``folder/<token>/`` and return its metadata; no other save in ``folder`` changes.
 
     ``write_state(writer)`` streams this process's state into a `SaveWriter` (its parameters only, with
     their global indices); ``describe()`` gives the optimizer's own fields (hyper-parameters, counters).
     ``record`` (plain JSON values) is kept as ``meta["record"]``: what the caller ties the save to.
+    ``kinds`` names the state files (``meta["kinds"]``; the state format's pieces).
     The subfolder appears complete and fsynced, or not at all (an interrupted save leaves a
     ``<token>.tmp-<pid>/``, which the next save or load in ``folder`` removes, as does ``fuyou clean``).
     ``group`` of more than one rank: a collective, every rank writing its ``part-<rank>/`` (module
@@ -179,7 +193,7 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
         group.barrier()
         if sharded:
             into.mkdir()
-        meta = _write_state(into, token, write_state, describe, total_bytes, progress, record)
+        meta = _write_state(into, token, write_state, describe, total_bytes, progress, record, kinds)
         params = [dict(pm, part=into.name) for pm in meta["params"]] if sharded else meta["params"]
     except Exception as exc:  # noqa: BLE001 - every rank learns it, below
         if not sharded:
@@ -206,7 +220,8 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
         group.barrier()
         raise CheckpointError(f"{folder}: the sharded save failed on {len(failed)} of {group.world} ranks "
                               f"({'; '.join(failed)}); nothing was saved")
-    meta = _meta(token, sorted((pm for _e, ps in reports for pm in ps), key=lambda pm: pm["index"]), describe(), record)
+    meta = _meta(token, sorted((pm for _e, ps in reports for pm in ps), key=lambda pm: pm["index"]), describe(), record,
+                 kinds)
     meta["parts"] = [f"part-{r}" for r in range(group.world)]
     if group.rank == 0:
         try:
@@ -223,24 +238,24 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
 
 
 def _write_state(into: Path, token: str, write_state: Callable[[SaveWriter], None], describe: Callable[[], dict],
-                total_bytes: int, progress: bool, record: dict | None) -> dict:
+                total_bytes: int, progress: bool, record: dict | None, kinds: tuple[str, ...]) -> dict:
     """The three state files and ``optimizer.json`` of one part (a whole save, in one process), fsynced;
     returns that metadata."""
-    writer = SaveWriter(into, total_bytes, progress)
+    writer = SaveWriter(into, total_bytes, progress, kinds)
     try:
         write_state(writer)
     except BaseException:
         writer.abandon()
         raise
-    meta = _meta(token, writer.close(), describe(), record)
+    meta = _meta(token, writer.close(), describe(), record, kinds)
     _write_meta(into, meta)
     _fsync_dir(into)
     return meta
 
 
-def _meta(token: str, params: list[dict], described: dict, record: dict | None) -> dict:
-    return {"format": FORMAT, "token": token, "saved_ns": time.time_ns(), **described, "params": params,
-            "record": record}
+def _meta(token: str, params: list[dict], described: dict, record: dict | None, kinds: tuple[str, ...]) -> dict:
+    return {"format": FORMAT, "token": token, "saved_ns": time.time_ns(), "kinds": list(kinds), **described,
+            "params": params, "record": record}
 
 
 def _meta_digest(meta: dict) -> str:
@@ -256,11 +271,6 @@ def _write_meta(into: Path, meta: dict) -> None:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _next_offset(previous: list[dict]) -> int:
-    """Byte offset of the next parameter in each state file."""
-    return previous[-1]["offset"] + 4 * previous[-1]["numel"] if previous else 0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -324,11 +334,11 @@ def read_meta(save: str | os.PathLike) -> dict:
         raise CheckpointError(f"{file}: format {meta.get('format')!r}, this version reads formats "
                               f"{', '.join(map(str, _READABLE_FORMATS))}: load it with the fuyou-strategy version "
                               "that wrote it")
-    if meta["format"] != FORMAT and file not in _unprotected_warned:
+    if meta["format"] == 2 and file not in _unprotected_warned:
         _unprotected_warned.add(file)
         log.warning("fuyou: %s was written by an earlier fuyou-strategy (format %s): its values have no checksum, "
                     "so a change to them cannot be detected; the next save writes format %s", file, meta["format"], FORMAT)
-    if meta["format"] == FORMAT and meta.get(META_DIGEST) != _meta_digest(meta):
+    if meta["format"] >= 3 and meta.get(META_DIGEST) != _meta_digest(meta):
         raise CheckpointError(
             f"{file}: its contents do not match the checksum written with them: a value was changed after the save "
             "(an edited lr, step or weight_decay, or a damaged drive); refusing to resume from it, since training "
@@ -336,6 +346,11 @@ def read_meta(save: str | os.PathLike) -> dict:
     if _TOKEN.fullmatch(save.name) and meta.get("token") != save.name:
         raise CheckpointError(f"{file}: records save {str(meta.get('token'))[:8]}, but lies in the folder of save "
                               f"{save.name[:8]}: the file was copied from another save")
+    if meta["format"] < 4:  # fp32 files, 4 bytes per element, one offset per parameter: as format 4 records them
+        meta["kinds"] = list(KINDS)
+        for pm in meta.get("params", []):
+            pm["offsets"] = dict.fromkeys(KINDS, pm["offset"])
+            pm["bytes"] = dict.fromkeys(KINDS, 4 * pm["numel"])
     return meta
 
 
@@ -418,8 +433,10 @@ class SaveReader:
             remove_stale_temps(self.path.parent)
         _check_sizes(self.path, self.meta)
         self._records = {pm["index"]: pm for pm in self.meta["params"]}
+        self.kinds = tuple(self.meta["kinds"])
         self._files: dict[Path, dict] = {}  # a part's folder -> its open state files
         self._digests: dict[int, dict] = {}
+        self._at: dict[int, dict[str, int]] = {}  # parameter -> bytes read so far per kind (chunks come in order)
         self._bad: list[str] = []
         self._first: Path | None = None  # the folder of the first parameter read (named in a checksum error)
 
@@ -437,25 +454,33 @@ class SaveReader:
         return [pm["step"] for pm in self.meta["params"]]
 
     def read(self, index: int, start: int, data: dict[str, memoryview]) -> None:
-        """Fill ``data`` (per kind, bytes) from parameter ``index``'s elements at ``start`` on."""
+        """Fill ``data`` (per kind, bytes) with parameter ``index``'s chunk that starts at element ``start``;
+        a parameter's chunks come in order, from ``start == 0``."""
         pm = self._records[index]
         folder = self.path / pm["part"] if "part" in pm else self.path
         if folder not in self._files:
-            self._files[folder] = {kind: open(folder / f"{kind}.bin", "rb") for kind in KINDS}
+            self._files[folder] = {kind: open(folder / f"{kind}.bin", "rb") for kind in self.kinds}
             self._first = self._first or folder
         if start == 0:
-            self._digests[index] = {kind: hashlib.sha256() for kind in KINDS}
-        for kind in KINDS:
-            got = os.preadv(self._files[folder][kind].fileno(), [data[kind]], pm["offset"] + 4 * start)
-            if got != len(data[kind]):
+            self._digests[index] = {kind: hashlib.sha256() for kind in self.kinds}
+            self._at[index] = dict.fromkeys(self.kinds, 0)
+        at = self._at[index]
+        for kind, piece in data.items():
+            if at[kind] + len(piece) > pm["bytes"][kind]:
+                raise CheckpointError(f"{folder / (kind + '.bin')}: parameter {index} holds {pm['bytes'][kind]} bytes "
+                                      "there, more are asked for: the save is of another layout; nothing was loaded")
+            got = os.preadv(self._files[folder][kind].fileno(), [piece], pm["offsets"][kind] + at[kind])
+            if got != len(piece):
                 raise CheckpointError(f"{folder / (kind + '.bin')}: truncated at parameter {index}")
-            self._digests[index][kind].update(data[kind])
+            self._digests[index][kind].update(piece)
+            at[kind] += len(piece)
 
     def finish(self, index: int) -> None:
         """Parameter ``index`` was read whole: note each file whose checksum does not match."""
-        digest = self._digests.pop(index)
-        for kind in KINDS:
-            if digest[kind].hexdigest() != self._records[index]["sha256"][kind]:
+        digest, at = self._digests.pop(index), self._at.pop(index)
+        record = self._records[index]
+        for kind in self.kinds:
+            if at[kind] != record["bytes"][kind] or digest[kind].hexdigest() != record["sha256"][kind]:
                 self._bad.append(f"{kind}.bin parameter {index}")
 
     def check(self) -> None:
@@ -480,13 +505,14 @@ class SaveReader:
 def _check_sizes(save: Path, meta: dict) -> None:
     """Refuse a save whose state files are not the size its metadata records (bytes appended, a file
     from another save) before a byte is read; truncation is caught here too."""
-    expected: dict[Path, tuple[int, int]] = {}  # folder holding a part -> (bytes per file, parameters)
+    expected: dict[Path, tuple[dict[str, int], int]] = {}  # folder holding a part -> (bytes per file, parameters)
     for pm in meta["params"]:
         where = save / pm["part"] if "part" in pm else save
-        size, count = expected.get(where, (0, 0))
-        expected[where] = (max(size, pm["offset"] + 4 * pm["numel"]), count + 1)
-    for where, (size, count) in expected.items():
-        for kind in KINDS:
+        sizes, count = expected.get(where, (dict.fromkeys(meta["kinds"], 0), 0))
+        expected[where] = ({kind: max(size, pm["offsets"][kind] + pm["bytes"][kind]) for kind, size in sizes.items()},
+                           count + 1)
+    for where, (sizes, count) in expected.items():
+        for kind, size in sizes.items():
             file = where / f"{kind}.bin"
             try:
                 actual = file.stat().st_size

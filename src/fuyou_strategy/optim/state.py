@@ -1,11 +1,12 @@
 """`OptimizerState`: every parameter's fp32 master weight and Adam moments, chunk by chunk.
 
-This module is the one owner of the state's layout. Each parameter's state is one tensor-store
+This module is the one owner of the state's storage. Each parameter's state is one tensor-store
 entry (on the SSD tier) of chunks; chunk ``k`` covers the parameter's elements
-``[k * E, k * E + n)`` as ``[master | exp_avg | exp_avg_sq]`` — ``3 n`` fp32 values, so that one
-read fetches all three. Nothing outside this module slices a chunk: `views` hands out the three
-tensors by name (`KINDS`), and checkpoints stream them through `export` and `load` without knowing
-where they sit.
+``[k * E, k * E + n)`` as ``[master | exp_avg | exp_avg_sq]`` in the parameter's `formats.Layout`
+(``3 n`` fp32 values by default; bf16 or 8-bit moments with ``state_format``), so that one read
+fetches all three. Nothing outside this module and `formats` slices a chunk: the layout hands out the
+tensors by name, and checkpoints stream its pieces through `export` and `load` without knowing where
+they sit.
 
 Everything that touches the state runs as a `ChunkJob` on one worker thread (`pipeline`), reading
 ahead: the AdamW update (`update_job`), restoring weights from the masters, reading a parameter's
@@ -34,12 +35,15 @@ from torch.optim.adamw import adamw as adamw_for_loop
 from ..config import STATE_BYTES_PER_PARAM, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
+from ..storage.pool import round_up
+from .formats import Layout, update_compact
 from .pipeline import ChunkJob, ChunkPipeline
 
-__all__ = ["KINDS", "ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel", "views"]
+__all__ = ["KINDS", "ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # 4 bytes per kind: a step reads and writes this much per parameter
+ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # fp32: 4 bytes per kind; the chunk size is set in elements at this rate
+FP32 = Layout("fp32")
 
 
 @dataclass(eq=False)
@@ -54,10 +58,34 @@ class ParamState:
     elems_per_chunk: int
     nchunks: int
     grads: str | None = None  # the store entry of a streamed parameter's gradient (`StreamedGradients`)
+    layout: Layout = FP32  # how its chunks hold the state (`formats`, ``state_format``)
 
     @property
     def numel(self) -> int:
         return self.param.numel()
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one chunk of the entry to the next (a whole chunk's layout, padded to a page)."""
+        return round_up(self.layout.nbytes(self.elems_per_chunk))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state entry, one slot (the last chunk unpadded)."""
+        return (self.nchunks - 1) * self.stride + self.layout.nbytes(self.span(self.nchunks - 1)[1])
+
+    def chunk_nbytes(self, k: int) -> int:
+        """Bytes of chunk ``k`` in the store (as `TensorStore` lends it)."""
+        return self.stride if k < self.nchunks - 1 else self.nbytes - k * self.stride
+
+    def views(self, buf: HostBuffer, k: int) -> dict[str, Any]:
+        """The ``master``, ``exp_avg`` and ``exp_avg_sq`` of chunk ``k`` held in ``buf`` (`Layout.views`;
+        views: none may outlive the buffer once it is handed on)."""
+        return self.layout.views(buf.view(), self.span(k)[1])
+
+    def pieces(self, buf: HostBuffer, k: int) -> dict[str, memoryview]:
+        """Chunk ``k``'s bytes per checkpoint file (`Layout.pieces`)."""
+        return {kind: byte_view(t) for kind, t in self.layout.split(buf.view(), self.span(k)[1]).items()}
 
     def span(self, k: int) -> tuple[int, int]:
         """``(first element, elements)`` of chunk ``k``."""
@@ -66,13 +94,6 @@ class ParamState:
 
     def describe(self) -> str:
         return f"parameter {self.index} {tuple(self.param.shape)}"
-
-
-def views(buf: HostBuffer, n: int) -> dict[str, torch.Tensor]:
-    """The ``master``, ``exp_avg`` and ``exp_avg_sq`` of a chunk of ``n`` elements held in ``buf``
-    (views: none may outlive the buffer once it is handed on)."""
-    state = buf.view(torch.float32)
-    return {kind: state[i * n : (i + 1) * n] for i, kind in enumerate(KINDS)}
 
 
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -110,7 +131,7 @@ class OptimizerState:
     """
 
     def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int) -> None:
-        self.config, self.slots = config, config.state_slots
+        self.config, self.slots, self.owned = config, config.state_slots, owned
         self.store = TensorStore(config)
         try:
             # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
@@ -118,8 +139,7 @@ class OptimizerState:
             self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
             try:
                 for ps in owned:
-                    self.store.create(ps.entry, (ps.numel * len(KINDS),), torch.float32,
-                                      chunk_bytes=ps.elems_per_chunk * ELEMENT_BYTES, slots=self.slots,
+                    self.store.create(ps.entry, (ps.nbytes,), torch.uint8, chunk_bytes=ps.stride, slots=self.slots,
                                       in_memory=ps.index in self.in_memory)
             except BaseException:
                 self.pipeline.close()
@@ -135,7 +155,7 @@ class OptimizerState:
         chosen = set(chosen or ())
         left = nbytes
         for ps in owned:
-            need = TensorStore.footprint(ps.numel * ELEMENT_BYTES, ps.elems_per_chunk * ELEMENT_BYTES, self.slots)
+            need = TensorStore.footprint(ps.nbytes, ps.stride, self.slots)
             if ps.index in chosen or need <= left:
                 chosen.add(ps.index)
                 left -= need
@@ -167,25 +187,23 @@ class OptimizerState:
         return (sum(e.footprint for e in self._entries(in_memory=False)),
                 sum(e.footprint for e in self._entries(in_memory=True)))
 
-    def numel_in_memory(self) -> int:
-        """Parameters (elements) whose state lives in host RAM."""
-        return sum(e.nbytes // ELEMENT_BYTES for e in self._entries(in_memory=True))
+    def slot_bytes(self, in_memory: bool) -> int:
+        """Bytes of one slot of the state in host RAM (``True``) or on the SSD: what a step's updates read
+        and write there (the state format's bytes, `formats`)."""
+        return sum(ps.nbytes for ps in self.owned if (ps.index in self.in_memory) == in_memory)
 
     # -- initialising ---------------------------------------------------------------------------------
     def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:
         """Write ``[master = weight in fp32 | 0 | 0]`` into each entry's active slot, one parameter's
-        weight (``weight(ps)``) in memory at a time."""
+        weight (``weight(ps)``) in memory at a time (zero bytes are zero moments in every format)."""
         for ps in params:
             flat = weight(ps).reshape(-1)
             writes = []
             for k in range(ps.nchunks):
                 start, n = ps.span(k)
-                buf = self.pool.acquire(n * ELEMENT_BYTES)
-                state = views(buf, n)
-                state["master"].copy_(flat[start : start + n])
-                state["exp_avg"].zero_()
-                state["exp_avg_sq"].zero_()
-                del state  # a view must not outlive the buffer, which the write gives back to the pool
+                buf = self.pool.acquire(ps.chunk_nbytes(k))
+                buf.view().zero_()
+                ps.views(buf, k)["master"].copy_(flat[start : start + n])  # a view must not outlive the buffer
                 writes.append(self.store.write_chunk(ps.entry, k, buf, slot=ACTIVE))
             gather(writes).result()  # raises if any write failed
             del flat
@@ -211,19 +229,23 @@ class OptimizerState:
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         last, store, slot = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW
+        exact_kernel = ps.layout.kernel == "torch"
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
                 norm(grad.norm(inv_scale))
             start, n = ps.span(k)
-            state = views(buf, n)
+            state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
             g = raw.to(device="cpu", dtype=torch.float32)
             if inv_scale is not None:
                 g = g * inv_scale  # GradScaler.unscale_
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
-            adamw_kernel(state["master"], g, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
+            if exact_kernel:
+                adamw_kernel(state["master"], g, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
+            else:
+                update_compact(state, g, step, **hyper)
             futures = [publish(ps, k, state["master"])]
             if keep is not None:
                 futures.append(keep(ps, k, raw))
@@ -263,21 +285,22 @@ class OptimizerState:
 
             def restore(k: int, buf: HostBuffer, ps: ParamState = ps) -> Future | None:
                 with buf:
-                    return publish(ps, k, views(buf, ps.span(k)[1])["master"])
+                    return publish(ps, k, ps.views(buf, k)["master"])
 
             self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
         self.pipeline.drain()
 
     # -- reading it back -------------------------------------------------------------------------------
     def read(self, ps: ParamState) -> dict[str, torch.Tensor]:
-        """The committed master and moments of one parameter, in RAM, shaped like it."""
+        """The committed master and moments of one parameter, in RAM, shaped like it (fp32; compact
+        moments dequantised)."""
         out = {kind: torch.empty(ps.numel, dtype=torch.float32) for kind in KINDS}
 
         def gather_chunk(k: int, buf: HostBuffer) -> None:
             start, n = ps.span(k)
             with buf:
-                for kind, view in views(buf, n).items():
-                    out[kind][start : start + n].copy_(view)
+                for kind, view in ps.views(buf, k).items():
+                    out[kind][start : start + n].copy_(Layout.dequantize(view)[:n])
 
         self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, gather_chunk))
         self.pipeline.drain()
@@ -285,13 +308,14 @@ class OptimizerState:
 
     # -- checkpoints: the state as bytes per kind, never whole in RAM ----------------------------------------
     def export(self, params: list[ParamState], write: Callable[[ParamState, dict[str, memoryview]], None]) -> None:
-        """Stream the committed state of ``params`` in order: ``write(ps, {kind: bytes})`` per chunk, on the
-        worker thread, chunks in element order (a checkpoint's files do not depend on the chunk size)."""
+        """Stream the committed state of ``params`` in order: ``write(ps, {kind: bytes})`` per chunk (the
+        layout's pieces), on the worker thread, chunks in element order (a checkpoint's files do not
+        depend on the chunk size)."""
         for ps in params:
 
             def write_chunk(k: int, buf: HostBuffer, ps: ParamState = ps) -> None:
                 with buf:
-                    write(ps, {kind: byte_view(view) for kind, view in views(buf, ps.span(k)[1]).items()})
+                    write(ps, ps.pieces(buf, k))
 
             self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, write_chunk))
         self.pipeline.drain()
@@ -322,15 +346,15 @@ class OptimizerState:
                    progress: bool) -> None:
         slot = ACTIVE if self.slots == 1 else SHADOW
         writes: list[Future] = []
-        bar = Progress(sum(ps.numel for ps in params) * ELEMENT_BYTES,
+        bar = Progress(sum(ps.nbytes for ps in params),
                        f"fuyou: {'loading' if write else 'checking'} optimizer state from {what}", enabled=progress)
         try:
             for ps in params:
                 for k in range(ps.nchunks):
                     start, n = ps.span(k)
-                    buf = self.pool.acquire(n * ELEMENT_BYTES)
+                    buf = self.pool.acquire(ps.chunk_nbytes(k))
                     try:
-                        read(ps, start, {kind: byte_view(view) for kind, view in views(buf, n).items()})
+                        read(ps, start, ps.pieces(buf, k))
                     except BaseException:
                         buf.release()
                         raise
@@ -338,7 +362,7 @@ class OptimizerState:
                         writes.append(self.store.write_chunk(ps.entry, k, buf, slot=slot))
                     else:
                         buf.release()
-                    bar.update(n * ELEMENT_BYTES)
+                    bar.update(ps.chunk_nbytes(k))
                 finish(ps)
         except BaseException:
             gather(writes).exception()

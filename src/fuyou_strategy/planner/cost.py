@@ -140,6 +140,8 @@ class Profile:
     # side-stream copies over the link.
     blocking_weight_copy: bool = True
     state_slots: int = OPTIMIZER_SSD_SLOTS  # FuyouConfig.state_slots: copies of the state kept per parameter
+    # Bytes of optimizer state per parameter and slot (FuyouConfig.state_format: 12 fp32, 8 bf16, ~6.03 8bit)
+    state_bytes: float = STATE_BYTES_PER_PARAM
     # Optimizer state held in host RAM (FuyouConfig.host_state): bytes (every slot), or None: whatever the
     # host budget leaves (all of it without a host budget); 0: all of the state on the SSD.
     host_state: int | None = 0
@@ -249,7 +251,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
     ram = _state_in_ram(profile, blocks, host_peak)  # "rest" or block index -> parameters whose state is in RAM
-    state_ram = sum(ram.values()) * profile.state_slots * STATE_BYTES_PER_PARAM
+    state_ram = int(sum(ram.values()) * profile.state_slots * profile.state_bytes)
     host_peak += state_ram
     ssd_peak -= state_ram
     s = _Schedule(record=timeline)
@@ -331,7 +333,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         redo = max(redo, _update(s, profile, profile.other_params, step, ram=ram["rest"]))
         step += profile.redo_fraction * (redo - step)
 
-    ssd_writes = ((profile.params - sum(ram.values())) * STATE_BYTES_PER_PARAM
+    ssd_writes = ((profile.params - sum(ram.values())) * profile.state_bytes
                   + profile.micro_batches * sum(b.act_bytes for b, p in zip(blocks, policies) if p is Policy.SSD)
                   + sum(b.grad_bytes for b in blocks if b.weight_tier == "ssd"))
     over = {}
@@ -348,13 +350,13 @@ def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) 
     """Per update (``"rest"``, then each block index), the parameters whose optimizer state is in host RAM:
     ``profile.host_state`` bytes, or what the host budget leaves beside ``host_peak`` (the other host
     users), given in the optimizer's order (the rest of the model first, then block 0, 1, ...)."""
-    per_param = profile.state_slots * STATE_BYTES_PER_PARAM
+    per_param = profile.state_slots * profile.state_bytes
     total = profile.params * per_param
     if profile.host_state is not None:
         room = profile.host_state
     else:
         room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
-    params = min(total, room) // per_param
+    params = int(min(total, room) // per_param)
     ram: dict = {}
     for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:
         ram[key] = min(n, params)
@@ -409,7 +411,7 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     in host RAM: it moves nothing over the SSD."""
     if params == 0:
         return grads_ready
-    on_ssd = (params - ram) * STATE_BYTES_PER_PARAM
+    on_ssd = (params - ram) * profile.state_bytes
     read = s.run("ssd", on_ssd / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
     done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
     written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
@@ -458,7 +460,7 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
             + sum(b.weight_bytes for b in blocks if b.weight_tier == "host")
             + max((b.weight_bytes for b in blocks if b.weight_tier == "ssd"), default=0)
             + max((b.grad_bytes for b in streamed), default=0))
-    ssd = (profile.state_slots * STATE_BYTES_PER_PARAM * profile.params
+    ssd = int(profile.state_slots * profile.state_bytes * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
            + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))
     return device, host, ssd

@@ -203,6 +203,7 @@ class WarmupProfiler:
             blocking_weight_copy=False,
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
             state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
+            state_bytes=self.optimizer.state_format.bytes_per_param(),
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",

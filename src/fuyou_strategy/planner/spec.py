@@ -159,6 +159,7 @@ class Hardware:
     host_memory: int = 768 * 10**9
     ssds: int = 1
     ssd_read_gbps: float = 6.5  # per drive: Intel D7-P5510 3.84 TB
+    ssd_capacity: int = 384 * 10**10  # per drive, bytes: the same drive (3.84 TB)
     ssd_write_gbps: float = 3.4
     adam_params_per_s: float = 1e9
     efficiency: float = 0.5  # fraction of ``tflops`` reached
