@@ -153,6 +153,40 @@ def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(t
             assert torch.equal(p, r["weights"][name]), name
 
 
+def test_two_ranks_with_a_compact_state_train_like_one_process(tmp_path):
+    """``state_format="bf16"``: each rank keeps its shard's moments in bf16; bitwise what one process computes
+    with the same format when it sums the ranks' gradients alike (the compact update is per parameter)."""
+    pytest.importorskip("torchao")
+    mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", "state_format": "bf16"}),
+             nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(r["summary"]["state_format"] == "bf16" for r in ranks)
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    (tmp_path / "one").mkdir()
+    with FuyouAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
+                    config=FuyouConfig(swap_dirs=[str(tmp_path / "one")], chunk_size="8KiB", state_format="bf16",
+                                       optimizer_schedule="next_forward")) as opt:
+        for micro_batches in global_batches():
+            per_rank = []
+            for rank in range(2):
+                for ids in micro_batches:
+                    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+                    (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
+                per_rank.append([p.grad for p in model.parameters()])
+                for p in model.parameters():
+                    p.grad = None
+            for p, g0, g1 in zip(model.parameters(), *per_rank):
+                p.grad = (g0 + g1).div_(2)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.state_dict()  # lands every update
+    for r in ranks:
+        assert r["norm"] == opt.stats.last_grad_norm
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, r["weights"][name]), name
+
+
 # Llama's weights are 100,224 bytes: with one block on the device at a time, each rank trains in less.
 SMALLER_THAN_THE_WEIGHTS = {"weight_prefetch_blocks": 0, "device_memory_budget": 100_000}
 
