@@ -17,6 +17,14 @@ Writes ``benchmarks/results/state_format.json`` and a PNG of the loss curves (on
 
     python -m benchmarks.state_format_bench            # both tasks, fp32 / bf16 / 8bit, 300 steps
     python -m benchmarks.state_format_bench --steps 50 --tasks counting   # quicker look
+    python -m benchmarks.state_format_bench --bytes   # SSD bytes per parameter and per step, every format
+
+``--bytes`` measures instead what each format costs on the drive: a 4-layer, 256-wide GPT-2 through
+`FuyouEngine` with every block's weights streamed from the SSD (``weights="ssd"``, ``host_state=0``), for each
+format, compute dtype (fp32, bf16) and ``state_slots`` (1, 2): ``summary()["ssd_bytes_per_trainable_parameter"]``
+(the swap files' high-water mark) and the bytes written to the SSD per step and parameter, measured by the I/O
+engine over 3 steps after one warm-up, beside the state's own bytes per parameter (`optim.formats`).
+Writes ``benchmarks/results/state_format_bytes.json``.
 """
 
 from __future__ import annotations
@@ -103,6 +111,56 @@ def _run(task: str, fmt: str, steps: int, seed: int) -> dict:
             "state_bytes_per_parameter": on_ssd / params}
 
 
+def _bytes(fmt: str, dtype: str, slots: int) -> dict:
+    """Bytes on the SSD and written per step for one configuration (in this process)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fuyou_strategy import FuyouConfig, FuyouEngine
+    from fuyou_strategy.optim.formats import StateFormat
+
+    torch.manual_seed(0)
+    vocab = 512
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=vocab, n_positions=SEQ,
+                                       bos_token_id=vocab - 1, eos_token_id=vocab - 1, loss_type="ForCausalLMLoss"))
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    data, _ = _data("counting", 5 * 4, seed=1)
+    with tempfile.TemporaryDirectory(prefix="fuyou-format-bytes-") as swap:
+        config = FuyouConfig(swap_dirs=[swap], state_format=fmt, state_slots=slots, host_state=0, weights="ssd",
+                             host_memory_budget="512MiB", optimizer_schedule="next_forward", progress=False)
+        with FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config) as engine:
+            written = []
+            for step in range(4):
+                before = engine.optimizer.store.engine.bytes_written
+                batch = data[step * 4 : (step + 1) * 4] % vocab
+                engine.begin_micro_batch()
+                model(input_ids=batch, labels=batch).loss.backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+                written.append(engine.optimizer.store.engine.bytes_written - before)
+            summary = engine.summary()
+    params = summary["trainable_parameters"]
+    return {"format": fmt, "dtype": dtype, "state_slots": slots, "parameters": params,
+            "state_bytes_per_parameter_and_slot": StateFormat(fmt).bytes_per_param(),
+            "ssd_bytes_per_trainable_parameter": summary["ssd_bytes_per_trainable_parameter"],
+            "ssd_written_per_step_per_parameter": sum(written[1:]) / len(written[1:]) / params}
+
+
+def bytes_table(out: str) -> int:
+    rows = [_bytes(fmt, dtype, slots) for dtype in ("fp32", "bf16") for slots in (2, 1) for fmt in FORMATS]
+    print("| compute dtype | state_slots | format | state B/param/slot | SSD files B/param | SSD written B/param/step |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['state_slots']} | {r['format']} | {r['state_bytes_per_parameter_and_slot']:.2f} | "
+              f"{r['ssd_bytes_per_trainable_parameter']:.2f} | {r['ssd_written_per_step_per_parameter']:.2f} |")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"model": "GPT-2 4 x 256, vocab 512; weights='ssd', host_state=0, next_forward", "rows": rows}, f,
+                  indent=1)
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -111,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "results" / "state_format.json"))
     parser.add_argument("--png", default=str(HERE.parent / "docs" / "state-format-convergence.png"))
+    parser.add_argument("--bytes", action="store_true", help="measure SSD bytes per format instead (see above)")
     parser.add_argument("--child", nargs=2, metavar=("TASK", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.bytes:
+        return bytes_table(str(HERE / "results" / "state_format_bytes.json"))
     if args.child:
         print(json.dumps(_run(*args.child, args.steps, args.seed)))
         return 0

@@ -46,10 +46,13 @@ from common import (allocator, choose_dtype, proc_bytes, run_fresh, run_interlea
 
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-STATE_BYTES_PER_SLOT = 12  # per parameter: [master | exp_avg | exp_avg_sq] in fp32, per state slot
+STATE_BYTES_PER_SLOT = {"fp32": 12, "bf16": 8, "8bit": 6 + 8 / 256}  # per parameter and slot (optim.formats)
 SSD_MARGIN = 1.1  # padding and the store's other entries: 1B, bf16, 2 slots measured 30.4 B/param for 28 estimated
 # Scale presets, (layers, hidden, heads): the named parameter count with vocab 50257 and seq 256 (tiny: --quick).
+# "4.5B": the largest that this project's disk (~77 GB free) holds in fp32 compute with an 8-bit state, one slot;
+# "6.7B": Llama-2-7B's depth and width (32 x 4096, 6.65B with GPT-2's vocabulary and MLP).
 SIZES = {"0.35B": (24, 1024, 16), "1B": (18, 2048, 16), "2B": (24, 2560, 20), "4B": (34, 3072, 24),
+         "4.5B": (36, 3200, 25), "6.7B": (32, 4096, 32),
          "tiny-1": (2, 64, 2), "tiny-2": (4, 64, 2), "tiny-3": (4, 128, 2)}
 MODE_DEFAULTS = {
     "compare": dict(warmup=2, steps=3, build="memory"),
@@ -120,7 +123,7 @@ def worker(args: argparse.Namespace) -> dict:
     config = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state,
                          device_memory_budget=args.device_budget, weights=args.worker,
                          weight_prefetch_blocks=args.prefetch_blocks, state_slots=args.state_slots,
-                         activations=args.activations)
+                         activations=args.activations, state_format=args.state_format)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     try:
         engine = FuyouEngine(model, optimizer, config=config, init_weights=model._init_weights if meta else None)
@@ -235,14 +238,16 @@ def plot_bars(path: Path, configs: list[str], results: dict, ref_s: float, title
 
 
 # -- scale ------------------------------------------------------------------------------------------
-def too_big(params: int, dtype_bytes: int, state_slots: int, free_disk: int, mem_available: int | None) -> str | None:
+def too_big(params: int, dtype_bytes: int, state_slots: int, free_disk: int, mem_available: int | None,
+            state_format: str = "fp32") -> str | None:
     """Why a size cannot run here (``None`` if it can): its estimated SSD footprint over the free
-    disk (the optimizer state, 12 B/param per slot, plus the weights and the gradients on the SSD
+    disk (the optimizer state, 12 B/param per slot in fp32, plus the weights and the gradients on the SSD
     tier), or, for a model built in memory (``mem_available`` given), its weights over the RAM."""
-    per_param = STATE_BYTES_PER_SLOT * state_slots + 2 * dtype_bytes
+    state = STATE_BYTES_PER_SLOT[state_format]
+    per_param = state * state_slots + 2 * dtype_bytes
     if params * per_param * SSD_MARGIN > free_disk:
-        return (f"its estimated SSD footprint {gib(params * per_param * SSD_MARGIN)} GiB ({per_param} B/param: state "
-                f"{STATE_BYTES_PER_SLOT} x {state_slots} slot(s), weights and gradients {dtype_bytes} each; "
+        return (f"its estimated SSD footprint {gib(params * per_param * SSD_MARGIN)} GiB ({per_param:g} B/param: "
+                f"{state_format} state {state:g} x {state_slots} slot(s), weights and gradients {dtype_bytes} each; "
                 f"x {SSD_MARGIN}) exceeds the free disk in the swap dir, {gib(free_disk)} GiB")
     if mem_available is not None and params * dtype_bytes > mem_available:
         return (f"its weights ({gib(params * dtype_bytes)} GiB) exceed the available RAM ({gib(mem_available)} GiB); "
@@ -269,7 +274,7 @@ def scale(args: argparse.Namespace, argv: list[str], header: list[str]) -> dict:
         params = gpt2_param_count(layers, hidden, args.vocab, args.seq)
         free = shutil.disk_usage(args.swap_dir).free
         ram = proc_bytes("/proc/meminfo", "MemAvailable") if args.build == "memory" else None
-        reason = too_big(params, DTYPE_BYTES[args.dtype], args.state_slots, free, ram)
+        reason = too_big(params, DTYPE_BYTES[args.dtype], args.state_slots, free, ram, args.state_format)
         if reason is not None:
             stopped = f"stopped before {name} ({params:,} params): {reason}"
             break
@@ -373,6 +378,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="FuyouConfig.activations for every block (ssd/recompute keep RSS flat across sizes)")
     parser.add_argument("--state-slots", type=int, choices=(1, 2), default=2,
                         help="FuyouConfig.state_slots: 1 halves the optimizer state on SSD (no overlapped updates)")
+    parser.add_argument("--state-format", choices=tuple(STATE_BYTES_PER_SLOT), default="fp32",
+                        help="FuyouConfig.state_format (8bit: ~6 B/param per slot instead of 12)")
     parser.add_argument("--build", choices=("memory", "meta"),
                         help="build the model in memory, or on the meta device for the engine to materialise block "
                              "by block (compare: memory, so every configuration starts from the same weights; "
@@ -425,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch} x seq {args.seq}",
         f"compute dtype: {args.dtype} ({dtype_reason})",
         f"optimizer: torch.optim.AdamW(fused=True) converted by FuyouEngine (state on SSD, "
-        f"{args.state_slots} slot(s)); host budget "
+        f"{args.state_slots} slot(s), state_format {args.state_format}); host budget "
         f"{args.host_budget}; device budget {args.device_budget or 'none'}; weight prefetch {args.prefetch_blocks} block(s); "
         f"activations {args.activations}",
         f"swap dir: {args.swap_dir} ({gib(shutil.disk_usage(args.swap_dir).free)} GiB free); allocator: "

@@ -40,6 +40,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="device", choices=["device", "host", "ssd", "auto"],
                         help="where the blocks' weights live between uses (streamed unless device); auto: the "
                         "planner decides (with --activations auto)")
+    parser.add_argument("--state-format", default="fp32", choices=["fp32", "bf16", "8bit"],
+                        help="optimizer state: fp32 (exact), or bf16 / 8-bit moments (fewer bytes; needs torchao)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", help="write a timeline of two steps here (Chrome/Perfetto JSON; draw it with "
                         "`fuyou report PATH --png`)")
@@ -48,7 +50,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
     """FuyouConfig fields from the command line."""
     return dict(swap_dirs=args.swap_dir, host_memory_budget=args.host_budget, activations=args.activations,
-                device_memory_budget=args.device_budget, trace=args.trace, weights=args.weights)
+                device_memory_budget=args.device_budget, trace=args.trace, weights=args.weights,
+                state_format=args.state_format)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -91,7 +94,8 @@ def print_summary(title: str, summary: dict[str, Any], accuracy: float, tokens: 
         f"  optimizer schedule: {', '.join(f'{n} {s}' for s, n in summary['schedule_steps'].items() if n)}; rollback "
         f"rate {summary['rollback_rate']:.0%} ({summary['rollbacks']} of {summary['optimizer_steps'] + summary['skips']} "
         "steps paid a second pass over the state)",
-        f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])} (in host RAM "
+        f"  on SSD: optimizer state {format_bytes(summary['ssd_bytes_optimizer_state'])} ({summary['state_format']}; "
+        f"in host RAM "
         f"{format_bytes(summary['host_bytes_optimizer_state'])}: host_state), swap files "
         f"{format_bytes(summary['ssd_file_bytes'])} at most; activations written "
         f"{format_bytes(summary['activation_bytes_to_ssd'])} (to host {format_bytes(summary['activation_bytes_to_host'])})",
