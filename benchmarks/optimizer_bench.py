@@ -11,6 +11,9 @@ Measures, each configuration in a fresh process (so peak RSS is its own):
    (``fused=True``, the fastest in-memory CPU AdamW) holding everything in RAM.
 3. **Peak RSS** of each process.
 
+Step configurations: ``no-optimizer``, ``torch``, ``fuyou``, ``fuyou-clip``, ``fuyou+act-ssd``, ``fuyou-ram``
+(the whole state in host RAM), ``fuyou-bf16`` and ``fuyou-8bit`` (``FuyouConfig.state_format``).
+
 Run (jemalloc steadies step times on these machines; the table says which allocator ran):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .venv/bin/python benchmarks/optimizer_bench.py
@@ -61,6 +64,8 @@ def worker(args: argparse.Namespace) -> dict:
         # The whole state (both slots, with padding) in host RAM (FuyouConfig.host_state), the pool as before.
         state = 2 * 12 * n_params + 2**30
         cfg = cfg.replace(host_memory_budget=cfg.host_memory_budget + state, host_state=state)
+    if args.config in ("fuyou-bf16", "fuyou-8bit"):  # a compact state (FuyouConfig.state_format)
+        cfg = cfg.replace(state_format=args.config.split("-")[1])
     if args.config == "no-optimizer":
         opt = None  # forward + backward only: the floor of step time and memory
     elif args.config == "torch":

@@ -1,8 +1,8 @@
 """Compact optimizer-state formats (``FuyouConfig.state_format``, `optim.formats`).
 
-The references: torchao's ``AdamW8bit`` for ``"8bit"`` and torchao's update function over bf16 moments for
-``"bf16"``, both run eagerly (torchao's optimizers wrap the same function in ``torch.compile``, whose fused
-code may differ in the last bit; eager, the comparison is bitwise). ``"fp32"`` is covered, bitwise against
+The references: torchao's ``AdamW8bit`` for ``"8bit"``, run eagerly (torchao's optimizers wrap the same
+function in ``torch.compile``, whose fused code may differ in the last bit; eager, the comparison is bitwise),
+and ``torch.optim.AdamW`` with its moments rounded to bf16 after every step for ``"bf16"`` (bitwise). ``"fp32"`` is covered, bitwise against
 ``torch.optim.AdamW``, by the rest of the suite.
 """
 
@@ -20,7 +20,7 @@ from fuyou_strategy.optim import formats
 from fuyou_strategy.optim.adamw import FuyouAdamW
 from fuyou_strategy.optim.checkpoint import CheckpointError
 
-torchao_adam = pytest.importorskip("torchao.optim.adam")
+pytest.importorskip("torchao.optim.adam")
 from torchao.optim import AdamW8bit  # noqa: E402
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
 
@@ -104,29 +104,29 @@ def test_8bit_equals_torchao_adamw8bit(tmp_path, eager, clip):
     opt.close()
 
 
-def test_bf16_equals_torchao_update_on_bf16_moments(tmp_path):
-    """The bf16 format is torchao's update function over bf16 moments, chunked or not: bitwise."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_is_torch_adamw_with_its_moments_rounded_to_bf16(tmp_path, fused):
+    """The bf16 format is torch's AdamW (the same kernel, fused or for-loop) whose moments are rounded to bf16
+    after every step, chunked or not: bitwise, clipping that bites included."""
     steps = 4
-    ours, opt = run_fuyou(tmp_path, "bf16", steps)
+    ours = params()
+    opt = FuyouAdamW(ours, **HYPER, max_grad_norm=1.0, fused=fused, config=config(tmp_path, "bf16"))
     ref = params()
-    state = [(torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)) for p in ref]
+    topt = torch.optim.AdamW(ref, **HYPER, fused=fused or None)
     for step in range(steps):
-        for p, g, (m, v) in zip(ref, grads(step), state):
-            torchao_adam.single_param_adam(p.detach(), g, torch.tensor(step + 1.0), m, v, None, HYPER["lr"],
-                                           *HYPER["betas"], HYPER["weight_decay"], HYPER["eps"], True, False)
-    for i, (p, r, (m, v)) in enumerate(zip(ours, ref, state)):
+        for p, q, g in zip(ours, ref, grads(step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt.zero_grad()
+        assert torch.nn.utils.clip_grad_norm_(ref, 1.0) > 1.0  # it bites
+        topt.step()
+        for st in topt.state.values():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                st[kind].copy_(st[kind].bfloat16())
+    for i, (p, r) in enumerate(zip(ours, ref)):
         assert torch.equal(p.detach(), r.detach()), f"parameter {i}"
         read = opt.read_state(p)
-        assert torch.equal(read["exp_avg"], m.float()) and torch.equal(read["exp_avg_sq"], v.float())
-    # and close to fp32 AdamW (the bf16 moments' rounding is all that differs): within 1e-3 of the step size
-    exact = params()
-    topt = torch.optim.AdamW(exact, **HYPER)
-    for step in range(steps):
-        for p, g in zip(exact, grads(step)):
-            p.grad = g
-        topt.step()
-    for p, e in zip(ours, exact):
-        torch.testing.assert_close(p.detach(), e.detach(), rtol=0, atol=steps * HYPER["lr"] * 1e-2)
+        assert all(torch.equal(read[k], topt.state[r][k]) for k in ("exp_avg", "exp_avg_sq")), f"parameter {i}"
     opt.close()
 
 

@@ -2,34 +2,43 @@
 
 ``FuyouConfig.state_format`` picks one for the whole optimizer:
 
-==========  ==============================================================  ===========  ======================
+==========  ==============================================================  ===========  =============================
 format      a chunk of ``n`` elements                                       bytes/param  update
-==========  ==============================================================  ===========  ======================
-``fp32``    ``[master | exp_avg | exp_avg_sq]``, fp32                        12           torch's AdamW kernels,
-                                                                                         bitwise ``torch.optim.AdamW``
-``bf16``    ``[master fp32 | exp_avg bf16 | exp_avg_sq bf16]``               8            torchao's ``single_param_adam``
+==========  ==============================================================  ===========  =============================
+``fp32``    ``[master | exp_avg | exp_avg_sq]``, fp32                        12           torch's AdamW kernel: bitwise
+                                                                                         ``torch.optim.AdamW``
+``bf16``    ``[master fp32 | exp_avg bf16 | exp_avg_sq bf16]``               8            torch's AdamW kernel on fp32
+                                                                                         copies of the moments, which
+                                                                                         are rounded back to bf16
 ``8bit``    ``[master fp32 | exp_avg codes | exp_avg_sq codes |``            ~6.03        torchao's ``single_param_adam``
             `` exp_avg scales | exp_avg_sq scales]``                                      on its ``OptimState8bit``
-==========  ==============================================================  ===========  ======================
+==========  ==============================================================  ===========  =============================
 
-The master stays fp32 in every format; only the moments shrink. ``8bit`` is block-wise dynamic-tree
-quantisation (Dettmers et al., arXiv 2110.02861) as torchao implements it (``OptimState8bit``: one
-``uint8`` code per element through a 256-entry map, one fp32 scale per block of `BLOCK` = 256
-elements). As torchao and bitsandbytes do, a parameter of fewer than `MIN_8BIT` = 4096 elements keeps
-fp32 moments (biases and norms: a few KiB, and the most sensitive to quantisation), updated by the
-same torchao function. Chunks hold whole
-blocks (`STATE_CHUNK_ELEMENTS` is a multiple of 256); a parameter whose size is not a multiple of 256
-has its last block padded with zeros, which quantise to zero and change no other value.
+The master stays fp32 in every format; only the moments shrink.
 
-**Why torchao.** The compact formats' arithmetic is torchao's own (``torchao.optim.adam.single_param_adam``,
+``bf16``: the update is exactly ``torch.optim.AdamW``'s (the same kernel, fused or for-loop as
+``FuyouAdamW(fused=...)`` says) with its moments rounded to bf16 (nearest even) after every step — the
+tests check it bitwise against that. It is as fast as fp32 but for two casts each way.
+
+``8bit`` is block-wise dynamic-tree quantisation (Dettmers et al., arXiv 2110.02861) as torchao
+implements it (``OptimState8bit``: one ``uint8`` code per element through a 256-entry map, one fp32
+scale per block of `BLOCK` = 256 elements). As torchao and bitsandbytes do, a parameter of fewer than
+`MIN_8BIT` = 4096 elements keeps fp32 moments (biases and norms: a few KiB, and the most sensitive to
+quantisation), updated by the same torchao function. Chunks hold whole blocks (`STATE_CHUNK_ELEMENTS`
+is a multiple of 256); a parameter whose size is not a multiple of 256 has its last block padded with
+zeros, which quantise to zero and change no other value.
+
+**Why torchao for 8-bit.** The arithmetic is torchao's own (``torchao.optim.adam.single_param_adam``,
 ``OptimState8bit``), run eagerly on the worker over views of the chunk in the host buffer: the quantised
 moments are written in place by torchao's ``copy_``, so there is no second copy and no hand-written
 quantiser to get wrong. torchao is pure PyTorch on the CPU and installs without touching torch
-(``pip install torchao``; the ``[compact]`` extra); bitsandbytes' CPU back end also quantises block-wise
-but its optimizer kernels target CUDA. The update equals torchao's ``AdamW8bit`` (``AdamW`` with bf16
-moments for ``bf16``) on the same gradients, bitwise when torchao runs eagerly (its optimizers compile
-the same function with ``torch.compile``, which fuses and can differ in the last bit: tests state the
-tolerance).
+(``pip install torchao``; the ``[compact]`` extra); bitsandbytes' CPU back end also quantises block-wise,
+but its 8-bit optimizer kernels target CUDA. The update equals torchao's ``AdamW8bit`` on the same
+gradients, bitwise when torchao runs eagerly (its optimizer wraps the same function in
+``torch.compile``, which fuses and can differ in the last bit). **Its cost is CPU time:** eagerly, the
+quantiser's binary search over the 256-entry map makes the 8-bit update many times slower than torch's
+fused fp32 kernel (measured in ``docs/state-formats.md``); choose it for the bytes (disk space, drive
+wear, host RAM), not for speed on few cores.
 
 A checkpoint records its format (``optimizer.json``'s ``state_format``) and its files are the pieces
 above, each in element order (``exp_avg.scale.bin``, ``exp_avg_sq.scale.bin`` for ``8bit``). Loading a
@@ -141,13 +150,13 @@ class StateFormat:
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
             raise ConfigError(f"state_format: got {self.name!r}; expected one of {', '.join(map(repr, FORMATS))}")
-        if self.name != "fp32":
+        if self.name == "8bit":
             _torchao()  # fail now, with the install line, not in the first update
 
     def layout(self, numel: int) -> Layout:
-        if self.name == "fp32":
-            return Layout("fp32")
-        return Layout("fp32" if self.name == "8bit" and numel < MIN_8BIT else self.name, kernel="torchao")
+        if self.name != "8bit":
+            return Layout(self.name)
+        return Layout("fp32" if numel < MIN_8BIT else "8bit", kernel="torchao")
 
     @property
     def exact(self) -> bool:
@@ -192,8 +201,8 @@ def _import_torchao() -> Any:
             warnings.simplefilter("ignore")
             from torchao.optim import adam, subclass_8bit
     except ImportError as exc:
-        raise ConfigError("state_format: the 'bf16' and '8bit' formats use torchao's optimizer state; install it "
-                          "with  pip install 'fuyou-strategy[compact]'  (or  pip install torchao)") from exc
+        raise ConfigError("state_format: the '8bit' format uses torchao's optimizer state; install it with  "
+                          "pip install 'fuyou-strategy[compact]'  (or  pip install torchao)") from exc
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

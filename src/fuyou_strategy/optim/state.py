@@ -108,6 +108,23 @@ def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                        amsgrad=False, maximize=False, **hyper)
 
 
+def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, fused: bool,
+                 **hyper: Any) -> None:
+    """One AdamW update of a chunk's ``state`` (`Layout.views`) in place, as its layout says: torch's kernel
+    (`adamw_kernel`) on fp32 moments, or on fp32 copies of bf16 moments rounded back to bf16 (round to
+    nearest even, as ``Tensor.copy_`` casts), or torchao's update (`formats.update_compact`)."""
+    master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
+    if layout.kernel == "torchao":
+        update_compact(state, grad, step, **hyper)
+    elif layout.moments == "fp32":
+        adamw_kernel(master, grad, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
+    else:
+        m, v = exp_avg.float(), exp_avg_sq.float()
+        adamw_kernel(master, grad, m, v, step, fused=fused, **hyper)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+
+
 class GradChunks(Protocol):
     """What an update reads of its gradient (`gradients.Grad`): the store entries to read alongside the state,
     each chunk, and the gradient's norm."""
@@ -229,7 +246,6 @@ class OptimizerState:
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         last, store, slot = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW
-        exact_kernel = ps.layout.kernel == "torch"
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
@@ -242,10 +258,7 @@ class OptimizerState:
                 g = g * inv_scale  # GradScaler.unscale_
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
-            if exact_kernel:
-                adamw_kernel(state["master"], g, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
-            else:
-                update_compact(state, g, step, **hyper)
+            apply_update(ps.layout, state, g, step, fused=fused, **hyper)
             futures = [publish(ps, k, state["master"])]
             if keep is not None:
                 futures.append(keep(ps, k, raw))

@@ -38,7 +38,8 @@ from ..activations.swap import first_tensor, storage_id, swappable
 from ..cleanup import undo_after
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
-from ..optim.adamw import adamw_kernel
+from ..optim.formats import Layout
+from ..optim.state import apply_update
 from ..params.streaming import Tier
 from ..progress import Progress
 from ..storage import HostBuffer, HostBufferPool, round_up
@@ -189,7 +190,7 @@ class WarmupProfiler:
                     for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
             link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
-            adam_params_per_s=adam_throughput(self.optimizer.fused),
+            adam_params_per_s=adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20)),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=outside,  # the blocks' weights and gradients count per tier (`cost.predict`)
             # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
@@ -272,13 +273,17 @@ def _probe_buffer(pool: HostBufferPool, nbytes: int, io_timeout: float) -> HostB
     return pool.acquire(min(nbytes, pool.budget), timeout=io_timeout)
 
 
-def adam_throughput(fused: bool, n: int = 2**20) -> float:
-    """Parameters/s of the CPU AdamW kernel FuyouAdamW uses; best of 3."""
-    p, g, m, v = (torch.rand(n) for _ in range(4))
+def adam_throughput(fused: bool, n: int = 2**20, layout: Layout = Layout("fp32")) -> float:
+    """Parameters/s of the CPU AdamW update FuyouAdamW runs on a chunk of ``layout`` (its state format's:
+    the compact ones cost more CPU time); best of 3."""
+    buf = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
+    state = layout.views(buf, n)
+    state["master"].copy_(torch.rand(n))
+    g = torch.rand(n)
     best = float("inf")
-    for _ in range(3):
+    for step in range(3):
         start = time.perf_counter()
-        adamw_kernel(p, g, m, v, torch.tensor(0.0), fused=fused, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
-                     eps=1e-8)
+        apply_update(layout, state, g, torch.tensor(float(step)), fused=fused, lr=1e-3, beta1=0.9, beta2=0.999,
+                     weight_decay=0.01, eps=1e-8)
         best = min(best, time.perf_counter() - start)
     return n / best
