@@ -69,29 +69,39 @@ def _rank_main(rank, world, tmp, family, fields):
         dist.destroy_process_group()
 
 
-def reference(family, *, as_ranks):
+def sum_as_ranks(model, micro_batches):
+    """Each rank's accumulated gradient, one after the other, then ``p.grad = (g0 + g1) / 2``: as the ranks sum."""
+    per_rank = []
+    for rank in range(2):
+        for ids in micro_batches:
+            mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+            (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
+        per_rank.append([p.grad for p in model.parameters()])
+        for p in model.parameters():
+            p.grad = None
+    for p, g0, g1 in zip(model.parameters(), *per_rank):
+        p.grad = (g0 + g1).div_(2)
+
+
+def reference(family, *, as_ranks, bf16_moments=False):
     """One process, torch's AdamW and clip_grad_norm_: on the whole global batch, or (``as_ranks``)
-    summing each rank's accumulated gradient as the ranks do, ``(g0 + g1) / 2``."""
+    summing each rank's accumulated gradient as the ranks do, ``(g0 + g1) / 2``; ``bf16_moments``: the
+    moments rounded to bf16 after every step (``state_format="bf16"``)."""
     torch.manual_seed(0)
     model = tiny_causal_lm(family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     norms = []
     for micro_batches in global_batches():
         if as_ranks:
-            per_rank = []
-            for rank in range(2):
-                for ids in micro_batches:
-                    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-                    (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
-                per_rank.append([p.grad for p in model.parameters()])
-                opt.zero_grad(set_to_none=True)
-            for p, g0, g1 in zip(model.parameters(), *per_rank):
-                p.grad = (g0 + g1).div_(2)
+            sum_as_ranks(model, micro_batches)
         else:
             for ids in micro_batches:
                 (model(input_ids=ids, labels=ids).loss / ACCUMULATE).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
         opt.step()
+        for st in opt.state.values() if bf16_moments else ():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                st[kind].copy_(st[kind].bfloat16())
         opt.zero_grad(set_to_none=True)
     return model, norms
 
@@ -154,36 +164,16 @@ def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(t
 
 
 def test_two_ranks_with_a_compact_state_train_like_one_process(tmp_path):
-    """``state_format="bf16"``: each rank keeps its shard's moments in bf16; bitwise what one process computes
-    with the same format when it sums the ranks' gradients alike (the compact update is per parameter)."""
-    pytest.importorskip("torchao")
+    """``state_format="bf16"``: each rank keeps its shard's moments in bf16; bitwise torch's AdamW summing the
+    ranks' gradients alike, its moments rounded to bf16 after every step (the format's definition)."""
     mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", "state_format": "bf16"}),
              nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["state_format"] == "bf16" for r in ranks)
-    torch.manual_seed(0)
-    model = tiny_causal_lm("gpt2")
-    (tmp_path / "one").mkdir()
-    with FuyouAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
-                    config=FuyouConfig(swap_dirs=[str(tmp_path / "one")], chunk_size="8KiB", state_format="bf16",
-                                       optimizer_schedule="next_forward")) as opt:
-        for micro_batches in global_batches():
-            per_rank = []
-            for rank in range(2):
-                for ids in micro_batches:
-                    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-                    (model(input_ids=mine, labels=mine).loss / ACCUMULATE).backward()
-                per_rank.append([p.grad for p in model.parameters()])
-                for p in model.parameters():
-                    p.grad = None
-            for p, g0, g1 in zip(model.parameters(), *per_rank):
-                p.grad = (g0 + g1).div_(2)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        opt.state_dict()  # lands every update
+    same_sum, norms = reference("gpt2", as_ranks=True, bf16_moments=True)
     for r in ranks:
-        assert r["norm"] == opt.stats.last_grad_norm
-        for name, p in model.state_dict().items():
+        assert r["norm"] == norms[-1]
+        for name, p in same_sum.state_dict().items():
             assert torch.equal(p, r["weights"][name]), name
 
 

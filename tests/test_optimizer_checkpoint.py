@@ -236,36 +236,25 @@ def test_a_state_file_of_another_size_is_refused(tmp_path):
 
 
 def test_an_earlier_format_without_a_metadata_checksum_still_loads(tmp_path, caplog):
-    model = tiny_causal_lm("gpt2")
-    opt = make(tmp_path, model, "a")
-    run(model, opt, 2)
-    opt.state_dict(tmp_path / "ckpt")
-    meta = newest(tmp_path / "ckpt") / "optimizer.json"
-    values = as_format_3(json.loads(meta.read_text()))
-    del values["meta_sha256"]
-    meta.write_text(json.dumps(dict(values, format=2)))
-    expected = [p.detach().clone() for p in model.parameters()]
-    run(model, opt, 1, start=2)
+    model, opt, expected = resaved_as(tmp_path, 2)
     opt.load_folder(tmp_path / "ckpt")
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
     assert any("no checksum" in r.getMessage() for r in caplog.records), "said once"
     opt.close()
 
 
-def as_format_3(values: dict) -> dict:
-    """An fp32 save's optimizer.json as format 3 wrote it: one byte offset per parameter for every file
-    (4 bytes per element), no per-file offsets and sizes, no list of files (without its checksum)."""
-    assert values["format"] == 4 and values["state_format"] == "fp32"
-    values = {k: v for k, v in values.items() if k != "kinds"}
-    values["params"] = [dict({k: v for k, v in pm.items() if k not in ("offsets", "bytes")},
-                             offset=pm["offsets"]["master"]) for pm in values["params"]]
-    for pm in values["params"]:
-        assert pm["offset"] % 4 == 0
-    return dict(values, format=3)
-
-
 def test_a_format_3_save_still_loads(tmp_path):
     """The format before per-file offsets (every file fp32 at one offset per parameter) loads exactly."""
+    model, opt, expected = resaved_as(tmp_path, 3)
+    opt.load_folder(tmp_path / "ckpt")
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+    opt.close()
+
+
+def resaved_as(tmp_path, fmt: int):
+    """Train 2 steps and save; rewrite the save's optimizer.json as format ``fmt`` wrote it (3: one byte offset
+    per parameter for every file, 4 bytes per element, no per-file offsets and sizes, no list of files; 2: also
+    without its checksum); train one more step. Returns the model, the optimizer and the saved weights."""
     from fuyou_strategy.optim.checkpoint import _meta_digest
 
     model = tiny_causal_lm("gpt2")
@@ -273,13 +262,18 @@ def test_a_format_3_save_still_loads(tmp_path):
     run(model, opt, 2)
     opt.state_dict(tmp_path / "ckpt")
     meta = newest(tmp_path / "ckpt") / "optimizer.json"
-    values = as_format_3(json.loads(meta.read_text()))
-    meta.write_text(json.dumps(dict(values, meta_sha256=_meta_digest(values))))
+    values = json.loads(meta.read_text())
+    assert values["format"] == 4 and values["state_format"] == "fp32"
+    values = {k: v for k, v in values.items() if k not in ("kinds", "meta_sha256")}
+    values["params"] = [dict({k: v for k, v in pm.items() if k not in ("offsets", "bytes")},
+                             offset=pm["offsets"]["master"]) for pm in values["params"]]
+    values["format"] = fmt
+    if fmt == 3:
+        values["meta_sha256"] = _meta_digest(values)
+    meta.write_text(json.dumps(values))
     expected = [p.detach().clone() for p in model.parameters()]
     run(model, opt, 1, start=2)
-    opt.load_folder(tmp_path / "ckpt")
-    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
-    opt.close()
+    return model, opt, expected
 
 
 def save_killed_before_its_rename(root, k):
