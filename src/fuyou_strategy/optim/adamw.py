@@ -474,8 +474,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         """This optimizer's own fields, as a save records them."""
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._by_param[p].index for p in g["params"]]}
                   for g in self.param_groups]
-        return {"steps": self.stats.steps, "state_format": self.state_format.name, "param_groups": groups, "stats": self.stats.to_dict(),
-                "schedule": self.chooser.state_dict(), "max_grad_norm": self.max_grad_norm,
+        return {"steps": self.stats.steps, "state_format": self.state_format.name, "param_groups": groups,
+                "stats": self.stats.to_dict(), "schedule": self.chooser.state_dict(), "max_grad_norm": self.max_grad_norm,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

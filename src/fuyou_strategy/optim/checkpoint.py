@@ -4,12 +4,13 @@ This module knows files, not optimizers: what a save holds comes from its caller
 streams its state through `SaveWriter` and back through `SaveReader`, and describes its own fields).
 
 A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
-``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw fp32 in the
-exact ``state_format``; an 8-bit save adds ``exp_avg.scale.bin`` and ``exp_avg_sq.scale.bin``,
-`formats`: parameters one after another, each in its natural element order, independent of the chunk
-size) and ``optimizer.json`` (the token, the state format and its files, the optimizer step count,
-hyper-parameters, shapes, each parameter's byte offset and size per file, a SHA-256 per parameter and file, what the caller asked to record — the HF Trainer's
-step — and a SHA-256 of ``optimizer.json``'s own contents). State moves chunk by chunk through the
+``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw bytes: fp32 in
+the exact ``state_format``, the moments in bf16 or 8-bit codes in a compact one, whose 8-bit saves add
+``exp_avg.scale.bin`` and ``exp_avg_sq.scale.bin`` — `formats`; parameters one after another, each in
+its natural element order, independent of the chunk size) and ``optimizer.json`` (the token, the state format and its files, the optimizer step count,
+hyper-parameters, shapes, each parameter's byte offset and size per file, a SHA-256 per parameter
+and file, what the caller asked to record — the HF Trainer's step — and a SHA-256 of
+``optimizer.json``'s own contents). State moves chunk by chunk through the
 host pool; nothing holds a whole parameter's state, let alone the model's, in RAM.
 
 Nothing damaged loads: a changed value in ``optimizer.json`` (an ``lr``, a ``step``) fails its own
