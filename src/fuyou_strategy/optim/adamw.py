@@ -400,6 +400,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         ready = [ps for ps in self._pending if ps.grads is not None or not ps.param.is_meta]
         self.adam_state.initialise(ready, self._weight)
         self._pending[:] = [ps for ps in self._pending if ps not in ready]
+        self._stream_from_masters()
 
     def attach_weights(self, streamer: Any) -> None:
         """Publish the parameters ``streamer`` streams (``streamer.streams(p)``) into their tier copies:
@@ -421,6 +422,18 @@ class FuyouAdamW(torch.optim.Optimizer):
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.adam_state.initialise([ps for ps in self.sharding.owned(self._params)
                                     if ps.param in changed and ps not in self._pending], self._weight)
+        self._stream_from_masters()
+
+    def _stream_from_masters(self) -> None:
+        """One process: the streamer reads each streamed fp32 weight whose master is written from the master
+        itself (`WeightStreamer.use_master`) instead of keeping a copy of its own on the SSD. Data parallel keeps
+        the copies: every rank streams every weight, and only the owner has its master."""
+        streamer = self.updates.weights
+        if streamer is None or self.sharding.world > 1:
+            return
+        for ps in self._params:
+            if ps.grads is not None and ps not in self._pending:
+                streamer.use_master(ps.param, ps.entry)
 
     def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
         """With ``gradients_averaged``: the DistributedDataParallel model leaves these parameters alone, so

@@ -102,6 +102,7 @@ class StreamStats:
     high_water_bytes: int = 0  # the most streamed bytes ever on the device at once
     reads: int = 0  # block materialisations (ahead or on demand)
     prefetched: int = 0  # blocks put on the device ahead of their use (upload thread)
+    from_master: int = 0  # trainable fp32 weights streamed from the optimizer's master (`use_master`): no copy
     tiers: dict[int, str] = field(default_factory=dict)  # block index -> tier, streamed blocks only
 
 
@@ -134,6 +135,9 @@ class _Weight:
         self.host: HostBuffer | None = None  # the host tier's copy
         self.block = -1  # the index of the block it belongs to (set by `_Block`)
         self.entry: str | None = None  # the SSD tier's store entry
+        # The SSD tier's copy is the optimizer's fp32 master (`use_master`): ``entry`` is its state entry, the
+        # weight is the head of each state chunk, and the optimizer's update writes it (no copy of its own).
+        self.master = False
 
     def span(self, k: int) -> tuple[int, int]:
         start = k * self.chunk_elems
@@ -459,7 +463,8 @@ class WeightStreamer:
 
     def _read(self, unit: _Block, bufs: list[HostBuffer]) -> list[tuple[_Weight, int, Future]]:
         # Each future gives its buffer back, or releases it on failure.
-        return [(w, k, self.store.read_chunk(w.entry, k, into=buf)) for (w, k, _), buf in zip(self._chunks(unit), bufs)]
+        return [(w, k, self.store.read_chunk(w.entry, k, into=buf, prefix=nbytes if w.master else None))
+                for (w, k, nbytes), buf in zip(self._chunks(unit), bufs)]
 
     def _wait_reads(self, unit: _Block, reads: list[tuple[_Weight, int, Future]]) -> list[tuple[_Weight, int, HostBuffer]]:
         """The block's finished SSD reads; on any failure every buffer is given back and the error raised."""
@@ -586,12 +591,31 @@ class WeightStreamer:
         """
         w = self._weights[param]
         start, n = w.span(k)
+        if w.master:  # the update writes ``values`` into the state chunk this copy is the head of
+            return None
         if w.host is not None:
             w.host.view(w.dtype)[start: start + n].copy_(values)
             return None
         buf = self.store.pool.acquire(n * param.element_size(), timeout=self.timeout)
         buf.view(w.dtype)[:n].copy_(values)
         return self.store.write_chunk(w.entry, k, buf)
+
+    def use_master(self, param: torch.nn.Parameter, entry: str) -> bool:
+        """Let trainable ``param``'s SSD tier copy be the fp32 master at the head of each chunk of the optimizer's
+        state entry ``entry`` (its value already: call it once the master is written) and delete the copy of its
+        own: 4 bytes per parameter less on the SSD and per step over it. Only an fp32 weight on the SSD tier
+        chunked like the state qualifies; returns whether ``param`` now streams from the master. Between steps."""
+        w = self._weights.get(param)
+        if w is None or w.master or w.entry is None or w.dtype != torch.float32:
+            return False
+        with self._lock:
+            unit = self._units[w.block]
+            if unit.upload is not None:
+                self._wait_upload(unit)
+            old, w.entry, w.master = w.entry, entry, True
+            self.store.delete(old)
+            self.stats.from_master += 1
+        return True
 
     def value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """Streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
@@ -614,6 +638,12 @@ class WeightStreamer:
         """Overwrite the weight's tier copy with ``source`` (flat, any device; returns once written)."""
         if w.host is not None:
             w.host.view(w.dtype)[: w.numel].copy_(source)
+        elif w.master:  # the head of each state chunk, the moments kept: read, overwrite, write back
+            for k in range(w.nchunks):
+                start, n = w.span(k)
+                buf = self.store.read_chunk(w.entry, k, timeout=self.timeout).result(timeout=self.timeout)
+                buf.view(torch.float32)[:n].copy_(source[start: start + n])
+                self.store.write_chunk(w.entry, k, buf).result(timeout=self.timeout)
         else:
             self.store.write(w.entry, source, timeout=self.timeout).result(timeout=self.timeout)
 
@@ -622,6 +652,14 @@ class WeightStreamer:
         """The weight's value from its tier copy, as a new CPU tensor."""
         if w.host is not None:
             return w.host.view(w.dtype)[: w.numel].clone().view(w.param.shape)
+        if w.master:
+            out = torch.empty(w.numel, dtype=w.dtype)
+            for k in range(w.nchunks):
+                start, n = w.span(k)
+                with self.store.read_chunk(w.entry, k, prefix=4 * n, timeout=self.timeout).result(
+                        timeout=self.timeout) as buf:
+                    out[start: start + n].copy_(buf.view(torch.float32)[:n])
+            return out.view(w.param.shape)
         return self.store.read(w.entry, timeout=self.timeout).result(timeout=self.timeout).view(w.param.shape)
 
     def _state_dict_hook(self, unit: _Block) -> Any:
@@ -666,9 +704,9 @@ class WeightStreamer:
                     if w.host is not None:
                         w.host.release()
                         w.host = None
-                    if w.entry is not None and w.entry in self.store.entries:
-                        self.store.delete(w.entry)
-                    w.entry = None
+                    if w.entry is not None and not w.master and w.entry in self.store.entries:
+                        self.store.delete(w.entry)  # a master belongs to the optimizer's state
+                    w.entry, w.master = None, False
             self._units = {}
             self._all = {}
             self._weights = {}

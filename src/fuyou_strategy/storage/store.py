@@ -464,8 +464,11 @@ class TensorStore:
 
     # -- chunk I/O ----------------------------------------------------------------------------------
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
-                   into: HostBuffer | None = None, lend: str | None = None) -> Future:
+                   into: HostBuffer | None = None, lend: str | None = None, prefix: int | None = None) -> Future:
         """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
+
+        ``prefix``: only the chunk's first ``prefix`` bytes (the master weights at the head of an optimizer
+        state chunk, which a `WeightStreamer` streams); the read is that many bytes rounded up to a page.
 
         ``lend=SHADOW`` (the caller will write the chunk back to the shadow slot): an in-memory entry
         copies the chunk into its own shadow slot's memory and lends that (`LentChunk`: no pool buffer,
@@ -483,18 +486,19 @@ class TensorStore:
             entry = self.entry(name)
             phys = self._slot(entry, slot)
             self._check_readable(entry, phys, k)
+            length = entry.chunk_len(k) if prefix is None else min(prefix, entry.chunk_len(k))
             if into is not None:
-                self._check_chunk_buffer(entry, k, into)
+                self._check_chunk_buffer(entry, k, into, length)
         except BaseException:
             if into is not None:
                 into.release()
             raise
-        if lend is not None and entry.memory is not None and into is None:
+        if lend is not None and entry.memory is not None and into is None and prefix is None:
             return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend)))
-        buf = into if into is not None else self.pool.acquire(entry.chunk_len(k), timeout=timeout)
+        buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
         if entry.memory is not None:  # the host tier: a copy, done when this returns
             try:
-                buf.view().copy_(entry.chunk_memory(k, phys))
+                buf.view().copy_(entry.chunk_memory(k, phys)[:length])
             except BaseException:
                 buf.release()
                 raise
@@ -595,11 +599,12 @@ class TensorStore:
         return then(fut, done)
 
     @staticmethod
-    def _check_chunk_buffer(entry: Entry, k: int, buf: HostBuffer) -> None:
-        if buf.nbytes != entry.chunk_len(k) or buf.capacity != round_up(entry.chunk_len(k)):
+    def _check_chunk_buffer(entry: Entry, k: int, buf: HostBuffer, length: int | None = None) -> None:
+        length = entry.chunk_len(k) if length is None else length
+        if buf.nbytes != length or buf.capacity != round_up(length):
             raise StorageError(
                 f"entry {entry.name!r} chunk {k}: buffer holds {buf.nbytes} bytes (capacity {buf.capacity}), "
-                f"the chunk is {entry.chunk_len(k)} bytes"
+                f"the chunk{' prefix' if length != entry.chunk_len(k) else ''} is {length} bytes"
             )
 
     # -- whole entries ------------------------------------------------------------------------------
