@@ -242,12 +242,14 @@ def too_big(params: int, dtype_bytes: int, state_slots: int, free_disk: int, mem
             state_format: str = "fp32") -> str | None:
     """Why a size cannot run here (``None`` if it can): its estimated SSD footprint over the free
     disk (the optimizer state, 12 B/param per slot in fp32, plus the weights and the gradients on the SSD
-    tier), or, for a model built in memory (``mem_available`` given), its weights over the RAM."""
+    tier; fp32 weights have no copy of their own: they stream from the optimizer's master), or, for a
+    model built in memory (``mem_available`` given), its weights over the RAM."""
     state = STATE_BYTES_PER_SLOT[state_format]
-    per_param = state * state_slots + 2 * dtype_bytes
+    per_param = state * state_slots + (1 if dtype_bytes == 4 else 2) * dtype_bytes
     if params * per_param * SSD_MARGIN > free_disk:
         return (f"its estimated SSD footprint {gib(params * per_param * SSD_MARGIN)} GiB ({per_param:g} B/param: "
-                f"{state_format} state {state:g} x {state_slots} slot(s), weights and gradients {dtype_bytes} each; "
+                f"{state_format} state {state:g} x {state_slots} slot(s), "
+                f"{'gradients 4 (weights: the master)' if dtype_bytes == 4 else f'weights and gradients {dtype_bytes} each'}; "
                 f"x {SSD_MARGIN}) exceeds the free disk in the swap dir, {gib(free_disk)} GiB")
     if mem_available is not None and params * dtype_bytes > mem_available:
         return (f"its weights ({gib(params * dtype_bytes)} GiB) exceed the available RAM ({gib(mem_available)} GiB); "

@@ -245,3 +245,18 @@ def test_through_lightning_and_hf_an_8bit_state_trains_and_a_split_changes_no_bi
         # the 8-bit map's range, a small one quantises to zero and that element's step is m / eps (torchao's and
         # bitsandbytes' 8-bit Adam alike). Whether that costs training is the convergence benchmark's question.
         assert (p - e).abs().mean() <= 5e-3, name
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_quantiser_gives_torchaos_codes_bitwise(signed):
+    """`Quantiser` (one bucketize against exact thresholds) against torchao's ``quantize_8bit_with_qmap`` on random
+    scaled values, on every threshold and on both its fp32 neighbours, on the map's own values and on zeros."""
+    q = formats._torchao()
+    qmap, thresholds = q.qmap[signed], q.quantiser[signed].thresholds
+    low = -1.0 if signed else 0.0
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(1 << 20, generator=g) * (1 - low) + low, thresholds, qmap,
+                   torch.nextafter(thresholds, torch.tensor(-2.0)), torch.nextafter(thresholds, torch.tensor(2.0)),
+                   torch.tensor([0.0, -0.0, 1.0, low])]).clamp(low, 1.0)
+    assert torch.equal(q.quantiser[signed].codes(x), q.quantize_8bit_with_qmap(x, qmap))
+    assert torch.all(thresholds[1:] > thresholds[:-1])  # one threshold per interval, in order
