@@ -144,6 +144,11 @@ def worker(args: argparse.Namespace) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
             losses.append(loss.item())
+        # Under next_forward (one state slot) the last step's updates run after step() returned: wait for them to
+        # land (state_dict() does), timed, so that the peak below covers them too.
+        start = time.perf_counter()
+        engine.optimizer.state_dict()
+        out["land_s"] = time.perf_counter() - start
         # Over the measured steps (the whole process where the reset was refused); before close(),
         # which makes every streamed weight resident again.
         out["peak_rss"] = vm_hwm_bytes()

@@ -16,7 +16,9 @@ Each repeated block's parameters are streamed from their tier (``"host"``: a hos
   parameter's optimizer chunk length, e.g. `FuyouAdamW.chunk_elements`); the optimizer then
   publishes every new value into the tier copy (`publish`, chunk by chunk, aligned with its own
   state chunks) and moves each gradient off the device as it becomes final
-  (`FuyouAdamW.attach_weights`). Other trainable parameters stay resident.
+  (`FuyouAdamW.attach_weights`). Other trainable parameters stay resident. An fp32 one on the SSD
+  tier keeps no copy at all (one process): its copy *is* the optimizer's fp32 master, the head of
+  each of its state chunks, which the streamer reads (`use_master`) and the update writes.
 
 Parameters outside the blocks (embeddings, final norm, head) and parameters shared by two places
 (tied weights) stay resident.
