@@ -220,7 +220,8 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     def _weight(self, ps: ParamState) -> torch.Tensor:
         """A parameter's weight as the masters start from (a streamed one's from its tier copy)."""
-        return self.updates.weights.value(ps.param) if ps.grads is not None else ps.param.detach()
+        streamer = self.updates.weights
+        return streamer.value(ps.param) if streamer is not None and streamer.streams(ps.param) else ps.param.detach()
 
     def _choose(self, *, agree: bool = False) -> str:
         """Set the next window's schedule (``agree``: rank 0's, on every rank); returns why."""
@@ -400,7 +401,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         ready = [ps for ps in self._pending if ps.grads is not None or not ps.param.is_meta]
         self.adam_state.initialise(ready, self._weight)
         self._pending[:] = [ps for ps in self._pending if ps not in ready]
-        self._stream_from_masters()
 
     def attach_weights(self, streamer: Any) -> None:
         """Publish the parameters ``streamer`` streams (``streamer.streams(p)``) into their tier copies:
@@ -418,21 +418,28 @@ class FuyouAdamW(torch.optim.Optimizer):
         # The tier copies live in this store: a model that outlives the optimizer gets its weights back
         # first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
         self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
-        self.gradients.streamed.attach(streamer, self._params)
+        if self.sharding.world > 1:
+            self.gradients.streamed.attach(streamer, self._params)
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.adam_state.initialise([ps for ps in self.sharding.owned(self._params)
                                     if ps.param in changed and ps not in self._pending], self._weight)
         self._stream_from_masters()
+        # One process: the gradient entries take the space the weights' own copies left (`_stream_from_masters`).
+        self.gradients.streamed.attach(streamer, self._params)
 
     def _stream_from_masters(self) -> None:
-        """One process: the streamer reads each streamed fp32 weight whose master is written from the master
-        itself (`WeightStreamer.use_master`) instead of keeping a copy of its own on the SSD. Data parallel keeps
-        the copies: every rank streams every weight, and only the owner has its master."""
+        """One process: the streamer reads each streamed fp32 weight from its master (`WeightStreamer.use_master`)
+        instead of keeping a copy of its own on the SSD. The masters of a model built on the meta device are
+        written here first, from those copies, which then go. Data parallel keeps the copies: every rank streams
+        every weight, and only the owner has its master."""
         streamer = self.updates.weights
         if streamer is None or self.sharding.world > 1:
             return
+        ready = [ps for ps in self._pending if streamer.streams(ps.param)]
+        self.adam_state.initialise(ready, self._weight)
+        self._pending[:] = [ps for ps in self._pending if ps not in ready]
         for ps in self._params:
-            if ps.grads is not None and ps not in self._pending:
+            if streamer.streams(ps.param) and ps not in self._pending:
                 streamer.use_master(ps.param, ps.entry)
 
     def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
