@@ -103,3 +103,17 @@ def test_dp_bench_quick_two_ranks_each_hold_half_the_state(tmp_path):
     assert len(ranks["state"]) == 2 and sum(ranks["state"]) == one["state"][0]  # the state split, none lost
     assert all(0.3 < s / one["state"][0] < 0.7 for s in ranks["state"])
     assert ranks["streamed"] > 0 and "ranks2-ssd" in proc.stdout
+
+
+def test_state_format_bench_runs_a_format_and_reports_its_bytes(tmp_path):
+    """The convergence benchmark's child: a few steps of each task in a compact format, finite losses, and the
+    state's bytes on the SSD below fp32's 24 per parameter (two slots)."""
+    bench = os.path.join(BENCHMARKS, "state_format_bench.py")
+    for task, fmt in (("counting", "8bit"), ("language", "bf16")):
+        proc = subprocess.run([sys.executable, bench, "--child", task, fmt, "--steps", "3"], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert run["format"] == fmt and len(run["losses"]) == 3
+        assert all(x == x and x < 10 for x in run["losses"]), run["losses"]  # finite
+        assert 12 <= run["state_bytes_per_parameter"] < 24 - 4  # 8-bit ~12.1 (embeddings' fp32 moments aside), bf16 16
