@@ -26,6 +26,10 @@ format, compute dtype (fp32, bf16) and ``state_slots`` (1, 2): ``summary()["ssd_
 (the swap files' high-water mark) and the bytes written to the SSD per step and parameter, measured by the I/O
 engine over 3 steps after one warm-up, beside the state's own bytes per parameter (`optim.formats`).
 Writes ``benchmarks/results/state_format_bytes.json``.
+
+``--update`` measures the CPU cost instead: one chunk's update (4M elements, what the optimizer's worker runs
+per chunk) in each format, median of 7 after a warm-up, as parameters per second and as a multiple of the
+fused fp32 kernel's time. Writes ``benchmarks/results/state_format_update.json``.
 """
 
 from __future__ import annotations
@@ -147,6 +151,46 @@ def _bytes(fmt: str, dtype: str, slots: int) -> dict:
             "ssd_written_per_step_per_parameter": sum(written[1:]) / len(written[1:]) / params}
 
 
+def update_table(out: str, n: int = 1 << 22, repeats: int = 7) -> int:
+    """CPU throughput of one chunk's update in each format (`state.apply_update`, what the optimizer's worker
+    runs per chunk): median of ``repeats`` over ``n`` elements, fused fp32 kernel as the reference."""
+    import statistics
+    import time
+
+    import torch
+
+    from fuyou_strategy.optim.formats import StateFormat
+    from fuyou_strategy.optim.state import apply_update
+
+    rows = []
+    for fmt in FORMATS:
+        layout = StateFormat(fmt).layout(n)
+        buf = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
+        state = layout.views(buf, n)
+        state["master"].copy_(torch.randn(n))
+        g = torch.Generator().manual_seed(0)
+        times = []
+        for step in range(repeats + 1):
+            grad = torch.randn(n, generator=g) * 1e-3
+            start = time.perf_counter()
+            apply_update(layout, state, grad, torch.tensor(float(step)), fused=True, lr=1e-3, beta1=0.9, beta2=0.999,
+                         weight_decay=0.01, eps=1e-8)
+            if step:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+        rows.append({"format": fmt, "elements": n, "median_s": statistics.median(times),
+                     "params_per_s": n / statistics.median(times), "threads": torch.get_num_threads()})
+    base = rows[0]["params_per_s"]
+    print(f"| format | update, M params/s ({rows[0]['threads']} threads) | x fp32's time |")
+    print("|---|---|---|")
+    for r in rows:
+        r["time_ratio"] = base / r["params_per_s"]
+        print(f"| {r['format']} | {r['params_per_s'] / 1e6:.1f} | {r['time_ratio']:.2f}x |")
+    with open(out, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    print(f"\nwrote {out}")
+    return 0
+
+
 def bytes_table(out: str) -> int:
     rows = [_bytes(fmt, dtype, slots) for dtype in ("fp32", "bf16") for slots in (2, 1) for fmt in FORMATS]
     print("| compute dtype | state_slots | format | state B/param/slot | SSD files B/param | SSD written B/param/step |")
@@ -170,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "results" / "state_format.json"))
     parser.add_argument("--png", default=str(HERE.parent / "docs" / "state-format-convergence.png"))
+    parser.add_argument("--update", action="store_true", help="measure each format's update throughput instead")
     parser.add_argument("--replot", action="store_true", help="only draw the PNG again from --out's JSON")
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs of the other tasks from --out's JSON (re-run only --tasks)")
@@ -178,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.bytes:
         return bytes_table(str(HERE / "results" / "state_format_bytes.json"))
+    if args.update:
+        return update_table(str(HERE / "results" / "state_format_update.json"))
     if args.replot:
         print(draw(json.loads(Path(args.out).read_text())["runs"], args.png))
         return 0
