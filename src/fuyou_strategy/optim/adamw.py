@@ -440,7 +440,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._pending[:] = [ps for ps in self._pending if ps not in ready]
         for ps in self._params:
             if streamer.streams(ps.param) and ps not in self._pending:
-                streamer.use_master(ps.param, ps.entry)
+                streamer.use_master(ps.param, ps.entry, ps.elems_per_chunk)
 
     def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
         """With ``gradients_averaged``: the DistributedDataParallel model leaves these parameters alone, so

@@ -602,13 +602,15 @@ class WeightStreamer:
         buf.view(w.dtype)[:n].copy_(values)
         return self.store.write_chunk(w.entry, k, buf)
 
-    def use_master(self, param: torch.nn.Parameter, entry: str) -> bool:
+    def use_master(self, param: torch.nn.Parameter, entry: str, chunk_elems: int) -> bool:
         """Let trainable ``param``'s SSD tier copy be the fp32 master at the head of each chunk of the optimizer's
         state entry ``entry`` (its value already: call it once the master is written) and delete the copy of its
         own: 4 bytes per parameter less on the SSD and per step over it. Only an fp32 weight on the SSD tier
-        chunked like the state qualifies; returns whether ``param`` now streams from the master. Between steps."""
+        chunked like the state (``chunk_elems`` per chunk) qualifies; returns whether ``param`` now streams from
+        the master. Between steps."""
         w = self._weights.get(param)
-        if w is None or w.master or w.entry is None or w.dtype != torch.float32:
+        if (w is None or w.master or w.entry is None or w.dtype != torch.float32
+                or w.chunk_elems != min(chunk_elems, w.numel)):
             return False
         with self._lock:
             unit = self._units[w.block]
