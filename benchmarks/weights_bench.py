@@ -23,6 +23,10 @@ LoRA). The compute dtype is bf16 where the CPU has bf16 instructions (``avx512_b
     .venv/bin/python benchmarks/weights_bench.py compare
     .venv/bin/python benchmarks/weights_bench.py scale --sizes 0.35B,1B,2B,4B --state-slots 1
     .venv/bin/python benchmarks/weights_bench.py compare --quick
+    # the largest shape this machine's disk holds: Llama-2-7B's depth and width, an 8-bit state, fp32 weights
+    # streamed from the optimizer's master (10.03 B/param on the SSD); one step, its updates timed as they land
+    .venv/bin/python benchmarks/weights_bench.py scale --sizes 6.7B --state-format 8bit --state-slots 1 --dtype fp32 \
+        --warmup 0 --steps 1 --seq 64 --host-budget 2GiB --prefetch-blocks 1 --device-budget 6GiB
 
 Prints a table and writes ``weights_<mode>.json`` (every raw number) and, when matplotlib is
 importable, ``weights_<mode>.png`` to ``--out`` (default ``benchmarks/results/``).
