@@ -60,7 +60,8 @@ import torch
 
 from ..config import STATE_CHUNK_ELEMENTS, STATE_FORMATS, ConfigError
 
-__all__ = ["FORMATS", "BLOCK", "MIN_8BIT", "Layout", "StateFormat", "state_format", "ALL_KINDS"]
+__all__ = ["FORMATS", "BLOCK", "MIN_8BIT", "Layout", "StateFormat", "Moment8bit", "Quantiser", "update_compact",
+           "ALL_KINDS"]
 
 FORMATS = STATE_FORMATS
 BLOCK = 256  # elements per 8-bit block (torchao's and bitsandbytes' default)
@@ -239,10 +240,6 @@ class StateFormat:
         return Layout("fp32" if numel < MIN_8BIT else "8bit", kernel="torchao")
 
     @property
-    def exact(self) -> bool:
-        return self.name == "fp32"
-
-    @property
     def kinds(self) -> tuple[str, ...]:
         """The checkpoint files (without ``.bin``) of a save in this format."""
         return ALL_KINDS if self.name == "8bit" else ALL_KINDS[:3]
@@ -251,10 +248,6 @@ class StateFormat:
         """State bytes per parameter and slot (of a parameter of ``numel`` elements; large ones by default)."""
         n = STATE_CHUNK_ELEMENTS * 64 if numel is None else numel
         return self.layout(n).nbytes(n) / n
-
-
-def state_format(name: str) -> StateFormat:
-    return StateFormat(name)
 
 
 _TORCHAO: Any = None  # set once under _TORCHAO_LOCK, then only read
