@@ -234,10 +234,12 @@ class FuyouConfig:
         state_format: how the optimizer state is stored (`optim.formats`). ``"fp32"`` (default):
             fp32 master and moments, 12 bytes per parameter and slot, bitwise ``torch.optim.AdamW``.
             ``"bf16"``: bf16 moments, 8 bytes. ``"8bit"``: block-wise 8-bit moments with a scale per
-            256 elements (Dettmers et al.), ~6.03 bytes. The master stays fp32 in every format; the
-            compact ones are approximate (torchao's update; needs ``pip install torchao``) and cut
-            the state's SSD bytes, its traffic per step and its host-RAM share by 1.5x and 2x. A
-            checkpoint records its format and loads only into the same one.
+            256 elements (Dettmers et al.), ~6.03 bytes, bitwise torchao's ``AdamW8bit`` (needs
+            ``pip install torchao``). The master stays fp32 in every format; the compact ones are
+            approximate and cut the state's SSD bytes, its traffic per step and its host-RAM share
+            by 1.5x and 2x, for more CPU time per update (bf16 ~2x fp32's, 8-bit ~90x on the
+            machines measured: ``docs/state-formats.md``). A checkpoint records its format and
+            loads only into the same one.
         optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
             way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
             at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update
