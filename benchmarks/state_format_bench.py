@@ -122,7 +122,7 @@ def _bytes(fmt: str, dtype: str, slots: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fuyou_strategy import FuyouConfig, FuyouEngine
-    from fuyou_strategy.optim.formats import StateFormat
+    from fuyou_strategy.optim.formats import bytes_per_param
 
     torch.manual_seed(0)
     vocab = 512
@@ -146,7 +146,7 @@ def _bytes(fmt: str, dtype: str, slots: int) -> dict:
             summary = engine.summary()
     params = summary["trainable_parameters"]
     return {"format": fmt, "dtype": dtype, "state_slots": slots, "parameters": params,
-            "state_bytes_per_parameter_and_slot": StateFormat(fmt).bytes_per_param(),
+            "state_bytes_per_parameter_and_slot": bytes_per_param(fmt),
             "ssd_bytes_per_trainable_parameter": summary["ssd_bytes_per_trainable_parameter"],
             "ssd_written_per_step_per_parameter": sum(written[1:]) / len(written[1:]) / params}
 

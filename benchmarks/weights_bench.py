@@ -50,7 +50,6 @@ from common import (allocator, choose_dtype, proc_bytes, run_fresh, run_interlea
 
 TIERS = ("device", "host", "ssd")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-STATE_BYTES_PER_SLOT = {"fp32": 12, "bf16": 8, "8bit": 6 + 8 / 256}  # per parameter and slot (optim.formats)
 SSD_MARGIN = 1.1  # padding and the store's other entries: 1B, bf16, 2 slots measured 30.4 B/param for 28 estimated
 # Scale presets, (layers, hidden, heads): the named parameter count with vocab 50257 and seq 256 (tiny: --quick).
 # "4.5B": the largest that this project's disk (~77 GB free) holds in fp32 compute with an 8-bit state, one slot;
@@ -262,7 +261,9 @@ def too_big(params: int, dtype_bytes: int, state_slots: int, free_disk: int, mem
     disk (the optimizer state, 12 B/param per slot in fp32, plus the weights and the gradients on the SSD
     tier; fp32 weights have no copy of their own: they stream from the optimizer's master), or, for a
     model built in memory (``mem_available`` given), its weights over the RAM."""
-    state = STATE_BYTES_PER_SLOT[state_format]
+    from fuyou_strategy.optim.formats import bytes_per_param
+
+    state = bytes_per_param(state_format)
     per_param = state * state_slots + (1 if dtype_bytes == 4 else 2) * dtype_bytes
     if params * per_param * SSD_MARGIN > free_disk:
         return (f"its estimated SSD footprint {gib(params * per_param * SSD_MARGIN)} GiB ({per_param:g} B/param: "
@@ -367,6 +368,8 @@ def _save(plt, fig, ax, title: str, path) -> str:
 
 # -- command line -----------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    from fuyou_strategy.config import STATE_FORMATS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -398,7 +401,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="FuyouConfig.activations for every block (ssd/recompute keep RSS flat across sizes)")
     parser.add_argument("--state-slots", type=int, choices=(1, 2), default=2,
                         help="FuyouConfig.state_slots: 1 halves the optimizer state on SSD (no overlapped updates)")
-    parser.add_argument("--state-format", choices=tuple(STATE_BYTES_PER_SLOT), default="fp32",
+    parser.add_argument("--state-format", choices=STATE_FORMATS, default="fp32",
                         help="FuyouConfig.state_format (8bit: ~6 B/param per slot instead of 12)")
     parser.add_argument("--build", choices=("memory", "meta"),
                         help="build the model in memory, or on the meta device for the engine to materialise block "

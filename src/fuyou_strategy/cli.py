@@ -99,6 +99,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
+    from .optim.formats import bytes_per_param
     from .planner import HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, solve
 
     if args.model in MODEL_PRESETS:
@@ -128,7 +129,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
           "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
     host_state = None if args.host_state == "auto" else parse_bytes(args.host_state, name="--host-state")
-    state_bytes = _state_bytes(args.state_format)
+    state_bytes = bytes_per_param(args.state_format)
     print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot "
           "(ZeRO-Infinity keeps fp32)")
     results = {}
@@ -138,7 +139,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                  if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
         try:  # the host tier and the compact state formats are fuyou's; ZeRO-Infinity keeps fp32 state on NVMe
             plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state,
-                                             state_bytes=_state_bytes("fp32") if kwargs else state_bytes), **kwargs)
+                                             state_bytes=bytes_per_param("fp32") if kwargs else state_bytes), **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
@@ -163,13 +164,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             json.dump({"model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw), "batch": args.batch,
                        "seq": args.seq, "state_format": args.state_format, "results": results}, f, indent=1)
     return 0 if results["fuyou"]["fits"] else 1
-
-
-def _state_bytes(name: str) -> float:
-    """Optimizer-state bytes per parameter and slot of ``state_format`` ``name`` (`optim.formats`; no torchao needed)."""
-    from .optim.formats import Layout
-
-    return Layout(name).nbytes(1 << 20) / (1 << 20)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

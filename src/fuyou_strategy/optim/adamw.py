@@ -418,13 +418,11 @@ class FuyouAdamW(torch.optim.Optimizer):
         # The tier copies live in this store: a model that outlives the optimizer gets its weights back
         # first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
         self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
-        if self.sharding.world > 1:
-            self.gradients.streamed.attach(streamer, self._params)
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.adam_state.initialise([ps for ps in self.sharding.owned(self._params)
                                     if ps.param in changed and ps not in self._pending], self._weight)
         self._stream_from_masters()
-        # One process: the gradient entries take the space the weights' own copies left (`_stream_from_masters`).
+        # After the copies that masters replace are gone: the gradient entries take their space.
         self.gradients.streamed.attach(streamer, self._params)
 
     def _stream_from_masters(self) -> None:

@@ -63,8 +63,7 @@ from typing import Any, Callable, Iterable
 from ..config import format_bytes
 from ..progress import Progress
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, temp_writer_gone, write_owner
-from .formats import ALL_KINDS
-from .state import KINDS  # the files of an fp32 save (a caller names its format's own)
+from .formats import ALL_KINDS, KINDS  # KINDS: the files of an fp32 save (a caller names its format's own)
 
 __all__ = ["CheckpointError", "Group", "SaveReader", "SaveWriter", "save", "save_version", "remove_versions",
            "discard", "find", "newest", "read_meta", "save_dirs", "find_stale_temps", "remove_stale_temps", "KINDS",

@@ -60,8 +60,8 @@ import torch
 
 from ..config import STATE_CHUNK_ELEMENTS, STATE_FORMATS, ConfigError
 
-__all__ = ["FORMATS", "BLOCK", "MIN_8BIT", "Layout", "StateFormat", "Moment8bit", "Quantiser", "update_compact",
-           "ALL_KINDS"]
+__all__ = ["FORMATS", "BLOCK", "MIN_8BIT", "KINDS", "ALL_KINDS", "Layout", "StateFormat", "Moment8bit", "Quantiser",
+           "update_compact", "fp32_values", "bytes_per_param"]
 
 FORMATS = STATE_FORMATS
 BLOCK = 256  # elements per 8-bit block (torchao's and bitsandbytes' default)
@@ -69,8 +69,9 @@ MIN_8BIT = 4096  # smaller parameters keep fp32 moments (torchao and bitsandbyte
 assert STATE_CHUNK_ELEMENTS % BLOCK == 0, "state chunks must hold whole 8-bit blocks"
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+KINDS = ("master", *MOMENTS)  # what a chunk holds, by name; the files of an fp32 or bf16 save
 SCALES = ("exp_avg.scale", "exp_avg_sq.scale")
-ALL_KINDS = ("master", *MOMENTS, *SCALES)  # every checkpoint file name any format writes (without ".bin")
+ALL_KINDS = (*KINDS, *SCALES)  # every checkpoint file name any format writes (without ".bin")
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,15 @@ class Layout:
             out.update({kind: parts[kind].view(dtype) for kind in MOMENTS})
         return out
 
-    @staticmethod
-    def dequantize(moment: Any) -> torch.Tensor:
-        """A moment as fp32 values (for reading state back)."""
-        return _values(moment)
+    def bytes_per_param(self) -> float:
+        """Bytes per parameter of a large parameter's chunks (whole 8-bit blocks)."""
+        n = STATE_CHUNK_ELEMENTS * 64
+        return self.nbytes(n) / n
+
+
+def bytes_per_param(state_format: str) -> float:
+    """Optimizer-state bytes per parameter and slot of ``state_format`` (12, 8, 6 + 8/256), without torchao."""
+    return Layout(state_format).bytes_per_param()
 
 
 class Moment8bit:
@@ -206,8 +212,8 @@ def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor
     p_f32 = p_f32 - lr * weight_decay * p_f32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    exp_avg_f32 = _values(exp_avg).lerp(grad_f32, 1 - beta1)
-    exp_avg_sq_f32 = _values(exp_avg_sq).lerp(grad_f32.square(), 1 - beta2)
+    exp_avg_f32 = fp32_values(exp_avg).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq_f32 = fp32_values(exp_avg_sq).lerp(grad_f32.square(), 1 - beta2)
     exp_avg.copy_(exp_avg_f32)
     exp_avg_sq.copy_(exp_avg_sq_f32)
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
@@ -217,8 +223,9 @@ def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor
         master.copy_(p[:n])
 
 
-def _values(moment: Any) -> torch.Tensor:
-    """A moment's fp32 values as torchao's ``exp_avg.float()`` gives them to ``lerp`` (fp32 itself as is)."""
+def fp32_values(moment: Any) -> torch.Tensor:
+    """A view's values in fp32 (`Layout.views`): dequantised, upcast, or the fp32 tensor itself — as torchao's
+    ``exp_avg.float()`` gives a moment to ``lerp``; also how the state is read back."""
     return moment.dequantize() if isinstance(moment, Moment8bit) else moment.float()
 
 
@@ -242,12 +249,7 @@ class StateFormat:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The checkpoint files (without ``.bin``) of a save in this format."""
-        return ALL_KINDS if self.name == "8bit" else ALL_KINDS[:3]
-
-    def bytes_per_param(self, numel: int | None = None) -> float:
-        """State bytes per parameter and slot (of a parameter of ``numel`` elements; large ones by default)."""
-        n = STATE_CHUNK_ELEMENTS * 64 if numel is None else numel
-        return self.layout(n).nbytes(n) / n
+        return ALL_KINDS if self.name == "8bit" else KINDS
 
 
 _TORCHAO: Any = None  # set once under _TORCHAO_LOCK, then only read

@@ -37,12 +37,11 @@ from ..config import STATE_BYTES_PER_PARAM, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
 from ..storage.pool import round_up
-from .formats import Layout, update_compact
+from .formats import KINDS, Layout, fp32_values, update_compact
 from .pipeline import ChunkJob, ChunkPipeline
 
-__all__ = ["KINDS", "ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel"]
+__all__ = ["ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel", "apply_update"]
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # fp32: 4 bytes per kind; the chunk size is set in elements at this rate
 FP32 = Layout("fp32")
 
@@ -329,7 +328,7 @@ class OptimizerState:
             start, n = ps.span(k)
             with buf:
                 for kind, view in ps.views(buf, k).items():
-                    out[kind][start : start + n].copy_(Layout.dequantize(view)[:n])
+                    out[kind][start : start + n].copy_(fp32_values(view)[:n])
 
         self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, gather_chunk))
         self.pipeline.drain()
