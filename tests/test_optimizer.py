@@ -1,8 +1,8 @@
-import os
 """FuyouAdamW against torch.optim.AdamW: exact numerics, accumulation, clipping, skips, errors."""
 
 import copy
 import math
+import os
 import time
 
 import pytest
@@ -299,3 +299,25 @@ def test_a_dropped_optimizer_releases_its_thread_and_swap_files(small_config):
     assert not os.path.exists(run_dir), "the optimizer's swap files outlived the optimizer"
     model(torch.randn(2, 8)).sum().backward()  # the hooks left on the model are harmless
     assert model.weight.grad is not None
+
+
+@pytest.mark.parametrize("fused", [None, False, True])
+def test_an_optimizer_that_leaves_fused_unset_keeps_the_for_loop_kernel_and_says_how_to_get_the_fast_one(tmp_path,
+                                                                                                        fused):
+    """Converting keeps torch's kernel choice (fused=None is the for-loop kernel on the CPU, bitwise), and only an
+    unset flag earns the hint: an explicit fused=False is the user's choice."""
+    from fuyou_strategy import FuyouEngine
+
+    model = tiny_causal_lm("llama")
+    said = []
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused),
+                         config=small_config(tmp_path), report=said.append)
+    try:
+        assert engine.optimizer.fused is bool(fused)
+    finally:
+        engine.close()
+    hints = [line for line in said if "fused=None" in line]
+    if fused is None:
+        assert len(hints) == 1 and "fused=True" in hints[0], said
+    else:
+        assert hints == [], said
