@@ -60,6 +60,20 @@ def test_the_read_cost_of_streamed_weights_is_in_the_prediction():
         "more than the optimizer's state traffic alone slows down"
 
 
+def test_weights_streamed_from_the_masters_take_no_ssd_space_or_writes_of_their_own():
+    """fp32 weights in one process are the masters in the state (`WeightStreamer.use_master`): the model counts
+    neither their copy on the SSD nor its write-back, and the step is no slower for it."""
+    tiers = [Policy.KEEP] * 8
+    own, master = (predict(dataclasses.replace(weighty(ssd_bw=0.5e9), weights_from_master=m), tiers,
+                           weight_tiers=["ssd"] * 8) for m in (False, True))
+    trainable = 8 * 100 * MiB
+    assert own.ssd_peak - master.ssd_peak == trainable
+    assert own.ssd_write_bytes - master.ssd_write_bytes == trainable
+    assert master.step_s < own.step_s
+    resident = [predict(dataclasses.replace(weighty(), weights_from_master=m), tiers) for m in (False, True)]
+    assert resident[0] == resident[1], "only the SSD tier's weights are affected"
+
+
 def test_nothing_fits_is_a_plan_error_naming_the_tier_and_the_weights():
     with pytest.raises(PlanError, match=r"does not fit: device needs .* more \(.*weights 8 ssd"):
         solve(weighty(device=300 * MiB, host=0), weight_tiers=WEIGHT_TIERS)

@@ -36,7 +36,9 @@ when backward starts, and backward reads the others again, ``k`` ahead in revers
 streamed block's gradients (of its trainable weights) leave over the link as soon as its backward
 ends (every micro-batch), and its update starts from them. The updated weight goes back to its
 tier (written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
-device; frozen weights are never written back. With ``blocking_weight_copy``, as the runtime does
+device; frozen weights are never written back, and with ``weights_from_master`` (fp32 weights, one
+process) the SSD tier's trainable weights are the masters in the state: neither stored nor written
+apart from it. With ``blocking_weight_copy``, as the runtime does
 today, the copy onto the device runs on the compute resource as the block starts (only the SSD
 read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
 weights are not touched by any of this.
@@ -50,7 +52,7 @@ schedule, for comparison).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..activations.blocks import Policy
 from ..config import STATE_BYTES_PER_PARAM
@@ -145,6 +147,10 @@ class Profile:
     # Optimizer state held in host RAM (FuyouConfig.host_state): bytes (every slot), or None: whatever the
     # host budget leaves (all of it without a host budget); 0: all of the state on the SSD.
     host_state: int | None = 0
+    # The SSD tier's trainable weights are the fp32 masters at the head of their state chunks (fp32 compute, one
+    # process: `WeightStreamer.use_master`): the update writes them with the state, no copy of their own on the
+    # SSD and no write-back; frozen weights keep their copies.
+    weights_from_master: bool = False
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -335,7 +341,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
 
     ssd_writes = ((profile.params - sum(ram.values())) * profile.state_bytes
                   + profile.micro_batches * sum(b.act_bytes for b, p in zip(blocks, policies) if p is Policy.SSD)
-                  + sum(b.grad_bytes for b in blocks if b.weight_tier == "ssd"))
+                  + _own_copies(profile, blocks, lambda b: b.grad_bytes))
     over = {}
     for tier, peak, budget in (("device", device_peak, profile.device_budget), ("host", host_peak, profile.host_budget),
                                ("ssd", ssd_peak, profile.ssd_budget)):
@@ -416,7 +422,7 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
     written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
     tier = block.weight_tier if block is not None else "device"
-    if tier == "ssd" and block.grad_bytes:  # frozen weights are never written back
+    if tier == "ssd" and block.grad_bytes and not profile.weights_from_master:  # frozen weights: never written back
         written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
     elif tier == "device" and profile.weight_upload_bytes_per_param:
         done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done,
@@ -462,5 +468,13 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
             + max((b.grad_bytes for b in streamed), default=0))
     ssd = int(profile.state_slots * profile.state_bytes * profile.params
            + sum(a for a, p in zip(acts, policies) if p is Policy.SSD)
-           + sum(b.weight_bytes for b in blocks if b.weight_tier == "ssd"))
+           + _own_copies(profile, blocks, lambda b: b.weight_bytes))
     return device, host, ssd
+
+
+def _own_copies(profile: Profile, blocks: list[BlockProfile], size: Callable[[BlockProfile], int]) -> int:
+    """``size`` summed over the SSD tier's blocks, less their trainable weights' bytes where those are the
+    masters in the state (`Profile.weights_from_master`): what the weights' own copies take on the SSD
+    (``weight_bytes``), or are written there per step (``grad_bytes``: the trainable part)."""
+    return sum(size(b) - (b.grad_bytes if profile.weights_from_master else 0)
+               for b in blocks if b.weight_tier == "ssd")
