@@ -104,3 +104,20 @@ def test_a_stopped_harness_kills_its_worker_and_reports_what_ran(tmp_path):
     assert "fuyou-lightning" not in result["sizes"]["tiny"]
     assert "[PARTIAL: interrupted after 1 of 2 runs]" in (tmp_path / "out" / "peers-gpt2-fp32.md").read_text()
     assert not list((tmp_path / "out").glob(".*tmp*")), "no temporary report file is left"
+
+
+def test_a_host_budget_sweep_runs_fuyou_hf_at_each_budget_and_draws_step_time_against_rss(tmp_path):
+    result, stdout = run_peers(tmp_path, "--systems", "torch,fuyou-hf@16MiB,fuyou-hf@1GiB")
+    rows = result["sizes"]["tiny"]
+    assert [rows[n]["status"] for n in rows] == ["ok", "ok", "ok"], rows
+    held = {n: result["runs"]["tiny"][n][0]["summary"]["host_bytes_optimizer_state"] for n in rows if n != "torch"}
+    assert held["fuyou-hf@16MiB"] == 0 < held["fuyou-hf@1GiB"], "the budget decides how much state is in RAM"
+    for n in ("fuyou-hf@16MiB", "fuyou-hf@1GiB"):
+        assert result["runs"]["tiny"][n][0]["summary"]["host_pool_budget_bytes"] == (16 if "16" in n else 1024) * 2**20
+        assert rows[n]["losses"] == rows["torch"]["losses"], "every split trains as torch does"
+        assert f"host_memory_budget='{n.split('@')[1]}'" in stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "out" / "peers-gpt2-fp32-sweep.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--systems", "fuyou-hf@lots"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown ['fuyou-hf@lots']" in bad.stderr

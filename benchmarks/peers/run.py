@@ -39,14 +39,16 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from common import allocator, choose_dtype, fresh_env, peak_rss_bytes, proc_bytes  # noqa: E402
 from fuyou_strategy.storage.rundir import dir_bytes  # noqa: E402
-from systems import SIZES, SYSTEMS, Job, Unavailable, run  # noqa: E402
+from systems import SIZES, SWEPT, SYSTEMS, Job, Unavailable, run, system  # noqa: E402
 
 GiB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma list of {', '.join(SYSTEMS)}, and {SWEPT}<bytes> (e.g. {SWEPT}4GiB): fuyou-hf with that "
+                   "host_memory_budget; several of them also draw step time against peak RSS (<stem>-sweep.png)")
     p.add_argument("--sizes", default="124M,350M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--model", help="a local Hugging Face model folder (replaces --arch/--sizes)")
@@ -239,6 +241,40 @@ def plot(results: dict, path: Path, limit: int) -> bool:
     return True
 
 
+def plot_sweep(results: dict, path: Path) -> bool:
+    """Step time against peak RSS, one panel per size: the ``fuyou-hf@<budget>`` runs as one line (the host
+    budget sweep), every other system as a labelled point. False when no size has two sweep points."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [size for size, rows in results["sizes"].items()
+             if sum(1 for n, r in rows.items() if n.startswith(SWEPT) and r["status"] == "ok") >= 2]
+    if not sizes:
+        return False
+    fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        rows = {n: r for n, r in results["sizes"][size].items() if r["status"] == "ok"}
+        swept = sorted(((r["peak_rss"] / GiB, r["median_s"], n[len(SWEPT):]) for n, r in rows.items()
+                        if n.startswith(SWEPT)))
+        ax.plot([p[0] for p in swept], [p[1] for p in swept], marker="o", color="C0", linewidth=2,
+                label="fuyou-hf, host_memory_budget swept")
+        for x, y, budget in swept:
+            ax.annotate(budget, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="C0")
+        for i, (name, r) in enumerate((n, r) for n, r in rows.items() if not n.startswith(SWEPT)):
+            ax.scatter([r["peak_rss"] / GiB], [r["median_s"]], marker="s", s=50, color=f"C{i + 1}", label=name)
+        ax.set_xlabel("peak RSS, GiB")
+        ax.set_ylabel("step time, s (median)")
+        ax.set_title(size)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(results["title"], 150), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -254,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.dtype, dtype_why = choose_dtype(args.dtype) if args.dtype == "auto" else (args.dtype, "--dtype")
     systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if system(s) is None]
     sizes = [Path(args.model).name] if args.model else args.sizes.split(",")
     unknown += [s for s in sizes if not args.model and s not in SIZES]
     if unknown:
@@ -277,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         merged = {size: {name: merge(rs) for name, rs in by.items() if rs} for size, by in runs.items()}
         results = {"title": title + (f" [PARTIAL: {partial}]" if partial else ""), "args": vars(args),
                    "systems": systems, "sizes": {size: rows for size, rows in merged.items() if rows}, "runs": runs,
-                   "descriptions": {name: SYSTEMS[name][1] for name in systems}, "partial": partial}
+                   "descriptions": {name: system(name)[1] for name in systems}, "partial": partial}
         report(results, args, Path(args.out), stem, limit, quiet=partial is not None)
 
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -333,7 +369,7 @@ def report(results: dict, args: argparse.Namespace, out: Path, stem: str, limit:
     text = [f"# {results['title']}", ""]
     for size, rows in results["sizes"].items():
         text += [f"## {size}", "", table(size, rows, args), ""]
-    text += ["Systems:", *[f"- `{name}`: {SYSTEMS[name][1]}" for name in results["systems"]]]
+    text += ["Systems:", *[f"- `{name}`: {system(name)[1]}" for name in results["systems"]]]
     if not quiet:
         print("\n".join(text))
     for suffix, body in ((".md", "\n".join(text) + "\n"), (".json", json.dumps(results, indent=1))):
@@ -344,6 +380,8 @@ def report(results: dict, args: argparse.Namespace, out: Path, stem: str, limit:
     drawn = plot(results, tmp, limit)
     if drawn:
         os.replace(tmp, out / f"{stem}.png")
+    if drawn and plot_sweep(results, tmp):
+        os.replace(tmp, out / f"{stem}-sweep.png")
     if not quiet:
         print(f"wrote {out / stem}.md, .json" + (", .png" if drawn else " (no PNG: matplotlib is not installed)"))
 

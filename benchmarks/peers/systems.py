@@ -178,8 +178,9 @@ def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
                  trainer.strategy.engine.summary())
 
 
-def fuyou_hf(job: Job) -> Trace:
-    """The Hugging Face ``Trainer`` with `FuyouCallback` (sequential batches, constant learning rate)."""
+def fuyou_hf(job: Job, **more) -> Trace:
+    """The Hugging Face ``Trainer`` with `FuyouCallback` (sequential batches, constant learning rate); ``more``:
+    config fields besides the default plan's (a sweep's ``host_memory_budget``)."""
     import tempfile
 
     import torch
@@ -219,7 +220,7 @@ def fuyou_hf(job: Job) -> Trace:
                                   max_grad_norm=0.0,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                                   bf16=job.dtype == "bf16", dataloader_drop_last=True, disable_tqdm=True)
-        callback = FuyouCallback(**_fuyou_fields(job, False))
+        callback = FuyouCallback(**_fuyou_fields(job, False, **more))
         trainer = InOrder(model=model, args=targs, train_dataset=data, callbacks=[callback, recorder])
         trainer.train()
     return Trace(recorder.times, recorder.losses, "HF Trainer + FuyouCallback", callback.summary)
@@ -361,9 +362,29 @@ SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
 }
 
 
+SWEPT = "fuyou-hf@"  # fuyou-hf@<host_memory_budget>, e.g. fuyou-hf@4GiB: a point of the host budget sweep
+
+
+def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
+    """``(run, what the row means)`` of a system name (`SYSTEMS`, or ``fuyou-hf@<bytes>``), else ``None``."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    if not name.startswith(SWEPT):
+        return None
+    from fuyou_strategy.config import parse_bytes
+    budget = name[len(SWEPT):]
+    try:
+        parse_bytes(budget, name="host_memory_budget")
+    except ValueError:
+        return None
+    return ((lambda job: fuyou_hf(job, host_memory_budget=budget)),
+            f"fuyou, HF Trainer + FuyouCallback, planner's plan, host_memory_budget={budget!r} (the state in RAM: what "
+            "the budget leaves)")
+
+
 def run(name: str, job: Job) -> Trace:
     """Train ``job`` with system ``name``, quietly (the peers' warnings go to stderr, not the table)."""
     warnings.simplefilter("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     Path(job.swap_dir).mkdir(parents=True, exist_ok=True)
-    return SYSTEMS[name][0](job)
+    return system(name)[0](job)
