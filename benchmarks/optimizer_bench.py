@@ -12,7 +12,9 @@ Measures, each configuration in a fresh process (so peak RSS is its own):
 3. **Peak RSS** of each process.
 
 Step configurations: ``no-optimizer``, ``torch``, ``fuyou``, ``fuyou-clip``, ``fuyou+act-ssd``, ``fuyou-ram``
-(the whole state in host RAM), ``fuyou-bf16`` and ``fuyou-8bit`` (``FuyouConfig.state_format``).
+(the whole state in host RAM), ``fuyou-bf16`` and ``fuyou-8bit`` (``FuyouConfig.state_format``); and the
+optimizer alone (gradients set by hand, ``step()`` timed): ``torch-io``, ``fuyou-io`` (state on the SSD) and
+``fuyou-io-ram`` (state in host RAM), whose ratios are the CPU cost of an update per parameter.
 
 Run (jemalloc steadies step times on these machines; the table says which allocator ran):
 
@@ -68,7 +70,7 @@ def worker(args: argparse.Namespace) -> dict:
         cfg = cfg.replace(state_format=args.config.split("-")[1])
     if args.config == "no-optimizer":
         opt = None  # forward + backward only: the floor of step time and memory
-    elif args.config == "torch":
+    elif args.config in ("torch", "torch-io"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     else:
         clip = 1.0 if args.config == "fuyou-clip" else None
@@ -80,7 +82,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 
-    if args.config in ("fuyou-io", "fuyou-io-ram"):
+    if args.config in ("fuyou-io", "fuyou-io-ram", "torch-io"):
         # Optimizer alone: hand-set gradients, so every update runs inside step().
         grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
         times = []
@@ -91,7 +93,8 @@ def worker(args: argparse.Namespace) -> dict:
             opt.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-        opt.close()
+        if hasattr(opt, "close"):
+            opt.close()
         moved = 24 * n_params  # 12 B/param read + 12 B/param written
         return {**out, "step_s": times, "bytes": moved, "peak_rss": peak_rss_bytes()}
 
@@ -183,7 +186,8 @@ def main() -> None:
     labels = {"no-optimizer": "forward+backward only (floor)", "torch": "torch.optim.AdamW(fused) in RAM",
               "fuyou": "FuyouAdamW", "fuyou-clip": "FuyouAdamW max_grad_norm=1.0",
               "fuyou-ram": "FuyouAdamW, state in host RAM", "fuyou-io-ram": "optimizer alone, state in RAM",
-              "fuyou-io": "optimizer alone, state on SSD",
+              "fuyou-io": "optimizer alone, state on SSD", "torch-io": "torch.optim.AdamW(fused) alone",
+              "fuyou-bf16": "FuyouAdamW, state_format='bf16'", "fuyou-8bit": "FuyouAdamW, state_format='8bit'",
               "fuyou+act-ssd": "FuyouAdamW + activations to SSD"}
     for config in configs:
         r, label = results[config], labels[config]

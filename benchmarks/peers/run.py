@@ -268,7 +268,7 @@ def plot_sweep(results: dict, path: Path) -> bool:
         ax.set_title(size)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(results["title"], 150), fontsize=8)
+    fig.suptitle(textwrap.fill(results["title"], 15 * 7 * len(sizes)), fontsize=8)  # ~15 characters per inch
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
