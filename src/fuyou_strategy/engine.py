@@ -98,7 +98,7 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
     return groups, defaults
 
 
-def kernel_hint(where: str = "the optimizer") -> str:
+def _kernel_hint(where: str) -> str:
     """What a user whose optimizer left ``fused`` unset should know: fuyou keeps torch's choice (the
     for-loop kernel on the CPU), and the fused kernel is the fast one for an update that runs there."""
     return (f"fuyou: {where} leaves fused=None, so its updates run torch's for-loop AdamW kernel on the CPU, as "
@@ -249,8 +249,8 @@ class FuyouEngine:
         self._step_pre_hook: Any = None
         self.reporting: RunReport | None = None  # made once the optimizer is: it reads its counters
         groups, defaults = optimizer_arguments(optimizer, where=where)
-        if optimizer.defaults.get("fused") is None and not defaults["fused"]:
-            self.report(kernel_hint(where))
+        if optimizer.defaults.get("fused") is None:  # converted as fused=False, torch's choice on the CPU
+            self.report(_kernel_hint(where))
         if process_group is not None and not gradients_averaged and dist.get_world_size(process_group) > 1:
             sync_module_states(model, process_group)  # no DDP to make the ranks start alike: rank 0's weights
         self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,

@@ -431,14 +431,19 @@ class FuyouAdamW(torch.optim.Optimizer):
         written here first, from those copies, which then go. Data parallel keeps the copies: every rank streams
         every weight, and only the owner has its master."""
         streamer = self.updates.weights
-        if streamer is None or self.sharding.world > 1:
+        if streamer is None or self.sharding.world > 1:  # `streams_from_master` is false for every weight
             return
         ready = [ps for ps in self._pending if streamer.streams(ps.param)]
         self.adam_state.initialise(ready, self._weight)
         self._pending[:] = [ps for ps in self._pending if ps not in ready]
         for ps in self._params:
-            if streamer.streams(ps.param) and ps not in self._pending:
+            if streamer.streams(ps.param) and ps not in self._pending and self.streams_from_master(ps.param):
                 streamer.use_master(ps.param, ps.entry, ps.elems_per_chunk)
+
+    def streams_from_master(self, param: torch.nn.Parameter) -> bool:
+        """Whether trainable ``param``, streamed from the SSD tier, is read from its fp32 master instead of a copy
+        of its own (`_stream_from_masters`; the planner's cost model asks too): in one process, an fp32 weight."""
+        return self.sharding.world == 1 and param.dtype == torch.float32
 
     def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
         """With ``gradients_averaged``: the DistributedDataParallel model leaves these parameters alone, so

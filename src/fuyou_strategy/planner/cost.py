@@ -422,8 +422,10 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
     written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
     tier = block.weight_tier if block is not None else "device"
-    if tier == "ssd" and block.grad_bytes and not profile.weights_from_master:  # frozen weights: never written back
-        written = s.run("ssd", block.grad_bytes / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
+    if tier == "ssd":  # the trainable weights' own copies (frozen ones are never written back)
+        own = _own_copies(profile, [block], lambda b: b.grad_bytes)
+        if own:
+            written = s.run("ssd", own / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
     elif tier == "device" and profile.weight_upload_bytes_per_param:
         done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done,
                      name=f"weights up {name}")

@@ -205,9 +205,8 @@ class WarmupProfiler:
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
             state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
             state_bytes=bytes_per_param(self.optimizer.state_format.name),
-            # What `FuyouAdamW` does with SSD-tier weights it updates: fp32 ones in one process stream from the master.
-            weights_from_master=self.optimizer.sharding.world == 1 and all(
-                p.dtype == torch.float32 for b in self.blocks for p in b.parameters() if p.requires_grad),
+            weights_from_master=all(self.optimizer.streams_from_master(p)
+                                    for b in self.blocks for p in b.parameters() if p.requires_grad),
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",
