@@ -50,6 +50,16 @@ def test_the_optimizer_and_its_checkpoints_read_no_private_field_of_each_other()
     assert [a for a in optim if a[2] not in allowed] == []
 
 
+def test_only_the_device_module_touches_cuda_and_starts_asynchronous_copies():
+    """Streams, events, pinning and ``non_blocking`` copies live in ``device.py`` alone (DESIGN.md), where the
+    late-copy test mode can make them land late; anywhere else a missing wait could never show on the CPU."""
+    package = Path(__file__).resolve().parent.parent / "src" / "fuyou_strategy"
+    found = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py")) if path.name != "device.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if any(word in line for word in ("torch.cuda", "non_blocking", "record_stream", "pin_memory"))]
+    assert found == [], f"accelerator calls outside device.py: {found}"
+
+
 def test_the_plan_file_vocabulary_is_the_packages_one():
     assert planfile.POLICIES == tuple(p.value for p in Policy)
     assert set(planfile.FIELDS) == {f.name for f in dataclasses.fields(Plan)}

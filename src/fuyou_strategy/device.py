@@ -1,62 +1,130 @@
-"""The one module that touches ``torch.cuda``: device detection, host buffers, host → device copies.
+"""The one module that touches the accelerator: device detection, host buffers, host ↔ device copies.
 
-Everything above this module is written once against these small functions. With CUDA,
-host buffers are page-locked so device copies can be asynchronous, and `Upload` copies on a
-side stream; on the CPU (every machine of this project's CI) the compute device is the CPU,
-the "device" and "host" tiers share RAM, and the same code runs and is tested.
+Everything above this module is written once against these small functions. With an
+accelerator (CUDA, through ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` where
+those serve, so that another backend with the same API is a small step away), host buffers
+are page-locked so device copies can be asynchronous, and copies run on a side stream and are
+waited for through events; on the CPU (every machine of this project's CI) the compute device
+is the CPU, the "device" and "host" tiers share RAM, and the same code runs and is tested.
 
-Every host buffer fuyou allocates comes from `alloc_host_buffer`, which counts the bytes
-alive in the process and their high-water mark (`host_buffer_usage`): the figure that
-``host_memory_budget`` caps, measured where nothing can bypass it.
+**Copies.** `start_copy` starts one host ↔ device copy and returns a `Copy` whose `wait` says it
+landed; `transfer` is the two together. A caller may reuse the source, or read the
+destination, only after the wait. On the CPU a copy has landed when `start_copy` returns, so a
+missing wait can never show; the **late-copy test mode** makes it show: with
+``FUYOU_ASYNC_DEVICE=<ms>`` in the environment (or inside `late_copies`), every copy runs later
+on a copy-engine thread after a random delay of up to ``<ms>`` milliseconds, its destination
+is poisoned (all bits set: NaN for floats) until it lands, its source is read only when it
+runs (so a source reused too early corrupts it), and `Upload.result` and
+`claim_for_current_stream` — where device tensors are handed to compute — raise if a copy into
+the tensor has not landed yet.
+
+**Host buffers.** Every host buffer fuyou allocates comes from `alloc_host_buffer`, which
+counts the bytes alive in the process and their high-water mark (`host_buffer_usage`): the
+figure that ``host_memory_budget`` caps, measured where nothing can bypass it. With CUDA a
+buffer is pinned at its exact (page-rounded) size with ``cudaHostRegister``: torch's caching
+host allocator (``pin_memory=True``) rounds every request up to a power of two, so a 16 MiB +
+4 KiB request would pin 32 MiB and the hard budget would be exceeded twice over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
+import random
 import threading
+import time
 import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-__all__ = ["PAGE_SIZE", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage", "host_buffer_usage",
-           "reset_host_buffer_high_water", "Upload", "copy_to_device", "claim_for_current_stream"]
+__all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
+           "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
+           "claim_for_current_stream", "late_copies", "COPY_TIMEOUT"]
 
 PAGE_SIZE = 4096
+COPY_TIMEOUT = 600.0  # seconds a copy may take before its wait gives up (a stuck device or copy engine)
 
-_usage_lock = threading.Lock()
+
+def accelerator_type() -> str | None:
+    """The accelerator's device type (``"cuda"``, ``"xpu"``, ...) or ``None`` on a CPU-only machine."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else None
+
+
+def cuda_available() -> bool:
+    return accelerator_type() == "cuda"
+
+
+def _on_accelerator(t: torch.Tensor) -> bool:
+    return t.device.type not in ("cpu", "meta")
+
+
+# -- host buffers ---------------------------------------------------------------------------------------------
+
+_usage_lock = threading.Lock()  # guards _live and _high_water: _high_water >= _live >= 0 at every release
 _live = 0
 _high_water = 0
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+class _CudaRegistrar:
+    """Pins and unpins host memory in place (``cudaHostRegister``), at exactly the size asked."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}: the host "
+                               "cannot lock that much memory (ulimit -l, or lower host_memory_budget)")
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+_registrar: _CudaRegistrar | None = None  # set on first use with CUDA; tests put a recorder here
+
+
+def _pinning() -> _CudaRegistrar | None:
+    global _registrar
+    if _registrar is None and cuda_available():
+        _registrar = _CudaRegistrar()
+    return _registrar
 
 
 def alloc_host_buffer(nbytes: int) -> torch.Tensor:
     """A ``uint8`` host tensor of ``nbytes`` whose first byte is page-aligned.
 
-    Page alignment is what ``O_DIRECT`` needs. With CUDA the memory is pinned, so copies
-    to and from the device can be asynchronous. ``cudaHostAlloc`` returns page-aligned
-    memory; the CPU allocator only promises 64 bytes, so we over-allocate one page and slice.
-    The ``nbytes`` count towards `host_buffer_usage` until the memory is freed (the last view
-    of it is gone).
+    Page alignment is what ``O_DIRECT`` needs; the CPU allocator only promises 64 bytes, so we
+    over-allocate one page and slice. With CUDA the pages are then pinned in place, exactly the
+    page-rounded size (see the module's docstring), so copies to and from the device can be
+    asynchronous; with another accelerator they come from its pinned allocator. The bytes
+    counted (``nbytes``, or the pinned page-rounded size) count towards `host_buffer_usage`
+    until the memory is freed (the last view of it is gone).
     """
     global _live, _high_water
     if nbytes <= 0:
         raise ValueError(f"nbytes: got {nbytes}; a host buffer needs at least one byte")
-    raw = torch.empty(nbytes + PAGE_SIZE, dtype=torch.uint8, pin_memory=cuda_available())
+    registrar = _pinning()
+    span = -(-nbytes // PAGE_SIZE) * PAGE_SIZE if registrar is not None else nbytes
+    other_pinned = registrar is None and accelerator_type() not in (None, "cuda")
+    raw = torch.empty(span + PAGE_SIZE, dtype=torch.uint8, pin_memory=other_pinned)
     skip = (-raw.data_ptr()) % PAGE_SIZE
+    ptr = raw.data_ptr() + skip
+    if registrar is not None:
+        registrar.register(ptr, span)
     with _usage_lock:
-        _live += nbytes
+        _live += span
         _high_water = max(_high_water, _live)
     # The storage outlives `raw` (the slice below keeps it): count until the storage is freed.
-    weakref.finalize(raw.untyped_storage(), _freed, nbytes).atexit = False
+    weakref.finalize(raw.untyped_storage(), _freed, span, ptr, registrar).atexit = False
     return raw[skip : skip + nbytes]
 
 
-def _freed(nbytes: int) -> None:
+def _freed(nbytes: int, ptr: int, registrar: _CudaRegistrar | None) -> None:
     global _live
+    if registrar is not None:
+        registrar.unregister(ptr)
     with _usage_lock:
         _live -= nbytes
 
@@ -70,7 +138,8 @@ class HostBufferUsage:
 
 
 def host_buffer_usage() -> HostBufferUsage:
-    """What `alloc_host_buffer` holds process-wide (usable bytes; the alignment page is not counted)."""
+    """What `alloc_host_buffer` holds process-wide (usable bytes, page-rounded where pinned; the
+    alignment page is not counted)."""
     with _usage_lock:
         return HostBufferUsage(_live, _high_water)
 
@@ -82,75 +151,121 @@ def reset_host_buffer_high_water() -> None:
         _high_water = _live
 
 
+# -- copies ---------------------------------------------------------------------------------------------------
+
+class Copy:
+    """A started host ↔ device copy; `wait` returns once its bytes landed (or raises its error)."""
+
+    def __init__(self, event: torch.Event | None = None, late: "_LateCopy | None" = None) -> None:
+        self._event, self._late = event, late
+
+    def wait(self, timeout: float = COPY_TIMEOUT) -> None:
+        """Block the calling thread (not the device's compute stream) until the copy landed; raises
+        `TimeoutError` after ``timeout`` seconds, and the copy's own error if it failed."""
+        if self._late is not None:
+            self._late.wait(timeout)
+        elif self._event is not None:
+            _wait_event(self._event, timeout)
+
+
+def _wait_event(event: torch.Event, timeout: float) -> None:
+    if event.query():
+        return
+    deadline = time.monotonic() + timeout
+    pause = 20e-6
+    while not event.query():  # polled rather than synchronize(), which could wait forever
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a device copy did not land within {timeout:.0f} s (is the device hung?)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def start_copy(dst: torch.Tensor, src: torch.Tensor) -> Copy:
+    """Start copying ``src`` into ``dst`` (same shape and dtype; one on the host, the other on the
+    device, or both on the CPU) from any thread; `Copy.wait` before reusing ``src`` or reading ``dst``.
+
+    With an accelerator the copy runs on the device's side stream, ``non_blocking`` where the host
+    side is pinned (a blocking copy otherwise, never an unsafe one); a device → host copy first
+    waits on the calling thread's current stream, so it copies what compute queued before it.
+    """
+    if _late is not None:
+        return _late.start(dst, src)
+    device_side = dst if _on_accelerator(dst) else src if _on_accelerator(src) else None
+    if device_side is None:
+        dst.copy_(src)
+        return Copy()
+    device = device_side.device
+    stream = _side_stream(device)
+    host_side = src if device_side is dst else dst
+    if device_side is src:
+        stream.wait_stream(torch.accelerator.current_stream(device))
+    with stream:
+        dst.copy_(src, non_blocking=host_side.is_pinned())
+        event = torch.Event(device=device)
+        event.record(stream)
+    return Copy(event)
+
+
+def transfer(dst: torch.Tensor, src: torch.Tensor, timeout: float = COPY_TIMEOUT) -> None:
+    """Copy ``src`` into ``dst`` (host ↔ device) from any thread; returns once the bytes are there.
+
+    The calling thread waits, not the compute stream. On the CPU a plain copy (it releases the GIL).
+    """
+    start_copy(dst, src).wait(timeout)
+
+
 class Upload:
     """A device tensor of ``nbytes`` bytes filled from host buffers, chunk by chunk, from any thread.
 
     `copy` may run on any thread (I/O threads do) and returns only once the host bytes were
     copied, so the host buffer may be reused at once; `result`, called where the tensor is
-    used once every `copy` returned, gives the tensor. On the CPU it is a plain copy.
-    With CUDA the tensor is allocated on a side stream and each `copy` is a ``non_blocking``
-    host → device copy on it from pinned memory, waited for through an event; `result` tells
-    the caching allocator that the caller's stream uses the tensor, so its memory is not
-    reused before that stream is done with it.
+    used once every `copy` returned, gives the tensor. With an accelerator the tensor is
+    allocated on the side stream and `result` tells the caching allocator that the caller's
+    stream uses it, so its memory is not reused before that stream is done with it.
     """
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
-        self._stream = _side_stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        self._stream = _side_stream(device) if device.type not in ("cpu", "meta") else None
+        with self._stream if self._stream is not None else contextlib.nullcontext():
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def copy(self, offset: int, src: torch.Tensor) -> None:
         """Copy the ``uint8`` host tensor ``src`` into the tensor's bytes at ``offset``."""
-        copy_to_device(self.tensor[offset : offset + src.numel()], src)
+        start_copy(self.tensor[offset : offset + src.numel()], src).wait()
 
     def result(self) -> torch.Tensor:
-        if self._stream is not None:
-            self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
+        claim_for_current_stream(self.tensor, "an upload's tensor")
         return self.tensor
 
 
-def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy host tensor ``src`` into device tensor ``dst`` from any thread; returns once the bytes are there.
-
-    With CUDA: a ``non_blocking`` copy on the device's side stream (from pinned memory, as the
-    host pool's buffers are), waited for through an event, so the caller's thread — not the
-    compute stream — waits. On the CPU a plain copy (it releases the GIL).
-    """
-    if dst.device.type != "cuda":
-        dst.copy_(src)
-        return
-    stream = _side_stream(dst.device)
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    done.synchronize()
+def claim_for_current_stream(t: torch.Tensor, what: str = "a device tensor") -> None:
+    """``t`` (filled on the side stream) is handed to compute on the current stream: tell the caching
+    allocator, so its memory is not handed out again before that stream is done with it. In the
+    late-copy test mode, raise if a copy into ``t`` has not landed yet (a missing wait)."""
+    if _late is not None:
+        _late.check_landed(t, what)
+    if _on_accelerator(t) and t.untyped_storage().nbytes():
+        t.record_stream(torch.accelerator.current_stream(t.device))
 
 
-def claim_for_current_stream(t: torch.Tensor) -> None:
-    """Tell CUDA's caching allocator that the current stream uses ``t`` (filled on a side stream), so its
-    memory is not handed out again before that stream is done with it; nothing to do on the CPU."""
-    if t.device.type == "cuda" and t.untyped_storage().nbytes():
-        t.record_stream(torch.cuda.current_stream(t.device))
+_side_streams: dict[tuple[str, int], torch.Stream] = {}
+_streams_lock = threading.Lock()  # guards _side_streams: one stream per device, made once
 
 
-_side_streams: dict[int, "torch.cuda.Stream"] = {}
-_streams_lock = threading.Lock()
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One stream per CUDA device for `Upload` copies (made on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _side_stream(device: torch.device) -> torch.Stream:
+    """One stream per accelerator device for copies (made on first use)."""
+    index = device.index if device.index is not None else torch.accelerator.current_device_index()
     with _streams_lock:
-        if index not in _side_streams:
-            _side_streams[index] = torch.cuda.Stream(index)
-        return _side_streams[index]
+        key = (device.type, index)
+        if key not in _side_streams:
+            _side_streams[key] = torch.Stream(device=torch.device(device.type, index))
+        return _side_streams[key]
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing); nothing to wait for on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(device)
 
 
 def accelerator() -> tuple[str, int] | None:
@@ -166,3 +281,125 @@ def device_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return None
+
+
+# -- the late-copy test mode ----------------------------------------------------------------------------------
+
+class _LateCopy:
+    """One copy queued on the late copy engine. ``done`` is set only after the engine's bookkeeping
+    (the pending count) is updated, so a woken waiter sees the destination counted as landed."""
+
+    def __init__(self, engine: "_LateCopies", dst: torch.Tensor, src: torch.Tensor, delay: float) -> None:
+        self.engine, self.dst, self.src, self.delay = engine, dst, src, delay
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.done.wait(0.05):  # a liveness check every 50 ms: a dead engine never sets `done`
+            if not self.engine.alive():
+                raise RuntimeError("the late-copy engine thread died with copies still queued")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a late copy did not land within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+
+class _LateCopies:
+    """The late-copy test mode's copy engine: one thread that runs copies in order, as a stream would,
+    each after a random delay, and knows which storages have copies not landed yet."""
+
+    def __init__(self, min_delay: float, max_delay: float, seed: int | None) -> None:
+        self._delays = random.Random(seed)
+        self._min, self._max = min_delay, max_delay
+        self._queue: queue.SimpleQueue[_LateCopy | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _pending: storage pointer -> copies into it not landed (> 0)
+        self._pending: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, name="late-copy-engine", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        key = dst.untyped_storage().data_ptr()
+        with self._lock:
+            self._pending[key] = self._pending.get(key, 0) + 1
+            delay = self._delays.uniform(self._min, self._max)
+        _poison(dst)
+        late = _LateCopy(self, dst, src, delay)
+        self._queue.put(late)
+        return Copy(late=late)
+
+    def check_landed(self, t: torch.Tensor, what: str) -> None:
+        with self._lock:
+            pending = self._pending.get(t.untyped_storage().data_ptr(), 0)
+        if pending:
+            raise RuntimeError(f"{what} was handed to compute before its copy landed ({pending} copies into it "
+                               "still in flight): a missing wait on a device copy (late-copy test mode)")
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=COPY_TIMEOUT)
+
+    def _run(self) -> None:
+        while (late := self._queue.get()) is not None:
+            time.sleep(late.delay)
+            try:
+                late.dst.copy_(late.src)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this copy
+                late.error = exc
+            key = late.dst.untyped_storage().data_ptr()
+            with self._lock:
+                if self._pending[key] == 1:
+                    del self._pending[key]
+                else:
+                    self._pending[key] -= 1
+            late.dst = late.src = None  # type: ignore[assignment]  # the engine holds no tensor once it landed
+            late.done.set()
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Every bit set: NaN for float dtypes, -1 or the maximum for integers."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(-1 if t.dtype.is_signed else torch.iinfo(t.dtype).max)
+
+
+def _late_from_env() -> _LateCopies | None:
+    value = os.environ.get("FUYOU_ASYNC_DEVICE", "").strip()
+    if value in ("", "0"):
+        return None
+    try:
+        max_ms = float(value)
+    except ValueError:
+        raise ValueError(f"FUYOU_ASYNC_DEVICE: got {value!r}; set it to the late-copy test mode's largest delay "
+                         "in milliseconds (e.g. 2), or 0 / unset for normal copies") from None
+    if max_ms <= 0:
+        raise ValueError(f"FUYOU_ASYNC_DEVICE: got {value!r}; a delay must be positive (0 turns the mode off)")
+    return _LateCopies(0.0, max_ms / 1000, seed=None)
+
+
+_late: _LateCopies | None = _late_from_env()  # set at import, or for a `with late_copies():` block
+
+
+@contextlib.contextmanager
+def late_copies(max_delay_ms: float = 2.0, min_delay_ms: float = 0.0, seed: int | None = 0) -> Iterator[None]:
+    """The late-copy test mode for the ``with`` block (see the module's docstring); for tests. Copies
+    started inside must be waited for inside; the mode in force before is restored after."""
+    global _late
+    before, _late = _late, _LateCopies(min_delay_ms / 1000, max_delay_ms / 1000, seed)
+    try:
+        yield
+    finally:
+        engine, _late = _late, before
+        engine.stop()
+
+
+def late_copies_enabled() -> bool:
+    """Whether the late-copy test mode is on (for tests that must know)."""
+    return _late is not None
+

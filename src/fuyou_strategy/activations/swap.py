@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import trace
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, HostShares, host_budget_split
-from ..device import Upload
+from ..device import Upload, transfer
 from ..storage import HostBudgetError, HostBuffer, TensorStore, gather
 from .blocks import Policy, discover_blocks, resolve_policies
 
@@ -454,7 +454,7 @@ class ActivationSwapper:
                 self.stats.host_pool_full += 1
                 self.stats.kept_tensors += 1
                 return t
-            buf.view().copy_(_storage_bytes(t))
+            transfer(buf.view(), _storage_bytes(t))
             saved.buf = buf
             self.stats.host_bytes += nbytes
         else:

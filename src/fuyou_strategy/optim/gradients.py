@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..device import transfer
 from ..storage import HostBuffer
 from .pipeline import ChunkJob
 
@@ -121,7 +122,7 @@ class StreamedGradients:
         meter.add(nbytes)  # on the device from its accumulation until this copy
         try:
             host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=self.keep_free)
-            host.view(grad.dtype)[: grad.numel()].copy_(grad.reshape(-1))
+            transfer(host.view(grad.dtype)[: grad.numel()], grad.reshape(-1))
         finally:
             del grad
             meter.sub(nbytes)

@@ -64,7 +64,7 @@ class LossScaler:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale``, as ``GradScaler.scale``."""
-        return loss * self._scale.to(device=loss.device, non_blocking=True)
+        return loss * self._scale.to(loss.device)  # a scalar from pageable memory: a blocking copy (device.py)
 
     def scale_backward(self, loss: torch.Tensor) -> None:
         """Make the gradient reaching ``loss`` in backward ``scale`` times larger (the same values as

@@ -76,7 +76,7 @@ from ..activations.swap import first_tensor, in_backward, storage_id
 from .. import trace
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
-from ..device import claim_for_current_stream, copy_to_device
+from ..device import claim_for_current_stream, transfer
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize, model_device
 
@@ -426,7 +426,7 @@ class WeightStreamer:
     def _prefetch(self, i: int) -> bool:
         """Start putting block ``i``'s weights on the device ahead of its use: SSD reads into staging
         buffers (if the pool has room now; never waits), then, on the upload thread, the copy into
-        the weights' device storage (`device.copy_to_device`: a side stream on CUDA). Returns False
+        the weights' device storage (`device.transfer`: a side stream on CUDA). Returns False
         when there was no room for the staging buffers."""
         unit = self._units.get(i)
         if unit is None or unit.resident:
@@ -500,10 +500,10 @@ class WeightStreamer:
             for w in unit.weights:
                 w.param.untyped_storage().resize_(w.nbytes)
             for w in unit.weights if unit.tier is Tier.HOST else ():
-                copy_to_device(w.flat(), w.host.view(w.dtype)[: w.numel])
+                transfer(w.flat(), w.host.view(w.dtype)[: w.numel])
             for w, k, buf in done:
                 start, n = w.span(k)
-                copy_to_device(w.flat()[start: start + n], buf.view(w.dtype)[:n])
+                transfer(w.flat()[start: start + n], buf.view(w.dtype)[:n])
         except BaseException:
             for w in unit.weights:
                 w.param.untyped_storage().resize_(0)
@@ -554,7 +554,7 @@ class WeightStreamer:
             self._upload(unit, reads)
             self._count_resident(unit)
         for w in unit.weights:
-            claim_for_current_stream(w.param)
+            claim_for_current_stream(w.param, w.name)
 
     def _release(self, unit: _Block) -> None:
         """Free the block's device bytes (an upload in flight is waited for first)."""
@@ -636,7 +636,7 @@ class WeightStreamer:
         w = self._all[param]
         self._write_tier(w, value.reshape(-1))
         if self._units[w.block].resident:  # e.g. kept from a forward that had no backward: its bytes too
-            copy_to_device(w.flat(), value.reshape(-1))
+            transfer(w.flat(), value.reshape(-1))
 
     def _write_tier(self, w: _Weight, source: torch.Tensor) -> None:
         """Overwrite the weight's tier copy with ``source`` (flat, any device; returns once written)."""

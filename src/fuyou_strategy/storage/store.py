@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import PAGE, FuyouConfig, format_bytes, host_state_bytes
+from ..device import transfer
 from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
@@ -627,7 +628,7 @@ class TensorStore:
         for k in range(entry.nchunks):
             start = k * entry.chunk_bytes
             buf = self.pool.acquire(entry.chunk_len(k), timeout=timeout)
-            buf.view().copy_(flat[start : start + entry.chunk_len(k)])
+            transfer(buf.view(), flat[start : start + entry.chunk_len(k)])
             futures.append(self.write_chunk(name, k, buf, slot=slot))
         return gather(futures)
 
@@ -647,7 +648,7 @@ class TensorStore:
 
             def land(f: Future, start: int = start) -> None:
                 with f.result() as buf:
-                    flat[start : start + buf.nbytes].copy_(buf.view())
+                    transfer(flat[start : start + buf.nbytes], buf.view())
 
             futures.append(then(self.read_chunk(name, k, slot=slot, timeout=timeout), land))
         return gather(futures, result=out)

@@ -1,0 +1,145 @@
+"""The device module: copies that land late (the test mode that makes a missing wait show on the CPU),
+exact-size pinned host buffers counted in the budget, and the mode's own ways out (errors, a dead engine)."""
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_causal_lm
+from fuyou_strategy import FuyouConfig, device
+from fuyou_strategy.activations import ActivationSwapper
+from fuyou_strategy.device import PAGE_SIZE, Upload, alloc_host_buffer, host_buffer_usage, late_copies, start_copy
+
+
+def _swap_grads(tmp_path, activations):
+    """A tiny GPT-2's gradients with every activation swapped under ``activations`` (host or ssd)."""
+    model = tiny_causal_lm("gpt2")
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    tmp_path.mkdir()
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], activations=activations, activation_min_bytes=0,
+                         chunk_size="8KiB", host_memory_budget="2MiB")
+    swapper = ActivationSwapper(model, config)
+    try:
+        with swapper:
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        swapper.close()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _reference():
+    model = tiny_causal_lm("gpt2")
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("activations", ["host", "ssd"])
+def test_late_copies_catch_an_upload_that_does_not_wait_for_its_copy(tmp_path, monkeypatch, activations):
+    """The mutation the mode exists for: `Upload.copy` without its event wait. With normal CPU copies
+    it goes unnoticed (a CPU copy has landed when it returns); with late copies it is caught."""
+    reference = _reference()
+    assert _equal(_swap_grads(tmp_path / "intact", activations), reference)
+    with late_copies(max_delay_ms=4, min_delay_ms=2):  # the intact code waits, so it is exact here too
+        assert _equal(_swap_grads(tmp_path / "intact-late", activations), reference)
+
+    def copy_without_wait(self, offset, src):
+        start_copy(self.tensor[offset : offset + src.numel()], src)  # the mutation: no .wait()
+
+    monkeypatch.setattr(Upload, "copy", copy_without_wait)
+    assert _equal(_swap_grads(tmp_path / "mutant", activations), reference), "normal CPU mode cannot see it"
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        with pytest.raises(RuntimeError, match="before its copy landed"):
+            _swap_grads(tmp_path / "mutant-late", activations)
+
+
+def test_a_late_copy_poisons_its_destination_reads_its_source_when_it_runs_and_lands_on_wait():
+    src = torch.arange(1024, dtype=torch.float32)
+    dst = torch.zeros(1024)
+    with late_copies(max_delay_ms=30, min_delay_ms=20):
+        copy = start_copy(dst, src)
+        assert torch.isnan(dst).all(), "poisoned until it lands"
+        src.add_(1)  # reused before the wait: the copy takes what the source holds when it runs
+        copy.wait(timeout=5)
+        assert torch.equal(dst, torch.arange(1024, dtype=torch.float32) + 1)
+        ints = torch.zeros(8, dtype=torch.int64)
+        start_copy(ints, torch.ones(8, dtype=torch.int64))
+        assert (ints == -1).all()
+        # the block's copies are waited for by the block's own code, or by leaving it (the engine stops in order)
+
+
+def test_a_tensor_handed_to_compute_before_its_copy_landed_is_named_and_after_it_is_not():
+    upload = Upload(4096, torch.device("cpu"))
+    with late_copies(max_delay_ms=30, min_delay_ms=20):
+        copy = start_copy(upload.tensor[:1024], torch.ones(1024, dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="an upload's tensor was handed to compute before its copy landed"):
+            upload.result()
+        copy.wait()
+        assert upload.result()[:1024].eq(1).all()
+
+
+def test_a_failed_late_copy_raises_to_its_waiter_and_a_dead_engine_is_not_waited_for_forever():
+    with late_copies(max_delay_ms=1):
+        bad = start_copy(torch.zeros(4), torch.zeros(5))  # sizes that cannot be copied
+        with pytest.raises(RuntimeError):
+            bad.wait(timeout=5)
+        device._late.stop()  # the engine is gone with a copy still to come
+        orphan = start_copy(torch.zeros(4), torch.ones(4))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            orphan.wait(timeout=30)
+        assert time.monotonic() - t0 < 5
+
+
+def test_the_environment_variable_turns_the_mode_on_and_a_bad_value_names_itself():
+    code = "from fuyou_strategy import device; print(device.late_copies_enabled())"
+    env = dict(os.environ, FUYOU_ASYNC_DEVICE="1.5")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr
+    env["FUYOU_ASYNC_DEVICE"] = "fast"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "FUYOU_ASYNC_DEVICE: got 'fast'" in out.stderr
+
+
+class _Recorder:
+    """Stands in for cudaHostRegister / cudaHostUnregister."""
+
+    def __init__(self):
+        self.registered = {}
+        self.unregistered = []
+
+    def register(self, ptr, nbytes):
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr):
+        self.unregistered.append(ptr)
+
+
+def test_pinned_host_buffers_pin_exactly_their_page_rounded_size_and_count_it_until_freed(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(device, "_registrar", recorder)
+    gc.collect()
+    before = host_buffer_usage().live
+    nbytes = 16 * 2**20 + 1  # a pool chunk and a byte: the caching host allocator would pin 32 MiB
+    buf = alloc_host_buffer(nbytes)
+    assert buf.numel() == nbytes and buf.data_ptr() % PAGE_SIZE == 0
+    assert recorder.registered == {buf.data_ptr(): 16 * 2**20 + PAGE_SIZE}, "pinned in place, page-rounded"
+    assert host_buffer_usage().live - before == 16 * 2**20 + PAGE_SIZE, "the pinned bytes count in the budget"
+    ptr = buf.data_ptr()
+    view = buf[10:20]
+    del buf
+    gc.collect()
+    assert recorder.unregistered == [], "a view keeps the buffer (and its pinning) alive"
+    del view
+    gc.collect()
+    assert recorder.unregistered == [ptr]
+    assert host_buffer_usage().live == before
