@@ -201,3 +201,35 @@ def kill_at_every_step(tmp_path, module, scenario):
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return [killed / str(k) for k in range(1, int(out.stdout.split()[-1]))]
+
+
+@pytest.fixture(scope="session")
+def compute_device():
+    """The device the device-dependent tests (tests/test_on_device.py) compute on: ``FUYOU_TEST_DEVICE``
+    (``cpu`` by default; ``cuda`` on a GPU machine, as benchmarks/gpu_check.py sets it)."""
+    import torch
+    name = os.environ.get("FUYOU_TEST_DEVICE", "cpu")
+    if name not in ("cpu", "cuda"):
+        pytest.fail(f"FUYOU_TEST_DEVICE: got {name!r}; use cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.fail("FUYOU_TEST_DEVICE=cuda, but torch sees no CUDA device (a CPU build of torch, or no driver)")
+    return torch.device(name)
+
+
+# The suites that move tensors between the device and the host: CI runs them a second time with
+# FUYOU_ASYNC_DEVICE set (`pytest -m device`), where every copy lands late and a missing wait fails
+# (docs/gpu.md). The optimizer, activation swapping, weight streaming, schedules and the device module;
+# data parallel (test_distributed.py) passed in the mode too but is left to the full runs (its spawned
+# ranks make it the slowest).
+DEVICE_SUITES = {"test_device.py", "test_on_device.py", "test_optimizer.py", "test_schedule.py", "test_pipeline.py",
+                 "test_activations.py", "test_weights.py", "test_weights_trainable.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: moves tensors between device and host (run again under FUYOU_ASYNC_DEVICE)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in DEVICE_SUITES:
+            item.add_marker(pytest.mark.device)

@@ -1,0 +1,192 @@
+"""The device-dependent tests, on the device ``FUYOU_TEST_DEVICE`` names (the `compute_device` fixture:
+the CPU by default, ``cuda`` on a GPU machine, as `benchmarks/gpu_check.py` runs them).
+
+On the CPU they run in every suite (and under the late-copy mode in CI's second pass); on a GPU they
+exercise what the CPU cannot: pinned buffers, side-stream copies waited for through events,
+``record_stream``, the device's own autocast and loss scaling, and NCCL with two GPUs.
+
+Every comparison is against torch on the same gradients: fuyou's update runs torch's own AdamW
+kernel on the host, so the reference runs ``AdamW(fused=True)`` on host fp32 masters holding the
+device's gradients, and the two agree bitwise.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_causal_lm
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.activations import ActivationSwapper
+from test_schedule import SCALER, gradscaler_step
+
+STEPS = 4
+LOSS_SCALE = [0.01, 1.0, 0.01, 1.0]  # clipping bites on the x1 steps only
+MAX_NORM = 0.5
+
+
+def ids(step, device):
+    return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step)).to(device)
+
+
+def config(tmp_path, **overrides):
+    values = dict(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB", activation_min_bytes=0)
+    values.update(overrides)
+    return FuyouConfig(**values)
+
+
+def test_the_optimizer_on_the_device_is_adamw_fused_on_the_same_gradients_bitwise(tmp_path, compute_device):
+    model = tiny_causal_lm("llama").to(compute_device)
+    masters = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path), fused=True)
+    try:
+        for step in range(STEPS):
+            x = ids(step, compute_device)
+            (model(input_ids=x, labels=x).loss * LOSS_SCALE[step]).backward()
+            for m, p in zip(masters, model.parameters()):
+                m.grad = p.grad.detach().cpu()  # the reference sees exactly the device's gradients
+            opt.step()
+            opt.zero_grad()
+            torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
+            ref.step()
+            ref.zero_grad()
+        assert opt.stats.clipped >= 1 and opt.stats.commits >= 1, opt.stats
+        for p, m in zip(model.parameters(), masters):
+            assert p.device.type == compute_device.type
+            assert torch.equal(opt.read_state(p)["master"], m.detach())
+            assert torch.equal(p.detach().cpu(), m.detach()), "the device weights are the masters"
+    finally:
+        opt.close()
+
+
+def test_fp16_on_the_device_is_gradscaler_and_adamw_bitwise(tmp_path, compute_device):
+    model = tiny_causal_lm("llama", dtype=torch.float16).to(compute_device)
+    ref_model = copy.deepcopy(model)
+    params = list(ref_model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)  # on the host masters, where fuyou's update runs too
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path), loss_scaling=SCALER)
+    try:
+        scales, ref_scales = [], []
+        for step in range(STEPS):
+            x = ids(step, compute_device)
+            scale = LOSS_SCALE[step] if step != 2 else float("inf")  # step 2 overflows: skipped, the scale backs off
+            opt.scale_loss(model(input_ids=x, labels=x).loss * scale).backward()
+            opt.step()
+            opt.zero_grad()
+            scales.append(opt.scaler.get_scale())
+            scaler.scale(ref_model(input_ids=x, labels=x).loss * scale).backward()
+            for p, m in zip(params, masters):
+                m.grad, p.grad = p.grad.float().cpu(), None
+            gradscaler_step(scaler, ref, params, masters, masters, MAX_NORM)
+            ref_scales.append(scaler.get_scale())
+        assert scales == ref_scales and opt.stats.skips == 1
+        for p, q in zip(model.parameters(), params):
+            assert p.dtype == torch.float16 and torch.equal(p, q)
+    finally:
+        opt.close()
+
+
+def test_streamed_weights_in_a_device_budget_below_the_models_train_like_resident_ones(tmp_path, compute_device):
+    def train(weights):
+        model = tiny_causal_lm("llama").to(compute_device)
+        (tmp_path / weights).mkdir()
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                             config=config(tmp_path / weights, weights=weights, weight_prefetch_blocks=0),
+                             max_grad_norm=1e-3)
+        try:
+            for step in range(3):
+                engine.begin_micro_batch(update=True)
+                x = ids(step, compute_device)
+                model(input_ids=x, labels=x).loss.backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+            summary = engine.summary()
+        finally:
+            engine.close()  # a streamed weight's device storage is released between uses: read it after close
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, summary
+
+    resident, _ = train("device")
+    streamed, summary = train("ssd")
+    assert summary["weight_tiers"] == {0: "ssd", 1: "ssd"}
+    assert 0 < summary["weight_device_peak_bytes"] < summary["weight_bytes_streamed"], \
+        "the streamed blocks were never all on the device at once"
+    assert resident.keys() == streamed.keys()
+    for name in resident:
+        assert torch.equal(resident[name], streamed[name]), name
+
+
+def test_activations_on_ssd_give_the_gradients_of_no_hooks_on_the_device(tmp_path, compute_device):
+    def grads(swapper=None):
+        model = tiny_causal_lm("gpt2").to(compute_device)
+        x = ids(0, compute_device)
+        if swapper is None:
+            model(input_ids=x, labels=x).loss.backward()
+        else:
+            with (swapper := ActivationSwapper(model, config(tmp_path, activations="ssd"))):
+                model(input_ids=x, labels=x).loss.backward()
+            assert swapper.stats.ssd_bytes > 0
+            swapper.close()
+        return {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+    reference, swapped = grads(), grads(swapper=True)
+    assert reference.keys() == swapped.keys()
+    for name in reference:
+        assert torch.equal(reference[name], swapped[name]), name
+
+
+def test_two_ranks_over_nccl_sum_like_one_process(tmp_path, compute_device):
+    if compute_device.type != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (NCCL); test_distributed.py covers data parallel with gloo on the CPU")
+    import torch.multiprocessing as mp
+    mp.spawn(_nccl_rank, args=(2, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys()
+    for name in ranks[0]:
+        assert torch.equal(ranks[0][name], ranks[1][name]), f"{name}: the ranks' weights differ"
+    # one process on the sum of the ranks' gradients, as DDP averages them
+    model = tiny_causal_lm("llama").to("cuda:0")
+    masters = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    for step in range(STEPS):
+        grads = []
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            x = ids(step * 2 + rank, "cuda:0")
+            model(input_ids=x, labels=x).loss.backward()
+            grads.append([p.grad.detach().cpu() for p in model.parameters()])
+        for m, g0, g1 in zip(masters, *grads):
+            m.grad = (g0 + g1) / 2
+        ref.step()
+        ref.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+    for (name, _), m in zip(model.named_parameters(), masters):
+        torch.testing.assert_close(ranks[0][name], m.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _nccl_rank(rank, world, tmp):
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    try:
+        model = tiny_causal_lm("llama").to(f"cuda:{rank}")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        engine = FuyouEngine(ddp, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True),
+                             config=FuyouConfig(swap_dirs=[tmp], chunk_size="8KiB"), process_group=dist.group.WORLD)
+        try:
+            for step in range(STEPS):
+                engine.begin_micro_batch(update=True)
+                x = ids(step * 2 + rank, f"cuda:{rank}")
+                ddp(input_ids=x, labels=x).loss.backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+            engine.optimizer.flush()
+        finally:
+            engine.close()
+        torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
