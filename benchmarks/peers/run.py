@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="a local Hugging Face model folder (replaces --arch/--sizes)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, or auto (bf16 where the CPU has it natively)")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model computes (cuda: the table adds TFLOPS and the GPU's peak memory)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (fuyou's planner profiles 2)")
@@ -75,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def job_of(args: argparse.Namespace, size: str, swap_dir: str) -> Job:
     return Job(arch=args.arch, size=size, model=args.model, dtype=args.dtype, batch=args.batch, seq=args.seq,
-               steps=args.warmup + args.steps, swap_dir=swap_dir, trace=args.trace)
+               steps=args.warmup + args.steps, swap_dir=swap_dir, trace=args.trace,
+               device=args.device)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -83,8 +86,9 @@ def worker(args: argparse.Namespace) -> dict:
     code leaves its Python stack on stderr for the parent)."""
     faulthandler.enable()
     size, swap_dir = args.sizes, args.swap_dir
+    job = job_of(args, size, swap_dir)
     try:
-        trace = run(args.worker, job_of(args, size, swap_dir))
+        trace = run(args.worker, job)
     except Unavailable as e:
         return {"status": "unavailable", "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - the row reports it
@@ -95,7 +99,16 @@ def worker(args: argparse.Namespace) -> dict:
         return {"status": "failed", "reason": f"ran {len(trace.step_s)} steps with {len(trace.losses)} losses, "
                 f"expected {args.warmup + args.steps}"}
     return {"status": "ok", "step_s": trace.step_s[args.warmup:], "warmup_s": trace.step_s[:args.warmup],
-            "losses": trace.losses, "peak_rss": peak_rss_bytes(), "driver": trace.driver, "summary": trace.summary}
+            "losses": trace.losses, "peak_rss": peak_rss_bytes(), "driver": trace.driver, "summary": trace.summary,
+            "params": job.n_params, "device_peak": _device_peak_bytes(args.device)}
+
+
+def _device_peak_bytes(device: str) -> int | None:
+    """The GPU's allocated-memory high-water mark of this process (torch's allocator; DeepSpeed's too)."""
+    if device != "cuda":
+        return None
+    import torch
+    return torch.cuda.max_memory_allocated()
 
 
 def _rss(pid: int) -> int:
@@ -173,26 +186,35 @@ def merge(rounds: list[dict]) -> dict:
             "min_s": min(steps), "max_s": max(steps), "peak_rss": statistics.median(r["peak_rss"] for r in ok),
             "ssd_peak_bytes": max(r["ssd_peak_bytes"] for r in ok), "losses": ok[0]["losses"],
             "loss_spread": max(abs(r["losses"][-1] - ok[0]["losses"][-1]) for r in ok), "rounds": len(ok),
+            "params": ok[0].get("params"), "device_peak": max((r.get("device_peak") or 0) for r in ok) or None,
             "exit": next((r["exit"] for r in ok if "exit" in r), None)}
 
 
 def table(size: str, rows: dict[str, dict], args: argparse.Namespace) -> str:
-    """A Markdown table for one size: every system, ratios to torch in the same run."""
+    """A Markdown table for one size: every system, ratios to torch in the same run. On a GPU it adds each
+    system's model TFLOPS (6 x parameters x tokens per step: the same count for every system, recomputation
+    not counted) and the GPU's peak allocated memory."""
     ref = rows.get("torch", {})
     ref = ref if ref.get("status") == "ok" else None
     tokens = args.batch * args.seq
-    lines = [f"| system | step s (median, min–max) | tokens/s | × torch | peak RSS GiB | × torch | on SSD GiB | "
+    gpu = getattr(args, "device", "cpu") == "cuda"
+    extra_head, extra_rule = (" TFLOPS | GPU peak GiB |", "---|---|") if gpu else ("", "")
+    lines = [f"| system | step s (median, min–max) | tokens/s | × torch | peak RSS GiB | × torch | on SSD GiB |{extra_head} "
              f"loss after {args.warmup + args.steps} steps | Δ loss vs torch | driven by |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|" + extra_rule + "---|---|---|"]
     for name, r in rows.items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | **{r['status']}** | | | | | | | | {r['reason']} |")
+            lines.append(f"| {name} | **{r['status']}** | | | | | |{' | |' if gpu else ''} | | {r['reason']} |")
             continue
         x_time = f"{r['median_s'] / ref['median_s']:.2f}" if ref else "—"
         x_rss = f"{r['peak_rss'] / ref['peak_rss']:.2f}" if ref else "—"
         d_loss = f"{r['losses'][-1] - ref['losses'][-1]:+.2e}" if ref else "—"
+        extra = ""
+        if gpu:
+            tflops = 6 * (r.get("params") or 0) * tokens / r["median_s"] / 1e12
+            extra = f" {tflops:.1f} | {(r.get('device_peak') or 0) / GiB:.2f} |"
         lines.append(f"| {name} | {r['median_s']:.2f} ({r['min_s']:.2f}–{r['max_s']:.2f}) | {tokens / r['median_s']:.0f} "
-                     f"| {x_time} | {r['peak_rss'] / GiB:.2f} | {x_rss} | {r['ssd_peak_bytes'] / GiB:.2f} | "
+                     f"| {x_time} | {r['peak_rss'] / GiB:.2f} | {x_rss} | {r['ssd_peak_bytes'] / GiB:.2f} |{extra} "
                      f"{r['losses'][-1]:.4f} | {d_loss} | {r['driver']}{'; ' + r['exit'] if r.get('exit') else ''} |")
     return "\n".join(lines)
 
@@ -303,11 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, dict[str, list[dict]]] = {size: {name: [] for name in systems} for size in sizes}
     given_up: dict[str, str] = {}  # system -> why it is not tried again (unavailable, out of memory)
     forwarded = ["--arch", args.arch, "--dtype", args.dtype, "--batch", str(args.batch), "--seq", str(args.seq),
-                 "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--model", args.model] if args.model else [])
-    title = (f"{args.model or args.arch}, {args.dtype} ({dtype_why}), batch {args.batch} x seq {args.seq}; medians of "
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device] + (["--model", args.model] if args.model else [])
+    title = (f"{args.model or args.arch}, {args.dtype} ({dtype_why}){', on the GPU' if args.device == 'cuda' else ''}, batch {args.batch} x seq {args.seq}; medians of "
              f"{args.steps} steps x {args.rounds} round(s) after {args.warmup} warm-up, a fresh process per run, "
              f"systems interleaved; allocator: {allocator(not args.no_jemalloc)}; memory limit {limit / GiB:.1f} GiB")
-    stem = f"peers-{args.arch if not args.model else 'model'}-{args.dtype}"
+    stem = f"peers-{args.arch if not args.model else 'model'}-{args.dtype}" + ("-cuda" if args.device == "cuda" else "")
 
     def write(partial: str | None) -> None:
         merged = {size: {name: merge(rs) for name, rs in by.items() if rs} for size, by in runs.items()}

@@ -22,10 +22,11 @@ from typing import Callable
 
 LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
 
-# name: (layers, hidden, heads) of GPT-2's published sizes; Llama uses the same widths and depths.
+# name: (layers, hidden, heads) of GPT-2's published sizes, then GPT-3's 2.7B, 6.7B and 13B; Llama uses the same
+# widths and depths (benchmarks/gpu_check.py picks the largest Llama the disk allows).
 # "tiny" (with a 512-token vocabulary) is for the harness's own test.
 SIZES = {"tiny": (2, 64, 2), "124M": (12, 768, 12), "350M": (24, 1024, 16), "774M": (36, 1280, 20), "1.5B": (48, 1600, 25),
-         "2.7B": (32, 2560, 32)}
+         "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40)}
 
 
 class Unavailable(RuntimeError):
@@ -44,6 +45,8 @@ class Job:
     steps: int  # all optimizer steps, warm-up included
     swap_dir: str
     trace: str | None = None  # fuyou's systems: write a step timeline here (FuyouConfig.trace)
+    device: str = "cpu"  # "cuda": the model computes on the GPU (benchmarks/gpu_check.py)
+    n_params: int = 0  # set by build_model: the model's parameters (for TFLOPS)
 
     def build_model(self):
         """The model, identical in every process: built from config under seed 0, or read from ``model``;
@@ -54,6 +57,7 @@ class Job:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+        self.n_params = sum(p.numel() for p in model.parameters())
         return model
 
     def _build(self):
@@ -61,18 +65,21 @@ class Job:
         if self.model is not None:
             from transformers import AutoModelForCausalLM
             return AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, dtype=torch.float32)
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM
+        return (GPT2LMHeadModel if self.arch == "gpt2" else LlamaForCausalLM)(self.hf_config())
+
+    def hf_config(self):
+        """The model's transformers config, built from ``arch`` and ``size`` (no weights: cheap at any size)."""
         layers, hidden, heads = SIZES[self.size]
         vocab = {"gpt2": 50257, "llama": 32000}[self.arch] if self.size != "tiny" else 512
         if self.arch == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
-            return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
-                                              n_positions=max(1024, self.seq), bos_token_id=None,
-                                              eos_token_id=None))
-        from transformers import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                            intermediate_size=(hidden * 8 // 3 + 255) // 256 * 256, vocab_size=vocab,
-                                            max_position_embeddings=max(2048, self.seq), bos_token_id=None,
-                                            eos_token_id=None))
+            from transformers import GPT2Config
+            return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                              n_positions=max(1024, self.seq), bos_token_id=None, eos_token_id=None)
+        from transformers import LlamaConfig
+        return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           intermediate_size=(hidden * 8 // 3 + 255) // 256 * 256, vocab_size=vocab,
+                           max_position_embeddings=max(2048, self.seq), bos_token_id=None, eos_token_id=None)
 
     def batches(self, vocab: int):
         """``steps`` batches of random tokens, the same in every process."""
@@ -94,7 +101,7 @@ def _autocast(job: Job):
     import contextlib
 
     import torch
-    return torch.autocast("cpu", dtype=torch.bfloat16) if job.dtype == "bf16" else contextlib.nullcontext()
+    return torch.autocast(job.device, dtype=torch.bfloat16) if job.dtype == "bf16" else contextlib.nullcontext()
 
 
 def _loop(job: Job, model, step: Callable, driver: str) -> Trace:
@@ -102,8 +109,8 @@ def _loop(job: Job, model, step: Callable, driver: str) -> Trace:
     times, losses = [], []
     for batch in job.batches(model.config.vocab_size):
         start = time.perf_counter()
-        loss = step(batch)
-        losses.append(float(loss))
+        loss = step(batch.to(job.device))
+        losses.append(float(loss))  # waits for the device
         times.append(time.perf_counter() - start)
     return Trace(times, losses, driver)
 
@@ -111,7 +118,7 @@ def _loop(job: Job, model, step: Callable, driver: str) -> Trace:
 def torch_adamw(job: Job) -> Trace:
     """The reference: ``torch.optim.AdamW(fused=True)``, everything in memory."""
     import torch
-    model = job.build_model()
+    model = job.build_model().to(job.device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
 
     def step(batch):
@@ -134,7 +141,7 @@ def _fuyou_fields(job: Job, everything_on_ssd: bool, **more) -> dict:
 
 
 def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
-    """``Trainer(strategy=FuyouStrategy(...))`` on the CPU."""
+    """``Trainer(strategy=FuyouStrategy(...))`` on the CPU (or the GPU, ``job.device="cuda"``)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -168,8 +175,8 @@ def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
             self.times.append(time.perf_counter() - self.start)
 
     recorder = Recorder()
-    trainer = L.Trainer(strategy=FuyouStrategy(**_fuyou_fields(job, everything_on_ssd, **more)), accelerator="cpu",
-                        devices=1,
+    trainer = L.Trainer(strategy=FuyouStrategy(**_fuyou_fields(job, everything_on_ssd, **more)), 
+                        accelerator="gpu" if job.device == "cuda" else "cpu", devices=1,
                         max_steps=job.steps, precision="bf16-mixed" if job.dtype == "bf16" else "32-true",
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[recorder])
@@ -218,7 +225,7 @@ def fuyou_hf(job: Job, **more) -> Trace:
                                   learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                   weight_decay=0.0, optim="adamw_torch_fused", lr_scheduler_type="constant",
                                   max_grad_norm=0.0,
-                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=job.device == "cpu",
                                   bf16=job.dtype == "bf16", dataloader_drop_last=True, disable_tqdm=True)
         callback = FuyouCallback(**_fuyou_fields(job, False, **more))
         trainer = InOrder(model=model, args=targs, train_dataset=data, callbacks=[callback, recorder])
@@ -285,7 +292,7 @@ def deepspeed_zero(job: Job, variant: str) -> Trace:
               "zero_optimization": zero, "bf16": {"enabled": job.dtype == "bf16"},
               "aio": {"block_size": 1 << 20, "queue_depth": 16, "single_submit": False, "overlap_events": True},
               "wall_clock_breakdown": False, "steps_per_print": 1 << 30}
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if job.device == "cuda" else "gloo")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(batch):
@@ -314,7 +321,7 @@ def colossal(job: Job, variant: str) -> Trace:
     every optimizer state on NVMe (``nvme_offload_fraction=1``), ``"gemini"`` the Gemini plugin
     through its ``Booster``."""
     HybridAdam = _colossal_cpu_adam()
-    model = job.build_model()
+    model = job.build_model().to(job.device)
     nvme = dict(nvme_offload_fraction=1.0, nvme_offload_dir=job.swap_dir) if variant == "nvme" else {}
     if variant == "gemini":
         import colossalai
