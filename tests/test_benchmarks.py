@@ -117,3 +117,56 @@ def test_state_format_bench_runs_a_format_and_reports_its_bytes(tmp_path):
         assert run["format"] == fmt and len(run["losses"]) == 3
         assert all(x == x and x < 10 for x in run["losses"]), run["losses"]  # finite
         assert 12 <= run["state_bytes_per_parameter"] < 24 - 4  # 8-bit ~12.1 (embeddings' fp32 moments aside), bf16 16
+
+
+def _gpu_check(*argv, out):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    code = ("import sys; from benchmarks import gpu_check; rc = gpu_check.main(sys.argv[1:]); "
+            "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *argv, "--out", str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_gpu_check_dry_run_announces_every_step_and_touches_nothing(tmp_path):
+    proc = _gpu_check("--dry-run", out=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    names = [s["name"] for s in result["steps"]]
+    assert names[:3] == ["environment", "install", "tests"]
+    assert names[3:] == ["plan gpt2-1.5B", "bench gpt2-1.5B", f"plan {names[5][5:]}", f"bench {names[5][5:]}"]
+    assert names[5].startswith("plan llama-")
+    assert {s["status"] for s in result["steps"]} == {"dry-run"}
+    for i, step in enumerate(result["steps"], 1):
+        assert f"[{i}/7] {step['name']}:" in proc.stdout and " ".join(step["command"]) in proc.stdout
+    assert "FUYOU_TEST_DEVICE=cuda" in proc.stdout and "--device cuda" in proc.stdout
+    assert "torch imported: False" in proc.stdout, "a dry run imports no torch (so it touches no CUDA)"
+    assert not (tmp_path / "environment.json").exists()
+
+
+def test_gpu_check_smoke_runs_the_whole_pipeline_on_the_cpu_and_reports_it(tmp_path):
+    proc = _gpu_check("--smoke", "--budget-min", "8", out=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in result["steps"]] == [
+        ("environment", "ok"), ("install", "skipped"), ("tests", "ok"), ("plan gpt2-tiny", "ok"),
+        ("bench gpt2-tiny", "ok")]
+    assert result["environment"]["gpu"] is None and result["environment"]["swap_free_bytes"] > 0
+    model = result["models"]["gpt2-tiny"]
+    assert model["plan"]["results"]["fuyou"]["fits"]
+    rows = model["bench"]["sizes"]["tiny"]
+    assert rows["torch"]["status"] == rows["fuyou-hf"]["status"] == "ok"
+    assert rows["fuyou-hf"]["losses"] == rows["torch"]["losses"], "bitwise torch's losses"
+    assert rows["torch"]["params"] > 0
+    assert (tmp_path / "gpu_check.png").stat().st_size > 0
+    assert "| bench gpt2-tiny | ok |" in proc.stdout and "| fuyou-hf |" in proc.stdout
+
+
+def test_gpu_check_stops_a_step_at_its_share_and_keeps_going(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import gpu_check
+    step = gpu_check.Step("sleep", "a step that overruns", [sys.executable, "-c", "import time; time.sleep(60)"], 0.1)
+    gpu_check.run_step(step, 6)
+    assert step.status.startswith("stopped (ran past its 6 s share)") and step.seconds < 40
+    skipped = gpu_check.Step("late", "no time left", ["true"], 0.1)
+    gpu_check.run_step(skipped, 1)
+    assert skipped.status == "skipped (the time budget is spent)"
