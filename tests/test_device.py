@@ -1,6 +1,7 @@
 """The device module: copies that land late (the test mode that makes a missing wait show on the CPU),
 exact-size pinned host buffers counted in the budget, and the mode's own ways out (errors, a dead engine)."""
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -121,7 +122,7 @@ class _Recorder:
         self.registered[ptr] = nbytes
 
     def unregister(self, ptr):
-        self.unregistered.append(ptr)
+        self.unregistered.append((ptr, ctypes.string_at(ptr, 4)))  # still mapped: the bytes are readable
 
 
 def test_pinned_host_buffers_pin_exactly_their_page_rounded_size_and_count_it_until_freed(monkeypatch):
@@ -135,11 +136,12 @@ def test_pinned_host_buffers_pin_exactly_their_page_rounded_size_and_count_it_un
     assert recorder.registered == {buf.data_ptr(): 16 * 2**20 + PAGE_SIZE}, "pinned in place, page-rounded"
     assert host_buffer_usage().live - before == 16 * 2**20 + PAGE_SIZE, "the pinned bytes count in the budget"
     ptr = buf.data_ptr()
+    buf[:4].fill_(0x5A)
     view = buf[10:20]
     del buf
     gc.collect()
     assert recorder.unregistered == [], "a view keeps the buffer (and its pinning) alive"
     del view
     gc.collect()
-    assert recorder.unregistered == [ptr]
+    assert recorder.unregistered == [(ptr, b"ZZZZ")], "unpinned before the memory is released"
     assert host_buffer_usage().live == before

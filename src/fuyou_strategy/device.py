@@ -116,7 +116,8 @@ def alloc_host_buffer(nbytes: int) -> torch.Tensor:
     with _usage_lock:
         _live += span
         _high_water = max(_high_water, _live)
-    # The storage outlives `raw` (the slice below keeps it): count until the storage is freed.
+    # The storage outlives `raw` (the slice below keeps it): count until the storage is freed. The finalizer
+    # runs before the storage's memory is released, so the pages are unpinned while still mapped (tested).
     weakref.finalize(raw.untyped_storage(), _freed, span, ptr, registrar).atexit = False
     return raw[skip : skip + nbytes]
 
@@ -172,12 +173,12 @@ def _wait_event(event: torch.Event, timeout: float) -> None:
     if event.query():
         return
     deadline = time.monotonic() + timeout
-    pause = 20e-6
+    pause = 10e-6
     while not event.query():  # polled rather than synchronize(), which could wait forever
         if time.monotonic() > deadline:
             raise TimeoutError(f"a device copy did not land within {timeout:.0f} s (is the device hung?)")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        time.sleep(pause)  # releases the GIL; at most 100 us late (a 16 MiB chunk takes ~0.6 ms over PCIe 4)
+        pause = min(pause * 2, 100e-6)
 
 
 def start_copy(dst: torch.Tensor, src: torch.Tensor) -> Copy:
