@@ -42,7 +42,7 @@ import torch
 
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
-           "claim_for_current_stream", "late_copies", "COPY_TIMEOUT"]
+           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT"]
 
 PAGE_SIZE = 4096
 COPY_TIMEOUT = 600.0  # seconds a copy may take before its wait gives up (a stuck device or copy engine)
@@ -237,6 +237,19 @@ class Upload:
     def result(self) -> torch.Tensor:
         claim_for_current_stream(self.tensor, "an upload's tensor")
         return self.tensor
+
+
+def resize_for_copies(t: torch.Tensor, nbytes: int) -> None:
+    """Give ``t``'s (released) storage ``nbytes`` again, allocated for copies on the side stream.
+
+    With an accelerator the memory comes from the side stream's pool of the caching allocator, as FSDP
+    allocates unsharded parameters on its unshard stream. Memory that the compute stream freed can be
+    handed out again at once on the compute stream, while kernels queued there may still read it; a
+    side-stream copy into it would overtake them. `claim_for_current_stream` then marks compute's use.
+    """
+    storage = t.untyped_storage()
+    with _side_stream(t.device) if _on_accelerator(t) else contextlib.nullcontext():
+        storage.resize_(nbytes)
 
 
 def claim_for_current_stream(t: torch.Tensor, what: str = "a device tensor") -> None:

@@ -76,7 +76,7 @@ from ..activations.swap import first_tensor, in_backward, storage_id
 from .. import trace
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
-from ..device import claim_for_current_stream, transfer
+from ..device import claim_for_current_stream, resize_for_copies, transfer
 from ..storage import HostBuffer, TensorStore, round_up
 from .materialize import Init, has_meta, materialize, model_device
 
@@ -498,7 +498,7 @@ class WeightStreamer:
             raise
         try:
             for w in unit.weights:
-                w.param.untyped_storage().resize_(w.nbytes)
+                resize_for_copies(w.param, w.nbytes)  # from the copy stream's memory (device.py says why)
             for w in unit.weights if unit.tier is Tier.HOST else ():
                 transfer(w.flat(), w.host.view(w.dtype)[: w.numel])
             for w, k, buf in done:
