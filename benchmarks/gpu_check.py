@@ -11,9 +11,10 @@ past its share is stopped and the next one starts, and whatever was measured is 
 2. **install** (skipped when the CUDA build of torch and DeepSpeed are already there, or ``--no-install``):
    PyPI's torch wheel, a CUDA build, pinned to the installed torch's version, then DeepSpeed with torch
    held at that version;
-3. **tests**: ``FUYOU_TEST_DEVICE=cuda`` pytest of the device-dependent tests (``tests/test_on_device.py``,
-   ``tests/test_device.py``): bitwise against ``AdamW(fused=True)``, fp16 with a real ``GradScaler``,
-   streamed weights in a device budget below the model's, activations on SSD, two-rank NCCL with two GPUs;
+3. **tests**: ``FUYOU_TEST_DEVICE=cuda pytest -m device``: the device suites, whose device-dependent tests
+   take the `compute_device` fixture: bitwise against ``AdamW(fused=True)``, fp16 with loss scaling against
+   ``GradScaler``, streamed weights in a device budget below the model's and LoRA over every weight tier,
+   every activation policy (SSD included), two-rank NCCL with two GPUs;
 4. **plan** and **bench** per model: ``fuyou plan``'s prediction, then the peer harness on the GPU
    (``benchmarks.peers --device cuda``): torch (where it fits), fuyou (the planner's choice), fuyou with
    every tier on SSD, ZeRO-Offload and ZeRO-Infinity on the same model, batch and sequence length. The
@@ -40,7 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
 SSD_BYTES_PER_PARAM = 20  # the larger footprint of fuyou-ssd (16.4) and ZeRO-Infinity, with room to spare
 SYSTEMS = "torch,fuyou-hf,fuyou-ssd,ds-offload,ds-infinity"
-TEST_FILES = ["tests/test_on_device.py", "tests/test_device.py"]
 MIN_STEP_S = 60.0  # the least a step is given while time is left
 SHARES = {"environment": 0.02, "install": 0.2, "tests": 0.2, "plan": 0.02, "bench": 0.56}  # of the budget
 
@@ -104,7 +104,7 @@ def plan_steps(args: argparse.Namespace) -> list[Step]:
         steps.append(Step("install", "the CUDA build of torch (same version) and DeepSpeed, torch held",
                           ["bash", str(ROOT / "benchmarks" / "gpu_check_install.sh")], SHARES["install"],
                           env={"PYTHON": py}))
-    tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", *TEST_FILES]
+    tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-m", "device"]  # conftest.DEVICE_SUITES
     if args.smoke:
         tests += ["-k", "environment_variable"]
     steps.append(Step("tests", f"the device-dependent tests on {device}", tests, SHARES["tests"],

@@ -26,9 +26,10 @@ def ids(seed=0):
 
 def grads(model, context=contextlib.nullcontext(), autocast=False):
     model.zero_grad(set_to_none=True)
+    x = ids().to(next(model.parameters()).device)  # compute_device's, where a test asks for it
     with context:
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = model(input_ids=ids(), labels=ids()).loss
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -49,8 +50,8 @@ def assert_nothing_held(swapper):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("activations", POLICIES + [MIX], ids=POLICIES + ["mix"])
-def test_gradients_are_bitwise_equal_to_no_hooks(tmp_path, family, activations):
-    model = tiny_causal_lm(family)
+def test_gradients_are_bitwise_equal_to_no_hooks(tmp_path, family, activations, compute_device):
+    model = tiny_causal_lm(family).to(compute_device)
     reference = grads(model)
     swapper = ActivationSwapper(model, config(tmp_path, activations))
     for _ in range(2):  # a second step reuses the freed SSD space

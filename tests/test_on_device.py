@@ -1,5 +1,7 @@
-"""The device-dependent tests, on the device ``FUYOU_TEST_DEVICE`` names (the `compute_device` fixture:
-the CPU by default, ``cuda`` on a GPU machine, as `benchmarks/gpu_check.py` runs them).
+"""Device-dependent tests on the device ``FUYOU_TEST_DEVICE`` names (the `compute_device` fixture: the CPU
+by default, ``cuda`` on a GPU machine, as `benchmarks/gpu_check.py` runs them). Existing suites take the
+fixture too: every activation policy's bitwise gradients (test_activations.py) and LoRA over streamed
+weights on every tier (test_weights.py).
 
 On the CPU they run in every suite (and under the late-copy mode in CI's second pass); on a GPU they
 exercise what the CPU cannot: pinned buffers, side-stream copies waited for through events,
@@ -17,7 +19,6 @@ import torch
 
 from conftest import tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
-from fuyou_strategy.activations import ActivationSwapper
 from test_schedule import SCALER, gradscaler_step
 
 STEPS = 4
@@ -116,25 +117,6 @@ def test_streamed_weights_in_a_device_budget_below_the_models_train_like_residen
     assert resident.keys() == streamed.keys()
     for name in resident:
         assert torch.equal(resident[name], streamed[name]), name
-
-
-def test_activations_on_ssd_give_the_gradients_of_no_hooks_on_the_device(tmp_path, compute_device):
-    def grads(swapper=None):
-        model = tiny_causal_lm("gpt2").to(compute_device)
-        x = ids(0, compute_device)
-        if swapper is None:
-            model(input_ids=x, labels=x).loss.backward()
-        else:
-            with (swapper := ActivationSwapper(model, config(tmp_path, activations="ssd"))):
-                model(input_ids=x, labels=x).loss.backward()
-            assert swapper.stats.ssd_bytes > 0
-            swapper.close()
-        return {n: p.grad.cpu() for n, p in model.named_parameters()}
-
-    reference, swapped = grads(), grads(swapper=True)
-    assert reference.keys() == swapped.keys()
-    for name in reference:
-        assert torch.equal(reference[name], swapped[name]), name
 
 
 def test_two_ranks_over_nccl_sum_like_one_process(tmp_path, compute_device):

@@ -43,7 +43,8 @@ def run_steps(engine, model, n):
     losses = []
     for step in range(n):
         engine.begin_micro_batch(update=True)
-        loss = model(input_ids=ids(step), labels=ids(step)).loss
+        x = ids(step).to(next(model.parameters()).device)  # compute_device's, where a test asks for it
+        loss = model(input_ids=x, labels=x).loss
         loss.backward()
         engine.optimizer.step()
         engine.optimizer.zero_grad()
@@ -74,9 +75,9 @@ def assert_equal(a, b):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("weights", TIERS, ids=TIER_IDS)
-def test_lora_trains_bitwise_like_resident_weights(tmp_path, family, weights):
-    ref_losses, reference, _ = train(lora_model(family), config(tmp_path))
-    model = lora_model(family)
+def test_lora_trains_bitwise_like_resident_weights(tmp_path, family, weights, compute_device):
+    ref_losses, reference, _ = train(lora_model(family).to(compute_device), config(tmp_path))
+    model = lora_model(family).to(compute_device)
     base = frozen(model)
     losses, ours, summary = train(model, config(tmp_path, weights))
     assert [x.item() for x in losses] == [x.item() for x in ref_losses]
