@@ -143,16 +143,29 @@ def run_step(step: Step, seconds: float) -> None:
         output, _ = proc.communicate(timeout=seconds)
         step.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+        output = _stop(proc)
         step.status = f"stopped (ran past its {seconds:.0f} s share)"
+    except KeyboardInterrupt:  # the whole check is stopped: so is the step, and what it printed is kept
+        step.output_tail, step.status = _stop(proc)[-4000:], "stopped (interrupted)"
+        step.seconds = time.monotonic() - started
+        raise
     step.seconds = time.monotonic() - started
     step.output_tail = output[-4000:]
     print(output[-4000:], flush=True)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """Stop a step's process group (SIGTERM, then SIGKILL after 30 s); what it printed."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=30)[0] or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0] or ""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the check as Ctrl-C does: the report is still written
 
 
 def collect(out: Path, steps: list[Step]) -> dict:
@@ -230,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result) + ("\n\nplot: " + str(out / "gpu_check.png") if drawn else ""), flush=True)
         return 0 if all(s.status in ("ok", "dry-run") or s.status.startswith("skipped") for s in steps) else 1
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
         for i, step in enumerate(steps):
             if step.status == "skipped":

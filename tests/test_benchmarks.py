@@ -170,3 +170,27 @@ def test_gpu_check_stops_a_step_at_its_share_and_keeps_going(tmp_path):
     skipped = gpu_check.Step("late", "no time left", ["true"], 0.1)
     gpu_check.run_step(skipped, 1)
     assert skipped.status == "skipped (the time budget is spent)"
+
+
+def test_gpu_check_stopped_by_sigterm_stops_its_step_and_reports_what_ran(tmp_path):
+    import signal
+    import time
+    root = os.path.join(os.path.dirname(__file__), "..")
+    code = "import sys; from benchmarks import gpu_check; sys.exit(gpu_check.main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--smoke", "--out", str(tmp_path)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while True:  # until the tests step has started (its child runs; SIGTERM must stop it too)
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "gpu_check never reached its tests step"
+        if line.startswith("[3/5] tests"):
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 or proc.returncode == 1, out[-2000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["note"] == "interrupted: what ran is kept"
+    statuses = {s["name"]: s["status"] for s in result["steps"]}
+    assert statuses["environment"] == "ok" and statuses["tests"] == "stopped (interrupted)"
+    assert statuses["bench gpt2-tiny"] == "pending", "nothing started after the interruption"
