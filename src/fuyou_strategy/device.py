@@ -181,13 +181,15 @@ def _wait_event(event: torch.Event, timeout: float) -> None:
         pause = min(pause * 2, 100e-6)
 
 
-def start_copy(dst: torch.Tensor, src: torch.Tensor) -> Copy:
+def start_copy(dst: torch.Tensor, src: torch.Tensor, *, after_compute: bool = False) -> Copy:
     """Start copying ``src`` into ``dst`` (same shape and dtype; one on the host, the other on the
     device, or both on the CPU) from any thread; `Copy.wait` before reusing ``src`` or reading ``dst``.
 
     With an accelerator the copy runs on the device's side stream, ``non_blocking`` where the host
-    side is pinned (a blocking copy otherwise, never an unsafe one); a device → host copy first
-    waits on the calling thread's current stream, so it copies what compute queued before it.
+    side is pinned (a blocking copy otherwise, never an unsafe one). A device → host copy first
+    waits on the calling thread's current stream, so it copies what compute queued before it; so
+    does a host → device copy with ``after_compute``, for a destination that kernels already queued
+    may still read (without it the copy may overtake them: side streams do not order with others).
     """
     if _late is not None:
         return _late.start(dst, src)
@@ -198,7 +200,7 @@ def start_copy(dst: torch.Tensor, src: torch.Tensor) -> Copy:
     device = device_side.device
     stream = _side_stream(device)
     host_side = src if device_side is dst else dst
-    if device_side is src:
+    if device_side is src or after_compute:
         stream.wait_stream(torch.accelerator.current_stream(device))
     with stream:
         dst.copy_(src, non_blocking=host_side.is_pinned())
@@ -207,12 +209,11 @@ def start_copy(dst: torch.Tensor, src: torch.Tensor) -> Copy:
     return Copy(event)
 
 
-def transfer(dst: torch.Tensor, src: torch.Tensor, timeout: float = COPY_TIMEOUT) -> None:
-    """Copy ``src`` into ``dst`` (host ↔ device) from any thread; returns once the bytes are there.
-
-    The calling thread waits, not the compute stream. On the CPU a plain copy (it releases the GIL).
-    """
-    start_copy(dst, src).wait(timeout)
+def transfer(dst: torch.Tensor, src: torch.Tensor, timeout: float = COPY_TIMEOUT, *, after_compute: bool = False) -> None:
+    """Copy ``src`` into ``dst`` (host ↔ device) from any thread; returns once the bytes are there
+    (``after_compute``: see `start_copy`). The calling thread waits, not the compute stream. On the CPU
+    a plain copy (it releases the GIL)."""
+    start_copy(dst, src, after_compute=after_compute).wait(timeout)
 
 
 class Upload:

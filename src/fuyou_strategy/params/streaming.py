@@ -636,7 +636,7 @@ class WeightStreamer:
         w = self._all[param]
         self._write_tier(w, value.reshape(-1))
         if self._units[w.block].resident:  # e.g. kept from a forward that had no backward: its bytes too
-            transfer(w.flat(), value.reshape(-1))
+            transfer(w.flat(), value.reshape(-1), after_compute=True)  # kernels queued may still read them
 
     def _write_tier(self, w: _Weight, source: torch.Tensor) -> None:
         """Overwrite the weight's tier copy with ``source`` (flat, any device; returns once written)."""
