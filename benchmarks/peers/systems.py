@@ -104,6 +104,13 @@ def _autocast(job: Job):
     return torch.autocast(job.device, dtype=torch.bfloat16) if job.dtype == "bf16" else contextlib.nullcontext()
 
 
+def _sync(job: Job) -> None:
+    """Wait for the GPU's queued work (a step's time must include it); nothing on the CPU."""
+    if job.device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
 def _loop(job: Job, model, step: Callable, driver: str) -> Trace:
     """Train with a plain loop: ``step(batch) -> loss tensor`` does forward, backward and update."""
     times, losses = [], []
@@ -209,6 +216,7 @@ def fuyou_hf(job: Job, **more) -> Trace:
             self.start = time.perf_counter()
 
         def on_step_end(self, *args, **kwargs) -> None:
+            _sync(job)  # the step's queued GPU work belongs to its time
             self.times.append(time.perf_counter() - self.start)
 
         def on_log(self, args, state, control, logs=None, **kwargs) -> None:
