@@ -79,13 +79,12 @@ def _free_disk(path: str) -> int:
 
 def largest_llama(free_bytes: int) -> str:
     """The largest Llama-shaped size whose SSD footprint (`SSD_BYTES_PER_PARAM`) fits in ``free_bytes``."""
-    from benchmarks.peers.systems import SIZES
+    from benchmarks.peers.systems import SIZES, llama_ffn
     best = "124M"
     for size, (layers, hidden, _heads) in SIZES.items():
         if size == "tiny":
             continue
-        ffn = (hidden * 8 // 3 + 255) // 256 * 256
-        params = layers * (4 * hidden * hidden + 3 * hidden * ffn) + 2 * 32000 * hidden
+        params = layers * (4 * hidden * hidden + 3 * hidden * llama_ffn(hidden)) + 2 * 32000 * hidden
         if params * SSD_BYTES_PER_PARAM <= free_bytes:
             best = size
     return best
@@ -177,7 +176,7 @@ def collect(out: Path, steps: list[Step]) -> dict:
     for step in steps:
         if step.name.startswith("bench "):
             tag = step.name.split(" ", 1)[1]
-            bench = next(iter(sorted((out / f"bench-{tag}").glob("peers-*.json"))), None) if (out / f"bench-{tag}").exists() else None
+            bench = next(iter(sorted((out / f"bench-{tag}").glob("peers-*.json"))), None)  # none: it did not run
             models[tag] = {"plan": load(out / f"plan-{tag}.json"), "bench": load(bench) if bench else None}
     return {"steps": [asdict(s) for s in steps], "environment": load(out / "environment.json"), "models": models}
 

@@ -161,8 +161,8 @@ def test_gpu_check_smoke_runs_the_whole_pipeline_on_the_cpu_and_reports_it(tmp_p
     assert "| bench gpt2-tiny | ok |" in proc.stdout and "| fuyou-hf |" in proc.stdout
 
 
-def test_gpu_check_stops_a_step_at_its_share_and_keeps_going(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+def test_gpu_check_stops_a_step_at_its_share_and_keeps_going(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks import gpu_check
     step = gpu_check.Step("sleep", "a step that overruns", [sys.executable, "-c", "import time; time.sleep(60)"], 0.1)
     gpu_check.run_step(step, 6)

@@ -29,6 +29,11 @@ SIZES = {"tiny": (2, 64, 2), "124M": (12, 768, 12), "350M": (24, 1024, 16), "774
          "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40)}
 
 
+def llama_ffn(hidden: int) -> int:
+    """The Llama-shaped models' MLP width: 8/3 of ``hidden``, rounded up to a multiple of 256."""
+    return (hidden * 8 // 3 + 255) // 256 * 256
+
+
 class Unavailable(RuntimeError):
     """The system cannot run here (library missing, refused by the machine); the message says why."""
 
@@ -78,7 +83,7 @@ class Job:
                               n_positions=max(1024, self.seq), bos_token_id=None, eos_token_id=None)
         from transformers import LlamaConfig
         return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                           intermediate_size=(hidden * 8 // 3 + 255) // 256 * 256, vocab_size=vocab,
+                           intermediate_size=llama_ffn(hidden), vocab_size=vocab,
                            max_position_embeddings=max(2048, self.seq), bos_token_id=None, eos_token_id=None)
 
     def batches(self, vocab: int):

@@ -58,8 +58,12 @@ def cuda_available() -> bool:
     return accelerator_type() == "cuda"
 
 
+def _accelerated(device: torch.device) -> bool:
+    return device.type not in ("cpu", "meta")
+
+
 def _on_accelerator(t: torch.Tensor) -> bool:
-    return t.device.type not in ("cpu", "meta")
+    return _accelerated(t.device)
 
 
 # -- host buffers ---------------------------------------------------------------------------------------------
@@ -107,7 +111,7 @@ def alloc_host_buffer(nbytes: int) -> torch.Tensor:
         raise ValueError(f"nbytes: got {nbytes}; a host buffer needs at least one byte")
     registrar = _pinning()
     span = -(-nbytes // PAGE_SIZE) * PAGE_SIZE if registrar is not None else nbytes
-    other_pinned = registrar is None and accelerator_type() not in (None, "cuda")
+    other_pinned = registrar is None and accelerator_type() is not None  # not CUDA: its pinned allocator
     raw = torch.empty(span + PAGE_SIZE, dtype=torch.uint8, pin_memory=other_pinned)
     skip = (-raw.data_ptr()) % PAGE_SIZE
     ptr = raw.data_ptr() + skip
@@ -227,13 +231,13 @@ class Upload:
     """
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
-        self._stream = _side_stream(device) if device.type not in ("cpu", "meta") else None
+        self._stream = _side_stream(device) if _accelerated(device) else None
         with self._stream if self._stream is not None else contextlib.nullcontext():
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def copy(self, offset: int, src: torch.Tensor) -> None:
         """Copy the ``uint8`` host tensor ``src`` into the tensor's bytes at ``offset``."""
-        start_copy(self.tensor[offset : offset + src.numel()], src).wait()
+        transfer(self.tensor[offset : offset + src.numel()], src)
 
     def result(self) -> torch.Tensor:
         claim_for_current_stream(self.tensor, "an upload's tensor")
@@ -279,7 +283,7 @@ def _side_stream(device: torch.device) -> torch.Stream:
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing); nothing to wait for on the CPU."""
-    if device.type not in ("cpu", "meta"):
+    if _accelerated(device):
         torch.accelerator.synchronize(device)
 
 
