@@ -280,7 +280,7 @@ def test_fuyou_plan_predicts_the_papers_multi_gpu_step(gpus, paper_tflops):
     assert "all-reduce 0" in names and "all-reduce rest" in names
     tflops = many.notes["flops_per_step_paper"] / plan.predicted_step_s / 1e12
     # predicted 280.7 (2 GPUs, paper 278) and 561.2 (4 GPUs, paper 514): the model scales almost linearly;
-    # the measured 4-GPU figure does not (see the README)
+    # the measured 4-GPU figure does not (see docs/planner.md)
     assert 0.95 <= tflops / paper_tflops <= (1.05 if gpus == 2 else 1.10), (gpus, tflops, paper_tflops)
     # every rank keeps its own host-tier weights and host activations: each has 1/N of the host beyond
     # the optimizer's share, and this plan's host peak fits that share
