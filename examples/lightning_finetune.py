@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     add_common_arguments(parser)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
     parser.add_argument("--devices", type=int, default=1, help="data parallel over this many devices (on the CPU: "
-                        "processes), each rank owning 1/N of the optimizer state (strategy fuyou_ddp)")
+                        "processes), each rank owning 1/N of the optimizer state")
     args = parser.parse_args(argv)
 
     model = build_model(args)
@@ -80,10 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     train = counting_sequences(micro_batches * args.batch_size, args.seq_len, args.vocab, seed=args.seed)
     val = counting_sequences(4 * args.batch_size, args.seq_len, args.vocab, seed=args.seed + 1)
     module = CausalLMModule(model, args.lr, warmup=max(1, args.steps // 10), vocab=args.vocab)
-    if args.devices > 1:  # each rank takes 1/N of every global batch (Lightning's DistributedSampler)
-        strategy = fuyou_strategy.FuyouDDPStrategy(start_method="spawn", **fuyou_fields(args))
-    else:
-        strategy = fuyou_strategy.FuyouStrategy(**fuyou_fields(args))
+    # Any --devices: with several each rank takes 1/N of every global batch (Lightning's DistributedSampler);
+    # spawned ranks, so that the script also runs from a notebook or a test ("popen", the default, re-runs it).
+    strategy = fuyou_strategy.FuyouStrategy(start_method="spawn", **fuyou_fields(args))
     # One epoch of exactly steps x accumulate micro-batches: the progress bar counts them against their total.
     trainer = L.Trainer(strategy=strategy, accelerator="auto", devices=args.devices, precision=args.precision,
                         max_epochs=1, accumulate_grad_batches=args.accumulate,

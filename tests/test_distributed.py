@@ -721,18 +721,22 @@ def test_swap_dir_placeholders_are_rank_and_local_rank_only():
         FuyouConfig(swap_dirs=["/nvme{gpu}"])
 
 
-def test_strategy_fuyou_ddp_by_name_is_lightnings_ddp_with_its_launcher():
+def test_strategy_fuyou_by_name_takes_any_device_count_with_lightnings_launcher():
+    """``"fuyou"`` and its older name ``"fuyou_ddp"`` are one strategy: with several devices Lightning's
+    subprocess launcher starts the ranks and the data loaders get a DistributedSampler; with one there is
+    no launcher and the loaders keep their samplers, as with ``strategy="auto"``."""
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-    from fuyou_strategy import FuyouDDPStrategy
+    from fuyou_strategy import FuyouDDPStrategy, FuyouStrategy
 
-    trainer = L.Trainer(strategy="fuyou_ddp", accelerator="cpu", devices=2, logger=False)
-    assert isinstance(trainer.strategy, FuyouDDPStrategy)
-    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher) and trainer.num_devices == 2
-    with pytest.raises(ConfigError, match="strategy='fuyou_ddp'"):
-        from test_lightning import fit
-
-        fit("fuyou", devices=2, steps=1)
+    assert FuyouDDPStrategy is FuyouStrategy
+    for name in ("fuyou", "fuyou_ddp"):
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, num_nodes=1, logger=False)
+        assert isinstance(trainer.strategy, FuyouStrategy), name
+        assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher) and trainer.num_devices == 2
+        assert trainer.strategy.data_parallel and trainer.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+        one = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+        assert one.strategy.launcher is None and not one.strategy.data_parallel and not one.strategy.is_distributed
 
 
 class CountHookUpdates(L.Callback):
@@ -927,3 +931,37 @@ def test_lightning_fuyou_ddp_in_fp16_scales_alike_on_every_rank(tmp_path):
     for r in ranks:
         assert r["scale"] == opt.scaler.get_scale() and r["history"] == list(opt.stats.history)
         assert r["norm"] == pytest.approx(opt.stats.last_grad_norm, rel=1e-3)
+
+
+class SaveWeights(L.Callback):
+    """Rank 0's weights at the end of fit, as ``<folder>/<name>.pt`` (spawned ranks return nothing else)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            torch.save({k: v.clone() for k, v in pl_module.state_dict().items()}, self.path)
+
+
+def test_strategy_fuyou_on_two_devices_trains_like_lightnings_ddp(tmp_path):
+    """The same two-rank fit (gloo, spawned ranks, Lightning's DistributedSampler, accumulate 2, clip
+    1.0, warm-up): ``strategy="ddp"`` with torch's AdamW, and the fuyou strategy (``"fuyou"``'s class,
+    which is also ``"fuyou_ddp"``) with the same devices. DDP averages the gradients in both; fuyou's
+    ranks update the shards they own and broadcast them, so the weights agree to the data-parallel
+    tests' tolerance, not bitwise (the averaged gradients are summed in another order)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fuyou_strategy import FuyouStrategy
+    from test_lightning import CausalLM, fit
+
+    fit(DDPStrategy(start_method="spawn"), steps=3, devices=2, callbacks=[SaveWeights(str(tmp_path / "ddp.pt"))],
+        enable_checkpointing=False)
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", start_method="spawn"), steps=3, devices=2,
+        callbacks=[SaveWeights(str(tmp_path / "fuyou.pt"))], enable_checkpointing=False)
+    ddp, fuyou = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fuyou.pt")
+    assert ddp.keys() == fuyou.keys()
+    assert max_relative_difference(ddp, fuyou) <= TOLERANCE
+    torch.manual_seed(0)  # as `fit` makes its module
+    initial = CausalLM().state_dict()
+    assert max_relative_difference(initial, fuyou) > 100 * TOLERANCE  # they trained: agreeing is not standing still

@@ -35,7 +35,7 @@ def test_lightning_example_on_two_ranks_streaming_weights(tmp_path, capfd):
     lightning_finetune.main(TINY + ["--swap-dir", str(tmp_path), "--devices", "2", "--weights", "ssd",
                                     "--activations", "keep"])
     out, err = capfd.readouterr()
-    assert "Lightning + FuyouDDPStrategy on 2 ranks: 3 optimizer steps" in out, out + err[-3000:]
+    assert "Lightning + FuyouStrategy on 2 ranks: 3 optimizer steps" in out, out + err[-3000:]
     assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
 
 

@@ -386,3 +386,43 @@ def test_fabric_setup_twice_counts_each_micro_batch_once(tmp_path):
     assert strategy.engine.micro_batches == 1
     strategy.teardown()
     assert not model._forward_pre_hooks and run_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("precision, kind", [("32-true", "FuyouPrecision"), ("bf16-mixed", "FuyouMixedPrecision"),
+                                             ("16-mixed", "FuyouMixedPrecision"), ("bf16-true", "FuyouHalfPrecision"),
+                                             ("16-true", "FuyouHalfPrecision")])
+def test_the_strategy_uses_a_named_precision_plugin_of_its_own(precision, kind):
+    """Lightning's plugin for ``precision=`` becomes the fuyou subclass of the same Lightning class (clipping
+    checked against the optimizer's; 16-mixed without a GradScaler of its own), a plain class that pickles
+    (spawned ranks) as itself; the plugin Lightning made is not changed."""
+    import pickle
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from fuyou_strategy.integrations import lightning as integration
+
+    strategy = FuyouStrategy()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False)
+    lightnings = L.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False).precision_plugin
+    plugin = trainer.strategy.precision_plugin  # on the CPU Lightning makes 16-mixed bf16-mixed: the same here
+    assert type(plugin) is getattr(integration, kind) and plugin.precision == lightnings.precision
+    assert isinstance(plugin, type(lightnings))
+    assert type(trainer.precision_plugin) is type(plugin)
+    assert getattr(plugin, "scaler", None) is None
+    again = pickle.loads(pickle.dumps(plugin))
+    assert type(again) is type(plugin) and again.precision == plugin.precision
+    if precision == "16-mixed":
+        theirs = MixedPrecision("16-mixed", "cpu")
+        strategy.precision_plugin = theirs
+        assert theirs.scaler is not None and type(theirs) is MixedPrecision  # left as it was
+
+
+def test_a_custom_precision_plugin_is_refused_with_the_supported_precisions():
+    from lightning.pytorch.plugins.precision import Precision
+
+    class Custom(Precision):
+        pass
+
+    with pytest.raises(ConfigError, match=r"precision_plugin: got .*Custom; the fuyou strategy takes Lightning's own "
+                                          r"precision plugins, chosen with Trainer\(precision=...\)"):
+        FuyouStrategy(precision_plugin=Custom())

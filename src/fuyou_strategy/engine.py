@@ -27,6 +27,7 @@ Lightning and transformers are never imported here.
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from functools import wraps
 from typing import Any, Callable, Iterable
@@ -168,6 +169,30 @@ def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper
 
 
+def compiled_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s modules (``""``: the model itself) that ``torch.compile`` wraps: those made by
+    ``torch.compile(module)`` (an ``OptimizedModule``, which torch does not export) and those compiled in
+    place by ``module.compile()`` (they hold a ``_compiled_call_impl``). Both checked with torch 2.13
+    (``tests/test_compile.py``). Nothing was compiled if dynamo was never imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame is not None else ()
+    return [name for name, m in model.named_modules(remove_duplicate=False)
+            if (optimized and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def refuse_compiled(model: torch.nn.Module, where: str) -> None:
+    """A compiled model is refused up front: dynamo would trace fuyou's forward hooks (the schedule's
+    micro-batch signal, activation swapping, weight streaming) into graphs, and their side effects would
+    run once at trace time, not every step; training would not be exact."""
+    names = compiled_modules(model)
+    if names:
+        shown = ", ".join(repr(n) if n else "the model itself" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        raise ConfigError(
+            f"torch.compile: {len(names)} module(s) of the model given to {where} are compiled ({shown}); fuyou's "
+            "hooks (optimizer schedule, activation swapping, weight streaming) run in eager mode: pass the module "
+            "without torch.compile / module.compile() (HF: TrainingArguments(torch_compile=False))")
+
+
 class FuyouEngine:
     """Fuyou's optimizer and activation swapping for one model, driven by a training loop.
 
@@ -234,6 +259,7 @@ class FuyouEngine:
         process_group: Any = None,
         gradients_averaged: bool = False,
     ) -> None:
+        refuse_compiled(model, where)  # before anything is made on disk
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
         self.model = model
@@ -299,7 +325,7 @@ class FuyouEngine:
                 raise ConfigError(
                     f"weights: {len(missing)} streamed parameters (the first: {missing[0]!r}) are not ignored by the "
                     "DistributedDataParallel model, which would bring their gradients back to the device; call "
-                    "fuyou_strategy.ignore_streamed_in_ddp(model, config) before wrapping the model (the fuyou_ddp "
+                    "fuyou_strategy.ignore_streamed_in_ddp(model, config) before wrapping the model (the Lightning "
                     "strategy and FuyouCallback do it)")
         # The last step's updates land first (after a warm-up, `next_forward` leaves them for the next
         # forward): the tier copies are made from the weights, whose device storage is then released.

@@ -33,8 +33,6 @@ until the strategy is set up again or the process ends; the activation hooks are
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import math
 import os
 import shutil
@@ -44,12 +42,19 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.constants import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from .lightning_internals import (_default_backend, _init_dist_connection, _MultiProcessingLauncher,
+                                  _SubprocessScriptLauncher, _sync_ddp_if_available)
 
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, auto_host_budget, available_memory, format_bytes, read_mapping
@@ -98,20 +103,22 @@ class _OneDevice(_EngineOwner):
         self.engine: FuyouEngine | None = None
 
     @property
+    @override
     def root_device(self) -> torch.device:
         return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     def _check_single_device(self) -> None:
         if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; the fuyou strategy trains on one "
-                              "device (devices=1); for data parallelism use the Trainer's strategy='fuyou_ddp'")
+            raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; Fabric(strategy='fuyou') trains on "
+                              "one device (devices=1) so far; for data parallelism use the Trainer's "
+                              "strategy='fuyou' with devices=N")
 
 
 class _ClipsInOptimizer:
-    """Mixed into the class of the Trainer's precision plugin (see `_clipping_in_optimizer`):
-    `FuyouAdamW` clips, exactly, in ``step()``, so the plugin's clipping becomes a check that the
-    optimizer clips to the value asked for."""
+    """The precision plugins' clipping, for `FuyouAdamW`: it clips, exactly, in ``step()``, so the
+    plugin's clipping becomes a check that the optimizer clips to the value asked for."""
 
+    @override
     def clip_gradients(self, optimizer: Any, clip_val: float | int = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if not clip_val or clip_val <= 0:
@@ -126,30 +133,41 @@ class _ClipsInOptimizer:
                 "during backward, so clipping them afterwards is too late"
             )
 
-    def __reduce__(self) -> tuple:
-        # The class is made at run time (`_clipping_class`): pickle (e.g. to spawned ranks) the plugin
-        # as its own class and mix the check in again on the other side.
-        plain = object.__new__(type(self).__bases__[1])
-        plain.__dict__.update(self.__dict__)
-        return _clipping_in_optimizer, (plain,)
+
+class FuyouPrecision(_ClipsInOptimizer, Precision):
+    """``precision="32-true"`` with the fuyou strategy: Lightning's `Precision`, clipping in the optimizer."""
 
 
-@functools.cache
-def _clipping_class(cls: type) -> type:
-    # The same __qualname__: Lightning files a plugin's state in checkpoints under it.
-    return type(cls.__name__, (_ClipsInOptimizer, cls), {"__qualname__": cls.__qualname__})
+class FuyouMixedPrecision(_ClipsInOptimizer, MixedPrecision):
+    """``"bf16-mixed"`` / ``"16-mixed"``: Lightning's `MixedPrecision` (autocast), clipping in the optimizer
+    and, for ``16-mixed``, no GradScaler of its own: `FuyouAdamW` scales, unscales and skips itself."""
+
+    def __init__(self, precision: str, device: str) -> None:
+        super().__init__(precision, device)
+        self.scaler = None
 
 
-def _clipping_in_optimizer(plugin: Precision) -> Precision:
-    """A shallow copy of ``plugin`` whose class is its own with `_ClipsInOptimizer` mixed in;
-    ``plugin`` itself is left as it is."""
+class FuyouHalfPrecision(_ClipsInOptimizer, HalfPrecision):
+    """``"bf16-true"`` / ``"16-true"``: Lightning's `HalfPrecision`, clipping in the optimizer."""
+
+
+def _fuyou_precision(plugin: Precision) -> Precision:
+    """The fuyou counterpart of the precision plugin Lightning made for ``Trainer(precision=...)`` (the
+    strategy's own instance: the one given is left as it is). Lightning's own plugins only: a custom
+    subclass may change what backward or the optimizer step do, which FuyouAdamW takes over."""
     if isinstance(plugin, _ClipsInOptimizer):
         return plugin
-    ours = copy.copy(plugin)
-    ours.__class__ = _clipping_class(type(plugin))
-    if getattr(ours, "scaler", None) is not None:  # 16-mixed: FuyouAdamW scales, unscales and skips itself
-        ours.scaler = None
-    return ours
+    kind = type(plugin)
+    if kind is Precision:
+        return FuyouPrecision()
+    if kind is MixedPrecision:
+        return FuyouMixedPrecision(plugin.precision, plugin.device)
+    if kind is HalfPrecision:
+        return FuyouHalfPrecision(plugin.precision)
+    _check_precision(str(getattr(plugin, "precision", None)))  # 64-true and the like: refused with their fix
+    raise ConfigError(
+        f"precision_plugin: got {kind.__qualname__}; the fuyou strategy takes Lightning's own precision plugins, "
+        f"chosen with Trainer(precision=...) from {list(_PRECISIONS)}; drop the custom plugin")
 
 
 def sidecar(filepath: str | os.PathLike) -> str:
@@ -166,46 +184,217 @@ def _other_checkpoints(path: str) -> str:
     return f"resume from another checkpoint in {where} ({', '.join(others)})"
 
 
-class _FuyouTrainerStrategy(_EngineOwner):
-    """What `FuyouStrategy` (one device) and `FuyouDDPStrategy` (data parallel) share: the engine's
-    lifecycle in the Trainer's hooks, clipping in the optimizer, metrics, checkpoints and teardown.
-    Mixed in before the Lightning strategy it extends, whose methods its ``super()`` calls reach."""
+class FuyouStrategy(_EngineOwner, ParallelStrategy):
+    """Train with Fuyou on one device or several: SSD-resident AdamW updated during backward, exact
+    clipping, activation swapping and weight streaming.
 
-    fuyou_config: FuyouConfig
-    log_metrics: bool
-    _in_optimizer_step: bool
+    ``Trainer(strategy="fuyou")`` works with any ``devices=``/``num_nodes=``, as ``strategy="ddp"`` or
+    ``"deepspeed"`` do; ``Trainer(strategy=FuyouStrategy(swap_dirs=["/nvme0"], activations="ssd"))``
+    sets any `FuyouConfig` field, and ``config=`` takes a `FuyouConfig`, a dict or a
+    ``.json``/``.yaml`` path (keyword fields override it).
 
-    def _check_devices(self, trainer: Any) -> None:
-        """Refuse a device layout this strategy cannot train (before anything is created on disk)."""
+    **One process** (one device, one node): a single-device strategy, as ``strategy="auto"`` picks on
+    one device: no process group, no ``DistributedDataParallel``, and the data loaders keep their own
+    samplers (a ``strategy="ddp"`` at ``devices=1`` would swap in a shuffling ``DistributedSampler``).
 
-    def _data_parallel(self) -> dict[str, Any]:
-        """The `FuyouEngine` arguments of data parallelism (none on one device)."""
-        return {}
+    **Several** (``devices=N``, ``num_nodes``): launched by Lightning's own launchers as ``"ddp"`` is
+    (``start_method="spawn"`` to launch from a notebook or a test; ``"popen"``, the default, re-runs
+    the script), each rank owning ~1/N of the SSD optimizer state (`fuyou_strategy.optim.distributed`).
+    The model is wrapped in ``DistributedDataParallel``, which averages the gradients during backward
+    (and skips that for micro-batches that only accumulate); at ``step()`` each rank clips on the same
+    global norm and updates the parameters whose state it owns, from its own swap directories: under
+    the ``backward`` schedule during backward, as each DDP bucket's sum lands on its owners
+    (`FuyouAdamW.ddp_comm_hook`), under ``next_forward`` ahead of the next forward, which broadcasts
+    each module's weights from their owners as it reaches them. Checkpoints store parameters, not rank
+    shards: one saved with N ranks resumes with M, one included. With streamed weights
+    (``weights="ssd"``/``"host"``/``"auto"``) DDP is told to leave them to the optimizer, which sums
+    their gradients over the ranks. ``"fuyou_ddp"`` and `FuyouDDPStrategy` are other names of this
+    strategy, kept for scripts written before it took any device count.
 
-    def _engine_made(self) -> None:
-        """After the engine is made (and the model wrapped): what the layout adds to it."""
+    Supported: automatic optimization with ``torch.optim.AdamW`` / ``Adam`` (+ schedulers),
+    precision ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"``, ``"16-true"`` (the
+    optimizer scales the loss), ``accumulate_grad_batches``, ``gradient_clip_val`` with the
+    ``"norm"`` algorithm. Refused with a clear error: ``gradient_clip_algorithm="value"``, manual
+    optimization, several optimizers, optimizers other than Adam/AdamW, a compiled model
+    (``torch.compile``: the fuyou hooks must run eagerly).
+
+    Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
+    GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
+    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
+    """
+
+    strategy_name = "fuyou"
+
+    def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
+                 log_metrics: bool = True, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
+                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout,
+                 start_method: str = "popen", ddp_kwargs: dict[str, Any] | None = None, **config_fields: Any) -> None:
+        if device is not None:
+            if parallel_devices is not None:
+                raise ConfigError(f"device: got {device!r} together with parallel_devices={parallel_devices!r}; "
+                                  "give one of them (device= is parallel_devices=[device])")
+            parallel_devices = [torch.device(device)]
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        self._auto_budget = _asks_auto_budget(config, config_fields)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self._trainer: Any = None  # the Trainer this strategy is set up for (setup), for its public state
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self.engine = None
+        self._in_optimizer_step = False
+        self.log_metrics = log_metrics
+
+    # -- the layout: one process, or Lightning's DDP launch ------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
 
     @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether this run has more than one process (known once Lightning set the devices and nodes)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning's question to a strategy it does not know: whether the data loaders need a
+        ``DistributedSampler``. Only with several processes."""
+        return self.data_parallel
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """Called by Lightning once the devices and nodes are known (as ``DDPStrategy.set_world_ranks``)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        if not self.data_parallel:
+            self._launcher = None  # one process: run in this one, as SingleDeviceStrategy does
+        elif self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.data_parallel:
+            reset_seed()
+            self.set_world_ranks()
+            backend = self._process_group_backend or _default_backend(self.root_device)
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+                                  device_id=self.root_device if self.root_device.type != "cpu" else None)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Called by ``Strategy.setup`` after the model is on its device. One process: the model as it is.
+        Several, fitting: wrapped in ``DistributedDataParallel``, which first leaves the streamed weights
+        to FuyouAdamW (it sums their gradients itself); not fitting: rank 0's weights for every rank."""
+        if not self.data_parallel:
+            return model
+        if self._trainer is not None and self._trainer.state.fn != TrainerFn.FITTING:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+            return model
+        ignore_streamed_in_ddp(model, self.fuyou_config)
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        return DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- what the layout adds to the engine ------------------------------------------------------------------
+    def _data_parallel(self) -> dict[str, Any]:
+        if not self.data_parallel:
+            return {}
+        return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
+
+    def share_auto_budget(self) -> None:
+        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
+        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
+        with ``ranks`` = the processes on this node), once."""
+        if not self._auto_budget or self.num_processes <= 1:
+            return
+        self._auto_budget = False
+        budget, why = auto_host_budget(available_memory(), self.num_processes)
+        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
+        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
+
+    def _engine_made(self) -> None:
+        if self.engine.data_parallel:  # updates as DDP's buckets land (backward schedule)
+            self.engine.attach_ddp(self.model)
+
+    @property
+    @override
     def precision_plugin(self) -> Precision:
-        """The precision plugin Lightning set, as a copy whose clipping checks `FuyouAdamW`'s."""
-        return self._precision_plugin if self._precision_plugin is not None else _clipping_in_optimizer(Precision())
+        """The fuyou counterpart of the precision plugin Lightning set (`_fuyou_precision`)."""
+        if self._precision_plugin is None:
+            self._precision_plugin = FuyouPrecision()
+        return self._precision_plugin
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = _clipping_in_optimizer(plugin) if plugin is not None else None
+        self._precision_plugin = _fuyou_precision(plugin) if plugin is not None else None
 
     # -- setup -------------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_trainer(trainer)  # before anything is created on disk
         self._close_engine()
+        self._trainer = trainer
         bar = trainer.progress_bar_callback
-        if type(bar).__name__ == "RichProgressBar":  # fuyou's progress as tasks of Lightning's rich display
+        if isinstance(bar, RichProgressBar):  # fuyou's progress as tasks of Lightning's rich display
             share_display(lambda: getattr(bar, "progress", None))
         super().setup(trainer)
 
     def _check_trainer(self, trainer: Any) -> None:
-        self._check_devices(trainer)
         _check_precision(str(self.precision_plugin.precision))
         algorithm = trainer.gradient_clip_algorithm
         if trainer.gradient_clip_val and algorithm is not None and GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.VALUE:
@@ -219,7 +408,9 @@ class _FuyouTrainerStrategy(_EngineOwner):
                 "automatic optimization (manual optimization with FuyouAdamW: use fuyou_strategy.FuyouAdamW directly)"
             )
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
+        self.share_auto_budget()
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ConfigError(
@@ -245,17 +436,20 @@ class _FuyouTrainerStrategy(_EngineOwner):
         self.optimizers = [self.engine.optimizer]
 
     # -- the step ------------------------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
             # The last micro-batch of a window runs as optimizer_step's closure; the others do not.
             self.engine.begin_micro_batch(update=self._in_optimizer_step)
         return super().training_step(*args, **kwargs)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.engine is not None and self.engine.scales_loss:  # fp16: GradScaler.scale's place
             closure_loss = self.engine.scale_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self._in_optimizer_step = True
         try:
@@ -268,17 +462,18 @@ class _FuyouTrainerStrategy(_EngineOwner):
     def _log_metrics(self) -> None:
         """The step's `FuyouEngine.metrics` to the Trainer's loggers (every ``log_every_n_steps``, as
         Lightning logs ``on_step`` values); ``fuyou/ssd_write_gbps`` also on the progress bar."""
-        module = self.lightning_module
+        module, trainer = self.lightning_module, self._trainer
         metrics = self.engine.metrics() if self.engine is not None and self.log_metrics else {}
-        if not metrics or module is None or getattr(module, "_current_fx_name", None) is None:
-            return  # no step yet, or called outside the Trainer's loop (nothing to log into)
-        to_loggers = bool(module.trainer.loggers)  # without one, Lightning would warn on every key
+        if not metrics or module is None or trainer is None or not trainer.training:
+            return  # no step yet, or called outside the Trainer's training loop (nothing to log into)
+        to_loggers = bool(trainer.loggers)  # without one, Lightning would warn on every key
         for name, value in metrics.items():
             bar = name == "fuyou/ssd_write_gbps"
             if to_loggers or bar:
                 module.log(name, value, on_step=True, on_epoch=False, prog_bar=bar, logger=to_loggers)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.engine is None or not checkpoint.get("optimizer_states"):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -308,6 +503,7 @@ class _FuyouTrainerStrategy(_EngineOwner):
             if names.get(p) in checkpoint.get("state_dict", {}):
                 checkpoint["state_dict"][names[p]] = master
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         path = os.fspath(checkpoint_path)
@@ -320,6 +516,7 @@ class _FuyouTrainerStrategy(_EngineOwner):
             find(record["folder"], record.get("token"), record.get("steps"), named_by=path, fix=_other_checkpoints(path))
         return checkpoint
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
         shutil.rmtree(sidecar(filepath), ignore_errors=True)
@@ -329,18 +526,22 @@ class _FuyouTrainerStrategy(_EngineOwner):
         if self.engine is not None and not self.engine.closed:
             self.engine.flush()
 
+    @override
     def on_validation_start(self) -> None:
         self._flush()  # the forward would wait module by module; landing them first is simpler to reason about
         super().on_validation_start()
 
+    @override
     def on_test_start(self) -> None:
         self._flush()
         super().on_test_start()
 
+    @override
     def on_predict_start(self) -> None:
         self._flush()
         super().on_predict_start()
 
+    @override
     def on_train_end(self) -> None:
         self._flush()
         if self.engine is not None:
@@ -348,7 +549,10 @@ class _FuyouTrainerStrategy(_EngineOwner):
         super().on_train_end()
 
     # -- teardown ----------------------------------------------------------------------------------------------
+    @override
     def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
         if self.engine is not None:
             self._flush()  # the model outlives fit with its final weights
             self.engine.stop_updates()  # a stray backward after fit queues nothing
@@ -357,126 +561,14 @@ class _FuyouTrainerStrategy(_EngineOwner):
         share_display(None)
         super().teardown()
 
-
-
-class FuyouStrategy(_FuyouTrainerStrategy, _OneDevice, SingleDeviceStrategy):
-    """Train one device's model with Fuyou: SSD-resident AdamW updated during backward, exact
-    clipping, and activation swapping.
-
-    ``Trainer(strategy="fuyou")`` uses the defaults (a temporary swap directory, 2 GiB host
-    budget, no activation swapping); ``Trainer(strategy=FuyouStrategy(swap_dirs=["/nvme0"],
-    activations="ssd"))`` sets any `FuyouConfig` field, and ``config=`` takes a
-    `FuyouConfig`, a dict or a ``.json``/``.yaml`` path (keyword fields override it).
-
-    Supported: automatic optimization with ``torch.optim.AdamW`` / ``Adam`` (+ schedulers),
-    precision ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``accumulate_grad_batches``,
-    ``gradient_clip_val`` with the ``"norm"`` algorithm, one device (CPU or one GPU).
-    Refused with a clear error: fp16 precisions, ``gradient_clip_algorithm="value"``, manual
-    optimization, several optimizers or devices, optimizers other than Adam/AdamW.
-
-    Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
-    GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
-    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
-    """
-
-    strategy_name = "fuyou"
-
-    def __init__(
-        self,
-        config: FuyouConfig | dict | str | None = None,
-        *,
-        device: Any = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        log_metrics: bool = True,
-        **config_fields: Any,
-    ) -> None:
-        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._init_one_device(device, config, config_fields)
-        self._in_optimizer_step = False
-        self.log_metrics = log_metrics
-
-    def _check_devices(self, trainer: Any) -> None:
-        self._check_single_device()
-
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations")
+        strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations, "
+                                   "on one device or data parallel")
+        strategy_registry.register("fuyou_ddp", cls, description="another name of strategy='fuyou'")
 
-
-class FuyouDDPStrategy(_FuyouTrainerStrategy, DDPStrategy):
-    """Data-parallel Fuyou: ``Trainer(strategy="fuyou_ddp", devices=N)`` (and ``num_nodes``), launched
-    by Lightning's own launcher, each rank owning ~1/N of the SSD optimizer state.
-
-    Lightning's ``DDPStrategy`` wraps the model in ``DistributedDataParallel``, which averages the
-    gradients during backward (and skips that for the micro-batches that only accumulate); at
-    ``step()`` each rank clips on the same global norm and queues the updates of the parameters whose
-    state it owns, from its own swap directories (`optim.distributed`): under the ``backward``
-    schedule during backward, as each DDP bucket's average lands (`FuyouAdamW.ddp_comm_hook`), under
-    ``next_forward`` ahead of the next forward; that forward broadcasts each module's weights from
-    their owners as it reaches them. ``"auto"`` chooses per step, rank 0's choice for all ranks. Config fields and
-    ``log_metrics`` as for `FuyouStrategy`; the other arguments are ``DDPStrategy``'s
-    (``start_method="spawn"`` to launch from a notebook or a test).
-
-    Checkpoints store parameters, not rank shards (every rank writes the state it owns next to the
-    ``.ckpt``): one saved with N ranks resumes with M, one included, and ``strategy="fuyou"``'s load
-    into N ranks. With ``weights="ssd"``/``"host"`` (or a pinned plan's tiers) every rank streams the
-    blocks' weights from its own tier copies; DDP is told to leave those parameters alone (with
-    ``weights="auto"`` every block's: the planner applies rank 0's plan after the warm-up), and the
-    optimizer sums their gradients over the ranks at ``step()`` (the ``next_forward`` schedule).
-    fp16 (``16-true``/``16-mixed``): every rank scales alike and skips alike.
-    """
-
-    strategy_name = "fuyou_ddp"
-
-    def __init__(self, config: FuyouConfig | dict | str | None = None, *, log_metrics: bool = True,
-                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
-                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
-                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout,
-                 start_method: str = "popen", **config_fields: Any) -> None:
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
-        self._auto_budget = _asks_auto_budget(config, config_fields)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
-        self.engine = None
-        self._in_optimizer_step = False
-        self.log_metrics = log_metrics
-
-    def _data_parallel(self) -> dict[str, Any]:
-        return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
-
-    def setup_optimizers(self, trainer: Any) -> None:
-        self.share_auto_budget()
-        super().setup_optimizers(trainer)
-
-    def share_auto_budget(self) -> None:
-        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
-        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
-        with ``ranks`` = the processes on this node), once."""
-        if not self._auto_budget or self.num_processes <= 1:
-            return
-        self._auto_budget = False
-        budget, why = auto_host_budget(available_memory(), self.num_processes)
-        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
-        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
-
-    def configure_ddp(self) -> None:
-        # Before the wrap: DDP leaves the streamed weights to FuyouAdamW (it sums their gradients itself).
-        ignore_streamed_in_ddp(self.model, self.fuyou_config)
-        super().configure_ddp()
-
-    def _engine_made(self) -> None:
-        if self.engine.data_parallel:  # updates as DDP's buckets land (backward schedule)
-            self.engine.attach_ddp(self.model)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls,
-                                   description="Fuyou, data parallel: each rank owns a shard of the SSD optimizer state")
+FuyouDDPStrategy = FuyouStrategy  # the name of the data-parallel strategy before "fuyou" took any device count
 
 
 def _asks_auto_budget(config: Any, fields: dict) -> bool:
@@ -512,6 +604,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
         self.max_grad_norm = max_grad_norm
         self._hook: Any = None  # the forward pre-hook on the set-up module
 
+    @override
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
         self._check_single_device()
         fp16_fix = ("with Fabric, fp16 loss scaling is not wired yet: use bf16, the Trainer's strategy, or "
@@ -535,6 +628,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
         if module.training and torch.is_grad_enabled() and self.engine is not None:
             self.engine.begin_micro_batch()  # updates stay as `optimizer.no_update()` sets them
 
+    @override
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
         if self.max_grad_norm != float(max_norm) or norm_type != 2.0:
@@ -544,6 +638,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
             )
         return torch.tensor(float("nan"))  # known only at optimizer.step(): see optimizer.stats.last_grad_norm
 
+    @override
     def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
         raise ConfigError("fabric.clip_gradients(clip_val=...): clipping by value is not supported by the fuyou strategy")
 
@@ -553,6 +648,7 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
             self._hook = None
         super()._close_engine()
 
+    @override
     def teardown(self) -> None:
         self._close_engine()
         super().teardown()
@@ -561,8 +657,6 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
 def register() -> None:
     """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
     if "fuyou" not in StrategyRegistry:
-        FuyouStrategy.register_strategies(StrategyRegistry)
-    if "fuyou_ddp" not in StrategyRegistry:
-        FuyouDDPStrategy.register_strategies(StrategyRegistry)
+        FuyouStrategy.register_strategies(StrategyRegistry)  # and its other name, "fuyou_ddp"
     if "fuyou" not in FABRIC_REGISTRY:
         FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")
