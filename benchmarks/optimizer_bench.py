@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> dict:
     swapper = None
     if args.config == "fuyou+act-ssd":
         # The whole Fuyou recipe: activations of every block to SSD too, through the optimizer's store.
-        from fuyou_strategy import ActivationSwapper
+        from fuyou_strategy.activations import ActivationSwapper
 
         swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 

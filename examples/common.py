@@ -1,7 +1,8 @@
 """What both examples share: the embedded default model, generated data and the closing summary.
 
-The default model is a small GPT-2-style causal LM built from a config (nothing is
-downloaded); ``--model PATH`` loads a local Hugging Face checkpoint instead. The data is
+The default model is a small GPT-2-style causal LM (nothing is downloaded): transformers' GPT-2
+for the HF Trainer example, `TinyGPT` (plain PyTorch, so ``[lightning]`` alone runs it) for the
+Lightning example. ``--model PATH`` loads a local Hugging Face checkpoint instead. The data is
 generated: each sequence counts up from a random start with a random stride, modulo the
 vocabulary, so the next token is predictable from the two before it — a model that learns
 drives token accuracy from ~1/vocab towards 1, which makes progress easy to see.
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import resource
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fuyou_strategy.config import format_bytes
 
@@ -21,7 +24,7 @@ STRIDES = 7  # strides 1..7
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a local Hugging Face causal-LM folder (default: a built-in GPT-2 config)")
+    parser.add_argument("--model", help="a local Hugging Face causal-LM folder (default: a built-in GPT-2-style model)")
     parser.add_argument("--layers", type=int, default=4, help="layers of the built-in model")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the built-in model")
     parser.add_argument("--vocab", type=int, default=128, help="vocabulary of the built-in model")
@@ -54,14 +57,70 @@ def fuyou_fields(args: argparse.Namespace) -> dict[str, Any]:
                 state_format=args.state_format)
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: causal self-attention, then a GELU MLP."""
 
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+        x = x + self.proj(attention)
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(torch.nn.Module):
+    """A GPT-2-style causal LM in plain PyTorch, called like a transformers model: ``model(input_ids=...,
+    labels=...)`` returns ``.loss`` (next-token cross-entropy) and ``.logits``. Fuyou finds its blocks
+    (the largest ``ModuleList`` of one class) as it finds GPT-2's ``transformer.h``."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed, self.position = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq_len, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden, max(1, hidden // 64)) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2
+        for name, module in self.named_modules():  # GPT-2's initialisation
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                residual = name.endswith(("proj", "mlp.2"))  # the layers that write into the residual stream
+                torch.nn.init.normal_(module.weight, std=0.02 / (2 * layers) ** 0.5 if residual else 0.02)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        x = self.embed(input_ids) + self.position(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        loss = None if labels is None else F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def build_model(args: argparse.Namespace, transformers_model: bool = True) -> torch.nn.Module:
+    """``--model PATH``, else the built-in model: transformers' GPT-2, or `TinyGPT` when ``transformers_model``
+    is false (no transformers needed)."""
     torch.manual_seed(args.seed)
     if args.model:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise SystemExit("--model loads a Hugging Face checkpoint, which needs transformers: "
+                             "pip install transformers") from None
         model = AutoModelForCausalLM.from_pretrained(args.model)
         args.vocab = model.config.vocab_size
         return model
+    if not transformers_model:
+        return TinyGPT(args.vocab, args.hidden, args.layers, args.seq_len)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     # bos/eos inside the vocabulary (GPT-2's default, 50256, is not: transformers warns)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
                         vocab_size=args.vocab, n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,

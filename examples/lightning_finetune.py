@@ -1,8 +1,9 @@
 """Fine-tune a causal LM with ``Trainer(strategy="fuyou")``: SSD-resident AdamW and activations.
 
-Runs with no arguments: a built-in GPT-2-style model, generated data (see ``common.py``) and a
-temporary swap directory. ``--model PATH`` loads a local Hugging Face checkpoint; ``--swap-dir``
-points at a real NVMe drive (repeat it for several). ``--help`` lists the rest.
+Runs with no arguments and with the ``[lightning]`` extra alone: a built-in GPT-2-style model in
+plain PyTorch, generated data (see ``common.py``) and a temporary swap directory. ``--model PATH``
+loads a local Hugging Face checkpoint (needs transformers); ``--swap-dir`` points at a real NVMe
+drive (repeat it for several). ``--help`` lists the rest.
 
     python examples/lightning_finetune.py
     python examples/lightning_finetune.py --swap-dir /nvme0 --swap-dir /nvme1 --precision bf16-mixed
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                         "processes), each rank owning 1/N of the optimizer state")
     args = parser.parse_args(argv)
 
-    model = build_model(args)
+    model = build_model(args, transformers_model=False)
     micro_batches = args.steps * args.accumulate
     train = counting_sequences(micro_batches * args.batch_size, args.seq_len, args.vocab, seed=args.seed)
     val = counting_sequences(4 * args.batch_size, args.seq_len, args.vocab, seed=args.seed + 1)

@@ -227,6 +227,7 @@ DEVICE_SUITES = {"test_device.py", "test_on_device.py", "test_optimizer.py", "te
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: moves tensors between device and host (run again under FUYOU_ASYNC_DEVICE)")
+    config.addinivalue_line("markers", "venv: builds a fresh virtual environment from the package index (test_install.py)")
 
 
 def pytest_collection_modifyitems(config, items):

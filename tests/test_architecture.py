@@ -1,21 +1,22 @@
 """The package's structure, as the code shows it (read with Python's ``ast``, `benchmarks/code_metrics.py`):
 no import cycle, layers that import only downward, and one definition of what two modules share."""
 
+import ast
 import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from code_metrics import cycles, import_graph, private_accesses  # noqa: E402
+from code_metrics import _runtime_nodes, cycles, import_graph, modules, private_accesses  # noqa: E402
 
-from fuyou_strategy import planfile  # noqa: E402
+from fuyou_strategy import _extras, planfile  # noqa: E402
 from fuyou_strategy.activations import Policy  # noqa: E402
 from fuyou_strategy.planner import Plan  # noqa: E402
 
 # Layers, bottom first: a module may import its own layer and those below (DESIGN.md's arrows).
 LAYERS = [
-    ("planfile", "config", "cleanup", "progress", "device", "trace"),
+    ("_extras", "planfile", "config", "cleanup", "progress", "device", "trace"),
     ("storage",),
     ("optim", "activations", "params"),
     ("planner",),
@@ -66,3 +67,38 @@ def test_the_plan_file_vocabulary_is_the_packages_one():
     required = {f.name for f in dataclasses.fields(Plan)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     assert set(planfile.REQUIRED) == required
+
+
+def _framework_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, framework)`` for each import of Lightning, transformers, accelerate or peft that can run
+    (module level or in a function; not under ``if TYPE_CHECKING:``)."""
+    found = []
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        found += [(node.lineno, n.split(".")[0]) for n in names if n.split(".")[0] in _extras.EXTRAS]
+    return found
+
+
+def test_only_the_integrations_import_a_framework():
+    """The core (optimizer, engine, planner, CLI, ...) installs with torch alone (pyproject's dependencies):
+    Lightning, transformers, accelerate and peft are imported in ``integrations/`` only."""
+    found = [f"{name}:{line} imports {framework}" for name, path in modules().items()
+             if not name.startswith("fuyou_strategy.integrations") for line, framework in _framework_imports(path)]
+    assert found == [], found
+
+
+def test_each_integration_checks_its_extra_before_importing_its_framework():
+    """``require(__name__, ...)`` comes first and names every framework the module imports, so a missing extra
+    fails with the line that installs it (test_install.py checks the message)."""
+    for name, path in modules().items():
+        imports = _framework_imports(path)
+        if not imports:
+            continue
+        calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Name) and node.func.id == "require"]
+        assert calls, f"{name} imports {sorted({f for _, f in imports})} without require(__name__, ...) first"
+        required = {arg.value for call in calls for arg in call.args[1:] if isinstance(arg, ast.Constant)}
+        first = min(call.lineno for call in calls)
+        assert {f for _, f in imports} <= required, f"{name}: require() does not name {sorted({f for _, f in imports} - required)}"
+        assert all(line > first for line, _ in imports), f"{name}: a framework is imported before require()"

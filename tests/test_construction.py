@@ -27,7 +27,8 @@ import fuyou_strategy.optim.state as state_module
 import fuyou_strategy.storage.aio as aio
 import fuyou_strategy.storage.store as store_module
 from conftest import tiny_causal_lm
-from fuyou_strategy import ActivationSwapper, FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.activations import ActivationSwapper
 from fuyou_strategy.optim.pipeline import ChunkPipeline, PipelineError
 from fuyou_strategy.params import WeightStreamer
 from fuyou_strategy.planner import Plan, PlanError

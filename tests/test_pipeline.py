@@ -11,9 +11,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, TensorStore
+from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig
 from fuyou_strategy.optim import ChunkJob, ChunkPipeline
-from fuyou_strategy.storage import HostBudgetError
+from fuyou_strategy.storage import HostBudgetError, TensorStore
 
 DEADLINE = 15.0  # seconds; every failure below is reported after io_timeout = 1 s
 

@@ -11,12 +11,13 @@ import threading
 import pytest
 import torch
 
-from fuyou_strategy import FuyouConfig, TensorStore
-from fuyou_strategy.storage import rundir
+from fuyou_strategy import FuyouConfig
+from fuyou_strategy.storage import TensorStore, rundir
 
 _CHILD = textwrap.dedent("""
     import sys, time, torch
-    from fuyou_strategy import FuyouAdamW, FuyouConfig, TensorStore
+    from fuyou_strategy import FuyouAdamW, FuyouConfig
+    from fuyou_strategy.storage import TensorStore
     what, swap_dir = sys.argv[1], sys.argv[2]
     config = FuyouConfig(swap_dirs=None if swap_dir == "-" else [swap_dir], chunk_size="8KiB",
                          host_memory_budget="1MiB")
@@ -67,7 +68,8 @@ def test_sigterm_removes_a_temporary_swap_directory():
 
 _FORK_CHILD = textwrap.dedent("""
     import os, signal, sys
-    from fuyou_strategy import FuyouConfig, TensorStore
+    from fuyou_strategy import FuyouConfig
+    from fuyou_strategy.storage import TensorStore
     store = TensorStore(FuyouConfig(swap_dirs=[sys.argv[1]], chunk_size="8KiB", host_memory_budget="1MiB"))
     ready, up = os.pipe()
     pid = os.fork()

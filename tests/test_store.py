@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import kill_leaving_a_zombie
-from fuyou_strategy import FuyouConfig, TensorStore
+from fuyou_strategy import FuyouConfig
 from fuyou_strategy.cli import main as fuyou_main
-from fuyou_strategy.storage import HostBuffer, StorageError, StorageIOError, StorageSpaceError, aio, find_stale_runs, gather
+from fuyou_strategy.storage import (HostBuffer, StorageError, StorageIOError, StorageSpaceError, TensorStore, aio,
+                                    find_stale_runs, gather)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
@@ -234,8 +235,8 @@ def test_real_kernel_error_from_a_file_size_limit(tmp_path, direct_io):
     """
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from fuyou_strategy import FuyouConfig, TensorStore
-        from fuyou_strategy.storage import StorageError, StorageIOError
+        from fuyou_strategy import FuyouConfig
+        from fuyou_strategy.storage import StorageError, StorageIOError, TensorStore
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         cfg = FuyouConfig(swap_dirs=[{str(tmp_path)!r}], chunk_size="64KiB", host_memory_budget="1MiB",
                           preallocate=False, direct_io={direct_io!r})
@@ -349,7 +350,8 @@ def test_missing_swap_dir_is_a_clear_error_and_leaves_nothing(tmp_path):
 
 _CHILD = """
 import sys, torch
-from fuyou_strategy import FuyouConfig, TensorStore
+from fuyou_strategy import FuyouConfig
+from fuyou_strategy.storage import TensorStore
 store = TensorStore(FuyouConfig(swap_dirs=[sys.argv[1]], chunk_size="8KiB", host_memory_budget="1MiB"))
 store.create("x", (5000,), torch.float32)
 store.write("x", torch.randn(5000)).result()

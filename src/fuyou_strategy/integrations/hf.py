@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from .._extras import require
+require(__name__, "transformers", "accelerate")  # without them: the error says which extra to install
 from accelerate.state import GradientState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState

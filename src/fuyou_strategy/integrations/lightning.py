@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from .._extras import require
+require(__name__, "lightning")  # without it: the error says which extra to install
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.fabric.utilities.seed import reset_seed
