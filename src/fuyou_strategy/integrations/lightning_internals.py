@@ -23,6 +23,10 @@ from importlib import metadata
 
 import torch
 
+from .._extras import require
+
+require(__name__, "lightning")  # without it: the error says which extra to install
+
 CHECKED_WITH = "lightning 2.6.6"
 
 
