@@ -739,6 +739,27 @@ def test_strategy_fuyou_by_name_takes_any_device_count_with_lightnings_launcher(
         assert one.strategy.launcher is None and not one.strategy.data_parallel and not one.strategy.is_distributed
 
 
+def test_fabric_names_one_device_and_data_parallel_strategies():
+    """Fabric asks every multi-process strategy to be launched (``fabric.launch()``), so ``"fuyou"`` stays a
+    one-device strategy there (scripts without a launch keep working) and ``"fuyou_ddp"`` takes any count;
+    ``"fuyou"`` with several devices says so before anything is made."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from fuyou_strategy import FuyouFabricStrategy
+    from fuyou_strategy.integrations.lightning import FuyouFabricDDPStrategy
+
+    two = L.Fabric(strategy="fuyou_ddp", accelerator="cpu", devices=2)
+    assert type(two.strategy) is FuyouFabricDDPStrategy and isinstance(two.strategy.launcher, _SubprocessScriptLauncher)
+    assert two.strategy.data_parallel and two.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    one = L.Fabric(strategy="fuyou", accelerator="cpu", devices=1)
+    assert type(one.strategy) is FuyouFabricStrategy and not one.strategy.data_parallel
+    refused = L.Fabric(strategy="fuyou", accelerator="cpu", devices=2)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"devices: got 2 devices; Fabric\(strategy='fuyou'\) trains on one device; "
+                                          r"for data parallelism use Fabric\(strategy='fuyou_ddp', devices=N\)"):
+        refused.strategy.setup_module_and_optimizers(model, [torch.optim.AdamW(model.parameters())])
+
+
 class CountHookUpdates(L.Callback):
     """How many updates the DDP comm hook queued during backward, and the schedules used, per rank."""
 
@@ -965,3 +986,44 @@ def test_strategy_fuyou_on_two_devices_trains_like_lightnings_ddp(tmp_path):
     torch.manual_seed(0)  # as `fit` makes its module
     initial = CausalLM().state_dict()
     assert max_relative_difference(initial, fuyou) > 100 * TOLERANCE  # they trained: agreeing is not standing still
+
+
+def _fabric_rank(fabric, path, fuyou):
+    """Two ranks, each a DistributedSampler's half of every batch, accumulate 2 with Fabric's idiom, clip 1.0."""
+    from test_lightning import decay_groups, token_batches
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    model, opt = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(token_batches(), batch_size=2))
+    batches = iter(loader)
+    for _ in range(3):
+        for micro in range(2):
+            batch = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                fabric.backward(model(input_ids=batch, labels=batch).loss)
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+    if fuyou:
+        assert fabric.strategy.engine.data_parallel and opt.stats.steps == 3
+    if fabric.global_rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, path)
+
+
+def test_fabric_strategy_fuyou_ddp_on_two_devices_trains_like_fabrics_ddp(tmp_path):
+    """``Fabric(strategy="fuyou_ddp", devices=2)``: the same loop as with ``Fabric(strategy="ddp")`` and torch's
+    AdamW (spawned ranks, gloo; Fabric's own accumulation idiom, ``no_backward_sync``), weights within the
+    data-parallel tests' tolerance."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    from fuyou_strategy.integrations.lightning import FuyouFabricDDPStrategy as FuyouFabricStrategy
+
+    L.Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="spawn")).launch(
+        _fabric_rank, str(tmp_path / "ddp.pt"), False)
+    fuyou = FuyouFabricStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", max_grad_norm=1.0, start_method="spawn")
+    L.Fabric(accelerator="cpu", devices=2, strategy=fuyou).launch(_fabric_rank, str(tmp_path / "fuyou.pt"), True)
+    ddp, ours = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fuyou.pt")
+    assert ddp.keys() == ours.keys() and max_relative_difference(ddp, ours) <= TOLERANCE
+    torch.manual_seed(0)
+    assert max_relative_difference(tiny_causal_lm("gpt2").state_dict(), ours) > 100 * TOLERANCE  # it trained

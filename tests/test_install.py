@@ -128,7 +128,8 @@ def test_each_integration_needs_only_its_own_extra(tmp_path):
 def test_the_top_level_exports_what_users_call():
     assert sorted(fuyou_strategy.__all__) == sorted([
         "ConfigError", "FuyouAdamW", "FuyouCallback", "FuyouConfig", "FuyouDDPStrategy", "FuyouEngine",
-        "FuyouFabricStrategy", "FuyouStrategy", "SafetensorsInit", "__version__", "ignore_streamed_in_ddp"])
+        "FuyouFabricDDPStrategy", "FuyouFabricStrategy", "FuyouStrategy", "SafetensorsInit", "__version__",
+        "ignore_streamed_in_ddp"])
     for name in fuyou_strategy.__all__:
         assert getattr(fuyou_strategy, name) is not None
 

@@ -426,3 +426,39 @@ def test_a_custom_precision_plugin_is_refused_with_the_supported_precisions():
     with pytest.raises(ConfigError, match=r"precision_plugin: got .*Custom; the fuyou strategy takes Lightning's own "
                                           r"precision plugins, chosen with Trainer\(precision=...\)"):
         FuyouStrategy(precision_plugin=Custom())
+
+
+def test_fabric_ddp_strategy_in_one_process_accumulates_with_fabrics_own_no_backward_sync(tmp_path):
+    """``Fabric(strategy="fuyou_ddp")`` in one process (after ``fabric.launch()``, as Fabric asks of every
+    multi-process strategy): Fabric's accumulation idiom, ``fabric.no_backward_sync(model, enabled=...)``,
+    marks the micro-batches that only accumulate; no process group, the loader keeps its sampler; the same
+    weights as plain Fabric, one optimizer update per window."""
+    from fuyou_strategy.integrations.lightning import FuyouFabricDDPStrategy
+
+    def train(strategy):
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        fabric.launch()
+        torch.manual_seed(0)
+        model = tiny_causal_lm("gpt2")
+        model, opt = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
+        batches = iter(DataLoader(token_batches(), batch_size=2))
+        for _ in range(3):
+            for micro in range(2):
+                batch = next(batches)
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    fabric.backward(model(input_ids=batch, labels=batch).loss)
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference, _ = train("auto")
+        strategy = FuyouFabricDDPStrategy(swap_dirs=[str(tmp_path)], max_grad_norm=1.0)
+        ours, opt = train(strategy)
+    assert max_relative_difference(reference, ours) <= TOLERANCE
+    assert strategy.engine.optimizer.stats.steps == 3 and not strategy.data_parallel
+    assert strategy.launcher is None and strategy.distributed_sampler_kwargs is None
+    assert not torch.distributed.is_initialized()
+    strategy.teardown()

@@ -25,10 +25,10 @@ from .params import SafetensorsInit
 __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "FuyouAdamW", "FuyouCallback", "FuyouConfig", "FuyouDDPStrategy", "FuyouEngine",
-    "FuyouFabricStrategy", "FuyouStrategy", "SafetensorsInit", "__version__", "ignore_streamed_in_ddp",
+    "FuyouFabricDDPStrategy", "FuyouFabricStrategy", "FuyouStrategy", "SafetensorsInit", "__version__", "ignore_streamed_in_ddp",
 ]
 
-_LIGHTNING_NAMES = ("FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy")
+_LIGHTNING_NAMES = ("FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy")
 # Top-level names of 0.1 that now live only in their subpackage's __all__: still importable from here for
 # one more release, with a DeprecationWarning that says where they went.
 _MOVED = {
@@ -38,7 +38,8 @@ _MOVED = {
 }
 
 try:
-    from .integrations.lightning import FuyouDDPStrategy, FuyouFabricStrategy, FuyouStrategy, register as _register
+    from .integrations.lightning import (FuyouDDPStrategy, FuyouFabricDDPStrategy, FuyouFabricStrategy, FuyouStrategy,
+                                         register as _register)
 except MissingExtraError:  # no [lightning] extra: nothing to register; the names raise the install line
     pass
 except ImportError as _error:  # Lightning installed but broken: the core still imports; the names raise this again

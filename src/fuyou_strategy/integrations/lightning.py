@@ -36,13 +36,14 @@ import contextlib
 import math
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from .._extras import require
 require(__name__, "lightning")  # without it: the error says which extra to install
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import RichProgressBar
@@ -64,7 +65,7 @@ from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
 
-__all__ = ["FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "SIDECAR_SUFFIX", "register"]
+__all__ = ["FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy", "SIDECAR_SUFFIX", "register"]
 
 SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -82,38 +83,63 @@ def _check_precision(precision: str, supported: tuple[str, ...] = _PRECISIONS,
 
 
 class _EngineOwner:
-    """A strategy that holds a `FuyouEngine` while it trains."""
+    """What the Trainer's and Fabric's fuyou strategies share: the config, the engine they hold while they
+    train, and the layout, one process or several, which Lightning fills in (``parallel_devices``,
+    ``num_nodes``) from ``devices=``/``num_nodes=`` after the strategy is made."""
 
     engine: FuyouEngine | None
+    fuyou_config: FuyouConfig
+    parallel_devices: list[torch.device] | None
+    num_processes: int
+    num_nodes: int
+    local_rank: int
+
+    def _init_fuyou(self, config: Any, config_fields: dict, device: Any,
+                    parallel_devices: list[torch.device] | None) -> list[torch.device] | None:
+        """Resolve the config; returns the strategy's ``parallel_devices`` (``device=`` is one of them)."""
+        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
+        self._auto_budget = _asks_auto_budget(config, config_fields)
+        self.engine = None
+        if device is None:
+            return parallel_devices
+        if parallel_devices is not None:
+            raise ConfigError(f"device: got {device!r} together with parallel_devices={parallel_devices!r}; "
+                              "give one of them (device= is parallel_devices=[device])")
+        return [torch.device(device)]
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether this run has more than one process (known once Lightning set the devices and nodes)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
+
+    def _parallel_engine_arguments(self) -> dict[str, Any]:
+        """The `FuyouEngine` arguments of data parallelism (none in one process); DDP averaged the gradients."""
+        return {"process_group": dist.group.WORLD, "gradients_averaged": True} if self.data_parallel else {}
+
+    def share_auto_budget(self) -> None:
+        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
+        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
+        with ``ranks`` = the processes on this node), once."""
+        if not self._auto_budget or self.num_processes <= 1:
+            return
+        self._auto_budget = False
+        budget, why = auto_host_budget(available_memory(), self.num_processes)
+        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
+        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
+
+    def _ddp_wrap(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
+        ignore_streamed_in_ddp(module, self.fuyou_config)  # DDP leaves the streamed weights to FuyouAdamW
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        return DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs)
 
     def _close_engine(self) -> None:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-
-
-class _OneDevice(_EngineOwner):
-    """What the one-device Trainer and Fabric strategies share: the config, and one device that
-    Lightning's connector fills in (``parallel_devices``) from ``accelerator=``/``devices=`` when none
-    is given."""
-
-    _root_device: torch.device
-
-    def _init_one_device(self, device: Any, config: Any, config_fields: dict) -> None:
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
-        self.parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
-        self.engine: FuyouEngine | None = None
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
-
-    def _check_single_device(self) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; Fabric(strategy='fuyou') trains on "
-                              "one device (devices=1) so far; for data parallelism use the Trainer's "
-                              "strategy='fuyou' with devices=N")
 
 
 class _ClipsInOptimizer:
@@ -232,13 +258,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, timeout: Any = default_pg_timeout,
                  start_method: str = "popen", ddp_kwargs: dict[str, Any] | None = None, **config_fields: Any) -> None:
-        if device is not None:
-            if parallel_devices is not None:
-                raise ConfigError(f"device: got {device!r} together with parallel_devices={parallel_devices!r}; "
-                                  "give one of them (device= is parallel_devices=[device])")
-            parallel_devices = [torch.device(device)]
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
-        self._auto_budget = _asks_auto_budget(config, config_fields)
+        parallel_devices = self._init_fuyou(config, config_fields, device, parallel_devices)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -248,7 +268,6 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._ddp_kwargs = dict(ddp_kwargs or {})
-        self.engine = None
         self._in_optimizer_step = False
         self.log_metrics = log_metrics
 
@@ -266,20 +285,10 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices else 1
 
     @property
-    def data_parallel(self) -> bool:
-        """Whether this run has more than one process (known once Lightning set the devices and nodes)."""
-        return self.num_processes * self.num_nodes > 1
-
-    @property
     def is_distributed(self) -> bool:
         """Lightning's question to a strategy it does not know: whether the data loaders need a
         ``DistributedSampler``. Only with several processes."""
         return self.data_parallel
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
 
     @property
     @override
@@ -323,9 +332,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)
             return model
-        ignore_streamed_in_ddp(model, self.fuyou_config)
-        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
-        return DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
+        return self._ddp_wrap(model, self._ddp_kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -351,22 +358,6 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         return tensor
 
     # -- what the layout adds to the engine ------------------------------------------------------------------
-    def _data_parallel(self) -> dict[str, Any]:
-        if not self.data_parallel:
-            return {}
-        return {"process_group": dist.group.WORLD, "gradients_averaged": True}  # DDP averaged them in backward
-
-    def share_auto_budget(self) -> None:
-        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
-        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
-        with ``ranks`` = the processes on this node), once."""
-        if not self._auto_budget or self.num_processes <= 1:
-            return
-        self._auto_budget = False
-        budget, why = auto_host_budget(available_memory(), self.num_processes)
-        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
-        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
-
     def _engine_made(self) -> None:
         if self.engine.data_parallel:  # updates as DDP's buckets land (backward schedule)
             self.engine.attach_ddp(self.model)
@@ -424,7 +415,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         self.engine = FuyouEngine(self.lightning_module, self.optimizers[0], config=self.fuyou_config,
                                   max_grad_norm=float(clip) if clip else None, where="configure_optimizers",
                                   report=rank_zero_info, loss_scaling=True if fp16 else None,
-                                  **self._data_parallel())
+                                  **self._parallel_engine_arguments())
         try:
             self._engine_made()
             self.engine.rebind_schedulers(cfg.scheduler for cfg in self.lr_scheduler_configs)
@@ -587,48 +578,66 @@ def _asks_auto_budget(config: Any, fields: dict) -> bool:
     return False
 
 
-class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
-    """``Fabric(strategy="fuyou")``: ``fabric.setup(model, optimizer)`` converts the AdamW.
+class _FuyouSyncControl:
+    """``fabric.no_backward_sync(model, enabled=True)`` with the fuyou strategy: the micro-batch only
+    accumulates, so the optimizer does not update (`FuyouAdamW.no_update`) and, with several processes,
+    ``DistributedDataParallel`` does not all-reduce (its ``no_sync``). Fabric's accumulation idiom then
+    works the same on one device and on several."""
 
-    Mark micro-batches that only accumulate with ``with optimizer.no_update():`` (Fabric makes
-    ``no_backward_sync`` a no-op on one device; a second backward without ``no_update`` is a
-    clear error at ``step()``, never a silent partial update). Set the clipping norm with
-    ``FuyouFabricStrategy(max_grad_norm=...)``: ``fabric.clip_gradients`` with the same value
-    is accepted, anything else refused. Config fields as for `FuyouStrategy`.
-    """
+    def __init__(self, strategy: "FuyouFabricDDPStrategy") -> None:
+        self.strategy = strategy
 
-    def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
-                 max_grad_norm: float | None = None, accelerator: Any = None, checkpoint_io: Any = None,
-                 precision: Any = None, **config_fields: Any) -> None:
-        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
-                         checkpoint_io=checkpoint_io, precision=precision)
-        self._init_one_device(device, config, config_fields)
-        self.max_grad_norm = max_grad_norm
-        self._hook: Any = None  # the forward pre-hook on the set-up module
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        engine = self.strategy.engine
+        if not enabled or engine is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(engine.optimizer.no_update())
+            if isinstance(module, DistributedDataParallel):
+                stack.enter_context(module.no_sync())
+            yield
+
+
+class _FabricEngine(_EngineOwner):
+    """What Fabric's fuyou strategies share: ``fabric.setup(model, optimizer)`` converts the AdamW into the
+    engine's `FuyouAdamW`, a forward pre-hook counts micro-batches, and clipping is the optimizer's."""
+
+    max_grad_norm: float | None
+    _hook: Any  # the forward pre-hook on the set-up module
 
     @override
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
-        self._check_single_device()
         fp16_fix = ("with Fabric, fp16 loss scaling is not wired yet: use bf16, the Trainer's strategy, or "
                     "FuyouAdamW(loss_scaling=True) directly")
         _check_precision(str(self.precision.precision), tuple(p for p in _PRECISIONS if p not in _FP16),
                          {**_PRECISION_FIX, **dict.fromkeys(_FP16, fp16_fix)})
         if len(optimizers) != 1:
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
-        module = self.setup_module(module)
         self._close_engine()  # a second setup replaces the first one's engine and hook
+        wrapped = self.setup_module(module)
+        self.share_auto_budget()
         # Fabric's loop is the user's own and may read the weights anywhere after optimizer.step(), as
         # torch.optim promises: step() lands every update itself (next_forward then saves the redo, not the wait).
         self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,
-                                  where="fabric.setup", report=rank_zero_info, defer_updates=False)
-        if scheduler is not None:
-            self.engine.rebind_schedulers([scheduler])
+                                  where="fabric.setup", report=rank_zero_info, defer_updates=False,
+                                  **self._parallel_engine_arguments())
+        try:
+            if self.engine.data_parallel:  # updates as DDP's buckets land (backward schedule)
+                self.engine.attach_ddp(wrapped)
+            if scheduler is not None:
+                self.engine.rebind_schedulers([scheduler])
+        except BaseException as exc:
+            engine, self.engine = self.engine, None
+            undo_after(exc, engine.close)
+            raise
         self._hook = module.register_forward_pre_hook(self._before_forward)
-        return module, [self.engine.optimizer], scheduler
+        return wrapped, [self.engine.optimizer], scheduler
 
     def _before_forward(self, module: Any, args: Any) -> None:
         if module.training and torch.is_grad_enabled() and self.engine is not None:
-            self.engine.begin_micro_batch()  # updates stay as `optimizer.no_update()` sets them
+            self.engine.begin_micro_batch()  # updates stay as `no_backward_sync` / `optimizer.no_update()` set them
 
     @override
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
@@ -656,9 +665,105 @@ class FuyouFabricStrategy(_OneDevice, FabricSingleDeviceStrategy):
         super().teardown()
 
 
+
+class FuyouFabricStrategy(_FabricEngine, FabricSingleDeviceStrategy):
+    """``Fabric(strategy="fuyou")``: one device; ``fabric.setup(model, optimizer)`` converts the AdamW.
+
+    Mark micro-batches that only accumulate with ``with optimizer.no_update():`` (Fabric makes
+    ``no_backward_sync`` a no-op on one device; a second backward without ``no_update`` is a clear
+    error at ``step()``, never a silent partial update). Set the clipping norm with
+    ``FuyouFabricStrategy(max_grad_norm=...)``: ``fabric.clip_gradients`` with the same value is
+    accepted, anything else refused. Config fields as for `FuyouStrategy`. Several devices:
+    ``Fabric(strategy="fuyou_ddp", devices=N)`` and ``fabric.launch()`` (`FuyouFabricDDPStrategy`).
+    """
+
+    num_processes = num_nodes = 1  # one process (`data_parallel` is False)
+
+    def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
+                 max_grad_norm: float | None = None, accelerator: Any = None, checkpoint_io: Any = None,
+                 precision: Any = None, **config_fields: Any) -> None:
+        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision=precision)
+        # Fabric's connector fills in parallel_devices from accelerator=/devices= when no device is given
+        self.parallel_devices = self._init_fuyou(config, config_fields, device, None)
+        self.max_grad_norm = max_grad_norm
+        self._hook = None
+
+    @override
+    def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> tuple:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ConfigError(f"devices: got {len(self.parallel_devices)} devices; Fabric(strategy='fuyou') trains on "
+                              "one device; for data parallelism use Fabric(strategy='fuyou_ddp', devices=N) and "
+                              "fabric.launch(), as with Fabric's 'ddp' (the Trainer's strategy='fuyou' takes any devices)")
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+
+class FuyouFabricDDPStrategy(_FabricEngine, FabricDDPStrategy):
+    """``Fabric(strategy="fuyou_ddp", devices=N)`` (and ``num_nodes``), launched with ``fabric.launch()`` as
+    Fabric's ``"ddp"`` is: ``fabric.setup(model, optimizer)`` converts the AdamW.
+
+    Mark micro-batches that only accumulate as Fabric users do, with ``with fabric.no_backward_sync(model,
+    enabled=True):`` (the optimizer then does not update, and DDP does not all-reduce), or with ``with
+    optimizer.no_update():``; a second backward without either is a clear error at ``step()``, never a
+    silent partial update. Set the clipping norm with ``FuyouFabricStrategy(max_grad_norm=...)``:
+    ``fabric.clip_gradients`` with the same value is accepted, anything else refused. Config fields as
+    for `FuyouStrategy`.
+
+    Fabric's launchers start the ranks as for ``strategy="ddp"`` (``start_method="spawn"`` from a notebook
+    or a test), the model is wrapped in ``DistributedDataParallel`` and each rank owns ~1/N of the SSD
+    state, as with the Trainer's `FuyouStrategy`. With one process it runs like `FuyouFabricStrategy`
+    (no process group, no DDP, ``fabric.setup_dataloaders`` keeps the samplers), after ``fabric.launch()``.
+
+    Why a second name, when the Trainer has one: Fabric asks every strategy that is not a single-device
+    one to be launched (``fabric.launch()``), so a one-device ``Fabric(strategy="fuyou")`` script, which
+    has no launch, keeps working only if ``"fuyou"`` stays a single-device strategy.
+    """
+
+    def __init__(self, config: FuyouConfig | dict | str | None = None, *, device: Any = None,
+                 max_grad_norm: float | None = None, accelerator: Any = None,
+                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision: Any = None, process_group_backend: str | None = None,
+                 timeout: Any = default_pg_timeout, start_method: str = "popen",
+                 ddp_kwargs: dict[str, Any] | None = None, **config_fields: Any) -> None:
+        parallel_devices = self._init_fuyou(config, config_fields, device, parallel_devices)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                         **(ddp_kwargs or {}))
+        self._backward_sync_control = _FuyouSyncControl(self)
+        self.max_grad_norm = max_grad_norm
+        self._hook: Any = None  # the forward pre-hook on the set-up module
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        # None: Fabric keeps the loaders' samplers (one process)
+        return super().distributed_sampler_kwargs if self.data_parallel else None
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.data_parallel:
+            super()._configure_launcher()
+        else:
+            self._launcher = None  # one process: run in this one
+
+    @override
+    def setup_environment(self) -> None:
+        if self.data_parallel:
+            super().setup_environment()  # the process group
+        else:
+            self.accelerator.setup_device(self.root_device)
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self._ddp_wrap(module, self._ddp_kwargs) if self.data_parallel else module
+
+
 def register() -> None:
     """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
     if "fuyou" not in StrategyRegistry:
         FuyouStrategy.register_strategies(StrategyRegistry)  # and its other name, "fuyou_ddp"
     if "fuyou" not in FABRIC_REGISTRY:
         FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")
+    if "fuyou_ddp" not in FABRIC_REGISTRY:  # Fabric launches a multi-process strategy only after fabric.launch()
+        FABRIC_REGISTRY.register("fuyou_ddp", FuyouFabricDDPStrategy, description="Fuyou, data parallel")
