@@ -85,3 +85,41 @@ def test_to_dict_round_trips_through_from_dict(tmp_path):
     cfg = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="64MiB", activations={0: "ssd", 2: "recompute"})
     assert FuyouConfig.from_dict(cfg.to_dict()) == cfg
     assert json.loads(json.dumps(cfg.to_dict()))["host_memory_budget"] == 64 * 2**20
+
+
+def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch):
+    """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: resolved once from the machine, carried
+    through ``replace``/``resolve`` copies, announced with their reason through the ``report`` the integration
+    passes (Lightning's rank-zero logger, the Trainer's logger); an explicit number is kept and not announced."""
+    import os
+
+    import torch
+
+    import fuyou_strategy.config as config_module
+    from fuyou_strategy import FuyouEngine
+    from fuyou_strategy.config import auto_io_threads
+
+    monkeypatch.setattr(config_module, "available_memory", lambda: 20 * 1024**3)
+    cores = os.cpu_count() or 1
+    auto = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    assert auto.io_threads == min(4, cores) == auto_io_threads(cores)[0]
+    assert set(auto.auto_choices()) == {"host_memory_budget", "io_threads"}
+    assert auto_io_threads(64)[0] == 4 and auto_io_threads(1)[0] == 1
+    copy = FuyouConfig.resolve(auto, activations="keep")
+    assert set(copy.auto_choices()) == {"host_memory_budget", "io_threads"}, "carried through copies"
+    fixed = auto.replace(io_threads=3)
+    assert fixed.io_threads == 3 and set(fixed.auto_choices()) == {"host_memory_budget"}, "a number is hard"
+    said = []
+    model = torch.nn.Linear(4, 4)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=auto, report=said.append)
+    try:
+        threads = [m for m in said if m.startswith("fuyou: io_threads='auto' took")]
+        assert threads == [f"fuyou: io_threads='auto' took {auto.io_threads}: {auto_io_threads(cores)[1]}"]
+        assert sum(m.startswith("fuyou: host_memory_budget='auto' took 10.00 GiB: 50% of") for m in said) == 1
+    finally:
+        engine.close()
+    said.clear()
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(
+        swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, host_memory_budget="64MiB"), report=said.append)
+    engine.close()
+    assert not [m for m in said if "='auto' took" in m]

@@ -269,10 +269,11 @@ def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_
 
     GiB = 1024**3
     monkeypatch.setattr(config_module, "available_memory", lambda: 20 * GiB)
-    with caplog.at_level("INFO", logger="fuyou_strategy"):
+    with caplog.at_level("DEBUG", logger="fuyou_strategy"):  # the engine announces it (test_config), at INFO
         roomy = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")
     assert roomy.host_memory_budget == 10 * GiB and roomy.host_state == "auto"
     assert "host_memory_budget='auto' took 10.00 GiB: 50% of the 20.00 GiB of RAM available" in caplog.text
+    assert roomy.auto_choices()["host_memory_budget"][1].startswith("50% of the 20.00 GiB of RAM available")
     assert roomy.replace(io_threads=1).host_memory_budget == 10 * GiB, "resolved once"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this machine share it
     assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 5 * GiB

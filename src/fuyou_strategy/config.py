@@ -89,6 +89,17 @@ def auto_host_budget(available: int, ranks: int = 1) -> tuple[int, str]:
                              f"transfers, {format_bytes(AUTO_BUDGET_MIN)}")
 
 
+AUTO_IO_THREADS_MAX = 4  # io_threads="auto": one per core, at most this many per swap directory
+
+
+def auto_io_threads(cores: int) -> tuple[int, str]:
+    """What ``io_threads="auto"`` takes on a machine with ``cores`` cores, and why (one sentence); `fuyou doctor`
+    recommends the same."""
+    threads = max(1, min(AUTO_IO_THREADS_MAX, cores))
+    return threads, (f"per swap directory: one per core ({cores} here), at most {AUTO_IO_THREADS_MAX}; the reads "
+                     "and writes release the GIL while the drive works")
+
+
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     """Turn ``4096``, ``"4KiB"``, ``"1.5GB"`` into a whole number of bytes.
 
@@ -161,7 +172,8 @@ class FuyouConfig:
             the accelerator's total memory, and no limit on the CPU (where the device tier is
             host RAM).
         io_threads: I/O threads per swap directory. ``os.preadv``/``os.pwritev`` release the
-            GIL, so a handful per NVMe drive reaches its bandwidth. Default 4.
+            GIL, so a handful per NVMe drive reaches its bandwidth. Default ``"auto"``: one per
+            core, at most 4 (`auto_io_threads`), announced when the engine starts; a number is kept.
         io_block_size: the largest single read/write request handed to the kernel; bigger
             transfers are split into blocks of this size and spread over the threads.
             A multiple of 4 KiB. Default ``"1MiB"``.
@@ -280,7 +292,7 @@ class FuyouConfig:
     swap_dirs: list[str] | None = None
     host_memory_budget: int | str = "auto"
     device_memory_budget: int | str | None = None
-    io_threads: int = 4
+    io_threads: int | str = "auto"
     io_block_size: int | str = "1MiB"
     chunk_size: int | str = "16MiB"
     direct_io: str = "auto"
@@ -332,7 +344,7 @@ class FuyouConfig:
         if raw_budget == "auto":  # resolved once, here: every copy of this config (replace) keeps the number
             available = available_memory()
             self.host_memory_budget, why = auto_host_budget(available, _local_ranks())
-            log.info("fuyou: host_memory_budget='auto' took %s: %s", format_bytes(self.host_memory_budget), why)
+            self._chose("host_memory_budget", format_bytes(self.host_memory_budget), why)
             if self.host_state == "auto" and available < AUTO_BUDGET_LOW:
                 warnings.warn(f"fuyou: only {format_bytes(available)} of RAM is available, less than "
                               f"{format_bytes(AUTO_BUDGET_LOW)}: host_state='auto' keeps the optimizer state on the SSD "
@@ -346,6 +358,9 @@ class FuyouConfig:
             )
         if self.device_memory_budget is not None:
             self.device_memory_budget = parse_bytes(self.device_memory_budget, name="device_memory_budget")
+        if self.io_threads == "auto":
+            self.io_threads, why = auto_io_threads(os.cpu_count() or 1)
+            self._chose("io_threads", self.io_threads, why)
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads: got {self.io_threads!r}; expected an int from 1 to 64 (threads per swap dir)")
         for name in ("io_block_size", "chunk_size"):
@@ -482,13 +497,29 @@ class FuyouConfig:
             base = cls.from_file(config).to_dict()
         else:
             raise ConfigError(f"config: got {type(config).__name__}; expected a FuyouConfig, a dict, a .json/.yaml path or None")
-        if isinstance(config, FuyouConfig) and not fields:
-            return config
+        if isinstance(config, FuyouConfig):
+            return cls.from_dict({**base, **fields})._carry_choices(config, fields) if fields else config
         return cls.from_dict({**base, **fields})
 
     def replace(self, **changes: Any) -> "FuyouConfig":
-        """A validated copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
+        """A validated copy with some fields changed (the "auto" choices of the others are carried over)."""
+        return dataclasses.replace(self, **changes)._carry_choices(self, changes)
+
+    # -- "auto" choices: made once, when the config is validated; announced by the engine ------------------
+    def _chose(self, name: str, value: Any, why: str) -> None:
+        self.__dict__.setdefault("_choices", {})[name] = (value, why)
+        log.debug("fuyou: %s='auto' took %s: %s", name, value, why)
+
+    def _carry_choices(self, source: "FuyouConfig", overridden: Iterable[str]) -> "FuyouConfig":
+        carried = {k: v for k, v in source.auto_choices().items() if k not in set(overridden)}
+        self.__dict__["_choices"] = {**carried, **self.auto_choices()}
+        return self
+
+    def auto_choices(self) -> dict[str, tuple[Any, str]]:
+        """``{field: (value, why)}`` for each field left at ``"auto"`` that this config resolved from the
+        machine (``host_memory_budget``, ``io_threads``); `FuyouEngine` announces them once through the
+        framework's logger. A value given explicitly is a hard setting and appears nowhere here."""
+        return dict(self.__dict__.get("_choices", {}))
 
 
 def read_mapping(path: str | os.PathLike) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .config import FuyouConfig, auto_host_budget, format_bytes
+from .config import FuyouConfig, auto_host_budget, auto_io_threads, format_bytes
 from .device import accelerator
 
 __all__ = ["Check", "Diagnosis", "diagnose"]
@@ -155,8 +155,8 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
     direct = all(d.bandwidth[u]["direct"] for u in usable) if usable else True
     d.recommend("direct_io", "auto", "every directory takes O_DIRECT" if direct else
                 "some refuse O_DIRECT: 'auto' falls back to buffered I/O there")
-    threads = max(1, min(defaults.io_threads, cores))
-    d.recommend("io_threads", threads, f"per directory; {cores} core(s) here, O_DIRECT reads release the GIL")
+    threads, why = auto_io_threads(cores)  # the rule of io_threads="auto"
+    d.recommend("io_threads", threads, why)
     budget, why = auto_host_budget(available)  # the rule of host_memory_budget="auto", in whole GiB
     budget = max(budget // GiB * GiB, min(budget, GiB))
     d.recommend("host_memory_budget", format_bytes(budget),

@@ -262,6 +262,8 @@ class FuyouEngine:
         refuse_compiled(model, where)  # before anything is made on disk
         self.config = config = config if config is not None else FuyouConfig()
         self.report = report if report is not None else log.info
+        for name, (value, why) in config.auto_choices().items():  # through the framework's logger, once per run
+            self.report(f"fuyou: {name}='auto' took {value}: {why}")
         self.model = model
         self.init_weights = init_weights
         self.device = torch.device(device) if device is not None else model_device(model)
