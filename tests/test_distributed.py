@@ -990,21 +990,10 @@ def test_strategy_fuyou_on_two_devices_trains_like_lightnings_ddp(tmp_path):
 
 def _fabric_rank(fabric, path, fuyou):
     """Two ranks, each a DistributedSampler's half of every batch, accumulate 2 with Fabric's idiom, clip 1.0."""
-    from test_lightning import decay_groups, token_batches
+    from test_lightning import fabric_accumulating_with_no_backward_sync, token_batches
 
-    torch.manual_seed(0)
-    model = tiny_causal_lm("gpt2")
-    model, opt = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(token_batches(), batch_size=2))
-    batches = iter(loader)
-    for _ in range(3):
-        for micro in range(2):
-            batch = next(batches)
-            with fabric.no_backward_sync(model, enabled=micro == 0):
-                fabric.backward(model(input_ids=batch, labels=batch).loss)
-        fabric.clip_gradients(model, opt, max_norm=1.0)
-        opt.step()
-        opt.zero_grad()
+    model, opt = fabric_accumulating_with_no_backward_sync(fabric, loader)
     if fuyou:
         assert fabric.strategy.engine.data_parallel and opt.stats.steps == 3
     if fabric.global_rank == 0:

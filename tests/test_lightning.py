@@ -367,6 +367,23 @@ def fabric_train(strategy, steps=3, accumulate=2, clip=1.0):
     return model
 
 
+def fabric_accumulating_with_no_backward_sync(fabric, loader, steps=3, accumulate=2, clip=1.0):
+    """Fabric's own accumulation idiom: ``no_backward_sync`` on the micro-batches that only accumulate."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    model, opt = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
+    batches = iter(loader)
+    for _ in range(steps):
+        for micro in range(accumulate):
+            batch = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                fabric.backward(model(input_ids=batch, labels=batch).loss)
+        fabric.clip_gradients(model, opt, max_norm=clip)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def test_fabric_same_weights_as_plain_fabric(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -438,19 +455,7 @@ def test_fabric_ddp_strategy_in_one_process_accumulates_with_fabrics_own_no_back
     def train(strategy):
         fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
         fabric.launch()
-        torch.manual_seed(0)
-        model = tiny_causal_lm("gpt2")
-        model, opt = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
-        batches = iter(DataLoader(token_batches(), batch_size=2))
-        for _ in range(3):
-            for micro in range(2):
-                batch = next(batches)
-                with fabric.no_backward_sync(model, enabled=micro == 0):
-                    fabric.backward(model(input_ids=batch, labels=batch).loss)
-            fabric.clip_gradients(model, opt, max_norm=1.0)
-            opt.step()
-            opt.zero_grad()
-        return model, opt
+        return fabric_accumulating_with_no_backward_sync(fabric, DataLoader(token_batches(), batch_size=2))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
