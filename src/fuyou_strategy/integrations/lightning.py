@@ -1,7 +1,9 @@
-"""Lightning: ``Trainer(strategy="fuyou")`` and ``Fabric(strategy="fuyou")``.
+"""Lightning: ``Trainer(strategy="fuyou")`` and ``Fabric(strategy="fuyou")`` / ``"fuyou_ddp"``.
 
-`FuyouStrategy` is a single-device strategy that hands the training loop's events to a
-`FuyouEngine`:
+`FuyouStrategy` takes any ``devices``/``num_nodes``: one process runs as a single-device
+strategy, several are launched and connected as Lightning's ``DDPStrategy`` does (the internals
+that takes are in `lightning_internals`), each rank owning a shard of the optimizer state. It
+hands the training loop's events to a `FuyouEngine`:
 
 - ``setup_optimizers`` converts the optimizer from ``configure_optimizers`` (``AdamW`` /
   ``Adam``, param groups, any LR scheduler) into `FuyouAdamW`, with the Trainer's
@@ -12,12 +14,13 @@
 - Lightning's own gradient clipping is replaced by a check: clipping after backward would
   act on gradients the optimizer has already consumed, so the optimizer clips instead
   (``"value"`` clipping, or a different value, is refused). As Lightning's DeepSpeed strategy
-  does with its own precision plugin, the check lives in the precision plugin's class: the
-  strategy uses a copy of the plugin Lightning gives it, of a subclass with that check; the
-  user's plugin instance is never changed;
+  does with its own precision plugin, the check lives in the precision plugin: the strategy
+  uses its own named subclass of the Lightning plugin that ``precision=`` chose
+  (`FuyouPrecision`, `FuyouMixedPrecision`, `FuyouHalfPrecision`); the plugin Lightning made is
+  never changed;
 - fp16 (``precision="16-true"``/``"16-mixed"``): the optimizer does the loss scaling with
-  ``GradScaler``'s rules (`FuyouAdamW`'s ``loss_scaling``): ``backward`` scales the loss, and the
-  strategy's copy of a ``16-mixed`` plugin drops Lightning's own ``GradScaler``;
+  ``GradScaler``'s rules (`FuyouAdamW`'s ``loss_scaling``): ``backward`` scales the loss, and
+  `FuyouMixedPrecision` has no ``GradScaler`` of its own;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
   ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/`` (checksummed); the ``.ckpt`` records the
   token, and the earlier saves there are removed only once the ``.ckpt`` is written, so the
@@ -552,6 +555,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
         share_display(None)
+        self._trainer = None
         super().teardown()
 
     @classmethod
@@ -560,6 +564,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="Fuyou: SSD-offloaded AdamW and activations, "
                                    "on one device or data parallel")
         strategy_registry.register("fuyou_ddp", cls, description="another name of strategy='fuyou'")
+
 
 FuyouDDPStrategy = FuyouStrategy  # the name of the data-parallel strategy before "fuyou" took any device count
 
