@@ -6,11 +6,18 @@ Lightning example. ``--model PATH`` loads a local Hugging Face checkpoint instea
 generated: each sequence counts up from a random start with a random stride, modulo the
 vocabulary, so the next token is predictable from the two before it — a model that learns
 drives token accuracy from ~1/vocab towards 1, which makes progress easy to see.
+
+The examples import this module before transformers and Lightning: when torchao or DeepSpeed is
+installed (fuyou's ``[compact]``/``[test]`` and ``[peers]`` extras), transformers imports it, and its
+import logs about its own build (torchao's CUDA kernels that do not load on a CPU-only machine,
+torch's deprecation of how torchao registers its enums; DeepSpeed falling back to the CPU), nothing
+the example or its user can change. Those three loggers are set to ERROR, nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +28,9 @@ import torch.nn.functional as F
 from fuyou_strategy.config import format_bytes
 
 STRIDES = 7  # strides 1..7
+
+for _library in ("torchao", "torch.utils._pytree", "DeepSpeed"):  # import-time noise (module docstring)
+    logging.getLogger(_library).setLevel(logging.ERROR)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,16 +126,21 @@ def build_model(args: argparse.Namespace, transformers_model: bool = True) -> to
                              "pip install transformers") from None
         model = AutoModelForCausalLM.from_pretrained(args.model)
         args.vocab = model.config.vocab_size
-        return model
-    if not transformers_model:
+    elif not transformers_model:
         return TinyGPT(args.vocab, args.hidden, args.layers, args.seq_len)
-    from transformers import GPT2Config, GPT2LMHeadModel
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-    # bos/eos inside the vocabulary (GPT-2's default, 50256, is not: transformers warns)
-    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
-                        vocab_size=args.vocab, n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
-    return GPT2LMHeadModel(config)
+        # bos/eos inside the vocabulary (GPT-2's default, 50256, is not: transformers warns)
+        config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                            vocab_size=args.vocab, n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
+        model = GPT2LMHeadModel(config)
+    if getattr(model, "loss_type", "") is None:
+        # transformers picks the loss from the class name; GPT2LMHeadModel's names none, so its first forward warns
+        # "loss_type=None ... unrecognized" and falls back to the causal-LM loss. Name that loss: no warning.
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def counting_sequences(n: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:

@@ -14,11 +14,12 @@ import argparse
 import tempfile
 import time
 
-import torch
-from transformers import Trainer, TrainingArguments
-
 from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, next_token_pairs, print_summary
-from fuyou_strategy import FuyouCallback
+
+import torch  # noqa: E402 (after common: it quiets the optional libraries transformers imports)
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from fuyou_strategy import FuyouCallback  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
-import lightning as L
-import torch
-import torchmetrics
-from torch.utils.data import DataLoader
-
-import fuyou_strategy  # registers strategy="fuyou"
 from common import add_common_arguments, build_model, counting_sequences, fuyou_fields, print_summary, next_token_pairs
+
+import lightning as L  # noqa: E402 (after common: it quiets the optional libraries transformers imports)
+import torch  # noqa: E402
+import torchmetrics  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import fuyou_strategy  # noqa: E402,F401 (registers strategy="fuyou")
+
+# Lightning 2.6 flattens its batches with torch's LeafSpec, which torch 2.13 deprecates: a FutureWarning from inside
+# Lightning at every fit, about nothing this script does (Lightning's own fix is to call TreeSpec.is_leaf()).
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 class CausalLMModule(L.LightningModule):

@@ -25,6 +25,12 @@ def test_compiled_modules_finds_both_ways_of_compiling():
     assert compiled_modules(outer) == ["0"]
 
 
+def test_a_torch_without_the_in_place_compile_marker_fails_naming_it(monkeypatch):
+    monkeypatch.delattr(torch.nn.Module, "_compiled_call_impl")
+    with pytest.raises(RuntimeError, match=r"has no torch.nn.Module._compiled_call_impl \(checked with torch 2.13\)"):
+        compiled_modules(tiny_causal_lm("gpt2"))
+
+
 def test_a_plain_loop_with_a_compiled_model_is_refused_before_the_swap_files(tmp_path):
     model = torch.compile(tiny_causal_lm("gpt2"))
     with pytest.raises(ConfigError, match=r"torch.compile: 1 module\(s\) of the model given to the optimizer are "

@@ -1,6 +1,8 @@
 """The examples run end to end (tiny settings) and print their closing summary."""
 
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -84,3 +86,22 @@ def test_local_folder_example_trains_a_given_folder_and_text_file(tmp_path, caps
                             "--seq-len", "16", "--batch-size", "2", "--activations", "keep"])
     out = capsys.readouterr().out
     assert f"model {tmp_path / 'model'}" in out and "in 2 steps" in out
+
+
+# What a warning looks like on stderr, anywhere in a line (a progress bar may come first): Python's (``file:line:
+# SomeWarning: ...``), a logger's at WARNING (transformers' ``[transformers] ...``, ``[WARNING]``, torch's
+# ``W1125 17:29:03.072000 ...``), torchao's "Failed to load".
+WARNING_LINE = re.compile(r"warn|\[transformers\]|\bW\d{4} \d\d:\d\d:|Failed to load", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("example", ["hf_trainer_finetune.py", "lightning_finetune.py"])
+def test_an_example_prints_no_warning(tmp_path, example):
+    """As a user runs it (in a subprocess, with the default warning filters) but with UserWarning and FutureWarning
+    made errors: our examples' output holds no warning, only their results and progress."""
+    cmd = [sys.executable, "-W", "error::UserWarning", "-W", "error::FutureWarning", os.path.join(EXAMPLES, example),
+           *TINY, "--swap-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "3 optimizer steps" in proc.stdout
+    lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if WARNING_LINE.search(line)]
+    assert lines == [], "\n".join(lines)

@@ -222,16 +222,94 @@ def test_fp16_is_scaled_in_the_optimizer_and_matches_the_trainer_without_fuyou(t
     """HF on the CPU: ``fp16=True`` is fp16 autocast with no GradScaler (accelerate has none there). With
     the callback FuyouAdamW scales the model's loss by 2**16 and unscales exactly (a power of two), so the
     weights match the Trainer's own run; with accelerate's GradScaler (CUDA) it would be disabled."""
-    reference, _ = train(tmp_path, fp16=True)
+    reference, ref_trainer = train(tmp_path, fp16=True)
     assert_clean = lambda: not run_dirs(tmp_path)  # noqa: E731
     callback = FuyouCallback(**swap_config(tmp_path))
     model, trainer = train(tmp_path, callback, fp16=True)
     assert callback.summary["loss_scale"] == 2.0**16 and callback.summary["optimizer_steps"] == 6
     assert max_relative_difference(reference, model) <= TOLERANCE
+    assert grad_norms(trainer) == pytest.approx(grad_norms(ref_trainer), rel=1e-6), "the unscaled norm is logged"
     assert not model._forward_hooks and assert_clean(), "the scaling hook and the swap files are gone"
 
 
 def test_fp16_with_label_smoothing_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="label_smoothing_factor=0.1"):
         train(tmp_path, FuyouCallback(**swap_config(tmp_path)), fp16=True, label_smoothing_factor=0.1)
+    assert not run_dirs(tmp_path)
+
+
+def test_fp16_with_accelerates_grad_scaler_as_on_cuda_is_the_trainers_run(tmp_path):
+    """On CUDA accelerate makes a GradScaler and autocasts to fp16; here both are set up on the CPU as accelerate
+    does there (torch's CPU GradScaler is the same class). The callback turns the scaler off for the run (FuyouAdamW
+    scales) and the Trainer's optimizer.step() runs FuyouAdamW's: the weights and the logged norms are the Trainer's
+    own, with its scaler on."""
+    def with_grad_scaler(trainer):
+        trainer.accelerator.scaler, trainer.accelerator.native_amp = torch.amp.GradScaler("cpu"), True
+        return trainer
+
+    reference = with_grad_scaler(trainer_for(tmp_path, fp16=True))
+    reference.train()
+    callback = FuyouCallback(**swap_config(tmp_path))
+    trainer = with_grad_scaler(trainer_for(tmp_path, [callback], fp16=True))
+    trainer.train()
+    assert callback.summary["optimizer_steps"] == 6 and callback.summary["loss_scale"] == 2.0**16
+    assert max_relative_difference(reference.model, trainer.model) <= TOLERANCE
+    assert grad_norms(trainer) == pytest.approx(grad_norms(reference), rel=1e-6)
+    assert trainer.accelerator.scaler.is_enabled(), "accelerate's scaler is on again after the run"
+    assert not run_dirs(tmp_path)
+
+
+def test_the_trainers_optimizer_and_scheduler_stay_its_own_during_the_run(tmp_path):
+    """The callback hooks the Trainer's AdamW (its step() runs FuyouAdamW's); the Trainer's scheduler drives
+    the learning rates of both, and its checkpoint's optimizer.pt is the AdamW's (no state: fuyou's is on SSD)."""
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            seen.append((type(optimizer.optimizer), lr_scheduler.optimizer is optimizer,
+                         lrs == [g["lr"] for g in callback.engine.optimizer.param_groups]))
+
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            seen.append(all(p.grad is None for g in optimizer.param_groups for p in g["params"]))
+
+    callback = FuyouCallback(**swap_config(tmp_path))
+    trainer = trainer_for(tmp_path, [callback, Watch()], steps=3, save_strategy="steps", save_steps=3)
+    trainer.train()
+    assert seen == [(torch.optim.AdamW, True, True), True] * 3, "the learning rates as the Trainer's; no gradient left"
+    saved = torch.load(tmp_path / "out" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert saved["state"] == {}
+    assert [g["lr"] for g in saved["param_groups"]] == [trainer.lr_scheduler.get_last_lr()[0]] * 2
+
+
+# -- torch.compile: refused up front -----------------------------------------------------------------------------
+def test_torch_compile_in_the_training_arguments_is_refused_when_the_trainer_is_made(tmp_path):
+    with pytest.raises(ConfigError, match=r"TrainingArguments.torch_compile: got True \(torch_compile_backend="
+                                          r"'inductor'\).*set torch_compile=False"):
+        trainer_for(tmp_path, [FuyouCallback(**swap_config(tmp_path))], torch_compile=True)
+    trainer = trainer_for(tmp_path, torch_compile_backend="aot_eager")  # the callback added later: refused at train()
+    trainer.add_callback(FuyouCallback(**swap_config(tmp_path)))
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ConfigError, match=r"torch_compile: got True \(torch_compile_backend='aot_eager'\)"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(w, p) for w, p in zip(weights, trainer.model.parameters())), "no step ran"
+    assert not run_dirs(tmp_path)
+
+
+def test_accelerate_launchs_dynamo_backend_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    with pytest.raises(ConfigError, match="ACCELERATE_DYNAMO_BACKEND: got 'INDUCTOR'.*--dynamo_backend no"):
+        trainer_for(tmp_path, [FuyouCallback(**swap_config(tmp_path))])
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "a block's .compile()"])
+def test_a_compiled_model_is_refused_when_the_trainer_is_made(tmp_path, how):
+    model = tiny_causal_lm("gpt2")
+    if how == "torch.compile(model)":
+        model = torch.compile(model, backend="aot_eager")
+    else:
+        model.transformer.h[1].compile(backend="aot_eager")
+    with pytest.raises(ConfigError, match=r"model: got a model compiled with torch.compile.*pass the model uncompiled"):
+        trainer_for(tmp_path, [FuyouCallback(**swap_config(tmp_path))], model=model)
     assert not run_dirs(tmp_path)

@@ -1,8 +1,10 @@
 """Watching a run: the step trace and `fuyou report`, SSD wear, `fuyou doctor`, progress bars, and
 configuration files for the callback and LightningCLI."""
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import warnings
 
 import pytest
@@ -130,6 +132,33 @@ def test_wear_figures_against_hand_computed_values():
     assert w.days_to_rated_endurance == pytest.approx(600 / 25.92)
     assert w.run_fraction == pytest.approx(0.01)  # 1.2e13 bytes / 2 drives / 6e14
     assert "25.92 drive writes per day" in w.describe() and "1.00%" in w.describe()
+
+
+def test_the_wear_line_of_a_toy_run_says_its_share_first_and_that_nothing_is_to_be_done():
+    """The example's 3M-parameter run on one 252 GiB drive: 112 MiB per step, 65 drive writes per day. Its 8
+    steps spend a few millionths of the rating; the days to the rating come last, as the rate's context."""
+    toy = Wear(bytes_per_step=112 * 2**20, step_seconds=0.6, drives=1, drive_bytes=252 * 2**30, endurance_tbw=300,
+               steps=8)
+    line = toy.describe(0.05)
+    assert line.startswith("SSD wear: the run's 8 steps (5 s at this rate) write 896.00 MiB, 0.0003% of each "
+                           "drive's rated 300 TBW (under ssd_wear_warning=0.05: nothing to do). Rate: 112.00 MiB per "
+                           "step"), line
+    assert line.endswith(f"continuous training at this rate would write the rated TBW in "
+                         f"{toy.days_to_rated_endurance:,.0f} days") and "reached in" not in line
+    long = dataclasses.replace(toy, steps=2_000_000).describe(0.05)  # 14 days at this rate: 78% of the rating
+    assert long.startswith("SSD wear: the run's 2,000,000 steps (13.9 days at this rate) write 213.62 TiB, 78.29% of "
+                           "each drive's rated 300 TBW (over ssd_wear_warning=0.05: see the warning)"), long
+    unknown = dataclasses.replace(toy, steps=None).describe(0.05)
+    assert unknown.startswith("SSD wear: 112.00 MiB per step") and "the run's length is unknown" in unknown
+    assert "set ssd_endurance_tbw to your drive's datasheet figure" in unknown
+
+
+def test_the_engine_reports_the_wear_line_against_its_warning_share(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="fuyou_strategy"):
+        engine, *_ = train(tmp_path, steps=5, expect=10)
+    (line,) = [r.getMessage() for r in caplog.records if "SSD wear" in r.getMessage()]
+    assert line.startswith("fuyou: SSD wear: the run's 10 steps")
+    assert "(under ssd_wear_warning=0.05: nothing to do)" in line
 
 
 def test_the_engine_measures_wear_and_warns_when_a_run_would_spend_too_much(tmp_path):

@@ -174,6 +174,10 @@ def compiled_modules(model: torch.nn.Module) -> list[str]:
     ``torch.compile(module)`` (an ``OptimizedModule``, which torch does not export) and those compiled in
     place by ``module.compile()`` (they hold a ``_compiled_call_impl``). Both checked with torch 2.13
     (``tests/test_compile.py``). Nothing was compiled if dynamo was never imported."""
+    if not hasattr(torch.nn.Module, "_compiled_call_impl"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.Module._compiled_call_impl (checked with torch "
+                           "2.13), which tells whether module.compile() compiled a module; fuyou refuses compiled "
+                           "models: do not compile the model, or use the torch version fuyou-strategy was tested with")
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame is not None else ()
     return [name for name, m in model.named_modules(remove_duplicate=False)

@@ -206,7 +206,7 @@ class RunReport:
             return
         sample = self._written_per_step[1:]  # the first step includes the warm-up
         self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
-        self.engine.report(f"fuyou: {self.wear.describe()}")
+        self.engine.report(f"fuyou: {self.wear.describe(self.config.ssd_wear_warning)}")
         self._check_wear(self.wear, "about")
 
     # -- metrics and the summary --------------------------------------------------------------------------

@@ -3,12 +3,27 @@
 The callback translates the Trainer's events into `FuyouEngine` calls:
 
 - ``on_train_begin``: the Trainer has built its ``torch.optim.AdamW`` (with its no-decay
-  groups), the LR scheduler and, on resume, loaded both. The callback converts the optimizer
-  into a `FuyouAdamW` and puts it inside the Trainer's ``AcceleratedOptimizer``, points the
-  scheduler at it, and installs activation swapping. ``max_grad_norm`` moves into the
-  optimizer, which clips exactly (gradients are consumed during backward, so the Trainer's
-  clipping would come too late); the Trainer still computes and logs ``grad_norm`` from the
-  gradients, which are kept until ``zero_grad`` for that.
+  groups), the LR scheduler and, on resume, loaded both, and hands callbacks the optimizer inside
+  accelerate's ``AcceleratedOptimizer``. The callback converts that AdamW into a `FuyouAdamW`
+  and hooks it (``register_step_pre_hook``, torch's public API): the Trainer's ``optimizer.step()``
+  runs FuyouAdamW's step, then finds no gradient left and changes nothing. The Trainer's optimizer,
+  its LR scheduler (whose learning rates FuyouAdamW takes before each training forward and step)
+  and the ``optimizer.pt`` of its checkpoints (hyper-parameters, no state: fuyou's is on SSD) stay
+  its own. Activation swapping is installed.
+- gradient clipping: ``max_grad_norm`` moves into the optimizer, which clips exactly, and the
+  Trainer's is set to 0 for the run (`hf_internals.set_trainer_max_grad_norm`). Gradients are
+  consumed during backward, and the optimizer reads the kept ``.grad`` again at ``step()`` (a
+  clipping redo, the ``next_forward`` schedule): the Trainer's in-place clipping before that
+  would clip twice or commit updates made from unclipped gradients (measured on a tiny GPT-2 in 6
+  steps: weights 0.33 relative from the Trainer's own run, 1.07 with fp16). The Trainer still
+  measures and logs ``grad_norm`` from the gradients, which are kept until ``zero_grad`` for that
+  (fp16 and data parallel: the optimizer's own norm is logged, `on_log`).
+- fp16: FuyouAdamW scales the loss (a forward hook makes the backward of ``outputs.loss`` run
+  scaled); accelerate's GradScaler (CUDA) is off for the run (`hf_internals.set_grad_scaler_enabled`).
+- data parallel: the Trainer hands callbacks the model, and accelerate wraps it in a
+  ``DistributedDataParallel`` inside ``train()``. Torch's global forward pre-hook
+  (``register_module_forward_pre_hook``) sees that wrapper's first forward, before the first
+  backward: FuyouAdamW's comm hook is registered on it then, and the global hook removed.
 - before each training forward (a forward pre-hook on the model): accelerate's
   ``GradientState.sync_gradients``, which the Trainer sets per micro-batch, says whether the
   micro-batch ends the accumulation window, i.e. whether its backward runs the updates.
@@ -27,8 +42,19 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   the checkpoint's ``trainer_state.json`` records back from
   ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``), and refuses
   state that belongs to another checkpoint, naming both files.
-- ``on_train_end``: ``max_grad_norm``, the Trainer's own optimizer (with the current learning
-  rates) and the scheduler's are put back, the hook removed and the swap files deleted.
+- ``on_train_end``: the hooks are removed, ``max_grad_norm`` (and accelerate's GradScaler) put
+  back and the swap files deleted.
+- ``torch.compile`` is refused up front (``on_init_end``, again at ``on_train_begin``, before
+  anything is made): ``TrainingArguments(torch_compile=True)`` (also implied by
+  ``torch_compile_backend``/``torch_compile_mode``), ``accelerate launch --dynamo_backend``, or a
+  model compiled before it reached the Trainer (``torch.compile(model)``, ``module.compile()``), each
+  a `ConfigError` naming the setting and the fix. Tried on a 2-block GPT-2 (activations and weights
+  on SSD): TorchDynamo traces into fuyou's hooks and breaks its graphs inside fuyou's own code (the
+  I/O queue, the host buffer pool, the weight streamer, the run report: 17 breaks, not at block
+  boundaries); with ``aot_eager`` the weights were bitwise those of the uncompiled run, with
+  ``inductor`` (the default) 1.2e-4 relative from the Trainer's own compiled run, and fewer
+  activation bytes were swapped. Supporting it needs fuyou's hooks kept out of the graphs
+  (``torch.compiler.disable``) in the engine's modules, shared with Lightning.
 - a ``train()`` that raises: the Trainer has no exception event, so no callback hears of it. The
   run's changes stay until the next ``on_train_begin`` on the same model or arguments, of any
   ``FuyouCallback`` (also the Trainer's own retry with ``auto_find_batch_size``), or
@@ -37,12 +63,16 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   torch's AdamW). Ending it lazily at one of these points is the one place that catches every way
   out of ``train()`` (an error in data loading, forward, backward, another callback, a
   ``KeyboardInterrupt``); a finalizer would run at the whim of the garbage collector, after the
-  traceback that holds the Trainer's frames is dropped.
+  traceback that holds the Trainer's frames is dropped. The runs that began and did not end are
+  kept in ``_unended`` for that: the lookup relies on the Trainer handing ``on_train_begin`` the
+  same ``model`` and ``args`` objects on every ``train()`` (`tests/test_hf.py` checks both ways back in).
+
+What the callback needs beyond the Trainer's, accelerate's and torch's documented entry points is in
+`hf_internals`, one function each, each with a test naming the versions it was checked against.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
@@ -54,12 +84,16 @@ from accelerate.state import GradientState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging as hf_logging
+from accelerate.optimizer import AcceleratedOptimizer
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from transformers.trainer_callback import DefaultFlowCallback
 
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, read_mapping
-from ..engine import FuyouEngine, ignore_streamed_in_ddp, rebind_scheduler
+from ..engine import FuyouEngine, compiled_modules, ignore_streamed_in_ddp
 from ..optim import checkpoint as saves
-from . import hf_checkpoints
+from . import hf_checkpoints, hf_internals
 from .hf_checkpoints import STATE_FOLDER, TRAINER_STATE
 
 __all__ = ["FuyouCallback", "STATE_FOLDER"]
@@ -70,29 +104,53 @@ log = hf_logging.get_logger(f"transformers.{__name__}")
 
 
 class _Run:
-    """One ``train()``'s changes to the Trainer's objects, made on construction, put back by `end`.
+    """One ``train()``'s changes, made on construction, undone by `end`: hooks, and two settings.
 
-    Changed: the accelerate wrapper's optimizer (the engine's `FuyouAdamW` instead of the
-    Trainer's), the LR scheduler's optimizer, ``args.max_grad_norm`` (0: the optimizer clips,
-    the Trainer only measures the norm for logging) and a forward pre-hook on the model.
+    - a step pre-hook on the Trainer's torch optimizer (inside accelerate's wrapper): its ``step()`` runs
+      `FuyouAdamW`'s and then finds no gradient left, so the Trainer's optimizer, its LR scheduler and
+      its checkpoints stay the Trainer's own; the learning rates follow its param groups;
+    - a forward pre-hook on the model (and, fp16, a forward hook that makes backward run scaled);
+    - data parallel: until the first training forward, torch's global forward pre-hook, which finds the
+      ``DistributedDataParallel`` that accelerate wrapped around the model (its comm hook is registered
+      then, before the first backward);
+    - ``args.max_grad_norm`` 0 (the optimizer clips; the Trainer only measures the norm for logging) and,
+      fp16 on CUDA, accelerate's GradScaler off (`hf_internals`).
     """
 
-    def __init__(self, engine: FuyouEngine, args: Any, model: torch.nn.Module, wrapper: Any, scheduler: Any) -> None:
-        self.engine, self.args, self.model, self.wrapper, self.scheduler = engine, args, model, wrapper, scheduler
-        self.max_grad_norm, self.original = args.max_grad_norm, wrapper.optimizer
-        self.scheduler_optimizer = scheduler.optimizer if scheduler is not None else None
-        wrapper.optimizer = engine.optimizer
-        if scheduler is not None:
-            rebind_scheduler(scheduler, engine.optimizer)
+    def __init__(self, engine: FuyouEngine, args: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: Any) -> None:
+        self.engine, self.args, self.model, self.optimizer = engine, args, model, optimizer
+        if len(optimizer.param_groups) != len(engine.optimizer.param_groups):
+            raise ConfigError(f"FuyouCallback: the Trainer's optimizer has {len(optimizer.param_groups)} param groups, "
+                              f"FuyouAdamW {len(engine.optimizer.param_groups)}; drop the empty param groups")
+        self.max_grad_norm = hf_internals.set_trainer_max_grad_norm(args, 0.0)
+        self.accelerate_scaler = None
+        try:
+            if engine.scales_loss and scaler is not None and hf_internals.set_grad_scaler_enabled(scaler, False):
+                self.accelerate_scaler = scaler  # off: scale/unscale_/step pass through; FuyouAdamW scales
+        except BaseException:
+            hf_internals.set_trainer_max_grad_norm(args, self.max_grad_norm)
+            raise
+        self.step_hook = optimizer.register_step_pre_hook(self._step)
         self.hook = model.register_forward_pre_hook(self._before_forward)
-        self.scaling_hook, self.accelerate_scaler = None, None
-        if engine.scales_loss:  # fp16: the optimizer scales, unscales and skips, not accelerate
-            self.scaling_hook = model.register_forward_hook(self._scale_loss)
-            scaler = getattr(wrapper, "scaler", None)  # accelerate's GradScaler (CUDA), shared with the Accelerator
-            if scaler is not None and getattr(scaler, "_enabled", False):
-                self.accelerate_scaler, scaler._enabled = scaler, False  # disabled: scale/unscale_/step pass through
-        args.max_grad_norm = 0.0
+        self.scaling_hook = model.register_forward_hook(self._scale_loss) if engine.scales_loss else None
+        self.ddp_watch = register_module_forward_pre_hook(self._find_ddp) if engine.data_parallel else None
         _unended.append(self)
+
+    def _hyperparameters(self) -> None:
+        """The Trainer's learning rates (its scheduler steps its own optimizer) into FuyouAdamW's groups."""
+        for theirs, ours in zip(self.optimizer.param_groups, self.engine.optimizer.param_groups):
+            for key in _GROUP_KEYS:
+                if key in theirs:
+                    value = theirs[key]
+                    ours[key] = float(value) if isinstance(value, torch.Tensor) else value
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the Trainer's optimizer steps: FuyouAdamW's step (the Trainer has measured the gradients'
+        norm); then the gradients are cleared, so that the Trainer's own step finds none and changes nothing."""
+        self._hyperparameters()
+        self.engine.optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     def _scale_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
@@ -101,29 +159,41 @@ class _Run:
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
+            self._hyperparameters()  # the backward schedule updates during this micro-batch's backward
             self.engine.begin_micro_batch(update=GradientState().sync_gradients)
 
+    def _find_ddp(self, module: torch.nn.Module, args: Any) -> None:
+        """torch's global forward pre-hook, until the first training forward: the Trainer hands callbacks the
+        model, and accelerate wraps it in a ``DistributedDataParallel`` inside ``train()``."""
+        if isinstance(module, DistributedDataParallel) and module.module is self.model:
+            self._stop_watching()  # each bucket summed onto its owners; `backward`: updates as buckets land
+            self.engine.attach_ddp(module)
+        elif module is self.model and module.training and torch.is_grad_enabled():
+            self._stop_watching()
+            log.warning("FuyouCallback: no DistributedDataParallel wraps the model; the gradients are all-reduced "
+                        "by whatever wraps it, and the 'backward' schedule updates at step()")
+
+    def _stop_watching(self) -> None:
+        if self.ddp_watch is not None:
+            self.ddp_watch.remove()
+            self.ddp_watch = None
+
     def end(self) -> None:
-        """Put everything back (the Trainer's optimizer with the current learning rates), discard the
-        updates of a step that never reached ``step()`` and delete the swap files; once."""
+        """Remove the hooks, put the settings back, discard the updates of a step that never reached
+        ``step()`` and delete the swap files; once."""
         if self not in _unended:
             return
         _unended.remove(self)
+        self._stop_watching()
+        self.step_hook.remove()
         self.hook.remove()
         if self.scaling_hook is not None:
             self.scaling_hook.remove()
         if self.accelerate_scaler is not None:
-            self.accelerate_scaler._enabled = True
-        self.args.max_grad_norm = self.max_grad_norm
-        converted = self.engine.optimizer
-        if len(self.original.param_groups) == len(converted.param_groups):
-            for theirs, ours in zip(self.original.param_groups, converted.param_groups):
-                theirs.update({k: ours[k] for k in _GROUP_KEYS if k in ours})
-        self.wrapper.optimizer = self.original
-        if self.scheduler is not None:
-            self.scheduler.optimizer = self.scheduler_optimizer
+            hf_internals.set_grad_scaler_enabled(self.accelerate_scaler, True)
+        hf_internals.set_trainer_max_grad_norm(self.args, self.max_grad_norm)
         try:
-            converted.zero_grad()  # after a normal end nothing is pending: it only clears gradients
+            self.engine.optimizer.zero_grad()  # after a normal end nothing is pending: it only clears gradients
         finally:
             try:
                 self.engine.close()
@@ -136,15 +206,22 @@ class _Run:
 _unended: list[_Run] = []
 
 
-def _ddp_wrapping(model: Any) -> Any:
-    """The ``DistributedDataParallel`` whose module is ``model`` (accelerate made it inside the Trainer,
-    which gives callbacks only the model), found among the objects the garbage collector tracks (one
-    pass, once per ``train()``). ``None`` if there is none."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    # type(), not isinstance(): some tracked objects (lazy proxies) raise when asked for __class__
-    return next((o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel) and o.module is model),
-                None)
+def _refuse_compiled(args: Any, model: Any) -> None:
+    """torch.compile, refused before anything is made (module docstring: "torch.compile")."""
+    why = ("FuyouCallback does not train compiled models: TorchDynamo traces into fuyou's hooks (activation "
+           "swapping, weight streaming, the optimizer's waits), breaking graphs inside fuyou's I/O code, and the "
+           "weights are not bitwise those of the uncompiled run")
+    if getattr(args, "torch_compile", False):
+        raise ConfigError(f"TrainingArguments.torch_compile: got True (torch_compile_backend="
+                          f"{getattr(args, 'torch_compile_backend', None)!r}); {why}; set torch_compile=False and "
+                          "leave torch_compile_backend and torch_compile_mode unset")
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if backend.lower() != "no":
+        raise ConfigError(f"ACCELERATE_DYNAMO_BACKEND: got {backend!r} (accelerate launch --dynamo_backend); {why}; "
+                          "launch with --dynamo_backend no (or unset ACCELERATE_DYNAMO_BACKEND)")
+    if model is not None and compiled_modules(model):
+        raise ConfigError("model: got a model compiled with torch.compile (or module.compile()); " + why + "; pass "
+                          "the model uncompiled (torch.compile(model) returns a wrapper: pass the model itself)")
 
 
 class FuyouCallback(TrainerCallback, ExportableState):
@@ -165,14 +242,17 @@ class FuyouCallback(TrainerCallback, ExportableState):
     ``bf16``, checkpoints and ``resume_from_checkpoint``, PEFT models (only trainable, e.g.
     LoRA, weights are optimised), ``fp16=True`` (the optimizer does the loss scaling with GradScaler's
     rules: a forward hook makes the backward of the model's ``outputs.loss`` run scaled, and
-    accelerate's own GradScaler, on CUDA, is disabled for the run). Refused: optimizers other
-    than AdamW/Adam, fp16 with label smoothing (the loss must be the model's).
+    accelerate's own GradScaler, on CUDA, is off for the run). The Trainer's optimizer and scheduler
+    stay its own: the callback hooks its AdamW's ``step()`` (module docstring). Refused: optimizers
+    other than AdamW/Adam, fp16 with label smoothing (the loss must be the model's), and
+    ``torch.compile`` in any form (``TrainingArguments(torch_compile=True)``, a compiled model),
+    when the Trainer is made.
     After training, ``callback.summary`` holds the engine's summary (and ``callback.plan`` the
     planner's `Plan` with ``activations="auto"``).
 
     Under ``torchrun`` / ``accelerate launch`` each rank owns ~1/N of the optimizer state
-    (`fuyou_strategy.optim.distributed`): `on_train_begin` registers `FuyouAdamW.attach_ddp`'s comm
-    hook on accelerate's ``DistributedDataParallel`` (each bucket summed onto its owners; the
+    (`fuyou_strategy.optim.distributed`): `FuyouAdamW.attach_ddp`'s comm hook is registered on
+    accelerate's ``DistributedDataParallel`` at its first forward (each bucket summed onto its owners; the
     ``backward`` schedule's updates as buckets land), and the logged ``grad_norm`` is the
     optimizer's global one. With streamed weights (``weights="ssd"``/``"host"``) `on_init_end` has
     ``DistributedDataParallel`` leave them to the optimizer (pass the callback to
@@ -183,8 +263,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
     one) and resume; a checkpoint's fuyou state is tied to its ``trainer_state.json`` (module
     docstring, `hf_checkpoints`).
 
-    When ``train()`` raises, the run's changes to the Trainer, the model and
-    ``TrainingArguments`` and its swap files stay until the next ``train()`` on the same model or
+    When ``train()`` raises, the run's hooks on the Trainer's optimizer and the model, its
+    ``TrainingArguments.max_grad_norm`` and its swap files stay until the next ``train()`` on the same model or
     arguments (with any ``FuyouCallback``) or `close` ends the run; ``with FuyouCallback(...) as
     fuyou:`` closes it at the block's end. Until then the weights may hold updates of the step
     that did not finish.
@@ -230,7 +310,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
             raise ConfigError("place_before_integrations: this FuyouCallback is not one of the Trainer's callbacks; "
                               "pass it in Trainer(callbacks=[...]) or trainer.add_callback(...) first")
         callbacks.remove(self)
-        flow = next((i + 1 for i, cb in enumerate(callbacks) if type(cb).__name__ == "DefaultFlowCallback"), 0)
+        flow = next((i + 1 for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), 0)
         callbacks.insert(flow, self)
 
     @property
@@ -240,6 +320,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
 
     # -- start -------------------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        _refuse_compiled(args, model)  # at Trainer(...), before anything is made (on_train_begin checks again)
         # Under torchrun / accelerate launch, before the Trainer wraps the model in DistributedDataParallel:
         # DDP must leave the streamed weights to FuyouAdamW, which sums their gradients itself.
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -252,18 +333,21 @@ class FuyouCallback(TrainerCallback, ExportableState):
             dist.barrier()  # no rank looks for a checkpoint before they are set aside
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+                       **kwargs: Any) -> None:
         # A run that raised never reached on_train_end: end it before this one reads what it changed.
         for run in [r for r in _unended if r is self._run or r.model is model or r.args is args]:
             run.end()
         self._run, self._at, self._save_due = None, None, False
+        _refuse_compiled(args, model)
         if args.fp16 and getattr(args, "label_smoothing_factor", 0):
             raise ConfigError(f"fp16: got True with label_smoothing_factor={args.label_smoothing_factor}; FuyouCallback "
                               "scales the loss the model returns (outputs.loss), so the loss must come from the model: "
                               "drop label smoothing, or use bf16=True")
-        if optimizer is None or not hasattr(optimizer, "optimizer"):
-            raise ConfigError("FuyouCallback: the Trainer gave no accelerate-wrapped optimizer to replace; "
-                              "let the Trainer create the optimizer (do not pass optimizers=...)")
+        if not isinstance(optimizer, AcceleratedOptimizer):
+            raise ConfigError(f"FuyouCallback: the Trainer gave callbacks the optimizer {type(optimizer).__name__}, "
+                              "not accelerate's AcceleratedOptimizer around a torch optimizer; train without "
+                              "DeepSpeed, FSDP or SageMaker model parallelism")
+        trainers = hf_internals.torch_optimizer(optimizer)  # the Trainer's AdamW: converted, then hooked
         resume = self._resume_folder(args, state)  # before anything is created on disk
         if resume is not None:
             token = self._resume_token(resume, state)  # refuses state that belongs to another checkpoint
@@ -273,24 +357,17 @@ class FuyouCallback(TrainerCallback, ExportableState):
         # the gradients in backward: each rank then updates the parameters whose state it owns.
         parallel = (dict(process_group=dist.group.WORLD, gradients_averaged=True)
                     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
-        engine = FuyouEngine(model, optimizer.optimizer, config=self.config, max_grad_norm=max_norm,
+        engine = FuyouEngine(model, trainers, config=self.config, max_grad_norm=max_norm,
                              release_grads=False, norm_order=model.parameters(), loss_scaling=True if args.fp16 else None,
                              where=f"TrainingArguments(optim={optim_name!r})", report=log.info, **parallel)
         try:
-            if parallel and engine.data_parallel:
-                ddp = _ddp_wrapping(model)  # the Trainer hands callbacks the model inside accelerate's DDP
-                if ddp is not None:  # each bucket summed onto its owners; `backward`: updates as buckets land
-                    engine.attach_ddp(ddp)
-                else:
-                    log.warning("FuyouCallback: no DistributedDataParallel wraps the model; the gradients are "
-                                "all-reduced by whatever wraps it, and the 'backward' schedule updates at step()")
             if resume is not None:
                 engine.load(resume, token)
             engine.expect_steps(state.max_steps - state.global_step if state.max_steps else None)
+            self._run = _Run(engine, args, model, trainers, getattr(optimizer, "scaler", None))
         except BaseException as exc:
             undo_after(exc, engine.close)  # its own error reaches the user, not one of the clean-up
             raise
-        self._run = _Run(engine, args, model, optimizer, getattr(lr_scheduler, "scheduler", lr_scheduler))
         self._at = (args, state)
         if args.should_save:
             hf_checkpoints.claim(args.output_dir)  # `fuyou clean` leaves this run's checkpoints alone
@@ -342,10 +419,10 @@ class FuyouCallback(TrainerCallback, ExportableState):
         if self.engine is None or logs is None or "loss" not in logs:
             return  # evaluation logs and the closing train_runtime line carry no step
         metrics = self.engine.metrics() if self.log_metrics else {}
-        if self.engine.data_parallel and "grad_norm" in logs:
+        if (self.engine.data_parallel or self.engine.scales_loss) and "grad_norm" in logs:
             # Data parallel: the Trainer took the norm of this rank's .grad, which holds the average only for
-            # the parameters the rank owns (the comm hook sums each bucket onto its owners); the
-            # optimizer's is the global one.
+            # the parameters the rank owns (the comm hook sums each bucket onto its owners); fp16: of the
+            # gradients as scaled by FuyouAdamW's loss scale. The optimizer's is the global, unscaled one.
             metrics["grad_norm"] = self.engine.last_grad_norm
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -424,9 +501,9 @@ class FuyouCallback(TrainerCallback, ExportableState):
         self.close()
 
     def close(self) -> None:
-        """End this callback's run, if one is left: put back ``args.max_grad_norm``, the Trainer's
-        optimizer and scheduler, remove the hook, restore the weights of the last completed step
-        and delete the swap files. Only needed after ``train()`` raised; a no-op otherwise."""
+        """End this callback's run, if one is left: remove the hooks, put back ``args.max_grad_norm``
+        (and accelerate's GradScaler), restore the weights of the last completed step and delete the
+        swap files. Only needed after ``train()`` raised; a no-op otherwise."""
         run, self._run, self._at, self._save_due = self._run, None, None, False
         if run is not None:
             run.end()

@@ -79,12 +79,38 @@ class Wear:
                 "ssd_days_to_rated_endurance": self.days_to_rated_endurance,
                 "ssd_endurance_run_fraction": self.run_fraction}
 
-    def describe(self) -> str:
-        """One line: writes per step and hour, DWPD, the run's share of the rating."""
-        run = (f"; the run's {self.steps} steps write {format_bytes(self.bytes_per_step * self.steps)}, "
-               f"{self.run_fraction:.2%} of the drives' rated {self.endurance_tbw:g} TBW"
-               if self.steps is not None else "")
-        return (f"SSD wear: {format_bytes(self.bytes_per_step)} written per step, {format_bytes(self.bytes_per_hour)}/h "
-                f"over {self.drives} drive(s) of {format_bytes(self.drive_bytes)}: {self.drive_writes_per_day:.2f} "
-                f"drive writes per day, rated endurance reached in {self.days_to_rated_endurance:.0f} days of "
-                f"training{run}")
+    def describe(self, warn_share: float | None = None) -> str:
+        """One line, what matters first: the share of each drive's rated TBW that the run's steps write, against
+        ``warn_share`` (``ssd_wear_warning``, over which the engine warns); then the rate (per step and hour, drive
+        writes per day) and the days of continuous training at that rate that would write the rated TBW, the figure
+        that matters for a run of days. Without the run's length, the rate and the days only."""
+        drives = f"{self.drives} drive{'s' if self.drives != 1 else ''} of {format_bytes(self.drive_bytes)}"
+        rate = (f"{format_bytes(self.bytes_per_step)} per step ({format_bytes(self.bytes_per_hour)}/h, "
+                f"{self.drive_writes_per_day:.2f} drive writes per day over {drives})")
+        days = f"{self.days_to_rated_endurance:,.0f} days"
+        if self.steps is None:
+            return (f"SSD wear: {rate}; the run's length is unknown: continuous training at this rate would write each "
+                    f"drive's rated {self.endurance_tbw:g} TBW in {days} (for a run that long, set ssd_endurance_tbw "
+                    "to your drive's datasheet figure)")
+        share = self.run_fraction
+        verdict = ("" if warn_share is None else
+                   f" (over ssd_wear_warning={warn_share:g}: see the warning)" if share > warn_share else
+                   f" (under ssd_wear_warning={warn_share:g}: nothing to do)")
+        return (f"SSD wear: the run's {self.steps:,} steps ({_duration(self.steps * self.step_seconds)} at this rate) "
+                f"write {format_bytes(self.bytes_per_step * self.steps)}, {_percent(share)} of each drive's rated "
+                f"{self.endurance_tbw:g} TBW{verdict}. Rate: {rate}; continuous training at this rate would write "
+                f"the rated TBW in {days}")
+
+
+def _percent(share: float) -> str:
+    """``share`` as a percentage with its first digits showing, however small: 1.00%, 0.0003%."""
+    percent = share * 100
+    return f"{percent:.2f}%" if percent >= 0.01 or percent == 0 else f"{percent:.1g}%"
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the unit a reader thinks in: 40 s, 12 min, 3.5 h, 2.1 days."""
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+    return f"{seconds:.0f} s"
