@@ -78,16 +78,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from .._extras import require
-require(__name__, "transformers", "accelerate")  # without them: the error says which extra to install
-from accelerate.state import GradientState
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
-from transformers.utils import logging as hf_logging
-from accelerate.optimizer import AcceleratedOptimizer
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
-from transformers.trainer_callback import DefaultFlowCallback
+
+from .._extras import require
+
+require(__name__, "transformers", "accelerate")  # without them: the error says which extra to install
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.state import GradientState  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_callback import DefaultFlowCallback, ExportableState  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, read_mapping

@@ -43,21 +43,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from .._extras import require
-require(__name__, "lightning")  # without it: the error says which extra to install
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
-from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
-from typing_extensions import override
+
+from .._extras import require
+
+require(__name__, "lightning")  # without it: the error says which extra to install
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # noqa: E402
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy  # noqa: E402
+from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
+from lightning.pytorch.callbacks import RichProgressBar  # noqa: E402
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision  # noqa: E402
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only  # noqa: E402
+from typing_extensions import override  # noqa: E402 (a dependency of lightning)
 
 from .lightning_internals import (_default_backend, _init_dist_connection, _MultiProcessingLauncher,
                                   _SubprocessScriptLauncher, _sync_ddp_if_available)
