@@ -62,3 +62,25 @@ def test_lightning_refuses_a_compiled_lightning_module_before_any_step(tmp_path)
     with pytest.raises(RuntimeError, match="compiled model is incompatible with the current strategy: `FuyouStrategy`"):
         trainer.fit(torch.compile(CausalLM()), torch.utils.data.DataLoader(torch.randint(0, 64, (4, 8)), batch_size=2))
     assert run_files(tmp_path) == []
+
+
+def test_fabric_refuses_a_compiled_model_at_the_first_backward_before_any_update(tmp_path):
+    """``fabric.setup(torch.compile(model))``: Fabric unwraps the module for the strategy and compiles it again
+    afterwards, out of the strategy's sight; the strategy's forward hook sees the compiled forward (dynamo
+    replays its flag), and the first ``fabric.backward`` refuses before any gradient or update exists."""
+    from fuyou_strategy import FuyouFabricStrategy
+
+    strategy = FuyouFabricStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled, opt = fabric.setup(torch.compile(model, backend="eager"), torch.optim.AdamW(model.parameters()))
+    batch = torch.randint(0, 64, (2, 8))
+    loss = compiled(input_ids=batch, labels=batch).loss
+    with pytest.raises(ConfigError, match=r"fabric.setup: got a compiled model \(torch.compile\).*without torch.compile"):
+        fabric.backward(loss)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    strategy.teardown()
+    assert run_files(tmp_path) == []

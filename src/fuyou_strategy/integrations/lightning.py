@@ -643,8 +643,22 @@ class _FabricEngine(_EngineOwner):
         return wrapped, [self.engine.optimizer], scheduler
 
     def _before_forward(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Fabric compiles the module again after setup (fabric.setup(torch.compile(model))), out of this
+            # strategy's sight. Dynamo replays this attribute write on every call of the compiled graph, so the
+            # first fabric.backward() sees it and refuses, before any gradient or update exists.
+            self._compiled_forward = True
+            return
         if module.training and torch.is_grad_enabled() and self.engine is not None:
             self.engine.begin_micro_batch()  # updates stay as `no_backward_sync` / `optimizer.no_update()` set them
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_compiled_forward", False):
+            raise ConfigError(
+                "fabric.setup: got a compiled model (torch.compile); fuyou's hooks (optimizer schedule, activation "
+                "swapping, weight streaming) run in eager mode: pass fabric.setup the model without torch.compile")
+        return super().backward(tensor, module, *args, **kwargs)
 
     @override
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
