@@ -969,8 +969,9 @@ def test_strategy_fuyou_on_two_devices_trains_like_lightnings_ddp(tmp_path):
     """The same two-rank fit (gloo, spawned ranks, Lightning's DistributedSampler, accumulate 2, clip
     1.0, warm-up): ``strategy="ddp"`` with torch's AdamW, and the fuyou strategy (``"fuyou"``'s class,
     which is also ``"fuyou_ddp"``) with the same devices. DDP averages the gradients in both; fuyou's
-    ranks update the shards they own and broadcast them, so the weights agree to the data-parallel
-    tests' tolerance, not bitwise (the averaged gradients are summed in another order)."""
+    ranks update the shards they own and broadcast them. Measured on gloo: bitwise equal (a two-term sum
+    does not depend on its order); asserted to the data-parallel tests' tolerance, since the reduction
+    order may differ with more ranks or another backend."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from fuyou_strategy import FuyouStrategy
@@ -982,7 +983,9 @@ def test_strategy_fuyou_on_two_devices_trains_like_lightnings_ddp(tmp_path):
         callbacks=[SaveWeights(str(tmp_path / "fuyou.pt"))], enable_checkpointing=False)
     ddp, fuyou = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fuyou.pt")
     assert ddp.keys() == fuyou.keys()
-    assert max_relative_difference(ddp, fuyou) <= TOLERANCE
+    difference = max_relative_difference(ddp, fuyou)
+    print(f"strategy='ddp' vs the fuyou strategy on two ranks: max relative difference {difference:.2e}")
+    assert difference <= TOLERANCE
     torch.manual_seed(0)  # as `fit` makes its module
     initial = CausalLM().state_dict()
     assert max_relative_difference(initial, fuyou) > 100 * TOLERANCE  # they trained: agreeing is not standing still
@@ -1013,6 +1016,8 @@ def test_fabric_strategy_fuyou_ddp_on_two_devices_trains_like_fabrics_ddp(tmp_pa
     fuyou = FuyouFabricStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", max_grad_norm=1.0, start_method="spawn")
     L.Fabric(accelerator="cpu", devices=2, strategy=fuyou).launch(_fabric_rank, str(tmp_path / "fuyou.pt"), True)
     ddp, ours = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fuyou.pt")
-    assert ddp.keys() == ours.keys() and max_relative_difference(ddp, ours) <= TOLERANCE
+    difference = max_relative_difference(ddp, ours)
+    print(f"Fabric 'ddp' vs 'fuyou_ddp' on two ranks: max relative difference {difference:.2e}")
+    assert ddp.keys() == ours.keys() and difference <= TOLERANCE
     torch.manual_seed(0)
     assert max_relative_difference(tiny_causal_lm("gpt2").state_dict(), ours) > 100 * TOLERANCE  # it trained
