@@ -119,6 +119,36 @@ def test_streamed_weights_in_a_device_budget_below_the_models_train_like_residen
         assert torch.equal(resident[name], streamed[name]), name
 
 
+def test_lightning_with_streamed_weights_on_the_device_ends_fit_with_the_module_on_the_cpu(tmp_path, compute_device):
+    """Lightning's teardown moves the module to the CPU. Streamed weights are released on the device between
+    uses (their storage freed); they go to the CPU empty, their values served from their tier copies, and
+    train exactly like resident ones. (On the first GPU run ``module.cpu()`` copied a released storage:
+    "CUDA error: invalid argument".)"""
+    from test_lightning import fit
+
+    from fuyou_strategy import FuyouStrategy
+
+    accelerator = "gpu" if compute_device.type == "cuda" else "cpu"
+
+    def run(tag, **fields):
+        strategy = FuyouStrategy(swap_dirs=[str(tmp_path / tag)], chunk_size="8KiB", **fields)
+        (tmp_path / tag).mkdir()
+        module, trainer = fit(strategy, steps=4, accelerator=accelerator)
+        return module, trainer
+
+    resident, _ = run("resident")
+    streamed, trainer = run("streamed", weights={0: "ssd", 1: "host"})
+    assert trainer.strategy.engine.summary()["weight_bytes_trainable_streamed"] > 0
+    assert {p.device.type for p in streamed.parameters()} == {"cpu"}, "Lightning's teardown moves the module"
+    ours, ref = streamed.state_dict(), resident.state_dict()
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(ours[name].cpu(), ref[name].cpu()), name
+    trainer.strategy.engine.close()  # every weight resident again, on the CPU now
+    for (name, p), (_, q) in zip(streamed.named_parameters(), resident.named_parameters()):
+        assert p.device.type == "cpu" and torch.equal(p, q.cpu()), name
+
+
 def test_two_ranks_over_nccl_sum_like_one_process(tmp_path, compute_device):
     if compute_device.type != "cuda" or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices (NCCL); test_distributed.py covers data parallel with gloo on the CPU")

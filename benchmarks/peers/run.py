@@ -92,6 +92,7 @@ def worker(args: argparse.Namespace) -> dict:
     except Unavailable as e:
         return {"status": "unavailable", "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - the row reports it
+        traceback.print_exc()  # the whole stack on stderr: the parent keeps it in the run's log
         where = traceback.extract_tb(e.__traceback__)[-1]
         return {"status": "failed", "reason": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} "
                 f"(at {Path(where.filename).name}:{where.lineno})"}

@@ -42,7 +42,7 @@ import torch
 
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
-           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT"]
+           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host"]
 
 PAGE_SIZE = 4096
 COPY_TIMEOUT = 600.0  # seconds a copy may take before its wait gives up (a stuck device or copy engine)
@@ -64,6 +64,12 @@ def _accelerated(device: torch.device) -> bool:
 
 def _on_accelerator(t: torch.Tensor) -> bool:
     return _accelerated(t.device)
+
+
+def read_on_host(t: torch.Tensor) -> bool:
+    """Whether the host must copy ``t`` into a host buffer (`start_copy`) before it reads it: ``t`` is on an
+    accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there."""
+    return _on_accelerator(t) or _late is not None
 
 
 # -- host buffers ---------------------------------------------------------------------------------------------
@@ -208,6 +214,9 @@ def start_copy(dst: torch.Tensor, src: torch.Tensor, *, after_compute: bool = Fa
         stream.wait_stream(torch.accelerator.current_stream(device))
     with stream:
         dst.copy_(src, non_blocking=host_side.is_pinned())
+        # The device tensor's memory is not handed out again until the side stream is past this copy, even
+        # if the caller drops its last reference before it lands (a gradient set to None, say).
+        device_side.record_stream(stream)
         event = torch.Event(device=device)
         event.record(stream)
     return Copy(event)

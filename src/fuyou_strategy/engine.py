@@ -207,7 +207,7 @@ class FuyouEngine:
         config: `FuyouConfig`; ``None`` means defaults (a temporary swap directory).
         max_grad_norm: clip the global gradient norm exactly, in the optimizer (the framework's
             own clipping must be turned off: gradients are consumed during backward).
-        release_grads: let the optimizer drop gradients as soon as their update is written
+        release_grads: let the optimizer drop gradients as soon as their update is queued
             (only when no clipping is configured); ``False`` keeps them until ``zero_grad``
             for a framework that reads them after backward (e.g. to log their norm).
         norm_order: the order in which the framework's own clipping sums the global norm, so

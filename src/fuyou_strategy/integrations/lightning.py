@@ -556,6 +556,11 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
             self.engine.stop_updates()  # a stray backward after fit queues nothing
             if self.engine.swapper is not None:
                 self.engine.swapper.uninstall()
+            if self.engine.streamer is not None and self.root_device.type != "cpu":
+                # Lightning's teardown moves the module to the CPU: streamed weights (released on the device,
+                # their values in their tier copies) go there empty instead of being copied (first GPU run:
+                # module.cpu() failed with "CUDA error: invalid argument" on a released storage)
+                self.engine.streamer.move_to(torch.device("cpu"))
         share_display(None)
         self._trainer = None
         super().teardown()

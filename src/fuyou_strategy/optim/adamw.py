@@ -61,7 +61,7 @@ from ..cleanup import undo_after
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
 from . import checkpoint
 from .distributed import Sharding, Shards, Solo
-from .gradients import Grad, Gradients, StreamedGradients
+from .gradients import Gradients, StreamedGradients
 from .scaler import LossScaler
 from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleChooser, Speculative, StepStats
 from .formats import StateFormat
@@ -94,8 +94,9 @@ class FuyouAdamW(torch.optim.Optimizer):
             module docstring); ``None`` disables clipping.
         config: `FuyouConfig` (swap directories, host budget, chunk size, I/O threads,
             read-ahead); ``None`` means defaults with a temporary swap directory.
-        release_grads: drop each gradient as soon as its update is written when no redo can
-            need it (``max_grad_norm is None``); saves a model's worth of gradient memory.
+        release_grads: drop each ``.grad`` as its update is queued (the update holds the tensor until
+            it is written) when no redo can need it (``max_grad_norm is None``); saves a model's worth
+            of gradient memory.
             Otherwise gradients are kept until ``zero_grad``, as usual.
         fused: the kernel, as in ``torch.optim.AdamW``: ``True`` uses torch's fused CPU kernel
             (fastest; bitwise equal to ``AdamW(fused=True)``), ``False`` the for-loop kernel
@@ -246,7 +247,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         """A DDP bucket's average of one of this rank's parameters (on DDP's collective thread)."""
         window = self.window
         if window.updates and window.schedule.speculates and not window.queued(ps):
-            window.schedule.on_gradient_final(ps, Grad(ps, average, kind="bucket"))
+            window.schedule.on_gradient_final(ps, self.gradients.staged(ps, average, kind="bucket"))
 
     def ddp_comm_hook(self, state: Any, bucket: Any) -> Future:
         """DDP's averaging, the updates as each bucket lands (`Sharding.comm_hook`)."""

@@ -14,6 +14,13 @@ Three kinds of gradient feed the updates, and the schedules never ask which one 
 `Grad` gives an update job each chunk (`Grad.chunk`) and the gradient's norm (`Grad.norm`), and releases
 what it holds when the job is done (`Grad.release`).
 
+A resident or bucket gradient on an accelerator is read by the host's update, so it is first copied whole
+into a host pool buffer (`Gradients.staged`): the copy starts where the gradient is handed over (autograd's
+thread, DDP's hook, or ``step()``), ordered after the kernels that computed it, and the job waits for it
+before its first read. The norm is then taken on the host, as ``clip_grad_norm_`` takes it of host
+gradients, and the chunks are slices of the host copy. (Before the first GPU run the worker sliced the
+device tensor and multiplied it by a host coefficient; that failed on the first clipped step.)
+
 Threads: `StreamedGradients.take` runs on the autograd thread, during backward; the jobs it queues run on
 the state's worker. What it records for the window (``Window.partial``, ``Window.norms``) follows the
 `Window`'s rules.
@@ -26,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..device import transfer
+from ..device import Copy, read_on_host, start_copy, transfer
 from ..storage import HostBuffer
 from .pipeline import ChunkJob
 
@@ -58,10 +65,15 @@ class Grad:
     """
 
     def __init__(self, ps: "ParamState", tensor: torch.Tensor | None = None, *, host: HostBuffer | None = None,
-                 entry: str | None = None, kind: str = "resident") -> None:
+                 entry: str | None = None, kind: str = "resident", staging: HostBuffer | None = None,
+                 landing: Copy | None = None) -> None:
         self.shape, self.dtype, self.kind = ps.param.shape, ps.param.dtype, kind
         self.flat = tensor.reshape(-1) if tensor is not None else None
         self.host, self.entry = host, entry
+        # ``staging``: the host copy of a device gradient (``tensor`` is a view of it), released with the
+        # Grad; ``landing``: its copy, waited for before the first read. Set before the Grad is handed to
+        # the worker, then read and cleared by the worker alone (the job queue orders the two threads).
+        self.staging, self.landing = staging, landing
 
     @classmethod
     def stored(cls, ps: "ParamState") -> "Grad":
@@ -77,14 +89,34 @@ class Grad:
         """Elements ``[start, start + n)``: from memory, or from ``stored`` (the entry's chunk just read)."""
         if stored is not None:
             return stored.view(self.dtype)[:n]
+        self._landed()
         return self.flat[start : start + n]
 
     def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
+        self._landed()
         return grad_norm(self.flat.view(self.shape), inv_scale)
+
+    def _landed(self) -> None:
+        if self.landing is not None:
+            self.landing.wait()  # raises the copy's error, or TimeoutError if the device is stuck
+            self.landing = None
 
     def release(self) -> None:
         if self.host is not None:
             self.host.release()
+        if self.staging is not None:
+            # A buffer goes back to the pool only once no copy can still write into it: an update that
+            # never ran (undone, discarded) waits for its gradient's copy here. A copy that failed is over;
+            # one that timed out may still land, so its buffer is kept out of the pool (and the error raised).
+            try:
+                self._landed()
+            except TimeoutError:
+                self.staging = None
+                raise
+            except BaseException:  # noqa: BLE001 - the copy is over: its error was the update's to report
+                pass
+            self.staging.release()
+            self.staging = None
 
 
 class StreamedGradients:
@@ -189,20 +221,47 @@ class Gradients:
         if window.queued(ps):
             window.mark_late(ps)
             return None
-        return Grad(ps, ps.param.grad)
+        return self.staged(ps, ps.param.grad)
+
+    def staged(self, ps: "ParamState", tensor: torch.Tensor, kind: str = "resident") -> Grad:
+        """A `Grad` of ``tensor`` that the host can read: ``tensor`` itself on the CPU; from an accelerator,
+        a host pool buffer that a copy started now fills (ordered after the kernels the calling thread's
+        stream queued, which computed the gradient), waited for at the update's first read. The buffer
+        is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
+        Grad."""
+        if not read_on_host(tensor):
+            return Grad(ps, tensor, kind=kind)
+        streamed = self.streamed
+        nbytes = tensor.numel() * tensor.element_size()
+        host = streamed.state.pool.acquire(nbytes, timeout=streamed.timeout, keep_free=streamed.keep_free)
+        try:
+            flat = host.view(tensor.dtype)[: tensor.numel()]
+            landing = start_copy(flat, tensor.detach().reshape(-1))
+        except BaseException:
+            host.release()
+            raise
+        return Grad(ps, flat, kind=kind, staging=host, landing=landing)
 
     def at_step(self, ps: "ParamState") -> Grad:
         """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo)."""
-        return Grad.stored(ps) if ps.grads is not None else Grad(ps, ps.param.grad)
+        return Grad.stored(ps) if ps.grads is not None else self.staged(ps, ps.param.grad)
 
     def set_by_hand(self, params: list["ParamState"]) -> list["ParamState"]:
         """The resident parameters with a gradient but no update queued: set without backward hooks firing."""
         return [ps for ps in params if ps.grads is None and ps.param.grad is not None and not self.window.queued(ps)]
 
     def resident_norms(self, params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept)."""
-        return {ps.index: grad_norm(ps.param.grad, inv_scale) for ps in params
-                if ps.grads is None and ps.param.grad is not None}
+        """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept), on the
+        host: one on an accelerator is copied for its norm, one at a time (the update copies it again)."""
+        norms = {}
+        for ps in params:
+            if ps.grads is None and ps.param.grad is not None:
+                grad = self.staged(ps, ps.param.grad)
+                try:
+                    norms[ps.index] = grad.norm(inv_scale)
+                finally:
+                    grad.release()
+        return norms
 
     def handed_over(self, ps: "ParamState") -> None:
         """An exact update now holds ``ps``'s gradient: a resident ``.grad`` is dropped, so that the next

@@ -268,7 +268,7 @@ class OptimizerState:
             start, n = ps.span(k)
             state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
-            g = raw.to(device="cpu", dtype=torch.float32)
+            g = raw.to(torch.float32)  # on the host: a device gradient was staged (`Gradients.staged`)
             if inv_scale is not None:
                 g = g * inv_scale  # GradScaler.unscale_
             if coef is not None:

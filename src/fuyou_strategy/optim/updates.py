@@ -38,7 +38,7 @@ class Updater:
         window: where a speculative update records its gradient's norm.
         streamed: the streamed gradients (a redo under clipping keeps a streamed gradient in its entry).
         fused: the kernel (`adamw_kernel`).
-        release_grads: drop a resident ``.grad`` once its speculative update is written.
+        release_grads: drop a resident ``.grad`` as its speculative update is queued (the update holds it).
         clipping: a clip norm is set (a redo may read the gradients again).
         scaler: fp16 loss scaling, or None (the gradient is unscaled in the update).
     """
@@ -66,18 +66,16 @@ class Updater:
         def norm(value: torch.Tensor) -> None:
             norms[ps.index] = value
 
-        drop = self.release_grads and speculative and ps.grads is None  # no redo can need it
         param = ps.param
-
-        def finished() -> None:
-            grad.release()
-            if drop:
-                param.grad = None
-
         keep = self.streamed.write if grad.host is not None and self.clipping else None
         job = self.state.update_job(ps, grad, step=self.steps[param]["step"].clone(), fused=self.fused, exact=exact,
                                     coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(), keep=keep,
-                                    norm=norm if record else None, finished=finished)
+                                    norm=norm if record else None, finished=grad.release)
+        if self.release_grads and speculative and ps.grads is None:  # no redo can need it
+            # Dropped here, on the thread that has the gradient, never by the worker: ``.grad`` belongs to the
+            # training side (a worker's write raced step()'s reads of it and crashed the process). The `Grad`
+            # keeps the tensor (or its host copy) alive until the update is done with it.
+            param.grad = None
         return self.state.run(job)
 
     def publisher(self) -> Any:

@@ -579,6 +579,22 @@ class WeightStreamer:
             for unit in self._units.values():
                 self._release(unit)
 
+    def move_to(self, device: torch.device) -> None:
+        """Make ``device`` where the streamed weights live, every block released: each weight becomes an
+        empty tensor there (its values stay in their tier copies, served by ``state_dict``), so that a
+        framework moving the whole module (Lightning's teardown: ``module.cpu()``) never copies a
+        released storage, which on an accelerator is a copy from a null pointer. Later forwards fill
+        them on ``device``. Between steps, with no update in flight."""
+        with self._lock:
+            for unit in self._units.values():
+                self._release(unit)  # waits for an upload in flight
+                for w in unit.weights:
+                    if w.param.device != device:
+                        empty = torch.empty(w.param.shape, dtype=w.dtype, device=device)
+                        empty.untyped_storage().resize_(0)
+                        w.param.data = empty
+            self.device = device
+
     # -- the optimizer's side --------------------------------------------------------------------------
     def streams(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param`` is a trainable parameter whose value lives in a tier copy."""

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU check that fits one lease of this project's device tool (15 minutes of device time, start included):
+# the environment, the device-dependent suite on CUDA, then the peers harness at one size with a step trace of
+# each fuyou system. Everything lands under $OUT (default ./gpu-quick): env.txt, tests.log, bench.log and
+# results.tgz (the harness's table, JSON and PNG, the traces, each run's stderr log). About 6 minutes on an H200.
+#   bash benchmarks/gpu_quick.sh                      # on the GPU machine, from the repository root
+#   T_TESTS=150 T_BENCH=270 SIZE=350M SYSTEMS=torch,fuyou-hf bash benchmarks/gpu_quick.sh
+# The full check with DeepSpeed and two models is `python -m benchmarks.gpu_check` (30 minutes; docs/gpu.md).
+OUT=${OUT:-$PWD/gpu-quick}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+WORK=$(mktemp -d)
+S=$(date +%s)
+{ nvidia-smi -L; echo "cores $(nproc)"; free -g | head -2; df -h "$WORK" | tail -1
+  echo "avx512_bf16 cores: $(grep -c avx512_bf16 /proc/cpuinfo)"
+  $PY -c "import sys, torch, lightning, transformers, peft, accelerate; print(sys.version); print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print('lightning', lightning.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
+  $PY -c "import torchao" 2>&1 | tail -1; ls /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 2>&1; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+echo "== tests on cuda (at $(( $(date +%s) - S )) s)"
+FUYOU_TEST_DEVICE=cuda timeout -k 5 "${T_TESTS:-150}" $PY -m pytest -q -p no:cacheprovider -rfs -m device --durations=15 > "$OUT/tests.log" 2>&1
+echo "tests exit $?"; tail -25 "$OUT/tests.log"
+echo "== peers at ${SIZE:-350M} (at $(( $(date +%s) - S )) s)"
+timeout -k 5 "${T_BENCH:-270}" $PY -m benchmarks.peers --device cuda --arch gpt2 --sizes "${SIZE:-350M}" \
+  --systems "${SYSTEMS:-torch,fuyou-hf,fuyou-lightning,fuyou-state-ssd,fuyou-ssd}" --dtype "${DTYPE:-bf16}" \
+  --batch 8 --seq 1024 --steps 3 --warmup 2 --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
+  --trace "$WORK/trace" > "$OUT/bench.log" 2>&1
+echo "bench exit $?"; tail -30 "$OUT/bench.log"
+(cd "$WORK" && tar czf "$OUT/results.tgz" bench trace swap/*.log 2>/dev/null)
+rm -rf "$WORK"
+echo "total $(( $(date +%s) - S )) s; files in $OUT"
