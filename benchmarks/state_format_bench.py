@@ -27,6 +27,11 @@ format, compute dtype (fp32, bf16) and ``state_slots`` (1, 2): ``summary()["ssd_
 engine over 3 steps after one warm-up, beside the state's own bytes per parameter (`optim.formats`).
 Writes ``benchmarks/results/state_format_bytes.json``.
 
+``--padding`` computes, without training, the state's bytes per parameter and slot as the store holds them
+(each chunk a whole stride) for GPT-2 124M/350M/1.5B and Llama-shaped 6.7B (built on the meta device: no
+memory) at the default chunk size, with every chunk of full length and the last one padded (the rule before
+2026-11-26) and with `balanced_chunk` (equal chunks). Writes ``benchmarks/results/state_padding.json``.
+
 ``--update`` measures the CPU cost instead: one chunk's update (4M elements, what the optimizer's worker runs
 per chunk) in each format, median of 7 after a warm-up, as parameters per second and as a multiple of the
 fused fp32 kernel's time. Writes ``benchmarks/results/state_format_update.json``.
@@ -206,6 +211,41 @@ def bytes_table(out: str) -> int:
     return 0
 
 
+def padding_table(out: str) -> int:
+    """The state's bytes per parameter and slot, padded as the store holds them, per chunking rule (`--padding`)."""
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks.peers.systems import Job
+    from fuyou_strategy import FuyouConfig
+    from fuyou_strategy.config import STATE_BYTES_PER_PARAM, host_budget_split
+    from fuyou_strategy.optim.state import balanced_chunk
+    from fuyou_strategy.storage import TensorStore, round_up
+
+    most = host_budget_split(FuyouConfig()).state_chunk // STATE_BYTES_PER_PARAM
+    rules = {"full chunks, last padded": lambda n: most, "balanced_chunk": lambda n: balanced_chunk(n, most)}
+    rows = []
+    print(f"chunks of at most {most} parameters (the default chunk_size); fp32 state, 12 bytes per parameter\n")
+    print("| model | parameters | " + " | ".join(f"{r} (B/param/slot)" for r in rules) + " |")
+    print("|---|---|" + "---|" * len(rules))
+    for arch, size in [("gpt2", "124M"), ("gpt2", "350M"), ("gpt2", "1.5B"), ("llama", "6.7B")]:
+        job = Job(arch, size, None, "fp32", 1, 1024, 1, "")
+        with torch.device("meta"):
+            model = job._build()
+        sizes = [p.numel() for p in model.parameters()]
+        row = {"model": f"{arch}-{size}", "parameters": sum(sizes)}
+        for name, rule in rules.items():
+            padded = sum(TensorStore.footprint(STATE_BYTES_PER_PARAM * n, round_up(STATE_BYTES_PER_PARAM * rule(n)), 1)
+                         for n in sizes)
+            row[name] = padded / sum(sizes)
+        rows.append(row)
+        print(f"| {row['model']} | {row['parameters']:,} | " + " | ".join(f"{row[r]:.3f}" for r in rules) + " |")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"chunk_elements": most, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -219,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs of the other tasks from --out's JSON (re-run only --tasks)")
     parser.add_argument("--bytes", action="store_true", help="measure SSD bytes per format instead (see above)")
+    parser.add_argument("--padding", action="store_true", help="the state's padding per chunking rule (see above)")
     parser.add_argument("--child", nargs=2, metavar=("TASK", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.padding:
+        return padding_table(str(HERE / "results" / "state_padding.json"))
     if args.bytes:
         return bytes_table(str(HERE / "results" / "state_format_bytes.json"))
     if args.update:

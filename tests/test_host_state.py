@@ -217,6 +217,39 @@ def test_auto_moves_what_the_plan_leaves_into_host_ram_after_the_warm_up_and_cha
         assert torch.equal(p, q), name
 
 
+def test_a_plan_whose_budget_holds_the_whole_state_moves_all_of_it_into_ram(tmp_path):
+    """The plan counts the state as the store holds it (chunks padded to their stride, `state_bytes_per_param`),
+    so a budget that holds it all gets it all. (The first GPU run: the plan counted 12 bytes per parameter and
+    slot, the store needed 15.1 with GPT-2 350M's padding, and a fifth of the state stayed on the SSD beside a
+    66 GB budget.)"""
+    model = tiny_causal_lm("llama")
+    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
+                 planner_warmup_steps=2, activation_min_bytes=0)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=cfg)
+    opt = engine.optimizer
+    whole = sum(state_bytes(opt))
+    padded = opt.state_bytes_per_param() * sum(p.numel() for p in model.parameters()) * cfg.state_slots
+    assert padded == pytest.approx(whole), "the planner's bytes per parameter are the store's"
+    train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    summary, plan = engine.summary(), engine.plan
+    engine.close()
+    assert plan is not None and plan.state_in_ram >= whole
+    assert summary["ssd_bytes_optimizer_state"] == 0 and summary["host_bytes_optimizer_state"] == whole
+
+
+def test_a_parameter_just_over_one_chunk_takes_two_equal_chunks_not_two_whole_ones(tmp_path):
+    """`balanced_chunk`: a parameter one element longer than a chunk was two whole strides on the SSD (and in
+    RAM), twice its bytes; now its chunks are equal and the padding is under 2048 elements per chunk."""
+    most = host_budget_split(FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="1MiB")).state_chunk // 12
+    w = torch.nn.Parameter(torch.randn(most + 1))
+    with FuyouAdamW([w], config=FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="1MiB", host_state=0)) as opt:
+        on_ssd, _ = opt.adam_state.footprint()
+        exact = 2 * 12 * w.numel()  # two slots of [master | exp_avg | exp_avg_sq]
+        assert exact <= on_ssd <= exact + 2 * 2 * 2048 * 12, (on_ssd, exact)
+        assert opt.state_bytes_per_param() * w.numel() * 2 == pytest.approx(on_ssd)
+
+
 def test_a_pinned_plan_holds_its_state_in_ram_from_the_first_step(tmp_path):
     from test_planner import synthetic
 

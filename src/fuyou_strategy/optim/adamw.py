@@ -64,8 +64,9 @@ from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
 from .scaler import LossScaler
 from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleChooser, Speculative, StepStats
+from ..storage import TensorStore
 from .formats import StateFormat
-from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel
+from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel, balanced_chunk
 from .updates import Updater
 from .window import Window
 
@@ -145,7 +146,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 _check_param(p, len(self._params), scaled=self.scaler is not None)
                 i = len(self._params)
-                self._params.append(ParamState(i, p, group, f"adamw.{i}", elems, -(-p.numel() // elems),
+                chunk = balanced_chunk(p.numel(), elems)
+                self._params.append(ParamState(i, p, group, f"adamw.{i}", chunk, -(-p.numel() // chunk),
                                                layout=self.state_format.layout(p.numel())))
         if not self._params:
             raise ConfigError("FuyouAdamW: no trainable parameter (all have requires_grad=False, or none were given)")
@@ -440,6 +442,13 @@ class FuyouAdamW(torch.optim.Optimizer):
         for ps in self._params:
             if streamer.streams(ps.param) and ps not in self._pending and self.streams_from_master(ps.param):
                 streamer.use_master(ps.param, ps.entry, ps.elems_per_chunk)
+
+    def state_bytes_per_param(self) -> float:
+        """Bytes of optimizer state per trainable parameter and slot as the store holds them (chunks padded to
+        their stride): what the planner's cost model counts for the state's host tier and the SSD, so that the
+        RAM it plans for the state holds the parameters it planned."""
+        padded = sum(TensorStore.footprint(ps.nbytes, ps.stride, 1) for ps in self._params)
+        return padded / sum(ps.numel for ps in self._params)
 
     def streams_from_master(self, param: torch.nn.Parameter) -> bool:
         """Whether trainable ``param``, streamed from the SSD tier, is read from its fp32 master instead of a copy

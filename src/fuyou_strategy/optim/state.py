@@ -33,17 +33,28 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch.optim.adamw import adamw as adamw_for_loop
 
-from ..config import STATE_BYTES_PER_PARAM, FuyouConfig
+from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, update_compact
 from .pipeline import ChunkJob, ChunkPipeline
 
-__all__ = ["ELEMENT_BYTES", "ParamState", "OptimizerState", "adamw_kernel", "apply_update"]
+__all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "adamw_kernel", "apply_update"]
 
 ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # fp32: 4 bytes per kind; the chunk size is set in elements at this rate
 FP32 = Layout("fp32")
+
+
+def balanced_chunk(numel: int, most: int) -> int:
+    """Elements per state chunk of a parameter of ``numel`` elements, chunks of at most ``most`` (a multiple of
+    `STATE_CHUNK_ELEMENTS`): as many chunks as ``most`` needs, all of the same length in whole groups of
+    `STATE_CHUNK_ELEMENTS`, the last one at most that much shorter per chunk. Every chunk takes a whole stride
+    on the SSD and in RAM, so chunks of ``most`` would pad the last one to a full stride: 26% of the state of
+    GPT-2 350M at the default 16 MiB (measured on the first GPU run, where it kept a fifth of the state on the
+    SSD with room for all of it in RAM). Chunk boundaries do not change any result: the update is elementwise."""
+    chunks = -(-numel // most)
+    return min(most, -(-(-(-numel // chunks)) // STATE_CHUNK_ELEMENTS) * STATE_CHUNK_ELEMENTS)
 
 
 @dataclass(eq=False)

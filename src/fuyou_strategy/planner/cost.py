@@ -51,6 +51,7 @@ schedule, for comparison).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
@@ -257,7 +258,7 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
     ram = _state_in_ram(profile, blocks, host_peak)  # "rest" or block index -> parameters whose state is in RAM
-    state_ram = int(sum(ram.values()) * profile.state_slots * profile.state_bytes)
+    state_ram = math.ceil(sum(ram.values()) * profile.state_slots * profile.state_bytes)  # never a byte short
     host_peak += state_ram
     ssd_peak -= state_ram
     s = _Schedule(record=timeline)

@@ -38,7 +38,7 @@ from ..activations.swap import first_tensor, storage_id, swappable
 from ..cleanup import undo_after
 from ..config import FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
-from ..optim.formats import Layout, bytes_per_param
+from ..optim.formats import Layout
 from ..optim.state import apply_update
 from ..params.streaming import Tier
 from ..progress import Progress
@@ -204,7 +204,7 @@ class WarmupProfiler:
             blocking_weight_copy=False,
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
             state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
-            state_bytes=bytes_per_param(self.optimizer.state_format.name),
+            state_bytes=self.optimizer.state_bytes_per_param(),
             weights_from_master=all(self.optimizer.streams_from_master(p)
                                     for b in self.blocks for p in b.parameters() if p.requires_grad),
             device_budget=device_budget, host_budget=store.pool.budget,
