@@ -64,6 +64,40 @@ def test_late_copies_catch_an_upload_that_does_not_wait_for_its_copy(tmp_path, m
             _swap_grads(tmp_path / "mutant-late", activations)
 
 
+def _trained_weights(tmp_path):
+    """A tiny Llama's weights after 3 `FuyouAdamW` steps with clipping that bites (resident gradients)."""
+    from fuyou_strategy import FuyouAdamW
+
+    model = tiny_causal_lm("llama")
+    tmp_path.mkdir()
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB")
+    with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
+        for step in range(3):
+            ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_late_copies_catch_an_update_that_reads_its_device_gradient_before_the_copy_landed(tmp_path, monkeypatch):
+    """A gradient on an accelerator reaches the host's update through a staged copy (`Gradients.staged`, the
+    first GPU run's fix); in the late-copy mode a CPU gradient takes the same path, so an update that skips
+    the wait (the mutation: `Grad._landed` a no-op) reads the poisoned buffer, which no normal CPU run sees."""
+    from fuyou_strategy.optim.gradients import Grad
+
+    monkeypatch.setattr(device, "_late", None)  # normal copies here, also in CI's FUYOU_ASYNC_DEVICE pass
+    reference = _trained_weights(tmp_path / "intact")
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        assert _equal(_trained_weights(tmp_path / "intact-late"), reference)
+    monkeypatch.setattr(Grad, "_landed", lambda self: None)
+    assert _equal(_trained_weights(tmp_path / "mutant"), reference), "normal CPU mode cannot see it"
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        mutant = _trained_weights(tmp_path / "mutant-late")
+    # the poisoned copy (NaN) makes the global norm non-finite: those steps are skipped, the weights wrong
+    assert not _equal(mutant, reference), "the update read the poisoned host copy"
+
+
 def test_a_late_copy_poisons_its_destination_reads_its_source_when_it_runs_and_lands_on_wait():
     src = torch.arange(1024, dtype=torch.float32)
     dst = torch.zeros(1024)
