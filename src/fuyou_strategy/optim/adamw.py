@@ -59,12 +59,12 @@ import torch.distributed as dist
 
 from ..cleanup import undo_after
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, host_budget_split
+from ..storage import TensorStore
 from . import checkpoint
 from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
 from .scaler import LossScaler
 from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleChooser, Speculative, StepStats
-from ..storage import TensorStore
 from .formats import StateFormat
 from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel, balanced_chunk
 from .updates import Updater

@@ -47,12 +47,13 @@ FP32 = Layout("fp32")
 
 
 def balanced_chunk(numel: int, most: int) -> int:
-    """Elements per state chunk of a parameter of ``numel`` elements, chunks of at most ``most`` (a multiple of
-    `STATE_CHUNK_ELEMENTS`): as many chunks as ``most`` needs, all of the same length in whole groups of
-    `STATE_CHUNK_ELEMENTS`, the last one at most that much shorter per chunk. Every chunk takes a whole stride
-    on the SSD and in RAM, so chunks of ``most`` would pad the last one to a full stride: 26% of the state of
-    GPT-2 350M at the default 16 MiB (measured on the first GPU run, where it kept a fifth of the state on the
-    SSD with room for all of it in RAM). Chunk boundaries do not change any result: the update is elementwise."""
+    """Elements per state chunk of a parameter of ``numel`` elements, chunks of at most ``most`` (a multiple
+    of `STATE_CHUNK_ELEMENTS`): as many chunks as ``most`` needs, all of one length in whole groups of
+    `STATE_CHUNK_ELEMENTS` but the last, which is shorter by less than one group per chunk. Every chunk takes
+    a whole stride on the SSD and in RAM, so chunks of ``most`` would pad the last one to a full stride: 26%
+    of the state of GPT-2 350M at the default 16 MiB (measured on the first GPU run, where it kept a fifth of
+    the state on the SSD with room for all of it in RAM). Chunk boundaries change no result: the update is
+    elementwise."""
     chunks = -(-numel // most)
     return min(most, -(-(-(-numel // chunks)) // STATE_CHUNK_ELEMENTS) * STATE_CHUNK_ELEMENTS)
 
