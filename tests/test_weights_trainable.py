@@ -169,6 +169,26 @@ def test_a_checkpoint_taken_with_streamed_weights_resumes_exactly(tmp_path):
     assert_same(resumed, straight, losses + more, ref_losses)
 
 
+def test_streamed_blocks_that_no_longer_fit_the_device_at_close_stay_on_the_cpu_bitwise(tmp_path, monkeypatch):
+    """A model streamed because it is larger than the device cannot be made resident there when the engine
+    closes: the blocks that hit an out-of-memory error become resident on the CPU, from their tier copies
+    (bitwise the final weights), with a warning; nothing is lost with the swap files."""
+    from fuyou_strategy.params import streaming
+
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses, _ = reference(ref_model, tmp_path)
+    engine, losses = train(model, config(tmp_path, MIX))
+
+    def out_of_memory(t, nbytes):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(streaming, "resize_for_copies", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="2 of 2 streamed blocks did not fit on cpu .* resident on the CPU"):
+        engine.close()
+    assert_same(model, ref_model, losses, ref_losses)
+
+
 def test_a_skipped_step_leaves_streamed_weights_as_they_were(tmp_path):
     model = tiny_causal_lm("gpt2")
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config(tmp_path, MIX),

@@ -64,6 +64,7 @@ from __future__ import annotations
 import enum
 import functools
 import threading
+import warnings
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -706,7 +707,9 @@ class WeightStreamer:
 
     # -- removing --------------------------------------------------------------------------------------
     def uninstall(self, *, force: bool = False) -> None:
-        """Remove the hooks and make every streamed weight resident again (bitwise its tier copy)."""
+        """Remove the hooks and make every streamed weight resident again (bitwise its tier copy): on its device,
+        or, for the blocks that no longer fit there (a model streamed because it is larger than the device), on
+        the CPU, with a warning. Nothing is lost either way: the tier copies are read before they go."""
         if not self._active and not force:
             return
         with self._lock:
@@ -714,12 +717,18 @@ class WeightStreamer:
                 handle.remove()
             self._handles = []
             self._active = False
+            on_host = 0
             for unit in self._units.values():
                 if unit.upload is not None:
                     self._release(unit)  # waits for the upload in flight
                 copies = all(w.host is not None or w.entry in self.store.entries for w in unit.weights)
                 if not unit.resident and copies:
-                    self._materialize(unit.index)
+                    try:
+                        self._materialize(unit.index)
+                    except torch.OutOfMemoryError:  # the upload freed what it had taken: the block is released
+                        for w in unit.weights:
+                            w.param.data = self._tier_copy(w)
+                        unit.resident, on_host = True, on_host + 1
                 for w in unit.weights:
                     if w.host is not None:
                         w.host.release()
@@ -727,6 +736,10 @@ class WeightStreamer:
                     if w.entry is not None and not w.master and w.entry in self.store.entries:
                         self.store.delete(w.entry)  # a master belongs to the optimizer's state
                     w.entry, w.master = None, False
+            if on_host:
+                warnings.warn(f"fuyou: {on_host} of {len(self._units)} streamed blocks did not fit on {self.device} at "
+                              "the end of training and are resident on the CPU instead (their final weights, bitwise): "
+                              "move the model to one device yourself before using it", RuntimeWarning, stacklevel=3)
             self._units = {}
             self._all = {}
             self._weights = {}
