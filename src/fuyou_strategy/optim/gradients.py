@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..device import Copy, read_on_host, start_copy, transfer
+from ..device import Copy, read_on_host, start_copy
 from ..storage import HostBuffer
 from .pipeline import ChunkJob
 
@@ -153,8 +153,8 @@ class StreamedGradients:
         nbytes = grad.numel() * grad.element_size()
         meter.add(nbytes)  # on the device from its accumulation until this copy
         try:
-            host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=self.keep_free)
-            transfer(host.view(grad.dtype)[: grad.numel()], grad.reshape(-1))
+            host, copy = self.copy_out(grad)
+            copy.wait()
         finally:
             del grad
             meter.sub(nbytes)
@@ -186,6 +186,18 @@ class StreamedGradients:
 
         self.state.run(ChunkJob(None, ps.nchunks, keep))
         return None
+
+    def copy_out(self, tensor: torch.Tensor) -> tuple[HostBuffer, Copy]:
+        """Start copying ``tensor`` (a gradient, on any device) into a host pool buffer lent for it, leaving the
+        worker room to read ahead (``keep_free``); the buffer (``tensor``'s bytes at its head once the copy
+        landed) and the copy. A copy that cannot start gives the buffer back."""
+        host = self.state.pool.acquire(tensor.numel() * tensor.element_size(), timeout=self.timeout,
+                                       keep_free=self.keep_free)
+        try:
+            return host, start_copy(host.view(tensor.dtype)[: tensor.numel()], tensor.detach().reshape(-1))
+        except BaseException:
+            host.release()
+            raise
 
     def write(self, ps: "ParamState", k: int, grad: torch.Tensor) -> Future:
         """Chunk ``k`` of ``ps``'s gradient (its dtype) into its entry (a redo reads it from there)."""
@@ -231,16 +243,8 @@ class Gradients:
         Grad."""
         if not read_on_host(tensor):
             return Grad(ps, tensor, kind=kind)
-        streamed = self.streamed
-        nbytes = tensor.numel() * tensor.element_size()
-        host = streamed.state.pool.acquire(nbytes, timeout=streamed.timeout, keep_free=streamed.keep_free)
-        try:
-            flat = host.view(tensor.dtype)[: tensor.numel()]
-            landing = start_copy(flat, tensor.detach().reshape(-1))
-        except BaseException:
-            host.release()
-            raise
-        return Grad(ps, flat, kind=kind, staging=host, landing=landing)
+        host, landing = self.streamed.copy_out(tensor)
+        return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)
 
     def at_step(self, ps: "ParamState") -> Grad:
         """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo)."""

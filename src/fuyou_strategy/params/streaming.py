@@ -728,7 +728,7 @@ class WeightStreamer:
                     except torch.OutOfMemoryError:  # the upload freed what it had taken: the block is released
                         for w in unit.weights:
                             w.param.data = self._tier_copy(w)
-                        unit.resident, on_host = True, on_host + 1
+                        on_host += 1
                 for w in unit.weights:
                     if w.host is not None:
                         w.host.release()
