@@ -87,6 +87,32 @@ def test_to_dict_round_trips_through_from_dict(tmp_path):
     assert json.loads(json.dumps(cfg.to_dict()))["host_memory_budget"] == 64 * 2**20
 
 
+def test_the_optimizers_read_ahead_defaults_to_two_chunks_per_drive_and_a_number_is_kept(tmp_path):
+    """``optimizer_prefetch_chunks="auto"``: 4 with one swap directory (the value before "auto"), two more per
+    further directory, at most 8, chosen again when a copy changes the directories; the depth the optimizer
+    reads ahead follows (within the budget); a number, 0 or a string other than "auto" as before."""
+    from fuyou_strategy.config import auto_prefetch_chunks, host_budget_split
+
+    dirs = [tmp_path / str(i) for i in range(4)]
+    for d in dirs:
+        d.mkdir()
+    one = FuyouConfig(swap_dirs=[str(dirs[0])], host_memory_budget="1GiB", chunk_size="1MiB")
+    assert one.optimizer_prefetch_chunks == 4 == auto_prefetch_chunks(1)[0]
+    assert one.auto_choices()["optimizer_prefetch_chunks"] == (4, auto_prefetch_chunks(1)[1])
+    assert "(1 here)" in auto_prefetch_chunks(1)[1]
+    assert FuyouConfig(host_memory_budget="1GiB").optimizer_prefetch_chunks == 4, "a temporary folder: one drive"
+    two = one.replace(swap_dirs=[str(d) for d in dirs[:2]])
+    assert two.optimizer_prefetch_chunks == 6 and two.auto_choices()["optimizer_prefetch_chunks"][0] == 6
+    assert FuyouConfig.resolve(one, swap_dirs=[str(d) for d in dirs]).optimizer_prefetch_chunks == 8, "at most 8"
+    assert host_budget_split(two).optimizer_depth == 6 > host_budget_split(one).optimizer_depth == 4
+    fixed = FuyouConfig(swap_dirs=[str(d) for d in dirs[:2]], optimizer_prefetch_chunks=3, host_memory_budget="1GiB")
+    assert fixed.optimizer_prefetch_chunks == 3 and "optimizer_prefetch_chunks" not in fixed.auto_choices()
+    assert fixed.replace(swap_dirs=[str(dirs[0])]).optimizer_prefetch_chunks == 3, "a number stays through copies"
+    for bad in (0, "many", True):
+        with pytest.raises(ConfigError, match=r"optimizer_prefetch_chunks: got .*; expected 'auto' or an int >= 1"):
+            FuyouConfig(optimizer_prefetch_chunks=bad, host_memory_budget="1GiB")
+
+
 def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch):
     """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: resolved once from the machine, carried
     through ``replace``/``resolve`` copies, announced with their reason through the ``report`` the integration
@@ -103,12 +129,14 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
     cores = os.cpu_count() or 1
     auto = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
     assert auto.io_threads == min(4, cores) == auto_io_threads(cores)[0]
-    assert set(auto.auto_choices()) == {"host_memory_budget", "io_threads"}
+    assert set(auto.auto_choices()) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}
     assert auto_io_threads(64)[0] == 4 and auto_io_threads(1)[0] == 1
     copy = FuyouConfig.resolve(auto, activations="keep")
-    assert set(copy.auto_choices()) == {"host_memory_budget", "io_threads"}, "carried through copies"
+    assert set(copy.auto_choices()) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}, \
+        "carried through copies"
     fixed = auto.replace(io_threads=3)
-    assert fixed.io_threads == 3 and set(fixed.auto_choices()) == {"host_memory_budget"}, "a number is hard"
+    assert fixed.io_threads == 3 and set(fixed.auto_choices()) == {"host_memory_budget", "optimizer_prefetch_chunks"}, \
+        "a number is hard"
     said = []
     model = torch.nn.Linear(4, 4)
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=auto, report=said.append)
@@ -120,6 +148,7 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         engine.close()
     said.clear()
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(
-        swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, host_memory_budget="64MiB"), report=said.append)
+        swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, host_memory_budget="64MiB",
+        optimizer_prefetch_chunks=4), report=said.append)
     engine.close()
     assert not [m for m in said if "='auto' took" in m]

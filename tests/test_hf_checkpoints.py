@@ -113,6 +113,23 @@ def save_twice(root, **overrides):
     return Path(root) / "out"
 
 
+def test_a_resumed_runs_first_logged_step_reports_its_own_counts_not_the_checkpoints(tmp_path):
+    """The ``fuyou/`` metrics of the first step after a resume count that step alone: not the clipped and
+    rolled-back steps the checkpoint restored, nor the bytes read to load it."""
+    def logged(t, step):
+        (entry,) = [e for e in t.state.log_history if e.get("step") == step and "fuyou/clipped" in e]
+        return {k: entry[k] for k in ("fuyou/clipped", "fuyou/rolled_back", "fuyou/skipped")}
+
+    uninterrupted = trainer(tmp_path / "uninterrupted")
+    uninterrupted.train()
+    out = save_twice(tmp_path / "saved")
+    resumed = trainer(tmp_path / "saved", seed=1)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert logged(uninterrupted, 1)["fuyou/clipped"] == 1, "clipping bites in the first steps: counts to restore"
+    assert logged(resumed, 4) == logged(uninterrupted, 4) == {"fuyou/clipped": 0, "fuyou/rolled_back": 0,
+                                                              "fuyou/skipped": 0}
+
+
 def test_fuyou_state_of_another_checkpoint_is_refused_naming_both_files(tmp_path):
     out = save_twice(tmp_path)
     shutil.rmtree(out / "checkpoint-3" / STATE_FOLDER)

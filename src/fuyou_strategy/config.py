@@ -100,6 +100,21 @@ def auto_io_threads(cores: int) -> tuple[int, str]:
                      "and writes release the GIL while the drive works")
 
 
+AUTO_PREFETCH_MAX = 8  # optimizer_prefetch_chunks="auto": two chunks per swap directory beyond a double buffer
+
+
+def auto_prefetch_chunks(drives: int) -> tuple[int, str]:
+    """What ``optimizer_prefetch_chunks="auto"`` takes with ``drives`` swap directories, and why (one sentence).
+
+    The optimizer's reads are striped over the directories chunk by chunk: two chunks per drive beyond the
+    double buffer keep a request queued on every drive while the optimizer computes, at most
+    `AUTO_PREFETCH_MAX`; the host budget may lower it (`host_budget_split`). One drive takes 4, the value
+    before ``"auto"``. `fuyou doctor` measures the drives and says how many chunks cover ~20 ms of the slowest."""
+    chunks = min(AUTO_PREFETCH_MAX, 2 + 2 * max(1, drives))
+    return chunks, (f"two chunks in flight per swap directory ({max(1, drives)} here) beyond a double buffer, at most "
+                    f"{AUTO_PREFETCH_MAX}; the host budget may lower it")
+
+
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
     """Turn ``4096``, ``"4KiB"``, ``"1.5GB"`` into a whole number of bytes.
 
@@ -186,7 +201,9 @@ class FuyouConfig:
             created, so a full disk is reported at allocation instead of mid-step.
         optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
             updated (capped by the optimizer's share of the host budget, see
-            `host_budget_split`). Default 4.
+            `host_budget_split`). Default ``"auto"``: two per swap directory beyond a double
+            buffer, at most 8 (`auto_prefetch_chunks`; 4 with one directory), announced when the
+            engine starts; a number is kept.
         io_timeout: seconds any one wait on the drives or the host pool may last (the
             optimizer's reads, buffers and last writes, activation read-back, weight reads, the
             bandwidth probes) before it raises an error (a hung drive, a leaked buffer) instead
@@ -297,7 +314,7 @@ class FuyouConfig:
     chunk_size: int | str = "16MiB"
     direct_io: str = "auto"
     preallocate: bool = True
-    optimizer_prefetch_chunks: int = 4
+    optimizer_prefetch_chunks: int | str = "auto"
     io_timeout: float = 600.0
     activations: str | dict = "keep"
     blocks: str | list[str] | None = None
@@ -379,9 +396,13 @@ class FuyouConfig:
             )
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
-        if not isinstance(self.optimizer_prefetch_chunks, int) or self.optimizer_prefetch_chunks < 1:
+        if self.optimizer_prefetch_chunks == "auto":
+            self.optimizer_prefetch_chunks, why = auto_prefetch_chunks(len(self.swap_dirs or ()))
+            self._chose("optimizer_prefetch_chunks", self.optimizer_prefetch_chunks, why)
+        if not isinstance(self.optimizer_prefetch_chunks, int) or isinstance(self.optimizer_prefetch_chunks, bool) \
+                or self.optimizer_prefetch_chunks < 1:
             raise ConfigError(
-                f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected an int >= 1"
+                f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected 'auto' or an int >= 1"
             )
         timeout = self.io_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
@@ -498,12 +519,24 @@ class FuyouConfig:
         else:
             raise ConfigError(f"config: got {type(config).__name__}; expected a FuyouConfig, a dict, a .json/.yaml path or None")
         if isinstance(config, FuyouConfig):
-            return cls.from_dict({**base, **fields})._carry_choices(config, fields) if fields else config
+            if not fields:
+                return config
+            fields = config._redo_choices(fields)
+            return cls.from_dict({**base, **fields})._carry_choices(config, fields)
         return cls.from_dict({**base, **fields})
 
     def replace(self, **changes: Any) -> "FuyouConfig":
         """A validated copy with some fields changed (the "auto" choices of the others are carried over)."""
+        changes = self._redo_choices(changes)
         return dataclasses.replace(self, **changes)._carry_choices(self, changes)
+
+    def _redo_choices(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """``changes``, with ``optimizer_prefetch_chunks`` chosen again when it was ``"auto"`` and the swap
+        directories it was chosen for change."""
+        if "swap_dirs" in changes and "optimizer_prefetch_chunks" not in changes \
+                and "optimizer_prefetch_chunks" in self.auto_choices():
+            return {**changes, "optimizer_prefetch_chunks": "auto"}
+        return changes
 
     # -- "auto" choices: made once, when the config is validated; announced by the engine ------------------
     def _chose(self, name: str, value: Any, why: str) -> None:
@@ -517,7 +550,7 @@ class FuyouConfig:
 
     def auto_choices(self) -> dict[str, tuple[Any, str]]:
         """``{field: (value, why)}`` for each field left at ``"auto"`` that this config resolved from the
-        machine (``host_memory_budget``, ``io_threads``); `FuyouEngine` announces them once through the
+        machine (``host_memory_budget``, ``io_threads``, ``optimizer_prefetch_chunks``); `FuyouEngine` announces them once through the
         framework's logger. A value given explicitly is a hard setting and appears nowhere here."""
         return dict(self.__dict__.get("_choices", {}))
 

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .config import FuyouConfig, auto_host_budget, auto_io_threads, format_bytes
+from .config import FuyouConfig, auto_host_budget, auto_io_threads, auto_prefetch_chunks, format_bytes
 from .device import accelerator
 
 __all__ = ["Check", "Diagnosis", "diagnose"]
@@ -168,9 +168,10 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
         slowest = min(min(b["write_bps"], b["read_bps"]) for b in d.bandwidth.values())
         # Enough chunks in flight to cover ~20 ms of the slowest drive at 16 MiB each, within the budget.
         chunks = max(2, min(8, int(slowest * 0.02 * len(usable) / defaults.chunk_size) + 2))
+        auto = auto_prefetch_chunks(len(usable))[0]  # the rule of optimizer_prefetch_chunks="auto": drives counted
         d.recommend("optimizer_prefetch_chunks", chunks,
                     f"keeps {format_bytes(chunks * defaults.chunk_size)} of state in flight for "
-                    f"{slowest / 1e9:.1f} GB/s per drive")
+                    f"{slowest / 1e9:.1f} GB/s per drive ('auto' takes {auto}, from the number of drives alone)")
     d.recommend("activations", "auto", "let the planner profile a warm-up and place each block's activations")
     d.recommend("ssd_endurance_tbw", defaults.ssd_endurance_tbw,
                 "a conservative default: set your drive's datasheet TBW for an accurate wear report")

@@ -62,6 +62,9 @@ class RunReport:
         self._wear_warned = False
         self._written_per_step: list[float] = []
         self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
+        # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
+        # rollback counts) nor the bytes read to load it.
+        self._optimizer.on_loaded.append(self._rebase)
         self._metrics: dict[str, float] = {}
 
     @property
@@ -222,6 +225,9 @@ class RunReport:
                 "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
                 "activation_bytes_to_host": swap.host_bytes if swap else 0,
                 "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
+
+    def _rebase(self) -> None:
+        self._counted = self._counters()
 
     def _step_metrics(self, seconds: float) -> dict[str, float]:
         now = self._counters()

@@ -137,6 +137,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.max_grad_norm, self.fused = max_grad_norm, bool(fused)
         self.scaler = LossScaler.resolve(loss_scaling)
         self.stats = StepStats()
+        # Called, on the training thread, after a checkpoint was loaded (`load_folder`, `load_state_dict`):
+        # the run's reporting takes the restored counts as its new starting point.
+        self.on_loaded: list[Callable[[], None]] = []
         self.config = config = config if config is not None else FuyouConfig()
         shares = host_budget_split(config)
         elems = shares.state_chunk // ELEMENT_BYTES
@@ -559,6 +562,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.stats.last_reason = self._choose()
         self.adam_state.restore_weights(owned, self.updates.publisher())
         self.sharding.updated(self._order.update, gated=False)  # data parallel: each weight from its owner, now
+        for listener in self.on_loaded:
+            listener()
         return meta
 
     def _restore_groups(self, saved_groups: list[dict]) -> None:
