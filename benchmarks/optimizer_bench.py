@@ -12,9 +12,11 @@ Measures, each configuration in a fresh process (so peak RSS is its own):
 3. **Peak RSS** of each process.
 
 Step configurations: ``no-optimizer``, ``torch``, ``fuyou``, ``fuyou-clip``, ``fuyou+act-ssd``, ``fuyou-ram``
-(the whole state in host RAM), ``fuyou-bf16`` and ``fuyou-8bit`` (``FuyouConfig.state_format``); and the
-optimizer alone (gradients set by hand, ``step()`` timed): ``torch-io``, ``fuyou-io`` (state on the SSD) and
-``fuyou-io-ram`` (state in host RAM), whose ratios are the CPU cost of an update per parameter.
+(the whole state in host RAM), ``fuyou-ram-exact`` (the same, every step ``next_forward``: updated in
+place), ``fuyou-bf16`` and ``fuyou-8bit`` (``FuyouConfig.state_format``); and the optimizer alone
+(gradients set by hand, ``step()`` timed): ``torch-io``, ``fuyou-io`` (state on the SSD), ``fuyou-io-ram``
+(state in host RAM) and ``fuyou-io-ram-exact`` (and ``next_forward``, landed by ``flush()`` inside the
+time), whose ratios are the CPU cost of an update per parameter.
 
 Run (jemalloc steadies step times on these machines; the table says which allocator ran):
 
@@ -62,10 +64,12 @@ def worker(args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     out["params"] = n_params
     cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state, io_threads=args.io_threads)
-    if args.config in ("fuyou-ram", "fuyou-io-ram"):
+    if args.config in ("fuyou-ram", "fuyou-io-ram", "fuyou-ram-exact", "fuyou-io-ram-exact"):
         # The whole state (both slots, with padding) in host RAM (FuyouConfig.host_state), the pool as before.
         state = 2 * 12 * n_params + 2**30
         cfg = cfg.replace(host_memory_budget=cfg.host_memory_budget + state, host_state=state)
+    if args.config.endswith("-exact"):  # every update exact, ahead of the next forward (in place in RAM)
+        cfg = cfg.replace(optimizer_schedule="next_forward")
     if args.config in ("fuyou-bf16", "fuyou-8bit"):  # a compact state (FuyouConfig.state_format)
         cfg = cfg.replace(state_format=args.config.split("-")[1])
     if args.config == "no-optimizer":
@@ -82,7 +86,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 
-    if args.config in ("fuyou-io", "fuyou-io-ram", "torch-io"):
+    if args.config in ("fuyou-io", "fuyou-io-ram", "fuyou-io-ram-exact", "torch-io"):
         # Optimizer alone: hand-set gradients, so every update runs inside step().
         grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
         times = []
@@ -91,6 +95,8 @@ def worker(args: argparse.Namespace) -> dict:
                 p.grad = g
             start = time.perf_counter()
             opt.step()
+            if hasattr(opt, "flush"):
+                opt.flush()  # next_forward: step() queued the updates; they are part of the time
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
         if hasattr(opt, "close"):
@@ -187,6 +193,8 @@ def main() -> None:
               "fuyou": "FuyouAdamW", "fuyou-clip": "FuyouAdamW max_grad_norm=1.0",
               "fuyou-ram": "FuyouAdamW, state in host RAM", "fuyou-io-ram": "optimizer alone, state in RAM",
               "fuyou-io": "optimizer alone, state on SSD", "torch-io": "torch.optim.AdamW(fused) alone",
+              "fuyou-ram-exact": "FuyouAdamW, RAM state, next_forward",
+              "fuyou-io-ram-exact": "optimizer alone, RAM, next_forward",
               "fuyou-bf16": "FuyouAdamW, state_format='bf16'", "fuyou-8bit": "FuyouAdamW, state_format='8bit'",
               "fuyou+act-ssd": "FuyouAdamW + activations to SSD"}
     for config in configs:

@@ -354,6 +354,31 @@ def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_ba
         assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))
 
 
+def test_a_chunk_lent_for_an_exact_update_is_the_active_chunk_itself_and_a_rollback_leaves_it_alone(tmp_path):
+    """read_chunk(lend='active') of an in-memory entry (an exact update, written back where it was read): the
+    active chunk's own memory, no copy; handed back it is a write, while lent it is not readable, given up it
+    fails the slot (the update may have changed part of it), and a rollback of shadow writes leaves it lent."""
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
+    with TensorStore(cfg) as store:
+        store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
+        x = torch.randn(4096)
+        store.write("a", x).result()
+        entry = store.entry("a")
+        lent = store.read_chunk("a", 0, lend="active").result()
+        assert lent.data.data_ptr() == entry.chunk_memory(0, entry.active).data_ptr(), "the chunk itself, no copy"
+        assert store.pool.lent == store.bytes_in_memory, "no pool buffer beside the state's own"
+        lent.view(torch.float32).mul_(2)  # the update, in place
+        with pytest.raises(StorageError, match="in flight"):
+            store.read_chunk("a", 0).result()
+        store.rollback(["a"])  # shadow writes only
+        assert entry.lent, "still lent to its update"
+        store.write_chunk("a", 0, lent).result()
+        assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))
+        store.read_chunk("a", 1, lend="active").result().release()
+        with pytest.raises(StorageError, match="did not finish"):
+            store.read("a").result()
+
+
 def test_fuyou_ddp_shares_the_auto_budget_between_the_ranks_of_the_machine(monkeypatch, tmp_path):
     """The strategy's config is resolved once, where the strategy is made; with "auto" each of the node's
     ranks takes its share when it sets up (a number given stays a hard cap)."""

@@ -62,7 +62,7 @@ class ChunkJob:
     extra: tuple[str, ...] = ()
     fence: bool = False
     done: Future | None = None
-    lend: str | None = None  # fn writes each chunk back to this slot (SHADOW): `TensorStore.read_chunk`'s ``lend``
+    lend: str | None = None  # fn writes each chunk back to this slot: `TensorStore.read_chunk`'s ``lend``
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 

@@ -297,9 +297,10 @@ class OptimizerState:
             futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
             return gather([f for f in futures if f is not None])
 
-        # Speculative: an in-memory entry lends its shadow slot's chunk (one copy, none back; `TensorStore`).
+        # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
+        # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=None if exact else SHADOW)
+                        lend=slot)
 
     def run(self, job: ChunkJob) -> ChunkJob:
         """Queue ``job`` on the worker; returns it."""

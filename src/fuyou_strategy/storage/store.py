@@ -475,7 +475,9 @@ class TensorStore:
         copies the chunk into its own shadow slot's memory and lends that (`LentChunk`: no pool buffer,
         one copy instead of two); `write_chunk` of it back to the shadow slot then copies nothing. The
         chunk counts as being written from here on; given back unwritten, the shadow slot is marked
-        failed (a `rollback` clears it). Ignored for an entry on the SSD.
+        failed (a `rollback` clears it). ``lend`` naming the slot read (an exact update, written back
+        where it was read): the chunk's own memory is lent, no copy at all, and given back unwritten the
+        slot is marked failed (an update may have changed part of it). Ignored for an entry on the SSD.
 
         The buffer is ``into`` when given (one the caller holds already, acquired for
         ``chunk_len(k)`` bytes, e.g. with `HostBufferPool.try_acquire`), else one acquired
@@ -522,16 +524,13 @@ class TensorStore:
         return then(inner, done)
 
     def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int) -> "LentChunk":
-        if dst == src:
-            raise StorageError(f"entry {entry.name!r}: a chunk is lent in the slot it is written back to, not "
-                               "the one it is read from (lend='shadow')")
         self._begin_write(entry, dst, k)
-        try:
-            target = entry.chunk_memory(k, dst)
-            target.copy_(entry.chunk_memory(k, src))
-        except BaseException as exc:
-            self._end_write(entry, dst, k, _done(None, exc))
-            raise
+        if dst != src:  # the shadow slot starts as a copy of the active one
+            try:
+                entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
+            except BaseException as exc:
+                self._end_write(entry, dst, k, _done(None, exc))
+                raise
         start = k * entry.stride
         chunk = LentChunk(entry.memory[dst].data[start : start + round_up(entry.chunk_len(k))], entry.chunk_len(k),
                           self, entry, dst, k)
@@ -561,7 +560,7 @@ class TensorStore:
         if isinstance(buf, LentChunk):  # the chunk's own memory: already in place
             if (buf.entry, buf.slot, buf.k) != (entry, phys, k):
                 raise StorageError(f"entry {name!r} chunk {k}: a chunk lent for {buf.entry.name!r} chunk {buf.k} "
-                                   "goes back where it was lent, the shadow slot")
+                                   "goes back where it was lent")
             buf.written()
             return _done(None)
         if entry.memory is not None:  # the host tier: a copy, recorded as written before the future completes
@@ -679,8 +678,8 @@ class TensorStore:
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
             entries = [e for e in entries if e.slots == 2]
-            for e in entries:  # chunks lent in memory and never handed back (a worker that died): given up
-                for k, chunk in list(e.lent.items()):
+            for e in entries:  # shadow chunks lent in memory and never handed back (a worker that died): given up
+                for k, chunk in [(k, c) for k, c in e.lent.items() if c.slot != e.active]:
                     del e.lent[k]
                     self._finish_write(e, chunk.slot, k, _done(None, StorageError("rolled back")))
             busy = [e.name for e in entries if e.inflight[1 - e.active]]
@@ -711,8 +710,8 @@ class TensorStore:
 
 
 class LentChunk(HostBuffer):
-    """A chunk of an in-memory entry's shadow slot, lent by `TensorStore.read_chunk` (``lend=SHADOW``) to be
-    updated in place and handed back to `write_chunk`. Owned by one thread at a time, like any buffer;
+    """A chunk of an in-memory entry, lent by `TensorStore.read_chunk` (its shadow slot with ``lend=SHADOW``,
+    the slot read otherwise) to be updated in place and handed back to `write_chunk`. Owned by one thread at a time, like any buffer;
     `release` without that write marks the slot failed (its bytes are no longer the read ones)."""
 
     __slots__ = ("store", "entry", "slot", "k")
