@@ -711,8 +711,9 @@ class TensorStore:
 
 class LentChunk(HostBuffer):
     """A chunk of an in-memory entry, lent by `TensorStore.read_chunk` (its shadow slot with ``lend=SHADOW``,
-    the slot read otherwise) to be updated in place and handed back to `write_chunk`. Owned by one thread at a time, like any buffer;
-    `release` without that write marks the slot failed (its bytes are no longer the read ones)."""
+    the slot read otherwise) to be updated in place and handed back to `write_chunk`. Owned by one thread
+    at a time, like any buffer; `release` without that write marks the slot failed (its bytes may no
+    longer be the read ones)."""
 
     __slots__ = ("store", "entry", "slot", "k")
 
