@@ -114,8 +114,8 @@ def save_twice(root, **overrides):
 
 
 def test_a_resumed_runs_first_logged_step_reports_its_own_counts_not_the_checkpoints(tmp_path):
-    """The ``fuyou/`` metrics of the first step after a resume count that step alone: not the clipped and
-    rolled-back steps the checkpoint restored, nor the bytes read to load it."""
+    """The ``fuyou/`` metrics of the first step after a resume count that step alone, not the clipped and
+    rolled-back steps the checkpoint restored."""
     def logged(t, step):
         (entry,) = [e for e in t.state.log_history if e.get("step") == step and "fuyou/clipped" in e]
         return {k: entry[k] for k in ("fuyou/clipped", "fuyou/rolled_back", "fuyou/skipped")}

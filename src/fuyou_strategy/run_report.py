@@ -63,7 +63,7 @@ class RunReport:
         self._written_per_step: list[float] = []
         self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
         # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
-        # rollback counts) nor the bytes read to load it.
+        # rollback counts) nor the bytes the load wrote into the store.
         self._optimizer.on_loaded.append(self._rebase)
         self._metrics: dict[str, float] = {}
 
