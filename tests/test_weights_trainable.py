@@ -118,6 +118,16 @@ def test_one_state_slot_updates_in_step_bitwise(tmp_path, dtype):
     assert summary["deferred"] == summary["schedule_steps"]["next_forward"] == STEPS, "one slot: next_forward"
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_streamed_weights_with_the_state_in_ram_updated_in_place_are_bitwise(tmp_path, slots):
+    """The whole optimizer state in host RAM (``host_state``) under the exact schedule: each update runs on the
+    active chunk itself, lent from the read-ahead until handed back, while the streamer reads the masters
+    from those chunks; with one slot every step, with two whenever ``auto`` chooses ``next_forward``."""
+    summary = streamed_run(tmp_path, "gpt2", MIX, torch.float32, state_slots=slots, host_state="2MiB")
+    assert summary["ssd_bytes_optimizer_state"] == 0 < summary["host_bytes_optimizer_state"], "all of it in RAM"
+    assert summary["deferred"] > 0, "exact updates ran"
+
+
 def test_device_high_water_stays_within_the_budget(tmp_path):
     model = tiny_causal_lm("llama")
     weights_and_grads = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
