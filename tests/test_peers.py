@@ -1,6 +1,7 @@
 """The peer benchmark's harness (benchmarks/peers) at tiny scale: it trains torch and fuyou alike, and
 reports a peer it cannot run as such. No figure is checked (no timing assertions)."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -75,6 +76,39 @@ def _workers_under(path) -> list[int]:
         if str(path) in cmd and "--worker" in cmd and state != "Z":
             pids.append(int(pid))
     return pids
+
+
+_INTERRUPTED_AT_START = r"""
+import os, signal, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from benchmarks.peers import run as harness
+real, started = subprocess.Popen, []
+def popen(*args, **kwargs):  # the interrupt arrives as the worker has just started, before watch() has it
+    started.append(real(*args, **kwargs))
+    os.kill(os.getpid(), signal.SIGTERM)
+    return started[-1]
+subprocess.Popen = popen
+signal.signal(signal.SIGTERM, harness._interrupt)
+swap = Path(sys.argv[2])
+try:
+    harness.watch(["--worker", "torch", "--sizes", "tiny", "--swap-dir", str(swap)], swap, 2**40, 600, False)
+except KeyboardInterrupt:
+    print(started[0].pid, started[0].poll(), flush=True)
+"""
+
+
+def test_an_interrupt_as_the_worker_starts_still_takes_the_worker_down(tmp_path):
+    """A SIGTERM (or Ctrl-C) that reaches the harness between starting a worker and watching it: the worker
+    (its own session) is killed all the same, not left running."""
+    out = subprocess.run([sys.executable, "-c", _INTERRUPTED_AT_START, ROOT, str(tmp_path / "swap")],
+                         capture_output=True, text=True, timeout=300)
+    pid, code = out.stdout.split()
+    try:
+        assert code == str(-signal.SIGKILL), out.stderr[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def test_a_stopped_harness_kills_its_worker_and_reports_what_ran(tmp_path):

@@ -85,6 +85,7 @@ def worker(args: argparse.Namespace) -> dict:
     """Run one system on one size in this process; always returns a JSON-able dict (a crash in native
     code leaves its Python stack on stderr for the parent)."""
     faulthandler.enable()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by `watch` while it started us
     size, swap_dir = args.sizes, args.swap_dir
     job = job_of(args, size, swap_dir)
     try:
@@ -127,12 +128,21 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     start, peak_disk, stopped = time.monotonic(), 0, None
     with open(swap_dir.parent / f"{swap_dir.name}.log", "w+") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=fresh_env(use_jemalloc),
-                                start_new_session=True)
+        # An interrupt (Ctrl-C, SIGTERM) while the worker starts would leave it running on its own (its own
+        # session, no `finally` yet to kill it): both wait until the `try` below, where they kill it.
+        interrupts = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=fresh_env(use_jemalloc),
+                                    start_new_session=True)
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)
+            raise
         out: list[str] = []
         reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-        reader.start()
         try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)  # a pending interrupt is raised here
+            reader.start()
             while proc.poll() is None:
                 rss = _rss(proc.pid)
                 peak_disk = max(peak_disk, dir_bytes(str(swap_dir)))
