@@ -67,7 +67,7 @@ def one_run(root: Path, config: dict, checkpoints: bool) -> str:
     if checkpoints:
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_epochs=1))
     module, _ = TL.fit(FuyouStrategy(swap_dirs=[str(root / "swap")], **config), steps=-1, max_epochs=3, batches=2,
-                       callbacks=callbacks)
+                       callbacks=callbacks, root=str(root), enable_checkpointing=checkpoints)
     return _hash(module.parameters()) + " " + " ".join(trace.rec)
 
 
