@@ -551,7 +551,8 @@ class FuyouConfig:
     def auto_choices(self) -> dict[str, tuple[Any, str]]:
         """``{field: (value, why)}`` for each field left at ``"auto"`` that this config resolved from the
         machine (``host_memory_budget``, ``io_threads``, ``optimizer_prefetch_chunks``); `FuyouEngine`
-        announces them once through the framework's logger. A value given explicitly is a hard setting and appears nowhere here."""
+        announces them once through the framework's logger. A value given explicitly is a hard setting and
+        appears nowhere here."""
         return dict(self.__dict__.get("_choices", {}))
 
 

@@ -55,7 +55,7 @@ def balanced_chunk(numel: int, most: int) -> int:
     the state on the SSD with room for all of it in RAM). Chunk boundaries change no result: the update is
     elementwise."""
     chunks = -(-numel // most)
-    return min(most, -(-(-(-numel // chunks)) // STATE_CHUNK_ELEMENTS) * STATE_CHUNK_ELEMENTS)
+    return min(most, round_up(-(-numel // chunks), STATE_CHUNK_ELEMENTS))
 
 
 @dataclass(eq=False)
