@@ -165,12 +165,13 @@ def warm_up_first_calls():
     """Run the tests' tiny models once, forward and backward, on one thread, so that no test, and no process the
     kill server forks, is a process's first call of these ops.
 
-    Why: a process's first forward of the tiny GPT-2 sometimes (about 1 in 250 fresh processes here) takes
-    another code path in a library below fuyou. ``h[0].mlp`` then returns other bits from the same input and
-    weights, and the whole run ends with other weights. Plain Lightning (``strategy="auto"``) does it too,
-    and the odd runs agree with each other bitwise. ``benchmarks/determinism_stress.py`` shows it: 5 odd runs
-    in 1,240 forked runs without this warm-up, 0 in 800 with it. Bitwise tests that compare two processes
-    (the kill-and-resume tests) failed on it. One thread: no OpenMP team exists before the kill server forks.
+    Why: a process's first forward of the tiny GPT-2 sometimes takes another code path in a library below
+    fuyou. ``h[0].mlp`` then returns other bits from the same input and weights, and the whole run ends with
+    other weights. Plain Lightning (``strategy="auto"``) does it too, and the odd runs agree with each other
+    bitwise. ``benchmarks/determinism_stress.py`` shows it: 5 odd runs in 1,560 forked runs without this
+    warm-up, 0 in 800 with it (at 0.32%, 0 in 800 has a 0.077 chance: good evidence, not proof). Bitwise
+    tests that compare two processes (the kill-and-resume tests) failed on it. One thread: no OpenMP team
+    exists before the kill server forks.
     The global RNG is left as it was."""
     import torch
 
