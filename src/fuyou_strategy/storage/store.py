@@ -225,7 +225,8 @@ class TensorStore:
     def bytes_on_disk(self) -> int:
         """Bytes reserved in the swap files: up to the end of the furthest region any entry has
         held (every slot, with padding, and free gaps between). Space freed by `delete` stays
-        reserved for later entries; the files are given back only at `close`."""
+        reserved for later entries; `to_memory` gives the files' freed ends back at once, the
+        rest is given back at `close`."""
         return sum(space.size for space in self._space)
 
     @property
@@ -339,7 +340,8 @@ class TensorStore:
 
     def to_memory(self, name: str, *, timeout: float | None = None) -> int:
         """Move an entry from the SSD into host RAM (every written chunk of both slots, read straight into
-        the entry's new memory), then give its disk space back; returns the bytes it now holds in RAM
+        the entry's new memory), then give its disk space back (to the filesystem where it ends the file,
+        `_shrink`); returns the bytes it now holds in RAM
         (0 if it was there already). Nothing may be in flight for the entry. On failure the entry stays
         on the SSD, unchanged."""
         entry = self.entry(name)
@@ -377,8 +379,18 @@ class TensorStore:
             entry.memory = memory
             for d, offset in entry.base.items():
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
+                self._shrink(d)
             entry.base, entry.count = {}, {}
         return entry.footprint
+
+    def _shrink(self, d: int) -> None:
+        """Give the file's space past its last region in use back to the filesystem (under the lock). Only
+        `to_memory` does, once per entry: the state that a plan moves into RAM then takes no disk, whereas
+        `delete`, which activations call every step, keeps the space for the next entries."""
+        space = self._space[d]
+        if space.tail < space.size:
+            os.ftruncate(self._files[d].fd, space.tail)
+            space.size = space.tail
 
     def delete(self, name: str) -> None:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
