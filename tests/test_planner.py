@@ -315,6 +315,31 @@ def test_fuyou_plan_that_does_not_fit_exits_1(capsys):
 
 # -- in training -------------------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_the_plans_adamw_rate_is_the_warm_ups_own_updates_not_a_micro_benchmark(tmp_path, monkeypatch):
+    """The updates' arithmetic made 5 ms slower per chunk (as memory that is not in the cache makes it): the
+    plan's CPU rate follows. A micro-benchmark on one small buffer did not (the second GPU run: the plan's
+    AdamW took 0.07-0.14 s a step, the worker was busy 0.5 s)."""
+    import time
+
+    from fuyou_strategy.optim import state as state_module
+    from test_lightning import FuyouStrategy, fit
+
+    kernel = state_module.apply_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.005)
+        kernel(*args, **kwargs)
+
+    monkeypatch.setattr(state_module, "apply_update", slow)
+    _, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", activation_min_bytes=0,
+                                   activations="auto", planner_warmup_steps=2), steps=3)
+    # 8 KiB chunks hold under a thousand parameters: 5 ms each caps the rate near 2e5 parameters/s. The
+    # micro-benchmark said about 1e8 here.
+    rate = trainer.strategy.engine.plan.profile["adam_params_per_s"]
+    assert 0 < rate < 1e6, rate
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 def test_auto_plans_after_the_warm_up_within_the_budget_and_changes_no_number(tmp_path):
     from test_lightning import FuyouStrategy, fit
 

@@ -64,6 +64,7 @@ class WarmupProfiler:
         self._micro: list[dict] = []  # one record per micro-batch
         self._steps_seen = 0
         self._first_redos = self._first_steps = 0
+        self._first_update: tuple[float, int] = (0.0, 0)  # the update meter after the first step (`adam_rate`)
         self._step_start: float | None = None
         self.step_times: list[float] = []
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None  # entered while a block runs
@@ -138,6 +139,8 @@ class WarmupProfiler:
         self._steps_seen += 1
         if self._steps_seen == 1:
             self._first_redos, self._first_steps = self.optimizer.stats.redos, self.optimizer.stats.steps
+            meter = self.optimizer.adam_state.meter
+            self._first_update = (meter.seconds, meter.params)
 
     @property
     def done(self) -> bool:
@@ -153,6 +156,16 @@ class WarmupProfiler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def adam_rate(self) -> float:
+        """Parameters/s of the CPU AdamW update, as the warm-up's steps after the first ran it on their own
+        chunks (`UpdateMeter`); a micro-benchmark (`adam_throughput`) only when they updated nothing (e.g.
+        a data-parallel rank that owns no state)."""
+        meter = self.optimizer.adam_state.meter
+        seconds, params = meter.seconds - self._first_update[0], meter.params - self._first_update[1]
+        if params > 0 and seconds > 0:
+            return params / seconds
+        return adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20))
 
     # -- the profile ------------------------------------------------------------------------------
     def profile(self) -> Profile:
@@ -190,7 +203,7 @@ class WarmupProfiler:
                     for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
             link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
-            adam_params_per_s=adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20)),
+            adam_params_per_s=self.adam_rate(),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=outside,  # the blocks' weights and gradients count per tier (`cost.predict`)
             # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
