@@ -165,7 +165,6 @@ class GradChunks(Protocol):
     def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor: ...
 
 
-@dataclass
 class UpdateMeter:
     """The CPU time of the updates' arithmetic on the worker: each chunk's upcast, unscale, clip and AdamW
     kernel, not its I/O or publish. The planner takes its CPU rate from it: the run's own chunks, coming from
@@ -173,11 +172,16 @@ class UpdateMeter:
     run three times from the cache, had the plan's AdamW take 0.07–0.14 s a step on the second GPU run, where
     the worker was busy 0.5 s.
 
-    Threads: written by the worker only; the training thread reads it between steps, after ``step()`` has
-    waited for every update."""
+    Threads: only the worker calls `add`; any thread may read ``total`` at any time (under ``next_forward``
+    the worker may still be updating when the planner reads). ``total`` is rebound whole, once per chunk, so
+    a reader sees a consistent ``(seconds, parameters)`` pair."""
 
-    seconds: float = 0.0
-    params: int = 0
+    def __init__(self) -> None:
+        self.total: tuple[float, int] = (0.0, 0)
+
+    def add(self, seconds: float, params: int) -> None:
+        done, counted = self.total
+        self.total = (done + seconds, counted + params)
 
 
 class OptimizerState:
@@ -305,8 +309,7 @@ class OptimizerState:
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             apply_update(ps.layout, state, g, step, fused=fused, **hyper)
-            meter.seconds += time.perf_counter() - began
-            meter.params += n
+            meter.add(time.perf_counter() - began, n)
             futures = [publish(ps, k, state["master"])]
             if keep is not None:
                 futures.append(keep(ps, k, raw))

@@ -139,8 +139,7 @@ class WarmupProfiler:
         self._steps_seen += 1
         if self._steps_seen == 1:
             self._first_redos, self._first_steps = self.optimizer.stats.redos, self.optimizer.stats.steps
-            meter = self.optimizer.adam_state.meter
-            self._first_update = (meter.seconds, meter.params)
+            self._first_update = self.optimizer.adam_state.meter.total
 
     @property
     def done(self) -> bool:
@@ -161,8 +160,8 @@ class WarmupProfiler:
         """Parameters/s of the CPU AdamW update, as the warm-up's steps after the first ran it on their own
         chunks (`UpdateMeter`); a micro-benchmark (`adam_throughput`) only when they updated nothing (e.g.
         a data-parallel rank that owns no state)."""
-        meter = self.optimizer.adam_state.meter
-        seconds, params = meter.seconds - self._first_update[0], meter.params - self._first_update[1]
+        (seconds, params), (seconds0, params0) = self.optimizer.adam_state.meter.total, self._first_update
+        seconds, params = seconds - seconds0, params - params0
         if params > 0 and seconds > 0:
             return params / seconds
         return adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20))
