@@ -8,9 +8,9 @@ which stays in the cache, measured ``--repeats`` times. The table gives both and
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .venv/bin/python benchmarks/adam_rate_bench.py
 
-Measured 2026-11-26 on this project's 2-core CPU (300 MiB L3), GPT-2 124M fp32, ``next_forward``, twice:
-the warm-up's updates ran at 372 and 421 M parameters/s, the micro-benchmark said 1,213 and 2,404 (3.3x and
-5.7x too fast; ``docs/results/adam_rate_bench.json`` is the second). On the second GPU run the plan's AdamW
+Measured 2026-11-26 on this project's 2-core CPU (300 MiB L3), GPT-2 124M fp32, ``next_forward``, three
+times: the warm-up's updates ran at 372, 421 and 417 M parameters/s, the micro-benchmark said 1,213, 2,404
+and 2,169 (3.3x, 5.7x and 5.2x too fast; ``docs/results/adam_rate_bench.json`` is the third, dropout off). On the second GPU run the plan's AdamW
 took 0.07-0.14 s a step where the worker was busy 0.5 s.
 """
 
@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, write_results  # noqa: E402
+from common import allocator, gpt2_model, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -42,14 +42,11 @@ def main() -> None:
     logging.disable(logging.WARNING)
 
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     from fuyou_strategy import FuyouConfig, FuyouEngine
     from fuyou_strategy.planner.profile import adam_throughput
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
-                                       vocab_size=50257, n_positions=args.seq))
+    model = gpt2_model(args.layers, args.hidden, args.seq)
     params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(prefix="fuyou-adam-rate-") as swap:
         config = FuyouConfig(swap_dirs=[swap], activations="auto", planner_warmup_steps=2, progress=False,

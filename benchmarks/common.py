@@ -130,6 +130,18 @@ def add_gpt2_arguments(parser: argparse.ArgumentParser, name: str, *, layers: in
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / f"{name}.json"))
 
 
+def gpt2_model(layers: int, hidden: int, seq: int):
+    """A GPT-2 of ``layers`` blocks of width ``hidden`` (heads of 64), GPT-2's vocabulary, ``seq`` positions,
+    dropout off, seeded: the same weights in every process."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=hidden // 64, vocab_size=50257, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
 def write_results(path: str, results: dict) -> None:
     """Print a benchmark's table (``results["table"]``) and write all of ``results`` as JSON."""
     print(results["table"])

@@ -35,17 +35,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import allocator, peak_rss_bytes, run_interleaved, temporary_swap_dir, worker_argv  # noqa: E402
-
-
-def build_model(layers: int, hidden: int, seq: int):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=hidden // 64, vocab_size=50257, n_positions=seq,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
+from common import (allocator, gpt2_model, peak_rss_bytes, run_interleaved, temporary_swap_dir,  # noqa: E402
+                    worker_argv)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -60,7 +51,7 @@ def worker(args: argparse.Namespace) -> dict:
         bw = measure_bandwidth(args.swap_dir, size=args.io_size, block_size=args.io_block, threads=args.io_threads)
         return {**out, "read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
 
-    model = build_model(args.layers, args.hidden, args.seq)
+    model = gpt2_model(args.layers, args.hidden, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     out["params"] = n_params
     cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=args.host_budget, host_state=args.host_state, io_threads=args.io_threads)
