@@ -369,6 +369,8 @@ SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
     "fuyou-lightning": (fuyou_lightning, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
     "fuyou-hf": (fuyou_hf, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-hf-bf16state": (lambda job: fuyou_hf(job, state_format="bf16"),
+                           "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
     "fuyou-state-ssd": (lambda job: fuyou_lightning(job, host_state=0),
                         "fuyou, Lightning strategy, planner's plan, optimizer state all on SSD (host_state=0)"),
     "fuyou-ssd": (lambda job: fuyou_lightning(job, everything_on_ssd=True),
