@@ -1,0 +1,120 @@
+"""Where a host AdamW update's time goes, phase by phase, over a whole model's worth of state in RAM.
+
+The second and third GPU runs' traces show the optimizer worker busy ~0.5 s a step at 350M with the state
+in RAM: ~1 ms for each of ~520 chunks of ~680K parameters, on a 16-core host. This times each phase the
+worker runs per chunk, over ``--params`` parameters cycled so that every chunk comes from memory (as in a
+run) rather than from the cache, on the worker's kind of thread (a Python thread, not the main one):
+
+- ``stage``: the gradient (``--grad-dtype``) from the device into a pinned host buffer (CPU: a plain copy);
+- ``upcast``: that gradient to fp32, into a fresh tensor (what the update does) and into a kept one;
+- ``shadow``: the state chunk (12 B/param) copied to its shadow slot (the ``backward`` schedule's lend);
+- ``kernel``: torch's fused AdamW on the chunk;
+- ``publish``: the new master into the device parameter (``--grad-dtype``): the synchronous ``copy_`` the
+  update does, and a cast into a pinned buffer followed by an asynchronous copy.
+
+    python benchmarks/update_phases_bench.py --params 355e6 --chunk 680000 --device cuda
+    python benchmarks/update_phases_bench.py --params 60e6            # on a CPU: the device tier is RAM
+
+Prints a table (ms per chunk, M params/s, share of the sum) and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=60e6, help="parameters of state cycled through (default 60e6)")
+    p.add_argument("--chunk", type=int, default=680_000, help="elements per chunk (the 350M run's ~680K)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--grad-dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="update_phases.json")
+    args = p.parse_args()
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(run(args)), name="fuyou-phases")
+    worker.start()
+    worker.join()
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    dev = torch.device(args.device)
+    gd = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.grad_dtype]
+    n, chunks = args.chunk, max(2, int(args.params) // args.chunk)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"{chunks} chunks of {n} elements ({chunks * n / 1e6:.0f}M params), device {dev}, grads {args.grad_dtype}, "
+          f"torch threads on this worker thread: {torch.get_num_threads()}", flush=True)
+    state = [torch.randn(3 * n) .abs_() for _ in range(chunks)]
+    shadow = [torch.empty(3 * n) for _ in range(chunks)]
+    grads = [torch.randn(n, device=dev).to(gd) for _ in range(chunks)]
+    params = [torch.empty(n, device=dev, dtype=gd) for _ in range(chunks)]
+    pin = dict(pin_memory=True) if cuda else {}
+    staging = torch.empty(n, dtype=gd, **pin)
+    pinned_out = torch.empty(n, dtype=gd, **pin)
+    kept = torch.empty(n)
+    host_grads = [torch.randn(n).to(gd) for _ in range(chunks)]
+    step = torch.tensor(1.0)
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8)
+
+    def stage(i):
+        staging.copy_(grads[i], non_blocking=cuda)
+        sync()
+
+    def upcast_fresh(i):
+        host_grads[i].to(torch.float32)
+
+    def upcast_kept(i):
+        kept.copy_(host_grads[i])
+
+    def shadow_copy(i):
+        shadow[i].copy_(state[i])
+
+    def kernel(i):
+        m, a, s = state[i][:n], state[i][n:2 * n], state[i][2 * n:]
+        torch._fused_adamw_([m], [kept], [a], [s], [], [step + 1], amsgrad=False, maximize=False, **hyper)
+
+    def publish_sync(i):
+        params[i].copy_(state[i][:n])
+
+    def publish_pinned(i):
+        pinned_out.copy_(state[i][:n])
+        params[i].copy_(pinned_out, non_blocking=cuda)
+        sync()
+
+    phases = {"stage": stage, "upcast (fresh)": upcast_fresh, "upcast (kept)": upcast_kept, "shadow": shadow_copy,
+              "kernel": kernel, "publish (sync copy_)": publish_sync, "publish (pinned, async)": publish_pinned}
+    times: dict[str, list[float]] = {k: [] for k in phases}
+    for r in range(args.rounds + 1):  # round 0 warms up (page faults, allocator)
+        for name, fn in phases.items():  # interleaved: each phase over every chunk, once per round
+            sync()
+            t = time.perf_counter()
+            for i in range(chunks):
+                fn(i)
+            sync()
+            if r:
+                times[name].append((time.perf_counter() - t) / chunks)
+    rows = {k: statistics.median(v) for k, v in times.items()}
+    base = sum(rows[k] for k in ("stage", "upcast (fresh)", "shadow", "kernel", "publish (sync copy_)"))
+    print(f"\n| phase | ms per chunk | M params/s | share of today's chunk |\n|---|---|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {v * 1e3:.3f} | {n / v / 1e6:.0f} | {v / base:.0%} |")
+    print(f"| today's chunk (stage + upcast fresh + shadow + kernel + sync publish) | {base * 1e3:.3f} | "
+          f"{n / base / 1e6:.0f} | 100% |")
+    return {"device": str(dev), "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "threads": torch.get_num_threads(), "chunk": n, "chunks": chunks, "grad_dtype": args.grad_dtype,
+            "seconds_per_chunk": rows, "samples": times}
+
+
+if __name__ == "__main__":
+    main()
