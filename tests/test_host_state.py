@@ -177,6 +177,26 @@ def test_the_cost_model_gives_the_state_what_the_host_budget_leaves_in_the_optim
     assert fixed_plan(auto, [K] * 8).state_in_ram == ram.state_in_ram
 
 
+def test_room_for_the_whole_state_holds_every_parameter_whatever_the_rounding_of_its_padded_bytes():
+    """The third GPU run left one 1,024-element parameter's state on the SSD although the host budget held the
+    state eight times over: the planner took ``total // per_param`` parameters, one short in floating point
+    for a padded ``state_bytes`` (the case below), and the engine kept the file of the whole state for it."""
+    from test_planner import K, MiB, synthetic
+
+    from fuyou_strategy.planner import predict
+
+    params, padded = 177972133, 2142479565  # one such case: (params * b) // b == params - 1 in floating point
+    state_bytes = padded / params
+    assert (params * 2 * state_bytes) // (2 * state_bytes) == params - 1
+    one = synthetic(n=1, ssd_bw=1e9, host=64 * 1024 * MiB)
+    block = dataclasses.replace(one.blocks[0], params=params)
+    profile = dataclasses.replace(one, blocks=[block], other_params=0, host_state=None, state_bytes=state_bytes)
+    assert profile.params == params
+    ram = predict(profile, [K])
+    assert ram.state_in_ram >= params * 2 * state_bytes, "every parameter's state, never a byte short"
+    assert "read state block 0" not in {name for _res, name, _s, _e in predict(profile, [K], timeline=True).timeline}
+
+
 def test_fuyou_plan_models_the_split(capsys, tmp_path):
     from fuyou_strategy.cli import main as fuyou
 

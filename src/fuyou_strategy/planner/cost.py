@@ -363,7 +363,10 @@ def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) 
         room = profile.host_state
     else:
         room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
-    params = int(min(total, room) // per_param)
+    # Room for all of it holds every parameter: ``total // per_param`` can come out one short in floating point
+    # (a padded, non-integral ``per_param``), and the engine then left a last parameter's state on the SSD, whose
+    # file kept the size of the whole state (the third GPU run: 24 KiB of state on the SSD, an 8.5 GB file).
+    params = profile.params if room >= total else int(room // per_param)
     ram: dict = {}
     for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:
         ram[key] = min(n, params)
