@@ -437,6 +437,7 @@ class FuyouEngine:
             self._install_streamer(self.plan.weights)
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
+        self.optimizer.chooser.forget_costs()  # the warm-up's windows cost what the plan no longer does
         self.reporting.plan_applied()
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:

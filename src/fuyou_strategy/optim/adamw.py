@@ -48,7 +48,6 @@ import atexit
 import contextlib
 import logging
 import os
-import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
@@ -282,16 +281,15 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise RuntimeError("FuyouAdamW (loss_scaling): this step's backward was not scaled; backward "
                                "opt.scale_loss(loss) (or call opt.scale_backward(loss) before backward)")
         window.scaled = False
-        self.chooser.begin_step(self.landing)
-        start, clipped, schedule = time.perf_counter(), stats.clipped, window.schedule.name
+        clipped, schedule = stats.clipped, window.schedule.name
         outcome = window.schedule.finish()
         if outcome is None:
             return loss  # no gradient in this window: nothing happened, the schedule stays
         if self.scaler is not None:  # GradScaler.update: back off after inf/NaN, else count towards growth
             self.scaler.update(found_inf=outcome.name == "skip")
         # Whether the backward schedule rolled back, or would have: a non-finite gradient, or clipping bit.
-        self.chooser.end_step(schedule, time.perf_counter() - start - (outcome.rollback_s or 0.0), self.landing,
-                              rolled=outcome.name == "skip" or stats.clipped > clipped, rollback_s=outcome.rollback_s)
+        self.chooser.end_step(schedule, rolled=outcome.name == "skip" or stats.clipped > clipped,
+                              rollback_s=outcome.rollback_s)
         stats.record(schedule, outcome.name)
         reason = self._choose(agree=True)  # each rank's chooser measured its own waits: rank 0's choice holds
         if window.schedule.name != schedule or reason != stats.last_reason:

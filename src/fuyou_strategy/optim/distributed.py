@@ -471,7 +471,7 @@ class Sharding:
         landing = self.landing
 
         def landed(ps: Any) -> None:
-            landing.wait([ps.param], stall=False)
+            landing.wait([ps.param])
 
         def finish(ps: Any, error: BaseException | None) -> None:
             fut = futures[ps.param]

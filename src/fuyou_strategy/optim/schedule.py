@@ -23,6 +23,7 @@ often clipping or a non-finite gradient forced one lately.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -52,7 +53,6 @@ class PendingUpdates:
     calls for the parameters it is about to read; `wait_all` lands everything (before a checkpoint,
     evaluation, a state dict, or the next backward). Each wait has a way out (`ChunkPipeline.wait_job`),
     and a failed update is raised as what it is: the state on SSD is then partly updated.
-    ``stall`` adds up the seconds spent waiting, for `ScheduleChooser`.
     """
 
     def __init__(self, pipeline: ChunkPipeline) -> None:
@@ -61,7 +61,6 @@ class PendingUpdates:
         # (data parallel) pops too: each pop is one atomic dict operation, and a job is waited for by whoever
         # popped it, so no job is waited for twice or lost.
         self.jobs: dict[torch.nn.Parameter, tuple[ChunkJob, str]] = {}
-        self.stall = 0.0  # the training thread's
         self.gated = False  # a forward waits for the weights it reads (`FuyouAdamW.attach_model`), so step() need not
 
     def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str) -> None:
@@ -72,35 +71,25 @@ class PendingUpdates:
         jobs = self.jobs
         return bool(jobs) and any(p in jobs and not jobs[p][0].done.done() for p in params)
 
-    def wait(self, params: Iterable[torch.nn.Parameter], *, stall: bool = True) -> None:
-        """Return once the updates of ``params`` have landed (weights written, state written).
-        ``stall=False``: not the training thread's wait (not counted in ``stall``)."""
+    def wait(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Return once the updates of ``params`` have landed (weights written, state written)."""
         jobs = self.jobs
         if not jobs:
             return
-        start = time.perf_counter() if stall else None
-        try:
-            for p in params:
-                entry = jobs.pop(p, None)
-                if entry is None:
-                    continue
-                job, what = entry
-                try:
-                    self.pipeline.wait_job(job, what)
-                except Exception as exc:  # a KeyboardInterrupt stays one
-                    raise RuntimeError(
-                        f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
-                        "the last checkpoint") from exc
-        finally:
-            if start is not None:
-                self.stall += time.perf_counter() - start
+        for p in params:
+            entry = jobs.pop(p, None)
+            if entry is None:
+                continue
+            job, what = entry
+            try:
+                self.pipeline.wait_job(job, what)
+            except Exception as exc:  # a KeyboardInterrupt stays one
+                raise RuntimeError(
+                    f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
+                    "the last checkpoint") from exc
 
     def wait_all(self) -> None:
         self.wait(list(self.jobs))
-
-    def take_stall(self) -> float:
-        stall, self.stall = self.stall, 0.0
-        return stall
 
 
 class ScheduleChooser:
@@ -111,25 +100,49 @@ class ScheduleChooser:
         can_speculate: whether there is a shadow slot (``state_slots=2``); without one only
             ``"next_forward"`` is possible.
         history: how many recent windows the rollback rate is taken over.
+        samples: how many recent window times of each schedule its cost is the median of.
+        probe_after: windows under ``backward`` before ``next_forward`` is first measured (nothing rolling
+            back); `forget_costs` starts the count again.
+        probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
     gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
-    rollback and ``W_b``, ``W_n`` the measured seconds the compute thread waited for the optimizer
-    per window under each schedule (exponential averages): ``backward`` is expected to cost
-    ``W_b + r * R`` and ``next_forward`` ``W_n``; the cheaper one is chosen, ``backward`` while
-    nothing has rolled back lately, and ``next_forward`` once, to measure it, when a rollback has
-    been seen and ``W_n`` is not known yet.
+    rollback, and ``W_b``, ``W_n`` the measured wall seconds of a window under each schedule (from one
+    ``step()`` to the next, a rollback's seconds taken out; the median of the last ``samples`` windows
+    that followed one of the same schedule): ``backward`` is expected to cost ``W_b + r * R`` and
+    ``next_forward`` ``W_n``, and the cheaper one is chosen. Until both are known: ``backward``; then
+    ``next_forward`` until a window of it is measured (two windows: the first is a transition), at once
+    when a rollback has been seen, else after ``probe_after`` windows; and every ``probe_every`` windows
+    the schedule not in use again.
+
+    Why wall time and not the compute thread's waits (what it measured before): the two schedules
+    differ in work as well as in overlap. A speculative update copies its state chunk into the shadow
+    slot first, which with the state in host RAM was 36-44% of an update's time (the H200 host and this
+    project's CPU, ``benchmarks/update_phases_bench.py``); on a CPU that work slows backward itself, and
+    on a GPU the overlap with backward may or may not pay for it. Only the window's length sees both.
+    Both schedules give bitwise the same weights, so measuring either costs no exactness.
     """
 
-    def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, smoothing: float = 0.5) -> None:
+    def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, samples: int = 5,
+                 probe_after: int = 8, probe_every: int = 64) -> None:
         self.setting = setting
         self.can_speculate = can_speculate
         self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
-        self.smoothing = smoothing
         self.rolled: deque[bool] = deque(maxlen=history)
         self.rollback_s: float | None = None
-        self.wait_s: dict[str, float | None] = {BACKWARD: None, NEXT_FORWARD: None}
-        self.deferred_wait: float | None = None  # step()'s own wait of the last next_forward window
+        self.window_s: dict[str, deque[float]] = {BACKWARD: deque(maxlen=samples), NEXT_FORWARD: deque(maxlen=samples)}
+        self.measured = {BACKWARD: 0, NEXT_FORWARD: 0}  # windows measured of each, ever (the probes count them)
+        self.probe_after, self.probe_every = probe_after, probe_every
+        self.windows = 0  # windows ended since the costs were last forgotten
+        self.last_probe = 0  # `windows` when the last measurement of the schedule not in use ended
+        self.probing: tuple[str, int] | None = None  # the schedule being measured, and its `measured` count then
+        self._last_end: float | None = None  # when the last window ended (perf_counter), and under what
+        self._last_schedule: str | None = None
+
+    def cost(self, schedule: str) -> float | None:
+        """The median wall seconds of a recent window under ``schedule`` (``None``: not measured)."""
+        times = self.window_s[schedule]
+        return statistics.median(times) if times else None
 
     def choose(self) -> tuple[str, str]:
         """The next window's schedule and why (for the logs)."""
@@ -137,58 +150,83 @@ class ScheduleChooser:
             return self.setting, "configured"
         if not self.can_speculate:
             return NEXT_FORWARD, self.why_not
+        if self.probing is not None:
+            schedule, before = self.probing
+            if self.measured[schedule] == before:
+                return schedule, f"measuring {schedule}"
+            self.probing, self.last_probe = None, self.windows
         rate = sum(self.rolled) / len(self.rolled) if self.rolled else 0.0
-        if rate == 0.0 or self.rollback_s is None:
-            return BACKWARD, f"no rollback in the last {len(self.rolled)} steps"
-        wait_b, wait_n = self.wait_s[BACKWARD] or 0.0, self.wait_s[NEXT_FORWARD]
-        expected = wait_b + rate * self.rollback_s
+        wait_b, wait_n = self.cost(BACKWARD), self.cost(NEXT_FORWARD)
         if wait_n is None:
-            return NEXT_FORWARD, (f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: trying next_forward "
-                                  "to measure its wait")
-        why = (f"backward expected {expected:.3g} s (wait {wait_b:.3g} s + rollback rate {rate:.2f} x "
-               f"{self.rollback_s:.3g} s) vs next_forward {wait_n:.3g} s")
-        return (NEXT_FORWARD if wait_n < expected else BACKWARD), why
+            if rate > 0.0 and self.rollback_s is not None:
+                return self._probe(NEXT_FORWARD, f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: "
+                                                 "trying next_forward to measure its window")
+            if wait_b is not None and self.windows >= self.probe_after:
+                return self._probe(NEXT_FORWARD, f"backward measured at {wait_b:.3g} s a window: trying next_forward "
+                                                 "to measure its window")
+            return BACKWARD, f"no rollback in the last {len(self.rolled)} steps"
+        expected = (wait_b or 0.0) + rate * (self.rollback_s or 0.0)
+        best = NEXT_FORWARD if wait_n < expected else BACKWARD
+        other = BACKWARD if best == NEXT_FORWARD else NEXT_FORWARD
+        why = (f"backward expected {expected:.3g} s (window {wait_b or 0.0:.3g} s + rollback rate {rate:.2f} x "
+               f"{self.rollback_s or 0.0:.3g} s) vs next_forward {wait_n:.3g} s")
+        if self.windows - self.last_probe >= self.probe_every and (other == NEXT_FORWARD or rate == 0.0):
+            return self._probe(other, f"{why}; measuring {other} again")
+        return best, why
 
-    def begin_step(self, landing: PendingUpdates) -> None:
-        """At ``step()``: the last ``next_forward`` window's wait is complete now — its own ``step()``'s and
-        the forward's, module by module (``landing``'s stall)."""
-        if self.deferred_wait is not None:
-            self.record_wait(NEXT_FORWARD, self.deferred_wait + landing.take_stall())
-            self.deferred_wait = None
+    def _probe(self, schedule: str, why: str) -> tuple[str, str]:
+        self.probing = (schedule, self.measured[schedule])
+        return schedule, why
 
-    def end_step(self, schedule: str, wait: float, landing: PendingUpdates, *, rolled: bool,
-                 rollback_s: float | None) -> None:
-        """A window ended under ``schedule``: ``step()`` waited ``wait`` seconds for it (a rollback aside),
-        and ``backward`` rolled back, or would have (``rolled``), taking ``rollback_s``."""
-        if schedule == BACKWARD:
-            self.record_wait(BACKWARD, wait)
-        else:  # its forward's waits are still to come
-            self.deferred_wait = wait
-            landing.take_stall()
+    def end_step(self, schedule: str, *, rolled: bool, rollback_s: float | None) -> None:
+        """A window ended under ``schedule`` (at ``step()``'s end): its wall time, a rollback's ``rollback_s``
+        taken out, counts towards the schedule's cost if the window before was one of the same schedule (a
+        window after a switch pays for the other schedule's leftovers, or leaves its own to the next);
+        ``backward`` rolled back, or would have (``rolled``)."""
+        now = time.perf_counter()
+        if self._last_end is not None and self._last_schedule == schedule:
+            self.record_wait(schedule, now - self._last_end - (rollback_s or 0.0))
+        self._last_end, self._last_schedule = now, schedule
+        self.windows += 1
         self.record(rolled=rolled, rollback_s=rollback_s)
+
+    def forget_costs(self) -> None:
+        """What the windows cost changed (the planner moved state, activations or weights): measure anew."""
+        for times in self.window_s.values():
+            times.clear()
+        self.windows = self.last_probe = 0
+        self.probing = None
+        self._last_end = self._last_schedule = None
 
     def record(self, *, rolled: bool, rollback_s: float | None = None) -> None:
         """One window's outcome: whether ``backward`` rolled back (or would have), and how long that took."""
         self.rolled.append(rolled)
         if rollback_s is not None:
-            self.rollback_s = self._average(self.rollback_s, rollback_s)
+            self.rollback_s = rollback_s if self.rollback_s is None else (self.rollback_s + rollback_s) / 2
 
     def record_wait(self, schedule: str, seconds: float) -> None:
-        """The seconds the compute thread waited for one window's updates under ``schedule``."""
-        self.wait_s[schedule] = self._average(self.wait_s[schedule], seconds)
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+        """One window of ``schedule`` took ``seconds`` (what `end_step` records; tests give it directly)."""
+        self.window_s[schedule].append(seconds)
+        self.measured[schedule] += 1
 
     def state_dict(self) -> dict[str, Any]:
         """What the choice rests on (checkpoints: a resumed run chooses as the uninterrupted one would)."""
-        return {"rolled": list(self.rolled), "rollback_s": self.rollback_s, "wait_s": dict(self.wait_s)}
+        return {"rolled": list(self.rolled), "rollback_s": self.rollback_s,
+                "window_s": {k: list(v) for k, v in self.window_s.items()}, "measured": dict(self.measured),
+                "windows": self.windows, "last_probe": self.last_probe,
+                "probing": list(self.probing) if self.probing else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rolled.clear()
         self.rolled.extend(bool(r) for r in state.get("rolled", ()))
         self.rollback_s = state.get("rollback_s")
-        self.wait_s.update(state.get("wait_s", {}))
+        for schedule, times in state.get("window_s", {}).items():  # a checkpoint before 2026-11-26 has wait_s
+            self.window_s[schedule].clear()
+            self.window_s[schedule].extend(times)
+        self.measured.update(state.get("measured", {}))
+        self.windows, self.last_probe = state.get("windows", 0), state.get("last_probe", 0)
+        probing = state.get("probing")
+        self.probing = (probing[0], probing[1]) if probing else None
 
 
 @dataclass
