@@ -371,6 +371,9 @@ SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "fuyou-hf": (fuyou_hf, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
     "fuyou-hf-bf16state": (lambda job: fuyou_hf(job, state_format="bf16"),
                            "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
+    "fuyou-hf-backward": (lambda job: fuyou_hf(job, optimizer_schedule="backward"),
+                          "fuyou, HF Trainer + FuyouCallback, planner's plan, updates speculative during backward "
+                          "(optimizer_schedule=\"backward\")"),
     "fuyou-hf-next-forward": (lambda job: fuyou_hf(job, optimizer_schedule="next_forward"),
                               "fuyou, HF Trainer + FuyouCallback, planner's plan, updates exact ahead of the next "
                               "forward (optimizer_schedule=\"next_forward\")"),

@@ -278,7 +278,9 @@ class FuyouConfig:
             next forward, which waits per module only for the weights it is about to use (no redo,
             no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
             per step from the measured cost of a redo, how often clipping or a non-finite gradient
-            forced one recently, and the measured waits under each schedule (`StepStats`).
+            forced one recently, and each schedule's measured window time (`ScheduleChooser`:
+            ``next_forward`` is measured after the first rollback or 8 windows, the other schedule
+            again every 64).
         gradient_reduction: data parallelism with a ``DistributedDataParallel`` model: how its
             gradient buckets are reduced. ``"owner"`` (default): each gradient is summed onto the
             rank that owns the parameter's optimizer state only (one ``reduce`` per run of

@@ -166,11 +166,14 @@ class GradChunks(Protocol):
 
 
 class UpdateMeter:
-    """The CPU time of the updates' arithmetic on the worker: each chunk's upcast, unscale, clip and AdamW
-    kernel, not its I/O or publish. The planner takes its CPU rate from it: the run's own chunks, coming from
-    memory rather than the cache, beside the run's own compute. Its micro-benchmark on one 16 MiB buffer,
-    run three times from the cache, had the plan's AdamW take 0.07–0.14 s a step on the second GPU run, where
-    the worker was busy 0.5 s.
+    """The worker's CPU time in the updates: each chunk's upcast, unscale, clip, AdamW kernel and publish
+    (a copy into the parameter, or on an accelerator the cast into a pinned buffer and the start of its
+    copy), not its reads or writes (the planner models the SSD and the link apart). The planner takes its
+    CPU rate from it: the run's own chunks, coming from memory rather than the cache, beside the run's own
+    compute. Its micro-benchmark on one 16 MiB buffer, run three times from the cache, had the plan's AdamW
+    take 0.07–0.14 s a step on the second GPU run, where the worker was busy 0.5 s; the third GPU run showed
+    the publish, which the meter left out until then, at 32% of a chunk's time
+    (``benchmarks/update_phases_bench.py``).
 
     Threads: only the worker calls `add`; any thread may read ``total`` at any time (under ``next_forward``
     the worker may still be updating when the planner reads). ``total`` is rebound whole, once per chunk, so
@@ -309,8 +312,8 @@ class OptimizerState:
             if coef is not None:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             apply_update(ps.layout, state, g, step, fused=fused, **hyper)
-            meter.add(time.perf_counter() - began, n)
             futures = [publish(ps, k, state["master"])]
+            meter.add(time.perf_counter() - began, n)
             if keep is not None:
                 futures.append(keep(ps, k, raw))
             del state, raw, g  # no view may outlive a buffer given back
