@@ -98,56 +98,6 @@ def test_late_copies_catch_an_update_that_reads_its_device_gradient_before_the_c
     assert not _equal(mutant, reference), "the update read the poisoned host copy"
 
 
-def test_late_copies_catch_an_update_whose_new_weight_is_read_before_its_copy_landed(tmp_path, monkeypatch):
-    """A resident weight on an accelerator takes its new value through an asynchronous copy from a pinned
-    buffer (`Updater.publisher`); in the late-copy mode a CPU weight takes the same path. An update whose job
-    completes without waiting for that copy (the mutation: `when_landed` hands back a finished future) lets
-    the next forward read the poisoned weight, which no normal CPU run sees."""
-    from concurrent.futures import Future
-
-    from fuyou_strategy.optim import updates
-
-    monkeypatch.setattr(device, "_late", None)
-    reference = _trained_weights(tmp_path / "intact")
-    with late_copies(max_delay_ms=4, min_delay_ms=2):
-        assert _equal(_trained_weights(tmp_path / "intact-late"), reference)
-    landed = updates.when_landed
-
-    def not_waited_for(copy, then=None):
-        landed(copy, then)  # lands later, and gives its buffer back then
-        done = Future()
-        done.set_result(None)
-        return done
-
-    monkeypatch.setattr(updates, "when_landed", not_waited_for)
-    assert _equal(_trained_weights(tmp_path / "mutant"), reference), "normal CPU mode cannot see it"
-    with late_copies(max_delay_ms=4, min_delay_ms=2):
-        mutant = _trained_weights(tmp_path / "mutant-late")
-    assert not _equal(mutant, reference), "the forward read a weight before its copy landed"
-
-
-def test_when_landed_completes_after_the_copy_and_its_follow_up_and_hands_on_their_errors():
-    src, dst, order = torch.arange(256, dtype=torch.float32), torch.zeros(256), []
-    with late_copies(max_delay_ms=30, min_delay_ms=20):
-        done = device.when_landed(start_copy(dst, src), lambda: order.append(dst.clone()))
-        assert not done.done() and torch.isnan(dst).all()
-        assert done.result(timeout=5) is None
-        assert torch.equal(order[0], src), "the follow-up ran once the copy had landed, before the future completed"
-        failed = device.when_landed(start_copy(torch.zeros(4), torch.zeros(5)), lambda: order.append("ran"))
-        with pytest.raises(RuntimeError):
-            failed.result(timeout=5)
-        assert order[-1] == "ran", "a copy that failed has finished reading: its buffer is given back"
-        broken = device.when_landed(start_copy(torch.zeros(4), torch.ones(4)), lambda: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
-            broken.result(timeout=5)
-    # the lander thread ends once idle (the suite's end checks that no fuyou thread is left), and comes back
-    deadline = time.monotonic() + 10
-    while device._lander._thread is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert device._lander._thread is None
-    assert device.when_landed(start_copy(torch.zeros(2), torch.ones(2))).result(timeout=5) is None
-
-
 def test_a_late_copy_poisons_its_destination_reads_its_source_when_it_runs_and_lands_on_wait():
     src = torch.arange(1024, dtype=torch.float32)
     dst = torch.zeros(1024)

@@ -35,16 +35,14 @@ import random
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
-           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host",
-           "copies_wait", "when_landed"]
+           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host"]
 
 PAGE_SIZE = 4096
 COPY_TIMEOUT = 600.0  # seconds a copy may take before its wait gives up (a stuck device or copy engine)
@@ -229,79 +227,6 @@ def transfer(dst: torch.Tensor, src: torch.Tensor, timeout: float = COPY_TIMEOUT
     (``after_compute``: see `start_copy`). The calling thread waits, not the compute stream. On the CPU
     a plain copy (it releases the GIL)."""
     start_copy(dst, src, after_compute=after_compute).wait(timeout)
-
-
-def copies_wait(t: torch.Tensor) -> bool:
-    """Whether a copy into ``t`` lands after `start_copy` returns (``t`` on an accelerator, or the late-copy
-    test mode), so that the caller must wait for it; on the CPU a copy has landed when it returns."""
-    return _late is not None or _on_accelerator(t)
-
-
-class _Lander:
-    """One thread that waits, in order, for copies whose starter does not want to (the optimizer's worker,
-    publishing new weights): it runs each copy's follow-up (giving back its staging buffer), then completes
-    its future — with the copy's error, or the follow-up's, if either failed.
-
-    Threads: any thread queues (`land`); only the lander's thread waits and completes. A copy that never
-    lands fails its future after `COPY_TIMEOUT` seconds (`Copy.wait`). The loop catches every error of an
-    item and hands it to that item's future. The thread ends after `IDLE` seconds with nothing queued (no
-    thread outlives the work) and the next `land` starts another."""
-
-    IDLE = 1.0
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Copy, Callable[[], None] | None, Future]] = queue.SimpleQueue()
-        # guards _thread, which is None exactly when no lander will take the next item: the lander clears it
-        # (under the lock, after finding the queue empty) before it ends, and `land` starts one when it is None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def land(self, copy: Copy, then: Callable[[], None] | None) -> Future:
-        done: Future = Future()
-        self._queue.put((copy, then, done))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fuyou-copy-lander", daemon=True)
-                self._thread.start()
-        return done
-
-    def _run(self) -> None:
-        while True:
-            try:
-                copy, then, done = self._queue.get(timeout=self.IDLE)
-            except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            error: BaseException | None = None
-            try:
-                copy.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the future
-                error = exc
-            try:
-                # the bookkeeping (a buffer given back) before the future completes; not after a timeout, when
-                # the copy may still read its source
-                if then is not None and not isinstance(error, TimeoutError):
-                    then()
-            except BaseException as exc:  # noqa: BLE001 - as above
-                error = error or exc
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-
-_lander = _Lander()
-
-
-def when_landed(copy: Copy, then: Callable[[], None] | None = None) -> Future:
-    """A future that completes once ``copy`` landed and ``then`` (e.g. giving back the copy's source buffer)
-    ran, without blocking the calling thread: a process-wide lander thread waits for copies in the order
-    they were handed to it. The future carries the copy's error, or ``then``'s; after a copy that timed out
-    ``then`` does not run (the copy may still read what ``then`` would give back)."""
-    return _lander.land(copy, then)
 
 
 class Upload:

@@ -113,7 +113,9 @@ class ScheduleChooser:
     ``next_forward`` ``W_n``, and the cheaper one is chosen. Until both are known: ``backward``; then
     ``next_forward`` until a window of it is measured (two windows: the first is a transition), at once
     when a rollback has been seen, else after ``probe_after`` windows; and every ``probe_every`` windows
-    the schedule not in use again.
+    the schedule not in use again. One window is a noisy measure, but the schedule in use is measured all
+    along (the median of its last windows), so a probe that flattered the other schedule is corrected
+    after a window or two of it.
 
     Why wall time and not the compute thread's waits (what it measured before): the two schedules
     differ in work as well as in overlap. A speculative update copies its state chunk into the shadow

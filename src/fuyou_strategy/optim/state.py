@@ -167,8 +167,8 @@ class GradChunks(Protocol):
 
 class UpdateMeter:
     """The worker's CPU time in the updates: each chunk's upcast, unscale, clip, AdamW kernel and publish
-    (a copy into the parameter, or on an accelerator the cast into a pinned buffer and the start of its
-    copy), not its reads or writes (the planner models the SSD and the link apart). The planner takes its
+    (the copy into the parameter, or a streamed one's tier copy), not its reads or writes (the planner
+    models the SSD apart). The planner takes its
     CPU rate from it: the run's own chunks, coming from memory rather than the cache, beside the run's own
     compute. Its micro-benchmark on one 16 MiB buffer, run three times from the cache, had the plan's AdamW
     take 0.07–0.14 s a step on the second GPU run, where the worker was busy 0.5 s; the third GPU run showed

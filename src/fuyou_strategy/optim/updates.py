@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..device import copies_wait, start_copy, transfer, when_landed
 from .pipeline import ChunkJob
 from .state import OptimizerState, ParamState
 
@@ -80,39 +79,18 @@ class Updater:
         return self.state.run(job)
 
     def publisher(self) -> Any:
-        """Where new weights go (a function of ``(ps, chunk, master)``), held by jobs instead of the updater.
-
-        A resident weight on the CPU takes the master at once. One on an accelerator is cast on the host into a
-        (pinned) pool buffer of its dtype and copied up asynchronously on the side stream; the job's future
-        completes once the copy landed and the buffer is back (`device.when_landed`), so the worker goes on
-        to the next chunk while the bytes travel. The GPU runs measured that the synchronous ``copy_`` of the
-        fp32 master into a bf16 parameter cost 0.23 ms a chunk of ~680K parameters against 0.14 ms for the
-        cast and a pinned copy (``benchmarks/update_phases_bench.py``, H200 host): 32% of the worker's time per
-        chunk. Ordering: the update ran after its gradient's copy landed, so the kernels that read this weight
-        in backward have run; the next forward reads it only after the job's future (``step()``'s drain, or
-        the next forward's wait for its update)."""
-        weights, pool, timeout = self.weights, self.state.store.pool, self.state.config.io_timeout
+        """Where new weights go (a function of ``(ps, chunk, master)``), held by jobs instead of the updater."""
+        weights = self.weights
 
         def publish(ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
             if ps.grads is not None:  # streamed: its tier copy
                 return weights.publish(ps.param, k, master)
             start, n = ps.span(k)
-            dst = ps.param.detach().view(-1)[start : start + n]  # backward is done with this weight
-            if not copies_wait(dst):
-                dst.copy_(master)
-                return None
-            # Never waits for the pool: the buffers it lacks may be the ones this worker holds (read-ahead,
-            # staged gradients), so a full pool takes the slow path, a cast and a copy waited for here.
-            buf = pool.try_acquire(n * dst.element_size())
-            if buf is None:
-                transfer(dst, master.to(dst.dtype), timeout)
-                return None
-            try:
-                src = buf.view(dst.dtype)[:n]
-                src.copy_(master)  # the cast, on the host
-                return when_landed(start_copy(dst, src), buf.release)
-            except BaseException:
-                buf.release()
-                raise
+            # Backward is done with this weight. On an accelerator a synchronous copy: the third GPU run measured
+            # a cast into a pinned pool buffer, copied on the side stream and landed by a helper thread, slower in
+            # the pipeline (0.78 -> 1.00 ms a chunk, 0.73 -> 0.99 s a step at 350M) though faster alone
+            # (benchmarks/update_phases_bench.py); docs/gpu.md, the third GPU run.
+            ps.param.detach().view(-1)[start : start + n].copy_(master)
+            return None
 
         return publish
