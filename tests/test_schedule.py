@@ -208,9 +208,9 @@ def test_auto_chooses_from_measured_costs():
 
 def test_auto_measures_next_forward_without_a_rollback_and_keeps_the_faster_schedule(monkeypatch):
     """Nothing rolling back, ``auto`` used to keep ``backward`` for good; with the state in host RAM its
-    shadow-slot copy made every window longer (124M on this CPU: 1.10x torch's step against 1.05x under
-    next_forward). Now it measures each schedule's windows (wall time from one step() to the next, the
-    first after a switch left out) and keeps the faster, measuring the other again now and then."""
+    shadow-slot copy made every window longer (124M on this CPU, 2 rounds: 1.11x torch's step against
+    1.05x under next_forward). Now it measures each schedule's windows (wall time from one step() to the
+    next, the first after a switch left out) and keeps the faster, measuring the other again now and then."""
     from fuyou_strategy.optim import schedule as schedule_module
 
     clock = [0.0]
