@@ -291,7 +291,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.chooser.end_step(schedule, rolled=outcome.name == "skip" or stats.clipped > clipped,
                               rollback_s=outcome.rollback_s)
         stats.record(schedule, outcome.name)
-        reason = self._choose(agree=True)  # each rank's chooser measured its own waits: rank 0's choice holds
+        reason = self._choose(agree=True)  # each rank's chooser measured its own windows: rank 0's choice holds
         if window.schedule.name != schedule or reason != stats.last_reason:
             level = logging.INFO if window.schedule.name != schedule else logging.DEBUG
             log.log(level, "FuyouAdamW: schedule %s for the next step (%s)", window.schedule.name, reason)

@@ -15,9 +15,9 @@ between backward and ``step()``):
 
 Both work with the same parts (`Parts`): the state, the updater, the gradients, the window, the sharding
 (a do-nothing `Solo` in one process), and neither asks which kind of gradient or process it has.
-`ScheduleChooser` picks one per accumulation window for ``"auto"``, from what it measured: the seconds
-the compute thread waited for the optimizer under each schedule, the seconds a rollback took, and how
-often clipping or a non-finite gradient forced one lately.
+`ScheduleChooser` picks one per accumulation window for ``"auto"``, from what it measured: each
+schedule's window time (one ``step()`` to the next), the seconds a rollback took, and how often clipping
+or a non-finite gradient forced one lately.
 """
 
 from __future__ import annotations
