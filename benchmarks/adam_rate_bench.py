@@ -10,8 +10,8 @@ which stays in the cache, measured ``--repeats`` times. The table gives both and
 
 Measured 2026-11-26 on this project's 2-core CPU (300 MiB L3), GPT-2 124M fp32, ``next_forward``, three
 times: the warm-up's updates ran at 372, 421 and 417 M parameters/s, the micro-benchmark said 1,213, 2,404
-and 2,169 (3.3x, 5.7x and 5.2x too fast; ``docs/results/adam_rate_bench.json`` is the third, dropout off). On the second GPU run the plan's AdamW
-took 0.07-0.14 s a step where the worker was busy 0.5 s.
+and 2,169 (3.3x, 5.7x and 5.2x too fast; ``docs/results/adam_rate_bench.json`` is the third, dropout off).
+On the second GPU run the plan's AdamW took 0.07-0.14 s a step where the worker was busy 0.5 s.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def main() -> None:
              f"| the warm-up's own updates (the plan's, now) | {warm_up / 1e6:.0f} | 1.00 |\n"
              f"| 16 MiB micro-benchmark (the plan's, before; median of {args.repeats}) | {micro / 1e6:.0f} | "
              f"{micro / warm_up:.2f} |")
-    write_results(args.out, {"table": table, "params": params, "schedule": args.schedule, "warm_up_params_per_s": warm_up,
-                             "micro_benchmark_params_per_s": micro, "allocator": allocator()})
+    write_results(args.out, {"table": table, "params": params, "schedule": args.schedule,
+                             "warm_up_params_per_s": warm_up, "micro_benchmark_params_per_s": micro,
+                             "allocator": allocator()})
 
 
 if __name__ == "__main__":

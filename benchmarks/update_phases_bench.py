@@ -48,6 +48,8 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from fuyou_strategy.optim.state import adamw_kernel
+
     dev = torch.device(args.device)
     gd = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.grad_dtype]
     n, chunks = args.chunk, max(2, int(args.params) // args.chunk)
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"{chunks} chunks of {n} elements ({chunks * n / 1e6:.0f}M params), device {dev}, grads {args.grad_dtype}, "
           f"torch threads on this worker thread: {torch.get_num_threads()}", flush=True)
-    state = [torch.randn(3 * n) .abs_() for _ in range(chunks)]
+    state = [torch.randn(3 * n).abs_() for _ in range(chunks)]
     shadow = [torch.empty(3 * n) for _ in range(chunks)]
     grads = [torch.randn(n, device=dev).to(gd) for _ in range(chunks)]
     params = [torch.empty(n, device=dev, dtype=gd) for _ in range(chunks)]
@@ -80,9 +82,9 @@ def run(args: argparse.Namespace) -> dict:
     def shadow_copy(i):
         shadow[i].copy_(state[i])
 
-    def kernel(i):
+    def kernel(i):  # the update's own call (`optim.state.adamw_kernel`: torch's fused kernel)
         m, a, s = state[i][:n], state[i][n:2 * n], state[i][2 * n:]
-        torch._fused_adamw_([m], [kept], [a], [s], [], [step + 1], amsgrad=False, maximize=False, **hyper)
+        adamw_kernel(m, kept, a, s, step, fused=True, **hyper)
 
     def publish_sync(i):
         params[i].copy_(state[i][:n])

@@ -158,20 +158,20 @@ class ScheduleChooser:
                 return schedule, f"measuring {schedule}"
             self.probing, self.last_probe = None, self.windows
         rate = sum(self.rolled) / len(self.rolled) if self.rolled else 0.0
-        wait_b, wait_n = self.cost(BACKWARD), self.cost(NEXT_FORWARD)
-        if wait_n is None:
+        cost_b, cost_n = self.cost(BACKWARD), self.cost(NEXT_FORWARD)
+        if cost_n is None:
             if rate > 0.0 and self.rollback_s is not None:
                 return self._probe(NEXT_FORWARD, f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: "
                                                  "trying next_forward to measure its window")
-            if wait_b is not None and self.windows >= self.probe_after:
-                return self._probe(NEXT_FORWARD, f"backward measured at {wait_b:.3g} s a window: trying next_forward "
+            if cost_b is not None and self.windows >= self.probe_after:
+                return self._probe(NEXT_FORWARD, f"backward measured at {cost_b:.3g} s a window: trying next_forward "
                                                  "to measure its window")
             return BACKWARD, f"no rollback in the last {len(self.rolled)} steps"
-        expected = (wait_b or 0.0) + rate * (self.rollback_s or 0.0)
-        best = NEXT_FORWARD if wait_n < expected else BACKWARD
+        expected = (cost_b or 0.0) + rate * (self.rollback_s or 0.0)
+        best = NEXT_FORWARD if cost_n < expected else BACKWARD
         other = BACKWARD if best == NEXT_FORWARD else NEXT_FORWARD
-        why = (f"backward expected {expected:.3g} s (window {wait_b or 0.0:.3g} s + rollback rate {rate:.2f} x "
-               f"{self.rollback_s or 0.0:.3g} s) vs next_forward {wait_n:.3g} s")
+        why = (f"backward expected {expected:.3g} s (window {cost_b or 0.0:.3g} s + rollback rate {rate:.2f} x "
+               f"{self.rollback_s or 0.0:.3g} s) vs next_forward {cost_n:.3g} s")
         if self.windows - self.last_probe >= self.probe_every and (other == NEXT_FORWARD or rate == 0.0):
             return self._probe(other, f"{why}; measuring {other} again")
         return best, why

@@ -169,10 +169,10 @@ class UpdateMeter:
     """The worker's CPU time in the updates: each chunk's upcast, unscale, clip, AdamW kernel and publish
     (the copy into the parameter, or a streamed one's tier copy), not its reads or writes (the planner
     models the SSD apart). The planner takes its CPU rate from it: the run's own chunks, coming from memory
-    rather than the cache, beside the run's own compute. Its micro-benchmark on one 16 MiB buffer, run three times from the cache, had the plan's AdamW
-    take 0.07–0.14 s a step on the second GPU run, where the worker was busy 0.5 s; the third GPU run showed
-    the publish, which the meter left out until then, at 32% of a chunk's time
-    (``benchmarks/update_phases_bench.py``).
+    rather than the cache, beside the run's own compute. Its micro-benchmark on one 16 MiB buffer, run three
+    times from the cache, had the plan's AdamW take 0.07–0.14 s a step on the second GPU run, where the
+    worker was busy 0.5 s; the third GPU run showed the publish, which the meter left out until then, at 32%
+    of a chunk's time (``benchmarks/update_phases_bench.py``).
 
     Threads: only the worker calls `add`; any thread may read ``total`` at any time (under ``next_forward``
     the worker may still be updating when the planner reads). ``total`` is rebound whole, once per chunk, so
