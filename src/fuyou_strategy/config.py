@@ -256,8 +256,9 @@ class FuyouConfig:
             on the SSD, and checkpoints do not depend on the split. The rest of the budget stays the
             transfer pool (`host_budget_split`). ``0``: all of the state on the SSD. Default
             ``"auto"``: what the budget leaves once the transfers and the other host users are served
-            (`host_state_bytes`): with the planner (``activations="auto"``, or a pinned plan), what the
-            plan leaves beside its host activations and weights, moved into RAM after the warm-up;
+            (`host_state_bytes`); with the planner (``activations="auto"``, or a pinned plan), what the
+            plan leaves beside its host activations and weights (with ``activations="auto"`` the state
+            starts in RAM for the warm-up and what the plan cannot leave it moves to the SSD then);
             nothing when ``host_memory_budget="auto"`` finds less than 2 GiB of RAM available (a
             warning says so).
         state_format: how the optimizer state is stored (`optim.formats`). ``"fp32"`` (default):
@@ -647,14 +648,17 @@ def host_state_bytes(config: FuyouConfig) -> int:
 
     A number of ``host_state`` is itself. ``"auto"``: everything the transfers (the optimizer's full
     read-ahead, the staging of SSD activations both ways) leave, when nothing else claims the host
-    tier; when something may (``activations`` naming ``"host"`` or ``"auto"`` — the planner's —, streamed
-    weights, or a pinned plan), nothing at first: `FuyouEngine` gives the state what the plan leaves once it is made
-    (`planner.Plan.state_in_ram`)."""
+    tier yet. With the planner (``activations="auto"``, ``weights`` ``"device"`` or ``"auto"``) that is the
+    warm-up's share, which profiles with every activation kept and every weight resident: `FuyouEngine` then
+    gives the state what the plan leaves (`planner.Plan.state_in_ram`), moving the state the plan's host
+    activations and weights need out to the SSD, so a state the budget holds is never written there. When
+    something claims the host tier from the start (``activations`` naming ``"host"``, streamed weights, or a
+    pinned plan), nothing at first: with a plan, the engine gives the state what it leaves."""
     if config.host_state != "auto":
         return config.host_state
     policies = config.activations.values() if isinstance(config.activations, dict) else [config.activations]
-    streams = config.weights not in ("device", {})  # staging buffers and gradients' host copies, host-tier weights
-    if streams or any(p in ("host", "auto") for p in policies) or config.plan is not None:
+    streams = config.weights not in ("device", "auto", {})  # staging buffers, gradients' host copies, host-tier weights
+    if streams or any(p == "host" for p in policies) or config.plan is not None:
         return 0
     _, _, readahead, staging = _transfers(config, config.host_memory_budget)
     free = config.host_memory_budget - readahead - 2 * staging

@@ -312,6 +312,11 @@ class FuyouEngine:
             elif config.activations == "auto":
                 blocks = discover_blocks(model, config.blocks)
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
+                if config.host_state == "auto":
+                    on_ssd, in_ram = self.optimizer.adam_state.footprint()
+                    self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
+                                f"{format_bytes(on_ssd + in_ram)} in host RAM for the warm-up (what the transfers "
+                                "leave); the plan then says how much stays")
             elif config.activations != "keep":
                 self._install_swapper(config.activations)
             self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
@@ -343,17 +348,19 @@ class FuyouEngine:
         self.optimizer.attach_weights(self.streamer)
 
     def _hold_state_in_ram(self, plan: Plan) -> None:
-        """With ``host_state="auto"``, move as much optimizer state into host RAM as ``plan`` leaves it
-        (`Plan.state_in_ram`), before the plan's other host users start; from then on the engine's config
-        (which the streamer's and the swapper's derive from) says what the state took."""
+        """With ``host_state="auto"``, hold as much optimizer state in host RAM as ``plan`` leaves it
+        (`Plan.state_in_ram`): moved in from the SSD, or (what the warm-up held beyond it) out to the SSD,
+        before the plan's other host users start; from then on the engine's config (which the streamer's
+        and the swapper's derive from) says what the state took."""
         if self.config.host_state != "auto":
             return
         # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
         room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
         want = max(0, min(plan.state_in_ram, room))
-        held = self.optimizer.hold_state_in_ram(want) if want else 0
+        state = self.optimizer.adam_state
+        held = self.optimizer.hold_state_in_ram(want) if want or state.store.bytes_in_memory else 0
         self.config = self.config.replace(host_state=held)
-        on_ssd, in_ram = self.optimizer.adam_state.footprint()
+        on_ssd, in_ram = state.footprint()
         self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
                     f"{format_bytes(on_ssd + in_ram)} in host RAM (what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
                     "leaves beside the plan's activations and weights), the rest on the SSD")

@@ -383,8 +383,9 @@ class FuyouAdamW(torch.optim.Optimizer):
         self._land()
 
     def hold_state_in_ram(self, nbytes: int) -> int:
-        """Let the state's host tier hold ``nbytes`` (of ``host_memory_budget``) and move this rank's next
-        parameters' state there from the SSD (`OptimizerState.hold_in_ram`); returns the bytes it holds.
+        """Let the state's host tier hold ``nbytes`` (of ``host_memory_budget``) and move this rank's
+        parameters' state in from the SSD, or out to it when the tier shrinks (`OptimizerState.hold_in_ram`);
+        returns the bytes it holds.
         Between steps: the updates left for the next forward land first. Bitwise nothing changes."""
         self.flush()
         self.adam_state.drain()

@@ -15,7 +15,7 @@ speculative updates write into; `commit` flips it in, `rollback` drops it.
 
 Tiers: with ``FuyouConfig.host_state`` the entries of the first parameters that fit live in host RAM
 (`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD; `hold_in_ram`
-moves more there between steps (the engine, once the planner says what the host budget leaves). Nothing else
+moves state in or out between steps (the engine, once the planner says what the host budget leaves). Nothing else
 changes: the same jobs read and write the same bytes, so the results are bitwise those of the state
 all on the SSD.
 
@@ -36,7 +36,7 @@ from torch.optim.adamw import adamw as adamw_for_loop
 
 from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
 from ..progress import Progress
-from ..storage import ACTIVE, SHADOW, HostBuffer, TensorStore, byte_view, gather
+from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, update_compact
 from .pipeline import ChunkJob, ChunkPipeline
@@ -167,8 +167,10 @@ class GradChunks(Protocol):
 
 class UpdateMeter:
     """The worker's CPU time in the updates: each chunk's upcast, unscale, clip, AdamW kernel and publish
-    (the copy into the parameter, or a streamed one's tier copy), not its reads or writes (the planner
-    models the SSD apart). The planner takes its CPU rate from it: the run's own chunks, coming from memory
+    (the copy into the parameter, or a streamed one's tier copy) and, for state in host RAM updated
+    speculatively, the copy of the active chunk into the shadow slot (36% of a chunk on the third GPU run's
+    host, which the planner's model lacked until then); not its SSD reads or writes (the planner models the
+    SSD apart). The planner takes its CPU rate from it: the run's own chunks, coming from memory
     rather than the cache, beside the run's own compute. Its micro-benchmark on one 16 MiB buffer, run three
     times from the cache, had the plan's AdamW take 0.07–0.14 s a step on the second GPU run, where the
     worker was busy 0.5 s; the third GPU run showed the publish, which the meter left out until then, at 32%
@@ -230,9 +232,16 @@ class OptimizerState:
         return chosen
 
     def hold_in_ram(self, owned: list[ParamState], nbytes: int) -> int:
-        """Let the host tier hold ``nbytes`` of state and move the next parameters' state (in order, whole,
-        those that fit) from the SSD into it; returns the bytes it holds now. Bitwise nothing changes. Only
-        between steps, with nothing in flight (after `drain`)."""
+        """Let the host tier hold ``nbytes`` of state: move the next parameters' state (in order, whole, those
+        that fit) from the SSD into it or, when it holds more than ``nbytes``, the state of those the smaller
+        tier no longer takes (`_host_tier` afresh) out to the SSD; returns the bytes it holds now. Bitwise
+        nothing changes. Only between steps, with nothing in flight (after `drain`)."""
+        if nbytes < self.store.bytes_in_memory:
+            keep = self._host_tier(owned, nbytes)
+            for ps in owned:
+                if ps.index in self.in_memory and ps.index not in keep:
+                    self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
+                    self.in_memory.discard(ps.index)
         self.store.allow_in_memory(nbytes)
         chosen = self._host_tier(owned, self.store.memory_limit, self.in_memory)
         for ps in owned:
@@ -312,7 +321,8 @@ class OptimizerState:
                 g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
             apply_update(ps.layout, state, g, step, fused=fused, **hyper)
             futures = [publish(ps, k, state["master"])]
-            meter.add(time.perf_counter() - began, n)
+            # With the copy that lent a host-tier chunk's shadow slot (`backward` schedule): CPU work of this update.
+            meter.add(time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0), n)
             if keep is not None:
                 futures.append(keep(ps, k, raw))
             del state, raw, g  # no view may outlive a buffer given back

@@ -36,7 +36,7 @@ import torch
 from ..activations.blocks import resolve_per_block
 from ..activations.swap import first_tensor, storage_id, swappable
 from ..cleanup import undo_after
-from ..config import FuyouConfig, host_budget_split
+from ..config import PAGE, FuyouConfig, host_budget_split
 from ..device import device_memory_bytes, synchronize
 from ..optim.formats import Layout
 from ..optim.state import apply_update
@@ -283,8 +283,9 @@ def link_bandwidth(device: torch.device, pool: HostBufferPool, nbytes: int = 64 
 
 
 def _probe_buffer(pool: HostBufferPool, nbytes: int, io_timeout: float) -> HostBuffer:
-    """A pool buffer of ``nbytes`` or the whole budget, whichever is smaller (the pool is idle between steps)."""
-    return pool.acquire(min(nbytes, pool.budget), timeout=io_timeout)
+    """A pool buffer of ``nbytes`` or of what the pool has not lent, whichever is smaller (the pool is idle
+    between steps but for the optimizer state it holds in RAM, `host_state`), at least a page."""
+    return pool.acquire(max(PAGE, min(nbytes, (pool.budget - pool.lent) // PAGE * PAGE)), timeout=io_timeout)
 
 
 def adam_throughput(fused: bool, n: int = 2**20, layout: Layout = Layout("fp32")) -> float:

@@ -3,10 +3,10 @@
 from .aio import IOEngine, StorageIOError, SwapFile, byte_view, filesystem_type, gather
 from .pool import HostBudgetError, HostBuffer, HostBufferPool, round_up
 from .rundir import StaleRun, find_stale_runs, remove_run_dir
-from .store import ACTIVE, SHADOW, Entry, StorageError, StorageSpaceError, TensorStore
+from .store import ACTIVE, SHADOW, Entry, LentChunk, StorageError, StorageSpaceError, TensorStore
 
 __all__ = [
-    "ACTIVE", "SHADOW", "Entry", "HostBudgetError", "HostBuffer", "HostBufferPool", "IOEngine",
+    "ACTIVE", "SHADOW", "Entry", "HostBudgetError", "HostBuffer", "HostBufferPool", "IOEngine", "LentChunk",
     "StaleRun", "StorageError", "byte_view", "StorageIOError", "StorageSpaceError", "SwapFile", "TensorStore",
     "filesystem_type", "find_stale_runs", "gather", "remove_run_dir", "round_up",
 ]

@@ -13,7 +13,7 @@ the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollb
 the shadow away. A slot is only readable once all its chunks were written successfully, so
 a failed or partial write is never served as good data.
 
-An entry created ``in_memory`` (or moved there by `to_memory`) keeps its chunks (both slots) in
+An entry created ``in_memory`` (or moved there by `to_memory`, and back by `to_ssd`) keeps its chunks (both slots) in
 host RAM instead — the host tier of the optimizer state — behind the same interface and
 bookkeeping: reading copies a chunk into a pool buffer, writing copies it back (a speculative
 update instead borrows its shadow slot's own memory: `LentChunk`), and the slots flip and roll back
@@ -29,6 +29,7 @@ import bisect
 import os
 import shutil
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,7 +44,7 @@ from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
-__all__ = ["StorageError", "StorageSpaceError", "Entry", "TensorStore", "ACTIVE", "SHADOW"]
+__all__ = ["StorageError", "StorageSpaceError", "Entry", "LentChunk", "TensorStore", "ACTIVE", "SHADOW"]
 
 ACTIVE = "active"
 SHADOW = "shadow"
@@ -283,27 +284,34 @@ class TensorStore:
             raise StorageError(f"entry {name!r}: chunk_bytes={chunk_bytes} must be a positive multiple of 4096")
         chunk_bytes = min(chunk_bytes, round_up(nbytes))
         nchunks = -(-nbytes // chunk_bytes)
-        num_dirs = len(self._files)
         if in_memory:
             return self._create_in_memory(name, shape, dtype, nbytes, chunk_bytes, nchunks, slots)
         with self._lock:
             if name in self._entries:
                 raise StorageError(f"entry {name!r} exists already")
-            first = self._next_dir
-            self._next_dir = (self._next_dir + 1) % num_dirs
-            count = {d: len(range((d - first) % num_dirs, nchunks, num_dirs)) for d in range(num_dirs)}
-            need = {d: slots * c * round_up(chunk_bytes) for d, c in count.items() if c}
-            base = {}
-            try:
-                for d, nb in need.items():
-                    base[d] = self._reserve(d, nb, name)
-            except BaseException:
-                for d, offset in base.items():
-                    self._space[d].give(offset, need[d])
-                raise
-            entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, num_dirs, base, count, slots)
+            first, base, count = self._place(name, nchunks, chunk_bytes, slots)
+            entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, first, len(self._files), base, count, slots)
             self._entries[name] = entry
         return entry
+
+    def _place(self, name: str, nchunks: int, chunk_bytes: int, slots: int) -> tuple[int, dict[int, int], dict[int, int]]:
+        """Reserve the regions of an entry of ``nchunks`` chunks in the swap files, striped from the next
+        directory on: (first directory, base offset and chunk count per directory). Under the lock; a
+        failure gives back what it reserved."""
+        num_dirs = len(self._files)
+        first = self._next_dir
+        self._next_dir = (self._next_dir + 1) % num_dirs
+        count = {d: len(range((d - first) % num_dirs, nchunks, num_dirs)) for d in range(num_dirs)}
+        need = {d: slots * c * round_up(chunk_bytes) for d, c in count.items() if c}
+        base: dict[int, int] = {}
+        try:
+            for d, nb in need.items():
+                base[d] = self._reserve(d, nb, name)
+        except BaseException:
+            for d, offset in base.items():
+                self._space[d].give(offset, need[d])
+            raise
+        return first, base, count
 
     def _create_in_memory(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int,
                           chunk_bytes: int, nchunks: int, slots: int) -> Entry:
@@ -381,6 +389,55 @@ class TensorStore:
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
                 self._shrink(d)
             entry.base, entry.count = {}, {}
+        return entry.footprint
+
+    def to_ssd(self, name: str, *, timeout: float | None = None) -> int:
+        """Move an entry from host RAM to the SSD (every written chunk of both slots, written straight from
+        its memory into new regions of the swap files), then give its memory back to the pool; returns the
+        bytes it held in RAM (0 if it was on the SSD already). `to_memory`'s inverse: a plan that needs host
+        RAM for its activations or weights takes it from the state that the warm-up held there. Nothing may
+        be in flight or lent for the entry; ``timeout``: the most seconds to wait for the writes (default
+        ``io_timeout``). On failure the entry stays in RAM, unchanged."""
+        entry = self.entry(name)
+        if entry.memory is None:
+            return 0
+        with self._lock:
+            if any(entry.inflight) or entry.lent:
+                raise StorageError(f"cannot move entry {name!r} to the SSD while a write to it is in flight")
+            written = [sorted(w) for w in entry.written]
+            first, base, count = self._place(name, entry.nchunks, entry.chunk_bytes, entry.slots)
+        placed = Entry(name, entry.shape, entry.dtype, entry.nbytes, entry.chunk_bytes, entry.nchunks, first,
+                       len(self._files), base, count, entry.slots)  # where the chunks go
+        futures, error = [], None
+        try:
+            for phys in range(entry.slots):
+                for k in written[phys]:
+                    d, offset = placed.location(k, phys)
+                    start = k * entry.stride
+                    futures.append(self.engine.write(self._files[d], offset,
+                                                     entry.memory[phys].data[start : start + round_up(entry.chunk_len(k))]))
+        except BaseException as exc:
+            error = exc
+        wait = self.config.io_timeout if timeout is None else timeout
+        try:  # every write submitted ends before its regions may be given back
+            gather(futures).result(timeout=wait)
+        except FutureTimeout:  # writes may still land in the regions: they stay reserved (until close), not reused
+            raise StorageError(f"moving entry {name!r} to the SSD: the writes took longer than {wait} s "
+                               "(io_timeout)") from error
+        except BaseException as exc:
+            error = error or exc
+        with self._lock:
+            if error is None:
+                entry.first_dir, entry.num_dirs, entry.base, entry.count = first, len(self._files), base, count
+                memory, entry.memory = entry.memory, None
+                self._in_memory -= entry.footprint
+            else:
+                for d, offset in base.items():
+                    self._space[d].give(offset, entry.slots * count[d] * entry.stride)
+        if error is not None:
+            raise error
+        for buf in memory:
+            buf.release()
         return entry.footprint
 
     def _shrink(self, d: int) -> None:
@@ -537,6 +594,7 @@ class TensorStore:
 
     def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int) -> "LentChunk":
         self._begin_write(entry, dst, k)
+        began = time.perf_counter()
         if dst != src:  # the shadow slot starts as a copy of the active one
             try:
                 entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
@@ -545,7 +603,7 @@ class TensorStore:
                 raise
         start = k * entry.stride
         chunk = LentChunk(entry.memory[dst].data[start : start + round_up(entry.chunk_len(k))], entry.chunk_len(k),
-                          self, entry, dst, k)
+                          self, entry, dst, k, copy_s=time.perf_counter() - began if dst != src else 0.0)
         with self._lock:
             entry.lent[k] = chunk
         return chunk
@@ -727,11 +785,13 @@ class LentChunk(HostBuffer):
     at a time, like any buffer; `release` without that write marks the slot failed (its bytes may no
     longer be the read ones)."""
 
-    __slots__ = ("store", "entry", "slot", "k")
+    __slots__ = ("store", "entry", "slot", "k", "copy_s")
 
-    def __init__(self, data: torch.Tensor, nbytes: int, store: "TensorStore", entry: Entry, slot: int, k: int) -> None:
+    def __init__(self, data: torch.Tensor, nbytes: int, store: "TensorStore", entry: Entry, slot: int, k: int,
+                 copy_s: float = 0.0) -> None:
         super().__init__(data, nbytes, None)
         self.store, self.entry, self.slot, self.k = store, entry, slot, k
+        self.copy_s = copy_s  # seconds spent copying the active chunk into the shadow slot (CPU work of the lend)
 
     def written(self) -> None:
         """Back in place: the write that `read_chunk` began is done."""
