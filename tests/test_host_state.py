@@ -30,6 +30,14 @@ def state_bytes(opt):
     return sum(n for ssd, n in summary_like if ssd), sum(n for ssd, n in summary_like if not ssd)
 
 
+def planned_engine(tmp_path, model, **kwargs):
+    """An engine with the planner (2 warm-up steps) and a 64 MiB host budget, which holds the tiny model's state."""
+    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
+                 planner_warmup_steps=2, activation_min_bytes=0)
+    return FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                       config=cfg, **kwargs)
+
+
 @pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
 @pytest.mark.parametrize("split", ["mixed", "all"])
 def test_any_split_trains_bitwise_like_torch_and_the_state_on_ssd(tmp_path, split, schedule, slots):
@@ -245,10 +253,8 @@ def test_a_plan_whose_budget_holds_the_whole_state_moves_all_of_it_into_ram(tmp_
     slot, the store needed 15.1 with GPT-2 350M's padding, and a fifth of the state stayed on the SSD beside a
     66 GB budget.)"""
     model = tiny_causal_lm("llama")
-    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
-                 planner_warmup_steps=2, activation_min_bytes=0)
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=cfg)
+    engine = planned_engine(tmp_path, model)
+    cfg = engine.config
     opt = engine.optimizer
     whole = sum(state_bytes(opt))
     padded = opt.state_bytes_per_param() * sum(p.numel() for p in model.parameters()) * cfg.state_slots
@@ -335,10 +341,7 @@ def test_moving_entries_to_memory_gives_the_end_of_the_swap_file_back_to_the_fil
 
 def test_a_state_the_plan_moves_wholly_into_ram_leaves_no_bytes_on_the_ssd(tmp_path):
     model = tiny_causal_lm("llama")
-    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
-                 planner_warmup_steps=2, activation_min_bytes=0)
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=cfg)
+    engine = planned_engine(tmp_path, model)
     train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
     summary = engine.summary()
     sizes = {f: os.stat(os.path.join(d, f)).st_size for d in engine.optimizer.store.run_dirs for f in os.listdir(d)
@@ -481,10 +484,7 @@ def test_a_warm_up_whose_budget_holds_the_state_writes_none_of_it_to_the_ssd(tmp
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
     said = []
-    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
-                 planner_warmup_steps=2, activation_min_bytes=0)
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=cfg, report=said.append)
+    engine = planned_engine(tmp_path, model, report=said.append)
     assert state_bytes(engine.optimizer)[0] == 0, "the whole state in RAM from the start"
     losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
     summary, plan = engine.summary(), engine.plan
@@ -540,10 +540,7 @@ def test_a_plan_that_needs_the_warm_ups_ram_moves_that_state_to_the_ssd_and_chan
     model = tiny_causal_lm("llama")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
-    cfg = config(tmp_path, "auto", host_memory_budget="64MiB", host_state="auto", activations="auto",
-                 planner_warmup_steps=2, activation_min_bytes=0)
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=cfg)
+    engine = planned_engine(tmp_path, model)
     opt = engine.optimizer
     whole = sum(state_bytes(opt))
     assert state_bytes(opt) == (0, whole)

@@ -34,7 +34,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -360,16 +360,7 @@ class TensorStore:
                 raise StorageError(f"cannot move entry {name!r} to host memory while a write to it is in flight")
             written = [sorted(w) for w in entry.written]
         memory = self._lend_memory(entry, timeout)
-        futures, error = [], None
-        try:
-            for phys in range(entry.slots):
-                for k in written[phys]:
-                    d, offset = entry.location(k, phys)
-                    start = k * entry.stride
-                    futures.append(self.engine.read(self._files[d], offset,
-                                                    memory[phys].data[start : start + round_up(entry.chunk_len(k))]))
-        except BaseException as exc:
-            error = exc
+        futures, error = self._copy_slots(entry, memory, written, self.engine.read)
         try:  # every read submitted ends before its memory may be given back
             gather(futures).result(timeout=self.config.io_timeout)
         except FutureTimeout:  # reads may still land in the memory: it stays lent (until close), not reused
@@ -408,16 +399,7 @@ class TensorStore:
             first, base, count = self._place(name, entry.nchunks, entry.chunk_bytes, entry.slots)
         placed = Entry(name, entry.shape, entry.dtype, entry.nbytes, entry.chunk_bytes, entry.nchunks, first,
                        len(self._files), base, count, entry.slots)  # where the chunks go
-        futures, error = [], None
-        try:
-            for phys in range(entry.slots):
-                for k in written[phys]:
-                    d, offset = placed.location(k, phys)
-                    start = k * entry.stride
-                    futures.append(self.engine.write(self._files[d], offset,
-                                                     entry.memory[phys].data[start : start + round_up(entry.chunk_len(k))]))
-        except BaseException as exc:
-            error = exc
+        futures, error = self._copy_slots(placed, entry.memory, written, self.engine.write)
         wait = self.config.io_timeout if timeout is None else timeout
         try:  # every write submitted ends before its regions may be given back
             gather(futures).result(timeout=wait)
@@ -439,6 +421,24 @@ class TensorStore:
         for buf in memory:
             buf.release()
         return entry.footprint
+
+    def _copy_slots(self, placed: Entry, memory: list[HostBuffer], written: list[list[int]],
+                    submit: Callable[..., Future]) -> tuple[list[Future], BaseException | None]:
+        """Submit ``submit(file, offset, chunk's memory)`` (`IOEngine.read` or ``write``) for every written chunk
+        of every slot, between ``memory`` (an in-memory entry's, one buffer per slot) and ``placed``'s regions
+        in the swap files: (the futures submitted, the error that stopped submitting, if any). `to_memory` and
+        `to_ssd` wait for every future before the memory or the regions may be given back."""
+        futures, error = [], None
+        try:
+            for phys in range(placed.slots):
+                for k in written[phys]:
+                    d, offset = placed.location(k, phys)
+                    start = k * placed.stride
+                    futures.append(submit(self._files[d], offset,
+                                          memory[phys].data[start : start + round_up(placed.chunk_len(k))]))
+        except BaseException as exc:
+            error = exc
+        return futures, error
 
     def _shrink(self, d: int) -> None:
         """Give the file's space past its last region in use back to the filesystem (under the lock). Only
