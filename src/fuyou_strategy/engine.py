@@ -313,10 +313,8 @@ class FuyouEngine:
                 blocks = discover_blocks(model, config.blocks)
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
                 if config.host_state == "auto":
-                    on_ssd, in_ram = self.optimizer.adam_state.footprint()
-                    self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
-                                f"{format_bytes(on_ssd + in_ram)} in host RAM for the warm-up (what the transfers "
-                                "leave); the plan then says how much stays")
+                    self._report_state_split("for the warm-up (what the transfers leave); the plan then says how "
+                                             "much stays")
             elif config.activations != "keep":
                 self._install_swapper(config.activations)
             self._step_hook = self.optimizer.register_step_post_hook(self._after_step)
@@ -357,13 +355,16 @@ class FuyouEngine:
         # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
         room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
         want = max(0, min(plan.state_in_ram, room))
-        state = self.optimizer.adam_state
-        held = self.optimizer.hold_state_in_ram(want) if want or state.store.bytes_in_memory else 0
+        held = self.optimizer.hold_state_in_ram(want) if want or self.optimizer.store.bytes_in_memory else 0
         self.config = self.config.replace(host_state=held)
-        on_ssd, in_ram = state.footprint()
+        self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} leaves "
+                                 "beside the plan's activations and weights), the rest on the SSD")
+
+    def _report_state_split(self, why: str) -> None:
+        """Say how much of the optimizer state is in host RAM (``host_state="auto"``), and ``why``."""
+        on_ssd, in_ram = self.optimizer.adam_state.footprint()
         self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
-                    f"{format_bytes(on_ssd + in_ram)} in host RAM (what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
-                    "leaves beside the plan's activations and weights), the rest on the SSD")
+                    f"{format_bytes(on_ssd + in_ram)} in host RAM {why}")
 
     def _install_swapper(self, activations: str | dict) -> None:
         # The swapper applies only the activation policies (the engine applies the plan's weight tiers).
