@@ -1,6 +1,7 @@
 import contextlib
 import gc
 import glob
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -184,6 +185,14 @@ def warm_up_first_calls():
                 tiny_causal_lm(family)(input_ids=ids, labels=ids).loss.backward()
     finally:
         torch.set_num_threads(threads)
+
+
+# A rank that torch.multiprocessing starts (the tests' mp.spawn, Lightning's and Fabric's spawn launchers) is a
+# fresh interpreter too: it imports this module while it unpickles its function, and warms up here, so that its
+# first training forward is not its process's first call either. Without it, CI failed once on a two-rank
+# bitwise test (a rank's gradient norm 1e-6 off torch's; 4cd6c32): the odd first call, on one rank.
+if multiprocessing.parent_process() is not None:
+    warm_up_first_calls()
 
 
 # One fresh interpreter imports the test module once, warms up (`warm_up_first_calls`, on one thread), then
