@@ -152,3 +152,29 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         optimizer_prefetch_chunks=4), report=said.append)
     engine.close()
     assert not [m for m in said if "='auto' took" in m]
+
+
+def test_placement_left_unset_is_decided_from_the_device_and_a_value_given_stays():
+    """``activations`` and ``weights`` left unset (``None``): the planner where the device's memory is bounded,
+    the weights with it in one process; every value given is kept (`placement_defaults`, issue 27)."""
+    import torch
+
+    from fuyou_strategy.config import placement_defaults
+
+    def placed(device, ranks=1, **fields):
+        config, said = placement_defaults(FuyouConfig(host_memory_budget="64MiB", **fields), torch.device(device), ranks)
+        return config.activations, config.weights, said
+
+    activations, weights, said = placed("cuda:0")
+    assert (activations, weights) == ("auto", "auto")
+    assert said[0].startswith("fuyou: activations (unset) took 'auto': the memory of cuda:0 is bounded: the planner")
+    assert said[1].startswith("fuyou: weights (unset) took 'auto'")
+    activations, weights, said = placed("cuda:0", ranks=2)
+    assert (activations, weights) == ("auto", "device") and "with 2 ranks" in said[1], "DDP keeps its overlap"
+    assert placed("cpu")[:2] == ("keep", "device")
+    assert placed("cpu", device_memory_budget="1GiB")[:2] == ("auto", "auto")
+    assert placed("cpu", weights="auto")[:2] == ("auto", "auto"), "weights='auto' asks for the planner"
+    activations, weights, said = placed("cuda:0", weights="ssd")
+    assert (activations, weights) == ("keep", "ssd") and "weights='ssd'" in said[0], "placed by hand"
+    assert placed("cuda:0", activations="keep") == ("keep", "device", []), "a value given is kept, silently"
+    assert placed("cuda:0", activations="ssd", weights="host") == ("ssd", "host", [])

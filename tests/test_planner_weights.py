@@ -177,7 +177,9 @@ def test_auto_streams_the_frozen_base_when_the_device_budget_is_small_and_change
         assert torch.equal(dict(model.named_parameters())[name], p), name
 
 
-def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
+def roomy_full_fine_tune(tmp_path):
+    """A full fine-tune of the tiny GPT-2 planned with no device budget: the model after 5 steps, their losses, and
+    the device peaks its plan would reach with every weight resident and with every block streamed."""
     resident_model = tiny_causal_lm("gpt2")
     engine, reference = run(resident_model, auto(tmp_path), steps=5)
     roomy = Profile.from_dict(engine.plan.profile)
@@ -187,6 +189,11 @@ def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
     resident, streamed = (predict(roomy, [Policy.RECOMPUTE] * 2, weight_tiers=[tier] * 2).device_peak
                           for tier in ("device", "ssd"))
     assert streamed < resident
+    return resident_model, reference, resident, streamed
+
+
+def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
+    resident_model, reference, resident, streamed = roomy_full_fine_tune(tmp_path)
     model = tiny_causal_lm("gpt2")
     engine, losses = run(model, auto(tmp_path, device_memory_budget=(streamed + resident) // 2), steps=5)
     try:
@@ -198,6 +205,45 @@ def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
     assert losses == reference, "streaming the trainable weights changes no number"
     for (name, p), (_, q) in zip(resident_model.named_parameters(), model.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_budget_is_tight(tmp_path):
+    """Issue 27, defaults that fit the machine: ``activations`` and ``weights`` left unset plan nothing on the CPU
+    without a device budget (every tier is host RAM: the run is the plain one, said once with the reason); with a
+    ``device_memory_budget`` the resident weights do not fit, the planner runs as ``activations="auto",
+    weights="auto"`` would, streams them and changes no number."""
+    resident_model, reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    fields = dict(swap_dirs=[str(tmp_path)], planner_warmup_steps=2, weight_prefetch_blocks=0, chunk_size="8KiB",
+                  host_memory_budget="4MiB", activation_min_bytes=0)
+    said = []
+    model = tiny_causal_lm("gpt2")
+    engine = engine_for(model, FuyouConfig(**fields), report=said.append)
+    try:
+        losses = [loss.item() for loss in run_steps(engine, model, 5)]
+        assert engine.config.activations == "keep" and engine.config.weights == "device"
+        assert engine.plan is None and engine.profiler is None and engine.streamer is None, "nothing planned"
+    finally:
+        engine.close()
+    assert losses == reference
+    assert [m for m in said if m.startswith("fuyou: activations (unset) took 'keep': the device is cpu with no "
+                                            "device_memory_budget")], said
+    budget = (streamed + resident) // 2
+    said.clear()
+    model = tiny_causal_lm("gpt2")
+    engine = engine_for(model, FuyouConfig(**fields, device_memory_budget=budget), report=said.append)
+    try:
+        losses = [loss.item() for loss in run_steps(engine, model, 5)]
+        plan = engine.plan
+        assert engine.config.activations == "auto" and engine.config.weights == "auto"
+        assert set(plan.weights.values()) == {"ssd"} and plan.device_peak <= budget
+        assert engine.streamer.stats.trainable_bytes > 0, "the trainable weights are streamed"
+    finally:
+        engine.close()
+    assert losses == reference, "the planner the defaults chose changes no number"
+    for (name, p), (_, q) in zip(resident_model.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), name
+    assert [m for m in said if m.startswith("fuyou: activations (unset) took 'auto': a device_memory_budget of")]
+    assert [m for m in said if m.startswith("fuyou: weights (unset) took 'auto': the planner places")]
 
 
 def test_auto_that_cannot_fit_is_a_config_error_naming_both_fields(tmp_path):

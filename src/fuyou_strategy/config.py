@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
 from .planfile import read as read_plan
 
-__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "auto_host_budget",
+__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "placement_defaults", "auto_host_budget",
            "available_memory", "parse_bytes", "format_bytes", "read_mapping", "STATE_BYTES_PER_PARAM"]
 
 log = logging.getLogger("fuyou_strategy")
@@ -213,7 +213,10 @@ class FuyouConfig:
             index to policy (unlisted blocks keep), or ``"auto"``: the planner profiles the first
             ``planner_warmup_steps`` steps (activations kept) and applies the policies that
             minimise predicted step time within the budgets (``device_memory_budget`` bounds
-            the device tier). Default ``"keep"``.
+            the device tier). Default ``None``: decided when the engine starts (`placement_defaults`,
+            announced with its reason): ``"auto"`` where the device's memory is bounded (an
+            accelerator, or a ``device_memory_budget``) and the weights are not placed by hand,
+            ``"keep"`` otherwise (the CPU without a budget: there is nothing to plan against).
         plan: a plan JSON (``Plan.save``, ``fuyou plan --save``) to apply from the first step
             instead of planning: a pinned plan, its activation policies and its weight tiers (a plan
             that streams weights needs ``weights`` left at ``"device"`` or ``"auto"``).
@@ -225,8 +228,8 @@ class FuyouConfig:
             them costs more than it saves). Default ``"64KiB"``.
         activation_prefetch_blocks: when backward reaches block ``i``, activations of blocks
             ``i-1 ... i-k`` are already being read back. Default 2.
-        weights: where each block's weights live between uses: ``"device"`` (resident, the
-            default), ``"host"`` (the host buffer pool) or ``"ssd"`` (the tensor store) for every
+        weights: where each block's weights live between uses: ``"device"`` (resident),
+            ``"host"`` (the host buffer pool) or ``"ssd"`` (the tensor store) for every
             block, or a mapping from block index to tier (unlisted blocks: device). Streamed
             weights are on the device only while their block runs (see
             `fuyou_strategy.params.WeightStreamer`): frozen ones (a LoRA base) are read-only,
@@ -236,7 +239,10 @@ class FuyouConfig:
             chooses each block's tier with its activation policy (the cheapest that fits: device,
             then host, then ssd), which needs ``activations="auto"`` (the warm-up runs with every
             weight resident, then the plan's tiers are installed) or a pinned ``plan`` (its tiers);
-            anything else is a `ConfigError`.
+            anything else is a `ConfigError`. Default ``None``: ``"auto"`` when the default
+            activations went to the planner in one process, ``"device"`` otherwise (with several
+            ranks a streamed weight leaves DDP's averaging overlapped with backward; set ``"auto"``
+            to let the planner stream them anyway) (`placement_defaults`).
         weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
             backward), and the last ``k`` blocks stay on the device from forward into backward.
             The device holds at most ``k + 1`` blocks' streamed weights. Default 2.
@@ -319,11 +325,11 @@ class FuyouConfig:
     preallocate: bool = True
     optimizer_prefetch_chunks: int | str = "auto"
     io_timeout: float = 600.0
-    activations: str | dict = "keep"
+    activations: str | dict | None = None
     blocks: str | list[str] | None = None
     activation_min_bytes: int | str = "64KiB"
     activation_prefetch_blocks: int = 2
-    weights: str | dict = "device"
+    weights: str | dict | None = None
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
     host_state: int | str = "auto"
@@ -410,9 +416,10 @@ class FuyouConfig:
         timeout = self.io_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
-        self.activations = _per_block("activations", self.activations, POLICIES,
-                                      auto=True)
-        self.weights = _per_block("weights", self.weights, WEIGHT_TIERS, auto=True)
+        if self.activations is not None:  # None: `placement_defaults` decides when the engine knows the device
+            self.activations = _per_block("activations", self.activations, POLICIES, auto=True)
+        if self.weights is not None:
+            self.weights = _per_block("weights", self.weights, WEIGHT_TIERS, auto=True)
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
@@ -455,11 +462,11 @@ class FuyouConfig:
                 streamed = streamed_tiers(read_plan(self.plan))  # a bad plan fails here, not at the first step
             except PlanError as exc:
                 raise ConfigError(f"plan: {exc}") from None
-            if streamed and self.weights not in ("device", "auto"):
+            if streamed and self.weights not in ("device", "auto", None):
                 raise ConfigError(f"weights: got {self.weights!r}, but the plan {self.plan!r} chooses the weight tiers "
                                   f"{streamed}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
                                   "a plan that keeps every block's weights on the device")
-        elif self.weights == "auto" and self.activations != "auto":
+        elif self.weights == "auto" and self.activations not in ("auto", None):
             raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "
                               "planner choose each block's tier, so set activations='auto' (it chooses both) or "
                               "plan='plan.json' (a plan's tiers), or name a tier: 'device', 'host' or 'ssd'")
@@ -643,6 +650,53 @@ def _transfers(config: FuyouConfig, pool: int) -> tuple[int, int, int, int]:
     return state_chunk, depth, (depth + 1) * state_chunk, staging
 
 
+def placement_defaults(config: FuyouConfig, device: "torch.device", ranks: int = 1) -> tuple[FuyouConfig, list[str]]:
+    """``config`` with ``activations`` and ``weights`` decided where they were left unset (``None``), for an
+    engine on ``device`` with ``ranks`` processes, and one sentence per decision saying why (the engine
+    announces them). A value given is a hard setting and stays.
+
+    - ``activations``: the planner (``"auto"``) when the device's memory is bounded (an accelerator, or a
+      ``device_memory_budget``): it profiles a short warm-up, keeps on the device what fits and moves the
+      rest to the cheapest tier. ``"keep"`` on the CPU without a budget (the device tier is the host's RAM:
+      nothing to plan against), when the weights' tiers were given by hand (placement is then the
+      user's), or when a pinned ``plan`` places them.
+    - ``weights``: ``"auto"`` when the activations went to the planner here (or were set to ``"auto"``) in
+      one process; ``"device"`` otherwise."""
+    if config.activations is not None and config.weights is not None:
+        return config, []
+    bounded = device.type != "cpu" or config.device_memory_budget is not None
+    where = (f"a device_memory_budget of {format_bytes(config.device_memory_budget)}"
+             if config.device_memory_budget is not None else f"the memory of {device}")
+    said, activations, weights = [], config.activations, config.weights
+    if activations is None:
+        if config.plan is not None:
+            activations, why = "keep", f"the pinned plan {config.plan!r} places every block's activations"
+        elif weights is not None and weights != "auto":
+            activations, why = "keep", (f"the weights' tiers are given (weights={weights!r}), so placement is yours; "
+                                        "set activations='auto' to let the planner place the activations too")
+        elif weights == "auto" or bounded:
+            activations = "auto"
+            why = ("weights='auto' needs the planner" if weights == "auto" and not bounded else
+                   f"{where} is bounded: the planner profiles the first {config.planner_warmup_steps} steps, keeps on "
+                   "the device what fits and moves the rest; set activations='keep' to skip it")
+        else:
+            activations, why = "keep", (f"the device is {device} with no device_memory_budget: every tier is host "
+                                        "RAM, so there is nothing to plan against; set activations='auto' to plan")
+        said.append(f"fuyou: activations (unset) took {activations!r}: {why}")
+    if weights is None:
+        planned = activations == "auto" and config.plan is None
+        if planned and ranks == 1:
+            weights, why = "auto", "the planner places each block's weights with its activations (resident while they fit)"
+        elif planned:
+            weights, why = "device", (f"with {ranks} ranks, a streamed weight would leave DDP's averaging that overlaps "
+                                      "backward; set weights='auto' to let the planner stream them anyway")
+        else:
+            weights, why = "device", ""
+        if why:
+            said.append(f"fuyou: weights (unset) took {weights!r}: {why}")
+    return config.replace(activations=activations, weights=weights), said
+
+
 def host_state_bytes(config: FuyouConfig) -> int:
     """The bytes of ``host_memory_budget`` the optimizer state takes in host RAM from the start.
 
@@ -657,7 +711,7 @@ def host_state_bytes(config: FuyouConfig) -> int:
     if config.host_state != "auto":
         return config.host_state
     policies = config.activations.values() if isinstance(config.activations, dict) else [config.activations]
-    streams = config.weights not in ("device", "auto", {})  # staging buffers, gradients' host copies, host-tier weights
+    streams = config.weights not in ("device", "auto", {}, None)  # staging buffers, gradients' host copies, host-tier weights
     if streams or any(p == "host" for p in policies) or config.plan is not None:
         return 0
     _, _, readahead, staging = _transfers(config, config.host_memory_budget)

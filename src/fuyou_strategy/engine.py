@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
-from .config import ConfigError, FuyouConfig, format_bytes
+from .config import ConfigError, FuyouConfig, format_bytes, placement_defaults
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -125,7 +125,7 @@ def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[
     weights = weight_tiers(config, pinned_plan(config))
     if weights == "auto":  # the planner chooses after the wrap: every block may be streamed
         weights = "ssd"
-    if weights in ("device", {}):
+    if weights in ("device", {}, None):  # None: resident with several ranks (`placement_defaults`)
         return []
     names = streamed_parameter_names(model, config, weights)
     if names:
@@ -144,7 +144,7 @@ def pinned_plan(config: FuyouConfig) -> Plan | None:
 def weight_tiers(config: FuyouConfig, plan: Plan | None) -> str | dict:
     """The weight tiers to start with: a pinned plan's when ``weights`` leaves them to it (``"device"`` or
     ``"auto"``), else ``weights``."""
-    return plan.weights if plan is not None and config.weights in ("device", "auto") else config.weights
+    return plan.weights if plan is not None and config.weights in ("device", "auto", None) else config.weights
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -264,13 +264,17 @@ class FuyouEngine:
         gradients_averaged: bool = False,
     ) -> None:
         refuse_compiled(model, where)  # before anything is made on disk
-        self.config = config = config if config is not None else FuyouConfig()
+        self.device = torch.device(device) if device is not None else model_device(model)
+        ranks = dist.get_world_size(process_group) if process_group is not None else 1
+        config, placed = placement_defaults(config if config is not None else FuyouConfig(), self.device, ranks)
+        self.config = config
         self.report = report if report is not None else log.info
         for name, (value, why) in config.auto_choices().items():  # through the framework's logger, once per run
             self.report(f"fuyou: {name}='auto' took {value}: {why}")
+        for said in placed:
+            self.report(said)
         self.model = model
         self.init_weights = init_weights
-        self.device = torch.device(device) if device is not None else model_device(model)
         # What close() reads exists before anything can fail: a construction that fails half-way closes
         # what it made, and its own error reaches the caller.
         self.swapper: ActivationSwapper | None = None

@@ -335,7 +335,7 @@ class ActivationSwapper:
             raise ConfigError("activations='auto' and plan= are applied by FuyouEngine (the Lightning strategy and the "
                               "HF callback use it); give ActivationSwapper explicit policies")
         self.blocks = discover_blocks(model, config.blocks)
-        self.policies = resolve_policies(config.activations, len(self.blocks))
+        self.policies = resolve_policies(config.activations or "keep", len(self.blocks))  # unset: kept
         needs_store = any(p in (Policy.HOST, Policy.SSD) for p in self.policies)
         self._own_store = store is None and needs_store
         self.store = TensorStore(config) if self._own_store else store

@@ -211,7 +211,7 @@ def streamed_parameter_names(model: torch.nn.Module, config: FuyouConfig, weight
     `WeightStreamer` on ``model`` with ``weights`` (default ``config.weights``) streams, when every
     parameter that requires grad is the optimizer's. Data parallelism needs them before the model is
     wrapped in ``DistributedDataParallel``, which must leave them alone (`FuyouAdamW` sums them itself)."""
-    weights = config.weights if weights is None else weights
+    weights = (config.weights or "device") if weights is None else weights  # unset: resident (`placement_defaults`)
     blocks = discover_blocks(model, config.blocks)
     tiers = resolve_per_block("weights", weights, len(blocks), Tier, Tier.DEVICE)
     streamed = {id(p) for _i, _name, p in _streamable(model, blocks, tiers, lambda p: True) if p.requires_grad}
@@ -249,7 +249,7 @@ class WeightStreamer:
         self.config = config = config if config is not None else FuyouConfig()
         self.model = model
         self.blocks = list(blocks) if blocks is not None else discover_blocks(model, config.blocks)
-        self.tiers = resolve_per_block("weights", config.weights, len(self.blocks), Tier, Tier.DEVICE)
+        self.tiers = resolve_per_block("weights", config.weights or "device", len(self.blocks), Tier, Tier.DEVICE)
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
         self.trainable = dict(trainable or {})
