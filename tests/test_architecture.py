@@ -16,7 +16,7 @@ from fuyou_strategy.planner import Plan  # noqa: E402
 
 # Layers, bottom first: a module may import its own layer and those below (DESIGN.md's arrows).
 LAYERS = [
-    ("_extras", "planfile", "config", "cleanup", "progress", "device", "trace"),
+    ("_extras", "planfile", "drives", "config", "cleanup", "progress", "device", "trace"),
     ("storage",),
     ("optim", "activations", "params"),
     ("planner",),

@@ -113,6 +113,44 @@ def test_the_optimizers_read_ahead_defaults_to_two_chunks_per_drive_and_a_number
             FuyouConfig(optimizer_prefetch_chunks=bad, host_memory_budget="1GiB")
 
 
+def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_path, monkeypatch, capsys):
+    """``optimizer_prefetch_chunks="auto"`` times the drives when the planner's probe or `fuyou doctor` measured
+    them (the bandwidth cache, `drives`): ~20 ms of the slowest drive in flight plus a double buffer, at least 2,
+    at most 8; by their number until then; `fuyou doctor` measures, caches, and recommends what "auto" takes."""
+    from fuyou_strategy import drives
+    from fuyou_strategy.cli import main as cli
+    from fuyou_strategy.config import auto_prefetch_chunks
+
+    monkeypatch.setattr(drives, "CACHE", tmp_path / "cache" / "bandwidth.json")
+    fast, slow, probed = tmp_path / "fast", tmp_path / "slow", tmp_path / "probed"
+    for d in (fast, slow, probed):
+        d.mkdir()
+
+    def auto(*dirs):
+        config = FuyouConfig(swap_dirs=[str(d) for d in dirs], host_memory_budget="1GiB")
+        return config.optimizer_prefetch_chunks, config.auto_choices()["optimizer_prefetch_chunks"][1]
+
+    chunks, why = auto(fast)
+    assert chunks == 4 and "not measured yet" in why, "unmeasured: by the number of drives, as before"
+    drives.remember(drives.cache_key(fast), {"read_bps": 7e9, "write_bps": 6e9})
+    drives.remember(drives.cache_key(slow), {"read_bps": 0.9e9, "write_bps": 0.5e9})
+    chunks, why = auto(fast)
+    assert chunks == 8 and "6.00 GB/s" in why, "6 GB/s x 20 ms is 7 chunks of 16 MiB: deeper than by count, capped"
+    assert auto(slow)[0] == 2, "0.5 GB/s x 20 ms is under one chunk: the double buffer"
+    assert auto(fast, slow)[0] == auto_prefetch_chunks(2, 16 * 2**20, 0.5e9)[0] == 3, "the slowest drive sets the pace"
+    assert auto(fast, probed)[0] == 6, "one drive unmeasured: by count"
+    assert FuyouConfig(swap_dirs=[str(fast)], optimizer_prefetch_chunks=3,
+                       host_memory_budget="1GiB").optimizer_prefetch_chunks == 3, "a number is kept"
+    assert cli(["doctor", "--dir", str(probed), "--size", "8MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rate = report["bandwidth"][str(probed)]
+    measured = auto_prefetch_chunks(1, 16 * 2**20, min(rate["read_bps"], rate["write_bps"]))[0]
+    assert drives.measured([probed]) is not None, "the doctor's measurement is cached"
+    assert auto(probed)[0] == measured
+    assert report["config"]["optimizer_prefetch_chunks"] == "auto"
+    assert report["reasons"]["optimizer_prefetch_chunks"].startswith(f"takes {measured}:")
+
+
 def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch):
     """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: resolved once from the machine, carried
     through ``replace``/``resolve`` copies, announced with their reason through the ``report`` the integration

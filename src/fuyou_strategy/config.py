@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from . import drives
 from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
 from .planfile import read as read_plan
 
@@ -100,19 +101,39 @@ def auto_io_threads(cores: int) -> tuple[int, str]:
                      "and writes release the GIL while the drive works")
 
 
-AUTO_PREFETCH_MAX = 8  # optimizer_prefetch_chunks="auto": two chunks per swap directory beyond a double buffer
+AUTO_PREFETCH_MAX = 8  # optimizer_prefetch_chunks="auto": at most this many chunks read ahead
+AUTO_PREFETCH_COVER_S = 0.02  # ... measured drives: enough to keep ~20 ms of the slowest one's traffic in flight
 
 
-def auto_prefetch_chunks(drives: int) -> tuple[int, str]:
+def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20,
+                         slowest_bps: float | None = None) -> tuple[int, str]:
     """What ``optimizer_prefetch_chunks="auto"`` takes with ``drives`` swap directories, and why (one sentence).
 
-    The optimizer's reads are striped over the directories chunk by chunk: two chunks per drive beyond the
-    double buffer keep a request queued on every drive while the optimizer computes, at most
-    `AUTO_PREFETCH_MAX`; the host budget may lower it (`host_budget_split`). One drive takes 4, the value
-    before ``"auto"``. `fuyou doctor` measures the drives and says how many chunks cover ~20 ms of the slowest."""
-    chunks = min(AUTO_PREFETCH_MAX, 2 + 2 * max(1, drives))
-    return chunks, (f"two chunks in flight per swap directory ({max(1, drives)} here) beyond a double buffer, at most "
-                    f"{AUTO_PREFETCH_MAX}; the host budget may lower it")
+    With the directories' bandwidth measured (``slowest_bps``: the slowest read or write rate of any, from
+    the cache the planner's probe and `fuyou doctor` fill, `drives.measured`): two chunks beyond the double
+    buffer plus as many ``chunk_size`` chunks as ~20 ms of every drive at that rate moves
+    (`AUTO_PREFETCH_COVER_S`), at least 2: a fast drive gets a deeper read-ahead than a slow one. Without
+    a measurement, by their number: two chunks per drive beyond the double buffer keep a request queued on
+    every drive while the optimizer computes. At most `AUTO_PREFETCH_MAX` either way; the host budget may
+    lower it (`host_budget_split`). One unmeasured drive takes 4, the value before ``"auto"``."""
+    drives = max(1, drives)
+    if slowest_bps is not None:
+        chunks = max(2, min(AUTO_PREFETCH_MAX, int(slowest_bps * AUTO_PREFETCH_COVER_S * drives / chunk_size) + 2))
+        return chunks, (f"~{AUTO_PREFETCH_COVER_S * 1e3:.0f} ms of {drives} drive(s) at the slowest measured rate "
+                        f"({slowest_bps / 1e9:.2f} GB/s, cached by the planner's probe or fuyou doctor) in "
+                        f"{format_bytes(chunk_size)} chunks, plus a double buffer, at most {AUTO_PREFETCH_MAX}; "
+                        "the host budget may lower it")
+    chunks = min(AUTO_PREFETCH_MAX, 2 + 2 * drives)
+    return chunks, (f"two chunks in flight per swap directory ({drives} here) beyond a double buffer, at most "
+                    f"{AUTO_PREFETCH_MAX} (the drives are not measured yet: the planner's probe or fuyou doctor "
+                    "times them for the next run); the host budget may lower it")
+
+
+def slowest_measured(directories: Iterable[str] | None) -> float | None:
+    """The slowest read or write rate remembered for any of ``directories`` (`drives.measured`); ``None``
+    when one has none, or with no directories (a temporary folder is new every run)."""
+    rates = drives.measured(directories) if directories else None
+    return min(min(r["read_bps"], r["write_bps"]) for r in rates) if rates else None
 
 
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
@@ -406,7 +427,8 @@ class FuyouConfig:
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
         if self.optimizer_prefetch_chunks == "auto":
-            self.optimizer_prefetch_chunks, why = auto_prefetch_chunks(len(self.swap_dirs or ()))
+            self.optimizer_prefetch_chunks, why = auto_prefetch_chunks(
+                len(self.swap_dirs or ()), self.chunk_size, slowest_measured(self.swap_dirs))
             self._chose("optimizer_prefetch_chunks", self.optimizer_prefetch_chunks, why)
         if not isinstance(self.optimizer_prefetch_chunks, int) or isinstance(self.optimizer_prefetch_chunks, bool) \
                 or self.optimizer_prefetch_chunks < 1:

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from . import drives
 from .config import FuyouConfig, auto_host_budget, auto_io_threads, auto_prefetch_chunks, format_bytes
 from .device import accelerator
 
@@ -120,6 +121,7 @@ def _check_directory(d: Diagnosis, directory: str, probe_bytes: int, say: Callab
           f"write {bw.write_bps / 1e9:.2f} GB/s, read {bw.read_bps / 1e9:.2f} GB/s (1 MiB requests, 4 threads; "
           "NVMe drives reach 2-7 GB/s)")
     d.bandwidth[directory] = bw.as_dict()
+    drives.remember(drives.cache_key(directory), d.bandwidth[directory])  # optimizer_prefetch_chunks="auto" reads it
     return True
 
 
@@ -166,12 +168,12 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
                 "the optimizer state the budget leaves room for stays in RAM (exact), the rest on the SSD")
     if usable:
         slowest = min(min(b["write_bps"], b["read_bps"]) for b in d.bandwidth.values())
-        # Enough chunks in flight to cover ~20 ms of the slowest drive at 16 MiB each, within the budget.
-        chunks = max(2, min(8, int(slowest * 0.02 * len(usable) / defaults.chunk_size) + 2))
-        auto = auto_prefetch_chunks(len(usable))[0]  # the rule of optimizer_prefetch_chunks="auto": drives counted
-        d.recommend("optimizer_prefetch_chunks", chunks,
-                    f"keeps {format_bytes(chunks * defaults.chunk_size)} of state in flight for "
-                    f"{slowest / 1e9:.1f} GB/s per drive ('auto' takes {auto}, from the number of drives alone)")
+        # The rule of optimizer_prefetch_chunks="auto" with these measurements, which it now finds in the cache.
+        chunks = auto_prefetch_chunks(len(usable), defaults.chunk_size, slowest)[0]
+        d.recommend("optimizer_prefetch_chunks", "auto",
+                    f"takes {chunks}: {format_bytes(chunks * defaults.chunk_size)} of state in flight for "
+                    f"{slowest / 1e9:.1f} GB/s per drive (measured now and cached for the runs that use these "
+                    "directories)")
     d.recommend("activations", "auto", "let the planner profile a warm-up and place each block's activations")
     d.recommend("ssd_endurance_tbw", defaults.ssd_endurance_tbw,
                 "a conservative default: set your drive's datasheet TBW for an accurate wear report")

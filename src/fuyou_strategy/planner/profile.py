@@ -22,17 +22,16 @@ The first step is discarded (allocator and cache warm-up); medians of the rest a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import drives
 from ..activations.blocks import resolve_per_block
 from ..activations.swap import first_tensor, storage_id, swappable
 from ..cleanup import undo_after
@@ -49,7 +48,6 @@ from .cost import BlockProfile, Profile
 __all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput"]
 
 log = logging.getLogger("fuyou_strategy")
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
 
 
 class WarmupProfiler:
@@ -243,27 +241,20 @@ def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 
     """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem),
     through one buffer of ``pool`` (waiting for it at most ``io_timeout`` seconds), with a progress
     bar on a terminal unless ``progress`` is off."""
-    try:
-        cache = json.loads(CACHE.read_text())
-    except (OSError, ValueError):
-        cache = {}
     read = write = 0.0
     for d in directories:
-        parent = os.path.dirname(os.path.realpath(d))
-        key = f"{os.stat(parent).st_dev}:{parent}"
-        if key not in cache:
-            log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20, CACHE)
+        parent = os.path.dirname(os.path.realpath(d))  # the swap directory of this run's folder
+        rates = drives.measured([parent])
+        if rates is None:
+            log.info("fuyou planner: measuring SSD bandwidth of %s (%d MiB, cached in %s)", parent, size >> 20,
+                     drives.CACHE)
             with _probe_buffer(pool, 64 * 2**20, io_timeout) as buf, \
                     Progress(3 * size, f"fuyou planner: SSD bandwidth of {parent}", enabled=progress) as bar:
                 bw = measure_bandwidth(parent, size=size, buffer=buf.data, on_bytes=bar.update)
-            cache[key] = {"read_bps": bw.read_bps, "write_bps": bw.write_bps, "direct": bw.direct}
-            try:
-                CACHE.parent.mkdir(parents=True, exist_ok=True)
-                CACHE.write_text(json.dumps(cache, indent=1))
-            except OSError:
-                pass  # a read-only home: measure again next time
-        read += cache[key]["read_bps"]
-        write += cache[key]["write_bps"]
+            rates = [bw.as_dict()]
+            drives.remember(drives.cache_key(parent), rates[0])  # a read-only home: measured again next time
+        read += rates[0]["read_bps"]
+        write += rates[0]["write_bps"]
     return read, write
 
 

@@ -1,0 +1,67 @@
+"""What this machine's swap directories measured: the bandwidth cache.
+
+The planner's SSD probe (`planner.profile.ssd_bandwidth`) and `fuyou doctor` time each swap directory's
+reads and writes with the engine's own I/O path and remember the rates in
+``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set), keyed by the directory and its
+filesystem. ``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's
+read-ahead from the drives' speed instead of their number.
+
+This module imports nothing of fuyou's, so that `fuyou_strategy.config` can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["CACHE", "cache_key", "load", "measured", "remember"]
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
+
+
+def cache_key(directory: str | os.PathLike) -> str:
+    """The key of ``directory``'s measurement: its filesystem's device and its real path."""
+    real = os.path.realpath(directory)
+    return f"{os.stat(real).st_dev}:{real}"
+
+
+def load() -> dict[str, dict[str, Any]]:
+    """Every measurement remembered (``{key: {"read_bps", "write_bps", "direct"}}``); none if the cache is missing
+    or unreadable."""
+    try:
+        cache = json.loads(CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def remember(key: str, rates: dict[str, Any]) -> None:
+    """Add one measurement (read-modify-write of the whole file; a read-only home keeps nothing: the next run
+    measures again)."""
+    cache = load()
+    cache[key] = {"read_bps": float(rates["read_bps"]), "write_bps": float(rates["write_bps"]),
+                  "direct": bool(rates.get("direct", True))}
+    try:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE.with_name(f"{CACHE.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, CACHE)  # a reader never sees half a file
+    except OSError:
+        pass
+
+
+def measured(directories: Iterable[str | os.PathLike]) -> list[dict[str, Any]] | None:
+    """The remembered rates of every directory, in order, or ``None`` when any has none (not measured yet, not
+    a directory yet, or a ``{rank}`` template)."""
+    cache, found = load(), []
+    for d in directories:
+        try:
+            entry = cache.get(cache_key(d))
+        except OSError:
+            return None
+        if not isinstance(entry, dict) or not {"read_bps", "write_bps"} <= entry.keys():
+            return None
+        found.append(entry)
+    return found
