@@ -132,6 +132,8 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
 
     chunks, why = auto(fast)
     assert chunks == 4 and "not measured yet" in why, "unmeasured: by the number of drives, as before"
+    assert "temporary swap folder is new every run" in FuyouConfig(host_memory_budget="1GiB").auto_choices()[
+        "optimizer_prefetch_chunks"][1]
     drives.remember(drives.cache_key(fast), {"read_bps": 7e9, "write_bps": 6e9})
     drives.remember(drives.cache_key(slow), {"read_bps": 0.9e9, "write_bps": 0.5e9})
     chunks, why = auto(fast)

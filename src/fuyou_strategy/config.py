@@ -105,8 +105,8 @@ AUTO_PREFETCH_MAX = 8  # optimizer_prefetch_chunks="auto": at most this many chu
 AUTO_PREFETCH_COVER_S = 0.02  # ... measured drives: enough to keep ~20 ms of the slowest one's traffic in flight
 
 
-def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20,
-                         slowest_bps: float | None = None) -> tuple[int, str]:
+def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20, slowest_bps: float | None = None, *,
+                         temporary: bool = False) -> tuple[int, str]:
     """What ``optimizer_prefetch_chunks="auto"`` takes with ``drives`` swap directories, and why (one sentence).
 
     With the directories' bandwidth measured (``slowest_bps``: the slowest read or write rate of any, from
@@ -115,7 +115,8 @@ def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20,
     (`AUTO_PREFETCH_COVER_S`), at least 2: a fast drive gets a deeper read-ahead than a slow one. Without
     a measurement, by their number: two chunks per drive beyond the double buffer keep a request queued on
     every drive while the optimizer computes. At most `AUTO_PREFETCH_MAX` either way; the host budget may
-    lower it (`host_budget_split`). One unmeasured drive takes 4, the value before ``"auto"``."""
+    lower it (`host_budget_split`). One unmeasured drive takes 4, the value before ``"auto"``. ``temporary``: the
+    swap directory is a temporary folder (``swap_dirs=None``), new every run and so never measured."""
     drives = max(1, drives)
     if slowest_bps is not None:
         chunks = max(2, min(AUTO_PREFETCH_MAX, int(slowest_bps * AUTO_PREFETCH_COVER_S * drives / chunk_size) + 2))
@@ -124,9 +125,11 @@ def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20,
                         f"{format_bytes(chunk_size)} chunks, plus a double buffer, at most {AUTO_PREFETCH_MAX}; "
                         "the host budget may lower it")
     chunks = min(AUTO_PREFETCH_MAX, 2 + 2 * drives)
+    unmeasured = ("a temporary swap folder is new every run, so never measured: name swap_dirs to have the drives "
+                  "timed" if temporary else "the drives are not measured yet: the planner's probe or fuyou doctor "
+                  "times them for the next run")
     return chunks, (f"two chunks in flight per swap directory ({drives} here) beyond a double buffer, at most "
-                    f"{AUTO_PREFETCH_MAX} (the drives are not measured yet: the planner's probe or fuyou doctor "
-                    "times them for the next run); the host budget may lower it")
+                    f"{AUTO_PREFETCH_MAX} ({unmeasured}); the host budget may lower it")
 
 
 def slowest_measured(directories: Iterable[str] | None) -> float | None:
@@ -428,7 +431,8 @@ class FuyouConfig:
             raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
         if self.optimizer_prefetch_chunks == "auto":
             self.optimizer_prefetch_chunks, why = auto_prefetch_chunks(
-                len(self.swap_dirs or ()), self.chunk_size, slowest_measured(self.swap_dirs))
+                len(self.swap_dirs or ()), self.chunk_size, slowest_measured(self.swap_dirs),
+                temporary=not self.swap_dirs)
             self._chose("optimizer_prefetch_chunks", self.optimizer_prefetch_chunks, why)
         if not isinstance(self.optimizer_prefetch_chunks, int) or isinstance(self.optimizer_prefetch_chunks, bool) \
                 or self.optimizer_prefetch_chunks < 1:
