@@ -192,11 +192,13 @@ def roomy_full_fine_tune(tmp_path):
     return resident_model, reference, resident, streamed
 
 
-def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
-    resident_model, reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+def streams_the_full_fine_tune_exactly(config, resident_model, reference, **engine_arguments):
+    """5 steps of a fresh tiny GPT-2 with ``config``: its plan streams every block's trainable weights from the
+    SSD, and the losses and the weights are bitwise those of ``resident_model``'s run. The engine, closed."""
     model = tiny_causal_lm("gpt2")
-    engine, losses = run(model, auto(tmp_path, device_memory_budget=(streamed + resident) // 2), steps=5)
+    engine = engine_for(model, config, **engine_arguments)
     try:
+        losses = [loss.item() for loss in run_steps(engine, model, 5)]
         plan = engine.plan
         assert set(plan.weights.values()) == {"ssd"} and engine.summary()["weight_tiers"] == plan.weights
         assert engine.streamer.stats.trainable_bytes > 0, "the trainable weights are streamed"
@@ -205,6 +207,13 @@ def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
     assert losses == reference, "streaming the trainable weights changes no number"
     for (name, p), (_, q) in zip(resident_model.named_parameters(), model.named_parameters()):
         assert torch.equal(p, q), name
+    return engine
+
+
+def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
+    resident_model, reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    streams_the_full_fine_tune_exactly(auto(tmp_path, device_memory_budget=(streamed + resident) // 2),
+                                       resident_model, reference)
 
 
 def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_budget_is_tight(tmp_path):
@@ -229,19 +238,10 @@ def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_bu
                                             "device_memory_budget")], said
     budget = (streamed + resident) // 2
     said.clear()
-    model = tiny_causal_lm("gpt2")
-    engine = engine_for(model, FuyouConfig(**fields, device_memory_budget=budget), report=said.append)
-    try:
-        losses = [loss.item() for loss in run_steps(engine, model, 5)]
-        plan = engine.plan
-        assert engine.config.activations == "auto" and engine.config.weights == "auto"
-        assert set(plan.weights.values()) == {"ssd"} and plan.device_peak <= budget
-        assert engine.streamer.stats.trainable_bytes > 0, "the trainable weights are streamed"
-    finally:
-        engine.close()
-    assert losses == reference, "the planner the defaults chose changes no number"
-    for (name, p), (_, q) in zip(resident_model.named_parameters(), model.named_parameters()):
-        assert torch.equal(p, q), name
+    engine = streams_the_full_fine_tune_exactly(FuyouConfig(**fields, device_memory_budget=budget), resident_model,
+                                                reference, report=said.append)
+    assert engine.config.activations == "auto" and engine.config.weights == "auto"
+    assert engine.plan.device_peak <= budget
     assert [m for m in said if m.startswith("fuyou: activations (unset) took 'auto': a device_memory_budget of")]
     assert [m for m in said if m.startswith("fuyou: weights (unset) took 'auto': the planner places")]
 
