@@ -21,8 +21,8 @@ from . import drives
 from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
 from .planfile import read as read_plan
 
-__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "placement_defaults", "auto_host_budget",
-           "available_memory", "parse_bytes", "format_bytes", "read_mapping", "STATE_BYTES_PER_PARAM"]
+__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "placement_defaults",
+           "auto_host_budget", "available_memory", "parse_bytes", "format_bytes", "read_mapping", "STATE_BYTES_PER_PARAM"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -263,10 +263,10 @@ class FuyouConfig:
             chooses each block's tier with its activation policy (the cheapest that fits: device,
             then host, then ssd), which needs ``activations="auto"`` (the warm-up runs with every
             weight resident, then the plan's tiers are installed) or a pinned ``plan`` (its tiers);
-            anything else is a `ConfigError`. Default ``None``: ``"auto"`` when the default
-            activations went to the planner in one process, ``"device"`` otherwise (with several
-            ranks a streamed weight leaves DDP's averaging overlapped with backward; set ``"auto"``
-            to let the planner stream them anyway) (`placement_defaults`).
+            anything else is a `ConfigError`. Default ``None``: ``"auto"`` when the activations go
+            to the planner (left unset where it runs, or ``"auto"``) in one process, ``"device"``
+            otherwise: with several ranks a streamed weight leaves DDP's averaging overlapped with
+            backward, so set ``"auto"`` to let the planner stream them anyway (`placement_defaults`).
         weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
             backward), and the last ``k`` blocks stay on the device from forward into backward.
             The device holds at most ``k + 1`` blocks' streamed weights. Default 2.

@@ -238,7 +238,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def ssd_bandwidth(directories: list[str], pool: HostBufferPool, size: int = 256 * 2**20, *,
                   io_timeout: float = FuyouConfig.io_timeout, progress: bool = True) -> tuple[float, float]:
-    """Read and write bytes/s of the swap directories together (io-bench probe, cached per filesystem),
+    """Read and write bytes/s of the swap directories together (io-bench probe, cached per directory: `drives`),
     through one buffer of ``pool`` (waiting for it at most ``io_timeout`` seconds), with a progress
     bar on a terminal unless ``progress`` is off."""
     read = write = 0.0
