@@ -12,6 +12,7 @@ the parent turns that (and any crash, timeout or memory overrun) into a row that
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -394,13 +395,21 @@ SWEPT = "fuyou-hf@"  # fuyou-hf@<host_memory_budget>, e.g. fuyou-hf@4GiB: a poin
 
 
 def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
-    """``(run, what the row means)`` of a system name (`SYSTEMS`, or ``fuyou-hf@<bytes>``), else ``None``."""
+    """``(run, what the row means)`` of a system name (`SYSTEMS`, ``fuyou-hf@<bytes>``, or
+    ``fuyou-hf@<field>=<value>``: the HF callback with one `FuyouConfig` field set, e.g.
+    ``fuyou-hf@chunk_size=64MiB``), else ``None``."""
     if name in SYSTEMS:
         return SYSTEMS[name]
     if not name.startswith(SWEPT):
         return None
-    from fuyou_strategy.config import parse_bytes
+    from fuyou_strategy.config import FuyouConfig, parse_bytes
     budget = name[len(SWEPT):]
+    if "=" in budget:
+        field, value = budget.split("=", 1)
+        if field not in {f.name for f in dataclasses.fields(FuyouConfig)}:
+            return None
+        return ((lambda job: fuyou_hf(job, **{field: value})),
+                f"fuyou, HF Trainer + FuyouCallback, planner's plan, {field}={value!r}")
     try:
         parse_bytes(budget, name="host_memory_budget")
     except ValueError:
