@@ -155,3 +155,18 @@ def test_a_host_budget_sweep_runs_fuyou_hf_at_each_budget_and_draws_step_time_ag
     bad = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--systems", "fuyou-hf@lots"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown ['fuyou-hf@lots']" in bad.stderr
+
+
+def test_a_system_name_can_set_one_fuyou_config_field_on_the_hf_callback():
+    """``fuyou-hf@<field>=<value>``: the HF callback with one `FuyouConfig` field set (a chunk size, a schedule);
+    a name that is no field is unknown, as a bad budget is."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks.peers.systems import system
+    finally:
+        sys.path.remove(ROOT)
+    run, what = system("fuyou-hf@chunk_size=64MiB")
+    assert callable(run) and "chunk_size='64MiB'" in what
+    assert "optimizer_schedule='next_forward'" in system("fuyou-hf@optimizer_schedule=next_forward")[1]
+    assert system("fuyou-hf@chunk_sizes=64MiB") is None and system("fuyou-hf@lots") is None
+    assert "host_memory_budget='4GiB'" in system("fuyou-hf@4GiB")[1]
