@@ -3,6 +3,7 @@ import gc
 import glob
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from fuyou_strategy import FuyouConfig
+# The planner's SSD probe and `fuyou doctor` remember what they measured (`fuyou_strategy.drives`): the tests'
+# measurements of their temporary folders go to a folder of this session, not the user's cache (it had 431 of
+# them). Set before fuyou_strategy is imported, which reads it; spawned ranks and the kill server inherit it.
+_OWN_CACHE = None if os.environ.get("FUYOU_CACHE_DIR") else tempfile.mkdtemp(prefix="fuyou-test-cache-")
+if _OWN_CACHE is not None:
+    os.environ["FUYOU_CACHE_DIR"] = _OWN_CACHE
+
+from fuyou_strategy import FuyouConfig  # noqa: E402
 
 
 def _fuyou_threads() -> list[str]:
@@ -259,6 +267,11 @@ def compute_device():
 # ranks make it the slowest).
 DEVICE_SUITES = {"test_device.py", "test_on_device.py", "test_optimizer.py", "test_schedule.py", "test_pipeline.py",
                  "test_activations.py", "test_weights.py", "test_weights_trainable.py"}
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:  # this process made it (a spawned rank inherits the variable and leaves it)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

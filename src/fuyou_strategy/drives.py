@@ -2,8 +2,8 @@
 
 The planner's SSD probe (`planner.profile.ssd_bandwidth`) and `fuyou doctor` time each swap directory's
 reads and writes with the engine's own I/O path and remember the rates in
-``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set), keyed by the directory and its
-filesystem. ``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's
+``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set; ``bandwidth.json`` in
+``$FUYOU_CACHE_DIR`` if that is set, as the test suite does), keyed by the directory and its filesystem. ``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's
 read-ahead from the drives' speed instead of their number.
 
 This module imports nothing of fuyou's, so that `fuyou_strategy.config` can use it.
@@ -18,7 +18,8 @@ from typing import Any, Iterable
 
 __all__ = ["CACHE", "cache_key", "load", "measured", "remember"]
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy" / "bandwidth.json"
+CACHE = (Path(os.environ["FUYOU_CACHE_DIR"]) if os.environ.get("FUYOU_CACHE_DIR") else
+         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy") / "bandwidth.json"
 
 
 def cache_key(directory: str | os.PathLike) -> str:
