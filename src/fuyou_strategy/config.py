@@ -22,7 +22,8 @@ from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_
 from .planfile import read as read_plan
 
 __all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "placement_defaults",
-           "auto_host_budget", "available_memory", "parse_bytes", "format_bytes", "read_mapping", "STATE_BYTES_PER_PARAM"]
+           "auto_host_budget", "available_memory", "parse_bytes", "format_bytes", "read_mapping",
+           "STATE_BYTES_PER_PARAM"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -136,7 +137,7 @@ def slowest_measured(directories: Iterable[str] | None) -> float | None:
     """The slowest read or write rate remembered for any of ``directories`` (`drives.measured`); ``None``
     when one has none, or with no directories (a temporary folder is new every run)."""
     rates = drives.measured(directories) if directories else None
-    return min(min(r["read_bps"], r["write_bps"]) for r in rates) if rates else None
+    return drives.slowest(rates) if rates else None
 
 
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
@@ -712,10 +713,11 @@ def placement_defaults(config: FuyouConfig, device: "torch.device", ranks: int =
     if weights is None:
         planned = activations == "auto" and config.plan is None
         if planned and ranks == 1:
-            weights, why = "auto", "the planner places each block's weights with its activations (resident while they fit)"
+            weights, why = "auto", ("the planner places each block's weights with its activations (resident while "
+                                    "they fit)")
         elif planned:
-            weights, why = "device", (f"with {ranks} ranks, a streamed weight would leave DDP's averaging that overlaps "
-                                      "backward; set weights='auto' to let the planner stream them anyway")
+            weights, why = "device", (f"with {ranks} ranks, a streamed weight would leave DDP's averaging that "
+                                      "overlaps backward; set weights='auto' to let the planner stream them anyway")
         else:
             weights, why = "device", ""
         if why:
@@ -737,7 +739,8 @@ def host_state_bytes(config: FuyouConfig) -> int:
     if config.host_state != "auto":
         return config.host_state
     policies = config.activations.values() if isinstance(config.activations, dict) else [config.activations]
-    streams = config.weights not in ("device", "auto", {}, None)  # staging buffers, gradients' host copies, host-tier weights
+    # staging buffers, gradients' host copies, host-tier weights; None is resident (`placement_defaults`)
+    streams = config.weights not in ("device", "auto", {}, None)
     if streams or any(p == "host" for p in policies) or config.plan is not None:
         return 0
     _, _, readahead, staging = _transfers(config, config.host_memory_budget)

@@ -167,7 +167,7 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
     d.recommend("host_state", "auto",
                 "the optimizer state the budget leaves room for stays in RAM (exact), the rest on the SSD")
     if usable:
-        slowest = min(min(b["write_bps"], b["read_bps"]) for b in d.bandwidth.values())
+        slowest = drives.slowest(d.bandwidth.values())
         # The rule of optimizer_prefetch_chunks="auto" with these measurements, which it now finds in the cache.
         chunks = auto_prefetch_chunks(len(usable), defaults.chunk_size, slowest)[0]
         d.recommend("optimizer_prefetch_chunks", "auto",

@@ -3,8 +3,9 @@
 The planner's SSD probe (`planner.profile.ssd_bandwidth`) and `fuyou doctor` time each swap directory's
 reads and writes with the engine's own I/O path and remember the rates in
 ``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set; ``bandwidth.json`` in
-``$FUYOU_CACHE_DIR`` if that is set, as the test suite does), keyed by the directory and its filesystem. ``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's
-read-ahead from the drives' speed instead of their number.
+``$FUYOU_CACHE_DIR`` if that is set, as the test suite does), keyed by the directory and its filesystem.
+``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's read-ahead from the
+drives' speed instead of their number.
 
 This module imports nothing of fuyou's, so that `fuyou_strategy.config` can use it.
 """
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["CACHE", "cache_key", "load", "measured", "remember"]
+__all__ = ["CACHE", "cache_key", "load", "measured", "remember", "slowest"]
 
 CACHE = (Path(os.environ["FUYOU_CACHE_DIR"]) if os.environ.get("FUYOU_CACHE_DIR") else
          Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy") / "bandwidth.json"
@@ -66,3 +67,8 @@ def measured(directories: Iterable[str | os.PathLike]) -> list[dict[str, Any]] |
             return None
         found.append(entry)
     return found
+
+
+def slowest(rates: Iterable[dict[str, Any]]) -> float:
+    """The slowest read or write rate, in bytes/s, of some directories' measurements: what sets the pace."""
+    return min(min(r["read_bps"], r["write_bps"]) for r in rates)
