@@ -38,6 +38,25 @@ def planned_engine(tmp_path, model, **kwargs):
                        config=cfg, **kwargs)
 
 
+def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backward_and_changes_no_bit(tmp_path):
+    """The tied embedding's gradient is final last; from the second window on its state is read ahead while the
+    worker is idle, and its update takes those reads (clipping that bites, a skipped step, accumulation)."""
+    model = tiny_causal_lm("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
+                     config=config(tmp_path, "backward", host_state=0))
+    losses, _ = train(model, opt)
+    pipeline, tail = opt.adam_state.pipeline, opt._schedules["backward"].tail
+    opt.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    assert tail[0].param is model.transformer.wte.weight, [ps.describe() for ps in tail]
+    assert pipeline.ahead_used > 0, "the updates took chunks read ahead"
+    assert opt.stats.redos >= 1 and opt.stats.skips == 1
+
+
 @pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
 @pytest.mark.parametrize("split", ["mixed", "all"])
 def test_any_split_trains_bitwise_like_torch_and_the_state_on_ssd(tmp_path, split, schedule, slots):

@@ -330,3 +330,87 @@ def test_wait_job_times_out_when_the_job_function_hangs(pipe):
         assert isinstance(error, TimeoutError) and "no progress" in str(error) and "parameter 2" in str(error)
     finally:
         stuck.set()
+
+
+# -- read-ahead (`ChunkPipeline.read_ahead`): chunks read while the worker is idle, taken by the job --------------
+def counting_reads(store, monkeypatch):
+    """Count the store's chunk reads; returns the list of (entry, k) read so far."""
+    real, reads = store.read_chunk, []
+
+    def read_chunk(name, k, **kwargs):
+        reads.append((name, k))
+        return real(name, k, **kwargs)
+
+    monkeypatch.setattr(store, "read_chunk", read_chunk)
+    return reads
+
+
+def until(predicate, within=DEADLINE):
+    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
+    deadline = threading.Event()
+    timer = threading.Timer(within, deadline.set)
+    timer.start()
+    try:
+        while not predicate():
+            assert not deadline.wait(0.005), f"still not true after {within} s"
+    finally:
+        timer.cancel()
+
+
+def chunk_values(seen):
+    def collect(k, buf):
+        with buf:
+            seen.append((k, buf.view(torch.float32)[0].item()))
+    return collect
+
+
+def test_chunks_read_ahead_are_taken_by_the_job_that_reads_them_and_not_read_again(pipe, store, monkeypatch):
+    reads = counting_reads(store, monkeypatch)
+    pipe.read_ahead([("x", 0), ("x", 1), ("x", 2)], keep_free=0)
+    until(lambda: len(reads) == 3)  # the idle worker read all three, two at a time
+    seen = []
+    pipe.submit(ChunkJob("x", 3, chunk_values(seen)))
+    pipe.drain()
+    assert seen == [(0, 0.0), (1, 2048.0), (2, 4096.0)]
+    assert len(reads) == 3, "the job took the chunks read ahead instead of reading them again"
+    assert (pipe.ahead_used, pipe.ahead_dropped) == (3, 0)
+    assert store.pool.lent == 0
+
+
+def test_a_chunk_read_ahead_and_then_written_is_read_again(pipe, store, monkeypatch):
+    reads = counting_reads(store, monkeypatch)
+    pipe.read_ahead([("x", 0), ("x", 1)], keep_free=0)
+    until(lambda: len(reads) == 2)
+    buf = store.pool.acquire(8192)
+    buf.view(torch.float32).fill_(-1.0)
+    store.write_chunk("x", 0, buf).result()  # the active slot changes after it was read ahead
+    seen = []
+    pipe.submit(ChunkJob("x", 3, chunk_values(seen)))
+    pipe.drain()
+    assert seen == [(0, -1.0), (1, 2048.0), (2, 4096.0)], "a stale read-ahead must never reach a job"
+    # A write to any chunk of the slot makes every read-ahead of it stale (per slot, not per chunk).
+    assert reads == [("x", 0), ("x", 1), ("x", 0), ("x", 1), ("x", 2)]
+    assert (pipe.ahead_used, pipe.ahead_dropped) == (0, 2)
+    assert store.pool.lent == 0
+
+
+def test_read_ahead_that_no_job_takes_is_given_back_at_the_drain(pipe, store, monkeypatch):
+    reads = counting_reads(store, monkeypatch)
+    pipe.read_ahead([("x", 0), ("x", 1), ("x", 2)], keep_free=0)
+    until(lambda: len(reads) == 3)
+    pipe.drain()
+    assert store.pool.lent == 0 and pipe.ahead_dropped == 3
+    pipe.submit(ChunkJob("x", 3, release))  # the window is over: the job reads for itself
+    pipe.drain()
+    assert len(reads) == 6 and pipe.ahead_used == 0
+
+
+def test_read_ahead_takes_only_what_the_pool_spares_and_a_shadow_read_never_takes_it(pipe, store, monkeypatch):
+    reads = counting_reads(store, monkeypatch)
+    spare_one = store.pool.budget - 8192  # room for one 8 KiB chunk beyond what is kept free
+    pipe.read_ahead([("x", 0), ("x", 1), ("x", 2)], keep_free=spare_one)
+    until(lambda: len(reads) == 1)
+    pipe.submit(ChunkJob("x", 1, release, slot="shadow"))  # another slot than the one read ahead
+    with pytest.raises(Exception, match="not written yet"):
+        pipe.drain()  # the shadow slot was never written: the job read it itself and failed
+    assert reads == [("x", 0), ("x", 0)] and pipe.ahead_dropped == 1 and store.pool.lent == 0

@@ -163,7 +163,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             shards = Shards(process_group, self._params, config)
         self._gradients_averaged = gradients_averaged
         owned = [ps for ps in self._params if shards is None or shards.owns(ps)]
-        self.adam_state = OptimizerState(owned, config, shares.optimizer_depth)  # releases itself if it fails
+        # releases itself if it fails; its read-ahead leaves the transfers' reserved share of the pool free
+        self.adam_state = OptimizerState(owned, config, shares.optimizer_depth, spare_from=shares.reserved)
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the hooks on
         # the parameters) is released by one finalizer: on close(), or when the optimizer is collected.
         # The hooks hold the optimizer only weakly, so a model that outlives its optimizer does not keep

@@ -15,6 +15,13 @@ the worker stops — an unexpected error in its own bookkeeping, or `close()` �
 present and later, gets a `PipelineError` naming the worker and the cause; `drain()` also
 checks that the thread is alive while it waits.
 
+`read_ahead` names chunks that jobs will probably ask for later (the state of the parameters whose
+gradients come last in backward): while the worker has nothing else to do, it reads them into buffers
+the pool can spare, at most two at a time, and a job that asks for one of them takes the buffer instead
+of reading it again. Such a read stands only while nothing writes the slot it was read from
+(`TensorStore.slot_version`, checked when it is taken); the ones no job took are given back at the next
+`drain()`, so none outlives the accumulation window it was made for.
+
 The optimizer uses it for the AdamW update (read state → update → write shadow slot), for
 restoring weights after a skipped step, and for streaming checkpoints.
 """
@@ -30,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import trace
-from ..storage import ACTIVE, HostBuffer, TensorStore, gather
+from ..storage import ACTIVE, HostBuffer, StorageError, TensorStore, gather
 from ..storage.aio import then
 
 __all__ = ["ChunkJob", "ChunkPipeline", "PipelineError"]
 
 _LIVENESS_POLL = 1.0  # seconds between checks that the worker is alive while drain() waits
+_AHEAD_IN_FLIGHT = 2  # read-ahead reads on the drive at once: a job's own read waits behind at most these
+_WAKE = object()  # queued by a read-ahead read as it lands: the idle worker may start the next one
 
 
 class PipelineError(RuntimeError):
@@ -66,6 +75,15 @@ class ChunkJob:
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
+@dataclass
+class ReadAhead:
+    """Chunks ``(entry, k)`` of the active slot that jobs will probably read, in the order to read them; the
+    buffers come from the pool only while ``keep_free`` bytes of its budget stay free for everyone else."""
+
+    chunks: list[tuple[str, int]]
+    keep_free: int
+
+
 class ChunkPipeline:
     """A worker thread with read-ahead; see the module docstring.
 
@@ -93,6 +111,15 @@ class ChunkPipeline:
         self._waiters: list[Future] = []
         self._stopped: tuple[str, BaseException | None] | None = None  # (why, cause) once the worker stopped
         self._progress = time.monotonic()  # when the worker last processed a chunk (`wait_job`)
+        # The read-ahead, owned by the worker thread: chunks still to read, the reads made (the slot's version
+        # token when the read began, and the read), the chunks jobs read themselves since (never read ahead).
+        self._ahead_todo: deque[tuple[str, int]] = deque()
+        self._ahead: dict[tuple[str, int], tuple[tuple, Future]] = {}
+        self._claimed: set[tuple[str, int]] = set()
+        self._stale: list[Future] = []  # read-ahead reads found stale when a job asked, given back at the drain
+        self._ahead_keep_free = 0
+        self.ahead_used = 0  # read-ahead chunks a job took (written by the worker only; read for reports)
+        self.ahead_dropped = 0  # read-ahead chunks no job took, or stale when one asked
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -103,6 +130,12 @@ class ChunkPipeline:
         self._put(job)
         if job.nchunks == 0 and job.done is not None:
             job.done.set_result(None)
+
+    def read_ahead(self, chunks: list[tuple[str, int]], *, keep_free: int) -> None:
+        """Read these chunks of the active slot ahead while the worker is idle (module docstring), replacing
+        any earlier list; ``keep_free``: the pool bytes the read-ahead never takes. Raises `PipelineError` if
+        the worker stopped."""
+        self._put(ReadAhead(list(chunks), keep_free))
 
     def wait_job(self, job: ChunkJob, what: str) -> None:
         """Wait for ``job.done`` while later jobs go on; raises the job's error.
@@ -170,7 +203,7 @@ class ChunkPipeline:
                 raise PipelineError(f"{self.name}: the worker did not stop within {self.timeout:g} s "
                                     "(a job function is still running)")
 
-    def _put(self, item: ChunkJob | Future) -> None:
+    def _put(self, item: ChunkJob | Future | ReadAhead) -> None:
         if self._stopped is not None:
             raise self._stopped_error()
         self._queue.put(item)
@@ -201,7 +234,11 @@ class ChunkPipeline:
                 return
             if isinstance(item, Future):
                 self._waiters.append(item)
-            elif item is not False:
+            elif isinstance(item, ReadAhead):
+                self._drop_ahead()
+                self._ahead_todo.extend(item.chunks)
+                self._ahead_keep_free = item.keep_free  # and on: an idle worker starts reading now
+            elif isinstance(item, ChunkJob):
                 todo.extend((item, k) for k in range(item.nchunks))
                 continue  # take everything already queued before working
             while todo and len(pending) < self.depth:
@@ -215,11 +252,14 @@ class ChunkPipeline:
             elif todo:  # a fenced job waits for the writes before it
                 self._wait_writes(todo[0][0])
             if not todo and not pending and self._waiters:
+                self._drop_ahead(wait_reads=True)  # a drain ends the window the read-ahead was for
                 first, *rest = self._waiters
                 first.set_result((self._error, self._futures))
                 for w in rest:
                     w.set_result((None, []))
                 self._waiters, self._futures, self._error = [], [], None
+            elif not todo and not pending and self._ahead_todo:
+                self._issue_ahead()
 
     def _stop(self, why: str, cause: BaseException | None) -> None:
         """Refuse further work, fail every waiter (queued ones too) and give back read buffers."""
@@ -229,6 +269,7 @@ class ChunkPipeline:
             fut.add_done_callback(_release_buffer)
         self._todo.clear()
         self._pending.clear()
+        self._drop_ahead()
         waiters, self._waiters = self._waiters, []
         while True:
             try:
@@ -256,12 +297,78 @@ class ChunkPipeline:
             f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise FuyouConfig.io_timeout"
         )
 
+    # -- the read-ahead (worker thread only) ----------------------------------------------------------
+    def _issue_ahead(self) -> None:
+        """Start the next read-ahead reads, up to `_AHEAD_IN_FLIGHT` on the drive, while the pool spares a
+        buffer; a chunk that cannot be read now (in host RAM, being written, gone) is skipped: its job
+        reads it as always."""
+        in_flight = sum(not fut.done() for _token, fut in self._ahead.values())
+        while self._ahead_todo and in_flight < _AHEAD_IN_FLIGHT:
+            key = self._ahead_todo.popleft()
+            if key in self._ahead or key in self._claimed:
+                continue
+            name, k = key
+            try:
+                token = self.store.slot_version(name)
+                if not token[3]:  # in host RAM: a job's read is a copy, nothing to gain
+                    continue
+                buf = self.store.pool.try_acquire(token[0].chunk_len(k), keep_free=self._ahead_keep_free)
+                if buf is None:  # the pool has nothing to spare: no more read-ahead in this window
+                    self._ahead_todo.clear()
+                    return
+                fut = self.store.read_chunk(name, k, into=buf)  # releases the buffer if it fails
+            except StorageError:
+                continue
+            self._ahead[key] = (token, fut)
+            fut.add_done_callback(lambda _f: self._queue.put(_WAKE))  # the idle worker starts the next one
+            in_flight += 1
+
+    def _take_ahead(self, job: ChunkJob, k: int) -> Future | None:
+        """The read-ahead of chunk ``k`` of ``job``'s entry if it still holds what the job would read now, else
+        None (and the chunk is never read ahead from here on)."""
+        if not self._ahead and not self._ahead_todo:
+            return None
+        key = (job.entry, k)
+        self._claimed.add(key)
+        made = self._ahead.pop(key, None)
+        if made is None:
+            return None
+        token, fut = made
+        try:
+            usable = job.slot == ACTIVE and not job.fence and self.store.slot_version(job.entry) == token
+        except StorageError:
+            usable = False
+        if usable and not (fut.done() and fut.exception() is not None):
+            self.ahead_used += 1
+            return fut
+        self._stale.append(fut)  # given back by the next `_drop_ahead`
+        self.ahead_dropped += 1
+        return None
+
+    def _drop_ahead(self, *, wait_reads: bool = False) -> None:
+        """Forget the read-ahead: every buffer goes back to the pool (a read in flight's when it lands;
+        ``wait_reads``: wait for those, up to ``io_timeout``, so a drain leaves no read of the window behind)."""
+        made = [fut for _token, fut in self._ahead.values()]
+        self.ahead_dropped += len(made)
+        made += self._stale
+        self._ahead.clear()
+        self._ahead_todo.clear()
+        self._claimed.clear()
+        self._stale = []
+        if wait_reads and made:
+            wait(made, timeout=self.timeout)  # a read that failed or hangs is no one's: its chunk is read again
+        for fut in made:  # one release each: now if landed (a drain's were waited for), else as it lands
+            fut.add_done_callback(_release_buffer)
+
     def _read(self, job: ChunkJob, k: int) -> Future:
-        """A future of the chunk's buffers: the entry's (if it names one), then the extras'."""
+        """A future of the chunk's buffers: the entry's (if it names one; read ahead, if it was), then the
+        extras'."""
         reads = []
         try:
             if job.entry is not None:
-                reads.append(self.store.read_chunk(job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend))
+                ahead = self._take_ahead(job, k)
+                reads.append(ahead if ahead is not None else self.store.read_chunk(
+                    job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend))
             for name in job.extra:
                 reads.append(self.store.read_chunk(name, k, timeout=self.timeout))
         except BaseException as exc:  # noqa: BLE001 - handed to drain()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -44,6 +45,7 @@ __all__ = ["BACKWARD", "NEXT_FORWARD", "Exact", "Order", "Outcome", "Parts", "Pe
            "Speculative", "StepStats"]
 
 BACKWARD, NEXT_FORWARD = "backward", "next_forward"
+TAIL_SHARE = 0.1  # the last tenth of a window's gradient arrivals: the tail whose state is read ahead
 
 
 class PendingUpdates:
@@ -355,9 +357,32 @@ class Speculative:
 
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
+        # (parameter, when) of each gradient that became final in this window, in order; appended by the threads
+        # that have the gradients (autograd's, DDP's collective thread) under the lock, taken by step() after
+        # its drain. `tail` is the last window's: whose state to read ahead in the next.
+        self._lock = threading.Lock()
+        self._arrivals: list[tuple["ParamState", float]] = []
+        self.tail: list["ParamState"] = []
 
     def on_gradient_final(self, ps: "ParamState", grad: Grad) -> None:
+        with self._lock:
+            first = not self._arrivals
+            self._arrivals.append((ps, time.perf_counter()))
+        if first and self.tail:  # the window's last backward has begun: the drive's idle time is from here on
+            self.parts.state.read_ahead(self.tail)
         self.parts.updates.queue(ps, grad)
+
+    def _end_window(self) -> None:
+        """Learn the tail from this window's arrivals: the parameters whose gradients became final in the
+        last `TAIL_SHARE` of the time from the first to the last, the last one first (whose update is sure
+        to wait on the drive once backward is done: a tied embedding's is the last). On the SSD, their state
+        is read ahead in the next window while the worker is idle."""
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+        if len(arrivals) > 1:
+            first, last = arrivals[0][1], arrivals[-1][1]
+            since = last - TAIL_SHARE * (last - first)
+            self.tail = [ps for ps, when in reversed(arrivals) if when >= since]
 
     def finish(self) -> Outcome | None:
         p = self.parts
@@ -371,6 +396,7 @@ class Speculative:
             self._drain_or_undo(queued, late)
         except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait (one process: raised)
             error = exc
+        self._end_window()
         sharding.agree(error, "the updates of the accumulation window")
         norms = sharding.share_norms(norms, p.order.params)  # every rank: every norm, the same decision everywhere
         if not norms:
@@ -401,6 +427,8 @@ class Speculative:
 
     def discard(self, queued: list["ParamState"]) -> None:
         """``zero_grad`` between backward and ``step()``: the speculative updates are undone."""
+        with self._lock:
+            self._arrivals.clear()
         self._undo(queued)
 
     def _undo(self, queued: list["ParamState"]) -> None:

@@ -199,8 +199,9 @@ class OptimizerState:
     A construction that fails part-way releases what it made and raises its own error.
     """
 
-    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int) -> None:
+    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int, *, spare_from: int = 0) -> None:
         self.config, self.slots, self.owned = config, config.state_slots, owned
+        self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
         self.store = TensorStore(config)
         try:
@@ -337,6 +338,15 @@ class OptimizerState:
         # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
                         lend=slot)
+
+    def read_ahead(self, params: Iterable[ParamState]) -> int:
+        """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
+        idle, into pool buffers it can spare beyond ``spare_from`` (`ChunkPipeline.read_ahead`): for updates
+        whose gradients come when nothing is left to overlap them. Returns the chunks named."""
+        chunks = [(ps.entry, k) for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
+        if chunks:
+            self.pipeline.read_ahead(chunks, keep_free=self.spare_from)
+        return len(chunks)
 
     def run(self, job: ChunkJob) -> ChunkJob:
         """Queue ``job`` on the worker; returns it."""

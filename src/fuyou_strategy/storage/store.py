@@ -78,6 +78,7 @@ class Entry:
     failed: list[str | None] = field(default_factory=lambda: [None, None])
     inflight: list[int] = field(default_factory=lambda: [0, 0])
     writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
+    version: list[int] = field(default_factory=lambda: [0, 0])  # writes begun into each slot, ever (`slot_version`)
     memory: list[HostBuffer] | None = None  # in_memory: each physical slot's chunks, padded like on disk
     lent: dict = field(default_factory=dict)  # in_memory: chunk -> its open `LentChunk` (shadow slot), under the lock
 
@@ -501,8 +502,18 @@ class TensorStore:
             return 1 - entry.active
         raise StorageError(f"slot: got {slot!r}; expected 'active' or 'shadow'")
 
+    def slot_version(self, name: str, slot: str = ACTIVE) -> tuple:
+        """A token of what ``slot`` of entry ``name`` holds now: two tokens are equal only if, between them, no
+        write began into that physical slot, ``slot`` named the same one and the entry stayed on the SSD, so
+        that a read made in between still holds its bytes (`ChunkPipeline.read_ahead`)."""
+        with self._lock:
+            entry = self.entry(name)
+            phys = self._slot(entry, slot)
+            return entry, phys, entry.version[phys], entry.memory is None
+
     def _begin_write(self, entry: Entry, phys: int, k: int) -> None:
         with self._lock:
+            entry.version[phys] += 1
             entry.written[phys].discard(k)
             entry.inflight[phys] += 1
             entry.writing[phys][k] = entry.writing[phys].get(k, 0) + 1
