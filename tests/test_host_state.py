@@ -44,16 +44,18 @@ def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backwar
     model = tiny_causal_lm("gpt2")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
-    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
-                     config=config(tmp_path, "backward", host_state=0))
-    losses, _ = train(model, opt)
-    pipeline, tail = opt.adam_state.pipeline, opt._schedules["backward"].tail
-    opt.close()
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=0))
+    opt = engine.optimizer
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    summary, tail = engine.summary(), opt._schedules["backward"].tail
+    engine.close()
     assert losses == ref_losses
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), name
     assert tail[0].param is model.transformer.wte.weight, [ps.describe() for ps in tail]
-    assert pipeline.ahead_used > 0, "the updates took chunks read ahead"
+    assert summary["state_chunks_read_ahead"] > 0, "the updates took chunks read ahead"
+    assert summary["state_chunks_read_ahead"] == opt.adam_state.pipeline.ahead_used
     assert opt.stats.redos >= 1 and opt.stats.skips == 1
 
 
