@@ -290,8 +290,8 @@ class RunReport:
             "device_peak_bytes": engine.streamer.meter.high_water if stream else None,
             "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, trainable),
             "host_pool_peak_bytes": store.pool.high_water,
-            # State chunks on the SSD read ahead in backward for the last gradients' updates (`ChunkPipeline.read_ahead`):
-            # taken by an update, or given back unused (stale, or not asked for before step())
+            # State chunks on the SSD read ahead in backward for the last gradients' updates
+            # (`ChunkPipeline.read_ahead`): taken by an update, or given back unused (stale, or not asked for)
             "state_chunks_read_ahead": opt.adam_state.pipeline.ahead_used,
             "state_chunks_read_ahead_unused": opt.adam_state.pipeline.ahead_dropped,
             "host_pool_budget_bytes": store.pool.budget,
