@@ -38,6 +38,7 @@ from typing import Callable
 
 from .. import trace
 from ..storage import ACTIVE, HostBuffer, StorageError, TensorStore, gather
+from ..storage.store import SlotVersion
 from ..storage.aio import then
 
 __all__ = ["ChunkJob", "ChunkPipeline", "PipelineError"]
@@ -114,7 +115,7 @@ class ChunkPipeline:
         # The read-ahead, owned by the worker thread: chunks still to read, the reads made (the slot's version
         # token when the read began, and the read), the chunks jobs read themselves since (never read ahead).
         self._ahead_todo: deque[tuple[str, int]] = deque()
-        self._ahead: dict[tuple[str, int], tuple[tuple, Future]] = {}
+        self._ahead: dict[tuple[str, int], tuple[SlotVersion, Future]] = {}
         self._claimed: set[tuple[str, int]] = set()
         self._stale: list[Future] = []  # read-ahead reads found stale when a job asked, given back at the drain
         self._ahead_keep_free = 0
@@ -310,9 +311,9 @@ class ChunkPipeline:
             name, k = key
             try:
                 token = self.store.slot_version(name)
-                if not token[3]:  # in host RAM: a job's read is a copy, nothing to gain
+                if not token.on_ssd:  # in host RAM: a job's read is a copy, nothing to gain
                     continue
-                buf = self.store.pool.try_acquire(token[0].chunk_len(k), keep_free=self._ahead_keep_free)
+                buf = self.store.pool.try_acquire(token.entry.chunk_len(k), keep_free=self._ahead_keep_free)
                 if buf is None:  # the pool has nothing to spare: no more read-ahead in this window
                     self._ahead_todo.clear()
                     return

@@ -339,14 +339,13 @@ class OptimizerState:
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
                         lend=slot)
 
-    def read_ahead(self, params: Iterable[ParamState]) -> int:
+    def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
         idle, into pool buffers it can spare beyond ``spare_from`` (`ChunkPipeline.read_ahead`): for updates
-        whose gradients come when nothing is left to overlap them. Returns the chunks named."""
+        whose gradients come when nothing is left to overlap them."""
         chunks = [(ps.entry, k) for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
         if chunks:
             self.pipeline.read_ahead(chunks, keep_free=self.spare_from)
-        return len(chunks)
 
     def run(self, job: ChunkJob) -> ChunkJob:
         """Queue ``job`` on the worker; returns it."""

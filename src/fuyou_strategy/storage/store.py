@@ -34,7 +34,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -106,6 +106,15 @@ class Entry:
 
     def is_complete(self, slot: int) -> bool:
         return self.failed[slot] is None and self.inflight[slot] == 0 and len(self.written[slot]) == self.nchunks
+
+
+class SlotVersion(NamedTuple):
+    """`TensorStore.slot_version`'s token: equal tokens mean the slot's bytes did not change in between."""
+
+    entry: Entry
+    phys: int  # the physical slot the name resolved to
+    writes: int  # writes begun into that slot, ever
+    on_ssd: bool
 
 
 class _FileSpace:
@@ -502,14 +511,14 @@ class TensorStore:
             return 1 - entry.active
         raise StorageError(f"slot: got {slot!r}; expected 'active' or 'shadow'")
 
-    def slot_version(self, name: str, slot: str = ACTIVE) -> tuple:
+    def slot_version(self, name: str, slot: str = ACTIVE) -> SlotVersion:
         """A token of what ``slot`` of entry ``name`` holds now: two tokens are equal only if, between them, no
         write began into that physical slot, ``slot`` named the same one and the entry stayed on the SSD, so
         that a read made in between still holds its bytes (`ChunkPipeline.read_ahead`)."""
         with self._lock:
             entry = self.entry(name)
             phys = self._slot(entry, slot)
-            return entry, phys, entry.version[phys], entry.memory is None
+            return SlotVersion(entry, phys, entry.version[phys], entry.memory is None)
 
     def _begin_write(self, entry: Entry, phys: int, k: int) -> None:
         with self._lock:
