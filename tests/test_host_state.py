@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.config import host_budget_split, host_state_bytes, parse_bytes
 from fuyou_strategy.device import host_buffer_usage, reset_host_buffer_high_water
-from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore
+from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore, aio
 from test_schedule import MAX_NORM, STEPS, config, reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -56,6 +57,30 @@ def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backwar
     assert tail[0].param is model.transformer.wte.weight, [ps.describe() for ps in tail]
     assert summary["state_chunks_read_ahead"] > 0, "the updates took chunks read ahead"
     assert summary["state_chunks_read_ahead"] == opt.adam_state.pipeline.ahead_used
+    assert opt.stats.redos >= 1 and opt.stats.skips == 1
+
+
+def test_the_updates_writes_land_behind_step_on_a_slow_drive_and_change_no_bit(tmp_path, monkeypatch):
+    """With every write slowed, ``step()`` commits while the speculative updates' shadow writes still land; the
+    next reads of those chunks (the next window's updates, a redo after clipping, the state read right after the
+    last step) wait for them: bitwise torch, and the state read is the one just committed."""
+    real = aio._pwritev
+    monkeypatch.setattr(aio, "_pwritev", lambda fd, bufs, off: (time.sleep(0.01), real(fd, bufs, off))[1])
+    model = tiny_causal_lm("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=0))
+    opt = engine.optimizer
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    masters = [opt.read_state(p)["master"] for p in model.parameters()]  # at once: waits for the last writes
+    summary = engine.summary()
+    engine.close()
+    assert losses == ref_losses
+    for (name, p), q, master in zip(model.named_parameters(), ref_model.parameters(), masters):
+        assert torch.equal(p, q), name
+        assert torch.equal(master.view_as(p), p), name
+    assert summary["state_chunks_written_behind"] > 0 and summary["state_reads_waited_behind"] > 0, summary
     assert opt.stats.redos >= 1 and opt.stats.skips == 1
 
 

@@ -13,6 +13,7 @@ import torch
 
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig
 from fuyou_strategy.optim import ChunkJob, ChunkPipeline
+from fuyou_strategy.optim.pipeline import Later
 from fuyou_strategy.storage import HostBudgetError, TensorStore
 
 DEADLINE = 15.0  # seconds; every failure below is reported after io_timeout = 1 s
@@ -414,3 +415,44 @@ def test_read_ahead_takes_only_what_the_pool_spares_and_a_shadow_read_never_take
     with pytest.raises(Exception, match="not written yet"):
         pipe.drain()  # the shadow slot was never written: the job read it itself and failed
     assert reads == [("x", 0), ("x", 0)] and pipe.ahead_dropped == 1 and store.pool.lent == 0
+
+
+def test_a_partial_drain_leaves_later_writes_landing_and_the_next_drain_raises_their_error(pipe):
+    """`Later` writes (a speculative update's shadow write) are not waited for by ``drain(writes=False)``; the
+    other futures are. The next drain, of either kind, waits for them and raises the first that failed."""
+    now, later = Future(), Future()
+
+    def hand_on(k, buf):
+        buf.release()
+        return Later(now if k == 0 else None, later)
+
+    pipe.submit(ChunkJob("x", 1, hand_on))
+    blocked = outcome(lambda: pipe.drain(writes=False))
+    assert isinstance(blocked, TimeoutError), "a partial drain still waits for what is not Later (io_timeout 1 s)"
+    pipe.submit(ChunkJob("x", 1, hand_on))
+    now.set_result(None)
+    assert outcome(lambda: pipe.drain(writes=False)) is None and not later.done(), "the Later write is left landing"
+    later.set_exception(OSError(5, "Input/output error"))
+    error = outcome(lambda: pipe.drain(writes=False))
+    assert isinstance(error, OSError) and "Input/output error" in str(error), "the next drain raises its error"
+    assert outcome(pipe.drain) is None, "raised once, then forgotten"
+
+
+def test_a_full_drain_waits_for_later_writes_and_land_forgets_them(pipe):
+    later = [Future(), Future()]
+
+    def hand_on(k, buf):
+        buf.release()
+        return Later(None, later[k])
+
+    pipe.submit(ChunkJob("x", 2, hand_on))
+    threading.Timer(0.2, later[0].set_result, (None,)).start()
+    threading.Timer(0.3, later[1].set_exception, (OSError(5, "Input/output error"),)).start()
+    error = outcome(pipe.drain)
+    assert all(f.done() for f in later) and isinstance(error, OSError), "a full drain waits for every Later write"
+    fresh = Future()
+    pipe.submit(ChunkJob("x", 1, lambda k, buf: (buf.release(), Later(None, fresh))[1]))
+    assert outcome(lambda: pipe.drain(writes=False)) is None
+    threading.Timer(0.2, fresh.set_exception, (OSError(5, "Input/output error"),)).start()
+    assert outcome(pipe.land) is None and fresh.done(), "land() waits, and forgets the error (a rollback discards them)"
+    assert outcome(pipe.drain) is None

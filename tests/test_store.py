@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import CancelledError, Future
 
 import pytest
@@ -632,3 +633,89 @@ def test_a_chunk_can_be_read_while_another_chunk_of_the_same_slot_is_being_writt
         writing.result(timeout=10)
         with store.read_chunk("x", 0).result(timeout=10) as chunk:
             assert chunk.view(torch.float32)[0].item() == -1
+
+
+def _held_writes(monkeypatch, fail=False):
+    """Hold every write until the returned event is set (then fail it with EIO, with ``fail``)."""
+    release, real = threading.Event(), aio._pwritev
+
+    def held(fd, bufs, off):
+        release.wait(30)
+        if fail:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(aio, "_pwritev", held)
+    return release
+
+
+def test_a_commit_with_writes_behind_flips_and_reads_wait_for_the_writes(small_config, monkeypatch):
+    """`commit(writes_behind=True)`: the shadow chunks still being written become active; a read of one waits
+    for its write and gets the new bytes; a plain commit still refuses while they are in flight."""
+    old, new = torch.randn(5000), torch.randn(5000)  # 3 chunks of 8 KiB
+    with TensorStore(small_config) as store:
+        store.create("w", old.shape, old.dtype)
+        store.write("w", old).result(timeout=10)
+        release = _held_writes(monkeypatch)
+        writes = store.write("w", new, slot="shadow")
+        with pytest.raises(StorageError, match="shadow slot incomplete, failed or in flight"):
+            store.commit()
+        assert store.commit(writes_behind=True) == 1 and store.writes_behind == 3
+        threading.Timer(0.3, release.set).start()
+        began = time.monotonic()
+        read = store.read("w")  # blocks until the writes land
+        assert time.monotonic() - began >= 0.25 and writes.done() and store.waits_behind == 1
+        assert torch.equal(read.result(timeout=10), new), "the read waited for the writes and got the new bytes"
+        with store.read_chunk("w", 2).result(timeout=10) as chunk:  # landed: no wait
+            assert torch.equal(chunk.view(torch.float32), new[4096:])
+        assert store.waits_behind == 1 and store.commit() == 0
+
+
+def test_a_write_that_fails_after_a_commit_behind_leaves_the_slot_failed(small_config, monkeypatch):
+    old = torch.randn(5000)
+    with TensorStore(small_config) as store:
+        store.create("w", old.shape, old.dtype)
+        store.write("w", old).result(timeout=10)
+        release = _held_writes(monkeypatch, fail=True)
+        writes = store.write("w", old + 1, slot="shadow")
+        assert store.commit(writes_behind=True) == 1
+        release.set()
+        with pytest.raises(StorageError, match=r"last write failed.*resume from the last checkpoint.*Input/output"):
+            store.read("w").result(timeout=30)
+        assert isinstance(writes.exception(timeout=10), OSError)
+
+
+def test_a_write_behind_that_never_lands_is_a_timeout_and_the_entry_waits_before_it_moves(tmp_path, monkeypatch):
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, io_timeout=0.5,
+                      host_state="1MiB", host_memory_budget="4MiB")
+    with TensorStore(cfg) as store:
+        store.create("w", (5000,), torch.float32)
+        store.write("w", torch.zeros(5000)).result(timeout=10)
+        release = _held_writes(monkeypatch)
+        store.write("w", torch.ones(5000), slot="shadow")
+        store.commit(writes_behind=True)
+        with pytest.raises(StorageError, match=r"chunk 0, committed while in flight, did not land within io_timeout"):
+            store.read_chunk("w", 0)
+        with pytest.raises(StorageError, match="did not land within io_timeout"):
+            store.to_memory("w")
+        threading.Timer(0.2, release.set).start()
+        assert store.to_memory("w") > 0, "to_memory waited for the writes behind, then moved the entry"
+        assert torch.equal(store.read("w").result(timeout=10), torch.ones(5000))
+
+
+def test_a_commit_refuses_while_the_active_slot_still_has_writes_in_flight(small_config, monkeypatch):
+    """The slot that would become the shadow must have no write landing in it."""
+    x = torch.randn(5000)
+    with TensorStore(small_config) as store:
+        store.create("w", x.shape, x.dtype)
+        store.write("w", x).result(timeout=10)
+        store.write("w", x + 1, slot="shadow").result(timeout=10)
+        release = _held_writes(monkeypatch)
+        buf = store.pool.acquire(store.entry("w").chunk_len(0))
+        buf.view().zero_()
+        active = store.write_chunk("w", 0, buf)
+        with pytest.raises(StorageError, match="active slot of \\['w'\\] still has writes in flight"):
+            store.commit(writes_behind=True)
+        release.set()
+        active.result(timeout=10)
+        assert store.commit() == 1

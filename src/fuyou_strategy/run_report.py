@@ -294,6 +294,10 @@ class RunReport:
             # (`ChunkPipeline.read_ahead`): taken by an update, or given back unused (stale, or not asked for)
             "state_chunks_read_ahead": opt.adam_state.pipeline.ahead_used,
             "state_chunks_read_ahead_unused": opt.adam_state.pipeline.ahead_dropped,
+            # State chunks on the SSD that step() committed while their write was in flight (`TensorStore.commit`'s
+            # ``writes_behind``), and the reads that then had to wait for one to land
+            "state_chunks_written_behind": opt.adam_state.store.writes_behind,
+            "state_reads_waited_behind": opt.adam_state.store.waits_behind,
             "host_pool_budget_bytes": store.pool.budget,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
             "plan": plan.policies if plan is not None else None,

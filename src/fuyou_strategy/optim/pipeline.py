@@ -22,6 +22,10 @@ of reading it again. Such a read stands only while nothing writes the slot it wa
 (`TensorStore.slot_version`, checked when it is taken); the ones no job took are given back at the next
 `drain()`, so none outlives the accumulation window it was made for.
 
+A job function may return `Later(now, later)` instead of a future: ``later`` is a write that
+`drain(writes=False)` need not wait for (the optimizer's shadow-slot writes, which `TensorStore.commit`
+can commit while they land); the next `drain` of either kind waits for it and raises its error.
+
 The optimizer uses it for the AdamW update (read state → update → write shadow slot), for
 restoring weights after a skipped step, and for streaming checkpoints.
 """
@@ -34,14 +38,14 @@ import time
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .. import trace
 from ..storage import ACTIVE, HostBuffer, StorageError, TensorStore, gather
 from ..storage.store import SlotVersion
 from ..storage.aio import then
 
-__all__ = ["ChunkJob", "ChunkPipeline", "PipelineError"]
+__all__ = ["ChunkJob", "ChunkPipeline", "Later", "PipelineError"]
 
 _LIVENESS_POLL = 1.0  # seconds between checks that the worker is alive while drain() waits
 _AHEAD_IN_FLIGHT = 2  # read-ahead reads on the drive at once: a job's own read waits behind at most these
@@ -76,6 +80,15 @@ class ChunkJob:
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
+class Later(NamedTuple):
+    """What a job function returns when one of its writes may land after a `ChunkPipeline.drain` with
+    ``writes=False``: ``now`` (waited for by every drain, or None) and ``later`` (waited for by a full drain, or
+    by the next drain of either kind)."""
+
+    now: Future | None
+    later: Future
+
+
 @dataclass
 class ReadAhead:
     """Chunks ``(entry, k)`` of the active slot that jobs will probably read, in the order to read them; the
@@ -104,8 +117,13 @@ class ChunkPipeline:
         self.name = name
         self.timeout = store.config.io_timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # Owned by the worker thread; handed to a drain() waiter when everything before it ran.
+        # Owned by the worker thread; handed to a drain() waiter when everything before it ran: the futures the
+        # jobs returned, and the `Later` writes among them that a partial drain may leave in flight.
         self._futures: list[Future] = []
+        self._later: list[Future] = []
+        # Owned by the thread that drains (the training loop's): the `Later` writes a `drain(writes=False)` left in
+        # flight, waited for by the next drain.
+        self._landing: list[Future] = []
         self._error: BaseException | None = None
         self._todo: deque[tuple[ChunkJob, int]] = deque()
         self._pending: deque[tuple[ChunkJob, int, Future]] = deque()
@@ -166,20 +184,44 @@ class ChunkPipeline:
                                    f"{self.timeout:g} s; the drive may be hung (check dmesg), or raise "
                                    "FuyouConfig.io_timeout")
 
-    def drain(self) -> None:
+    def drain(self, *, writes: bool = True) -> None:
         """Wait until every submitted job ran and every future it returned completed.
 
         Raises the first error of any read, function call or returned future, and forgets
         it, so the pipeline can be used again (e.g. to restore weights after a failure).
         Raises `TimeoutError` if a returned future is not done ``io_timeout`` seconds after
         the jobs ran, and `PipelineError` if the worker stopped (closed or died).
+
+        ``writes=False``: the `Later` writes still in flight are not waited for (unless something failed:
+        then everything is, as in a full drain, before the error is raised); the next drain waits for them.
+        Only one thread drains (the training loop's).
         """
         barrier: Future = Future()
         self._put(barrier)
         while not wait([barrier], timeout=_LIVENESS_POLL).done:
             if not self._thread.is_alive() and not barrier.done():
                 raise self._stopped_error()
-        error, futures = barrier.result()  # PipelineError if the worker stopped first
+        error, futures, later = barrier.result()  # PipelineError if the worker stopped first
+        earlier, self._landing = self._landing, []  # the last partial drain's
+        if not writes and error is None and not any(f.done() and f.exception() is not None for f in earlier + later):
+            behind = set(later)
+            error = self._wait_futures([f for f in futures if f not in behind] + earlier)
+            if error is None:
+                self._landing = [f for f in later if not f.done() or f.exception() is not None]
+                return
+        error = self._wait_futures(futures + earlier, error)  # `futures` holds `later` too
+        if error is not None:
+            raise error
+
+    def land(self) -> None:
+        """Wait up to ``io_timeout`` for the `Later` writes the last `drain(writes=False)` left in flight, and
+        forget them and their errors: for a caller about to discard what they wrote (a rollback of the shadow
+        slot). Only the thread that drains calls it."""
+        landing, self._landing = self._landing, []
+        wait(landing, timeout=self.timeout)
+
+    def _wait_futures(self, futures: list[Future], error: BaseException | None = None) -> BaseException | None:
+        """Wait up to ``io_timeout`` for ``futures``; the first error (``error`` if given), or a `TimeoutError`."""
         if futures:
             gathered = gather(futures)
             if not wait([gathered], timeout=self.timeout).done:
@@ -189,8 +231,7 @@ class ChunkPipeline:
                     "or raise FuyouConfig.io_timeout"
                 )
             error = error or gathered.exception(timeout=0)
-        if error is not None:
-            raise error
+        return error
 
     def close(self) -> None:
         """Stop the worker: queued jobs are dropped and waiters get a `PipelineError`.
@@ -255,10 +296,10 @@ class ChunkPipeline:
             if not todo and not pending and self._waiters:
                 self._drop_ahead(wait_reads=True)  # a drain ends the window the read-ahead was for
                 first, *rest = self._waiters
-                first.set_result((self._error, self._futures))
+                first.set_result((self._error, self._futures, self._later))
                 for w in rest:
-                    w.set_result((None, []))
-                self._waiters, self._futures, self._error = [], [], None
+                    w.set_result((None, [], []))
+                self._waiters, self._futures, self._later, self._error = [], [], [], None
             elif not todo and not pending and self._ahead_todo:
                 self._issue_ahead()
 
@@ -423,13 +464,19 @@ class ChunkPipeline:
                 buf.release()
             self._error = exc
             return
+        if isinstance(out, Later):
+            self._later.append(out.later)
+            self._futures.append(out.later)
+            if job.done is not None:
+                job._outs.append(out.later)
+            out = out.now
         if isinstance(out, Future):
             self._futures.append(out)
             if job.done is not None:
                 job._outs.append(out)
         elif out is not None:
             self._error = TypeError(f"{self.name}: the function of job {job.entry!r} returned {type(out).__name__} "
-                                    f"for chunk {k}; it must return a Future or None")
+                                    f"for chunk {k}; it must return a Future, a Later or None")
 
 
 def _fail(job: ChunkJob, error: BaseException) -> None:

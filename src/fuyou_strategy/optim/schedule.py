@@ -396,7 +396,7 @@ class Speculative:
         norms, late = window.take()
         error = None
         try:
-            self._drain_or_undo(queued, late)
+            self._drain_or_undo(queued, late)  # every update ran, every norm is known; shadow writes may still land
         except BaseException as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait (one process: raised)
             error = exc
         self._end_window()
@@ -442,9 +442,10 @@ class Speculative:
         p.state.restore_weights(queued, p.updates.publisher())
 
     def _drain_or_undo(self, queued: list["ParamState"], error: BaseException | None = None) -> None:
-        """Wait for every queued update; on any failure (or ``error``), undo them and raise."""
+        """Wait for every queued update to run, but not for its write to the shadow slot (`_commit` lets those
+        land behind it); on any failure (or ``error``), undo them and raise."""
         try:
-            self.parts.state.drain()
+            self.parts.state.drain(writes=False)
             if error is not None:
                 raise error
         except BaseException:
@@ -452,7 +453,11 @@ class Speculative:
             raise
 
     def _commit(self, queued: list["ParamState"]) -> None:
-        self.parts.state.commit(queued)
+        """Commit the updates with their shadow writes possibly still landing: the next reads of those chunks
+        wait for them (`TensorStore.commit`), so the last updates' writes overlap the next forward. A write that
+        fails once the drain returned leaves the active slot failed: the next read of it (the next step's
+        update, a checkpoint) raises its error, on every rank alike through the next window's agreement."""
+        self.parts.state.commit(queued, writes_behind=True)
         for ps in queued:
             self.parts.advance(ps)
 

@@ -39,7 +39,7 @@ from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, update_compact
-from .pipeline import ChunkJob, ChunkPipeline
+from .pipeline import ChunkJob, ChunkPipeline, Later
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "UpdateMeter", "adamw_kernel",
            "apply_update"]
@@ -331,8 +331,11 @@ class OptimizerState:
                 stored[0].release()
             if k == last and finished is not None:
                 finished()
-            futures.append(store.write_chunk(ps.entry, k, buf, slot=slot))
-            return gather([f for f in futures if f is not None])
+            written = store.write_chunk(ps.entry, k, buf, slot=slot)
+            now = gather([f for f in futures if f is not None])
+            # A speculative update's write to the shadow slot may land after step()'s drain: `commit` waits
+            # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
+            return gather([now, written]) if exact else Later(now, written)
 
         # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
         # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
@@ -352,16 +355,19 @@ class OptimizerState:
         self.pipeline.submit(job)
         return job
 
-    def drain(self) -> None:
-        """Wait for every job queued so far (and the writes they made); raises the first error."""
-        self.pipeline.drain()
+    def drain(self, *, writes: bool = True) -> None:
+        """Wait for every job queued so far (and the writes they made; ``writes=False``: not the speculative
+        updates' writes to the shadow slot, `ChunkPipeline.drain`); raises the first error."""
+        self.pipeline.drain(writes=writes)
 
-    def commit(self, params: Iterable[ParamState]) -> None:
-        """The shadow slot of these parameters becomes the active one (after a drain)."""
-        self.store.commit([ps.entry for ps in params])
+    def commit(self, params: Iterable[ParamState], *, writes_behind: bool = False) -> None:
+        """The shadow slot of these parameters becomes the active one (after a drain; ``writes_behind``: one
+        that left the shadow writes in flight, which land behind the commit, `TensorStore.commit`)."""
+        self.store.commit([ps.entry for ps in params], writes_behind=writes_behind)
 
     def rollback(self) -> None:
-        """Drop every shadow write (after a drain)."""
+        """Drop every shadow write (after a drain; the shadow writes a partial drain left in flight land first)."""
+        self.pipeline.land()
         self.store.rollback()
 
     def restore_weights(self, params: Iterable[ParamState],

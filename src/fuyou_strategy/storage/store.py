@@ -79,6 +79,9 @@ class Entry:
     inflight: list[int] = field(default_factory=lambda: [0, 0])
     writing: list[dict[int, int]] = field(default_factory=lambda: [{}, {}])  # chunk -> writes in flight, per slot
     version: list[int] = field(default_factory=lambda: [0, 0])  # writes begun into each slot, ever (`slot_version`)
+    # Chunks of each slot that `commit(writes_behind=True)` made active while their write was in flight: a read
+    # of one waits for it to land (`_wait_behind`); a chunk leaves the set when its last write ends.
+    behind: list[set[int]] = field(default_factory=lambda: [set(), set()])
     memory: list[HostBuffer] | None = None  # in_memory: each physical slot's chunks, padded like on disk
     lent: dict = field(default_factory=dict)  # in_memory: chunk -> its open `LentChunk` (shadow slot), under the lock
 
@@ -222,6 +225,10 @@ class TensorStore:
         self._in_memory = 0
         self.memory_limit = host_state_bytes(config)
         self._lock = threading.Lock()
+        # Notified (under the lock) whenever a write ends: readers of a chunk committed behind its write wait on it.
+        self._landed = threading.Condition(self._lock)
+        self.writes_behind = 0  # chunks committed while their write was in flight, ever (under the lock)
+        self.waits_behind = 0  # reads that waited for such a write to land (under the lock)
 
     # -- entries --------------------------------------------------------------------------------
     @property
@@ -366,6 +373,7 @@ class TensorStore:
         if entry.memory is not None:
             return 0
         with self._lock:
+            self._wait_all_behind(entry)
             if any(entry.inflight):
                 raise StorageError(f"cannot move entry {name!r} to host memory while a write to it is in flight")
             written = [sorted(w) for w in entry.written]
@@ -403,6 +411,7 @@ class TensorStore:
         if entry.memory is None:
             return 0
         with self._lock:
+            self._wait_all_behind(entry)
             if any(entry.inflight) or entry.lent:
                 raise StorageError(f"cannot move entry {name!r} to the SSD while a write to it is in flight")
             written = [sorted(w) for w in entry.written]
@@ -463,6 +472,7 @@ class TensorStore:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
         with self._lock:
             entry = self.entry(name)
+            self._wait_all_behind(entry)
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
@@ -537,15 +547,39 @@ class TensorStore:
         entry.writing[phys][k] -= 1
         if not entry.writing[phys][k]:
             del entry.writing[phys][k]
+            entry.behind[phys].discard(k)
         if fut.exception() is None:
             entry.written[phys].add(k)
         elif entry.failed[phys] is None:
             entry.failed[phys] = str(fut.exception())
+        self._landed.notify_all()
+
+    def _wait_behind(self, entry: Entry, phys: int, k: int | None) -> None:
+        """Under the lock: wait until chunk ``k`` (None: every chunk) of physical slot ``phys`` has no write in
+        flight that `commit` left behind, up to ``io_timeout`` seconds (then `StorageError`)."""
+        def landed() -> bool:
+            return not entry.behind[phys] if k is None else k not in entry.behind[phys]
+
+        if landed():
+            return
+        self.waits_behind += 1
+        if not self._landed.wait_for(landed, timeout=self.config.io_timeout):
+            what = f"chunk {k}" if k is not None else f"{len(entry.behind[phys])} chunk(s)"
+            raise StorageError(f"entry {entry.name!r}: the write of {what}, committed while in flight, did not land "
+                               f"within io_timeout={self.config.io_timeout:g} s; the drive may be hung (check dmesg), "
+                               "or raise FuyouConfig.io_timeout")
+
+    def _wait_all_behind(self, entry: Entry) -> None:
+        """Under the lock: `_wait_behind` for every chunk of both slots (before the entry moves or goes)."""
+        for phys in range(entry.slots):
+            self._wait_behind(entry, phys, None)
 
     def _check_readable(self, entry: Entry, phys: int, k: int | None) -> None:
         with self._lock:
+            self._wait_behind(entry, phys, k)
             if entry.failed[phys] is not None:
-                raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid: {entry.failed[phys]}")
+                raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid (resume from the "
+                                   f"last checkpoint): {entry.failed[phys]}")
             missing = k not in entry.written[phys] if k is not None else len(entry.written[phys]) < entry.nchunks
             busy = entry.inflight[phys] if k is None else k in entry.writing[phys]
             if missing or busy:
@@ -743,25 +777,47 @@ class TensorStore:
         return gather(futures, result=out)
 
     # -- commit / rollback ---------------------------------------------------------------------------
-    def commit(self, names: Iterable[str] | None = None) -> int:
+    def commit(self, names: Iterable[str] | None = None, *, writes_behind: bool = False) -> int:
         """Make the shadow slot active for every named entry (default: all) that has one.
 
         All-or-nothing: if any named entry has a partial, failed or in-flight shadow write,
         nothing flips and `StorageError` says which. Entries with no shadow writes are left
         alone. Returns the number of entries flipped.
+
+        ``writes_behind=True`` (the caller saw every shadow write begin): an entry on the SSD whose shadow
+        chunks are each written or being written flips too, and its writes land after the commit: a read of
+        such a chunk (`read_chunk`, `read`; `to_memory`, `to_ssd` and `delete` for the whole entry) waits for
+        its write, up to ``io_timeout``. A write that failed, before the commit or after, leaves the active
+        slot failed: every later read of it raises, naming the write's error. The optimizer commits so at
+        ``step()`` once every update ran, so that the last updates' writes overlap the next forward instead
+        of ending the step.
         """
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
             entries = [e for e in entries if e.slots == 2]
             pending = [e for e in entries if e.written[1 - e.active] or e.failed[1 - e.active] or e.inflight[1 - e.active]]
-            bad = [e.name for e in pending if not e.is_complete(1 - e.active)]
+            bad = [e.name for e in pending if not (e.is_complete(1 - e.active)
+                                                   or writes_behind and self._lands_complete(e, 1 - e.active))]
             if bad:
                 raise StorageError(f"cannot commit: shadow slot incomplete, failed or in flight for {bad[:5]}"
                                    + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+            busy = [e.name for e in pending if e.inflight[e.active]]
+            if busy:  # it would become the shadow slot with writes still landing in it
+                raise StorageError(f"cannot commit: the active slot of {busy[:5]} still has writes in flight")
             for e in pending:
                 e.active = 1 - e.active
                 e.written[1 - e.active] = set()  # the old active slot is now a stale shadow
+                e.behind[e.active] = set(e.writing[e.active])
+                self.writes_behind += len(e.behind[e.active])
             return len(pending)
+
+    @staticmethod
+    def _lands_complete(entry: Entry, phys: int) -> bool:
+        """Under the lock: every chunk of slot ``phys`` of an entry on the SSD is written or being written, or
+        one of its writes failed already (`commit`'s ``writes_behind``: the caller saw every write begin)."""
+        return (entry.memory is None and not entry.lent
+                and (entry.failed[phys] is not None
+                     or len(entry.written[phys] | entry.writing[phys].keys()) == entry.nchunks))
 
     def rollback(self, names: Iterable[str] | None = None) -> None:
         """Discard shadow writes of the named entries (default: all). Wait for in-flight writes first."""
