@@ -194,3 +194,20 @@ def test_gpu_check_stopped_by_sigterm_stops_its_step_and_reports_what_ran(tmp_pa
     statuses = {s["name"]: s["status"] for s in result["steps"]}
     assert statuses["environment"] == "ok" and statuses["tests"] == "stopped (interrupted)"
     assert statuses["bench gpt2-tiny"] == "pending", "nothing started after the interruption"
+
+
+def test_the_before_after_summary_pools_steps_and_gives_each_rounds_ratios(tmp_path):
+    """`benchmarks/ab.py --summarise`: medians of the pooled timed steps per variant, and per round new/old."""
+    steps = {("torch", 1): [10.0, 10.0, 12.0], ("new", 1): [11.0, 11.0, 11.0], ("old", 1): [12.0, 13.0, 13.0],
+             ("torch", 2): [20.0, 20.0, 20.0], ("new", 2): [21.0, 22.0, 22.0], ("old", 2): [30.0, 30.0, 30.0]}
+    for (variant, r), times in steps.items():
+        row = {"step_s": times, "median_s": sorted(times)[1], "peak_rss": 2**30 * r, "losses": [3.0, 2.5]}
+        (tmp_path / f"{variant}-r{r}.json").write_text(json.dumps({"sizes": {"350M": {"x": row}}}))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--summarise", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, cwd=os.path.join(BENCHMARKS, ".."))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["variants"]["torch"]["median_s"] == 16.0 and summary["variants"]["old"]["x_torch"] == 21.5 / 16.0
+    assert summary["variants"]["old"]["peak_rss_gib"] == 2.0 and summary["variants"]["new"]["last_losses"] == [2.5]
+    assert summary["per_round"]["1"]["new/old"] == 11.0 / 13.0 and summary["per_round"]["2"]["old"] == 1.5
+    assert "round 2: new 1.10, old 1.50, new/old 0.73" in proc.stdout

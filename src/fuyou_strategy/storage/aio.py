@@ -212,18 +212,20 @@ class IOEngine:
             _Directory(i, d, threads_per_dir, self._probe_direct(d, direct_io)) for i, d in enumerate(dirs)
         ]
         self._closed = False
-        # One uncontended lock per block (1 MiB by default) on the I/O threads: `+=` is not atomic.
+        # One uncontended lock per transfer, on the thread that submits it: `+=` is not atomic.
         self._count_lock = threading.Lock()
-        self._bytes = [0, 0]  # [read, written], completed transfers only
+        self._bytes = [0, 0]  # [read, written], counted when submitted (`bytes_written`)
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from the swap files so far (completed transfers; for metrics)."""
+        """Bytes read from the swap files so far (transfers submitted; for metrics, like `bytes_written`)."""
         return self._bytes[0]
 
     @property
     def bytes_written(self) -> int:
-        """Bytes written to the swap files so far (completed transfers; for metrics)."""
+        """Bytes written to the swap files so far, for metrics: each transfer counted when it is submitted, so
+        that a step's figure holds the writes it began, also those that land after it (the optimizer's writes
+        behind ``step()``, `TensorStore.commit`); a transfer that fails counts too."""
         return self._bytes[1]
 
     def is_direct(self, index: int) -> bool:
@@ -312,6 +314,8 @@ class IOEngine:
             # `buf` rides along so the tensor outlives the transfer; `_transfer` lets go of it before
             # the future completes, so a buffer handed back on completion is nobody else's.
             futures.append(pool.submit(self._transfer, f, offset + start, block, write, [buf]))
+        with self._count_lock:
+            self._bytes[write] += nbytes
         return gather(futures)
 
     def _transfer(self, f: SwapFile, offset: int, block: memoryview, write: bool, keepalive: list) -> None:
@@ -336,8 +340,6 @@ class IOEngine:
                 _move(f.buffered_fd(), False, block, offset, write)
         except _Failed as exc:
             raise self._error(exc.errno, exc.strerror, op, f, exc.offset, exc.nbytes) from exc
-        with self._count_lock:
-            self._bytes[write] += len(block)
         if tracer is not None:
             tracer.add(f"ssd {threading.current_thread().name}", op, start, tracer.now(),
                        file=os.path.basename(f.path), offset=offset, bytes=len(block))
