@@ -170,3 +170,17 @@ def test_a_system_name_can_set_one_fuyou_config_field_on_the_hf_callback():
     assert "optimizer_schedule='next_forward'" in system("fuyou-hf@optimizer_schedule=next_forward")[1]
     assert system("fuyou-hf@chunk_sizes=64MiB") is None and system("fuyou-hf@lots") is None
     assert "host_memory_budget='4GiB'" in system("fuyou-hf@4GiB")[1]
+
+
+def test_every_fuyou_system_takes_config_fields_and_keeps_its_own():
+    """``<fuyou system>@<field>=<value>[,...]``: e.g. the state-on-SSD system with the schedule pinned; the
+    peers and torch take none."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks.peers.systems import system
+    finally:
+        sys.path.remove(ROOT)
+    _run, what = system("fuyou-state-ssd@optimizer_schedule=backward,chunk_size=8MiB")
+    assert "(host_state=0)" in what and "optimizer_schedule='backward', chunk_size='8MiB'" in what
+    assert system("torch@chunk_size=8MiB") is None and system("ds-offload@chunk_size=8MiB") is None
+    assert system("fuyou-state-ssd@4GiB") is None, "a bare budget is the HF sweep's only"

@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list of {', '.join(SYSTEMS)}, and {SWEPT}<bytes> (e.g. {SWEPT}4GiB): fuyou-hf with that "
-                   "host_memory_budget; several of them also draw step time against peak RSS (<stem>-sweep.png)")
+                   "host_memory_budget; several of them also draw step time against peak RSS (<stem>-sweep.png); "
+                   "and <fuyou system>@<field>=<value>[,...] (e.g. fuyou-state-ssd@optimizer_schedule=backward): "
+                   "that system with those FuyouConfig fields set")
     p.add_argument("--sizes", default="124M,350M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--model", help="a local Hugging Face model folder (replaces --arch/--sizes)")

@@ -365,23 +365,34 @@ def colossal(job: Job, variant: str) -> Trace:
     return _loop(job, model, step, driver)
 
 
+# The fuyou systems: name -> (run, its fixed config fields, what the row means); `system` also takes
+# ``<name>@<field>=<value>[,<field>=<value>...]``, the same system with those `FuyouConfig` fields set.
+FUYOU_SYSTEMS: dict[str, tuple[Callable[..., Trace], dict, str]] = {
+    "fuyou-lightning": (fuyou_lightning, {}, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
+    "fuyou-hf": (fuyou_hf, {}, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-hf-bf16state": (fuyou_hf, dict(state_format="bf16"),
+                           "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
+    "fuyou-hf-backward": (fuyou_hf, dict(optimizer_schedule="backward"),
+                          "fuyou, HF Trainer + FuyouCallback, planner's plan, updates speculative during backward "
+                          "(optimizer_schedule=\"backward\")"),
+    "fuyou-hf-next-forward": (fuyou_hf, dict(optimizer_schedule="next_forward"),
+                              "fuyou, HF Trainer + FuyouCallback, planner's plan, updates exact ahead of the next "
+                              "forward (optimizer_schedule=\"next_forward\")"),
+    "fuyou-state-ssd": (fuyou_lightning, dict(host_state=0),
+                        "fuyou, Lightning strategy, planner's plan, optimizer state all on SSD (host_state=0)"),
+    "fuyou-ssd": (fuyou_lightning, dict(everything_on_ssd=True),
+                  "fuyou, Lightning strategy, activations and weights on SSD"),
+}
+
+
+def _fuyou_system(run: Callable[..., Trace], fields: dict) -> Callable[[Job], Trace]:
+    return lambda job: run(job, **fields)
+
+
 # name -> (run, what the row means)
 SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
-    "fuyou-lightning": (fuyou_lightning, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
-    "fuyou-hf": (fuyou_hf, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
-    "fuyou-hf-bf16state": (lambda job: fuyou_hf(job, state_format="bf16"),
-                           "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
-    "fuyou-hf-backward": (lambda job: fuyou_hf(job, optimizer_schedule="backward"),
-                          "fuyou, HF Trainer + FuyouCallback, planner's plan, updates speculative during backward "
-                          "(optimizer_schedule=\"backward\")"),
-    "fuyou-hf-next-forward": (lambda job: fuyou_hf(job, optimizer_schedule="next_forward"),
-                              "fuyou, HF Trainer + FuyouCallback, planner's plan, updates exact ahead of the next "
-                              "forward (optimizer_schedule=\"next_forward\")"),
-    "fuyou-state-ssd": (lambda job: fuyou_lightning(job, host_state=0),
-                        "fuyou, Lightning strategy, planner's plan, optimizer state all on SSD (host_state=0)"),
-    "fuyou-ssd": (lambda job: fuyou_lightning(job, everything_on_ssd=True),
-                  "fuyou, Lightning strategy, activations and weights on SSD"),
+    **{name: (_fuyou_system(run, fields), what) for name, (run, fields, what) in FUYOU_SYSTEMS.items()},
     "ds-offload": (lambda job: deepspeed_zero(job, "offload"), "DeepSpeed ZeRO-2 + CPU optimizer (ZeRO-Offload)"),
     "ds-zero3-cpu": (lambda job: deepspeed_zero(job, "zero3-cpu"), "DeepSpeed ZeRO-3, params + optimizer on CPU"),
     "ds-infinity": (lambda job: deepspeed_zero(job, "infinity"), "DeepSpeed ZeRO-Infinity, params + optimizer on NVMe"),
@@ -395,33 +406,28 @@ SWEPT = "fuyou-hf@"  # fuyou-hf@<host_memory_budget>, e.g. fuyou-hf@4GiB: a poin
 
 
 def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
-    """``(run, what the row means)`` of a system name (`SYSTEMS`, ``fuyou-hf@<bytes>``, or
-    ``fuyou-hf@<field>=<value>``: the HF callback with one `FuyouConfig` field set, e.g.
-    ``fuyou-hf@chunk_size=64MiB``), else ``None``."""
+    """``(run, what the row means)`` of a system name (`SYSTEMS`; ``fuyou-hf@<bytes>``, a point of the host budget
+    sweep; or ``<fuyou system>@<field>=<value>[,<field>=<value>...]``: that system with those `FuyouConfig`
+    fields set, e.g. ``fuyou-hf@chunk_size=64MiB`` or ``fuyou-state-ssd@optimizer_schedule=backward``), else
+    ``None``."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    if not name.startswith(SWEPT):
+    base, _, suffix = name.partition("@")
+    if base not in FUYOU_SYSTEMS or not suffix:
         return None
     from fuyou_strategy.config import FuyouConfig, parse_bytes
-    budget = name[len(SWEPT):]
-    if "=" in budget:
-        field, value = budget.split("=", 1)
-        if field not in {f.name for f in dataclasses.fields(FuyouConfig)}:
+    run, fixed, what = FUYOU_SYSTEMS[base]
+    if "=" in suffix:
+        fields = dict(pair.split("=", 1) for pair in suffix.split(","))
+        if not set(fields) <= {f.name for f in dataclasses.fields(FuyouConfig)}:
             return None
-        return ((lambda job: fuyou_hf(job, **{field: value})),
-                f"fuyou, HF Trainer + FuyouCallback, planner's plan, {field}={value!r}")
+        return _fuyou_system(run, {**fixed, **fields}), f"{what}, " + ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    if base != "fuyou-hf":
+        return None
     try:
-        parse_bytes(budget, name="host_memory_budget")
+        parse_bytes(suffix, name="host_memory_budget")
     except ValueError:
         return None
-    return ((lambda job: fuyou_hf(job, host_memory_budget=budget)),
-            f"fuyou, HF Trainer + FuyouCallback, planner's plan, host_memory_budget={budget!r} (the state in RAM: what "
+    return (_fuyou_system(run, dict(host_memory_budget=suffix)),
+            f"fuyou, HF Trainer + FuyouCallback, planner's plan, host_memory_budget={suffix!r} (the state in RAM: what "
             "the budget leaves)")
-
-
-def run(name: str, job: Job) -> Trace:
-    """Train ``job`` with system ``name``, quietly (the peers' warnings go to stderr, not the table)."""
-    warnings.simplefilter("ignore")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    Path(job.swap_dir).mkdir(parents=True, exist_ok=True)
-    return system(name)[0](job)
