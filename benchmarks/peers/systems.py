@@ -431,3 +431,11 @@ def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
     return (_fuyou_system(run, dict(host_memory_budget=suffix)),
             f"fuyou, HF Trainer + FuyouCallback, planner's plan, host_memory_budget={suffix!r} (the state in RAM: what "
             "the budget leaves)")
+
+
+def run(name: str, job: Job) -> Trace:
+    """Train ``job`` with system ``name``, quietly (the peers' warnings go to stderr, not the table)."""
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    Path(job.swap_dir).mkdir(parents=True, exist_ok=True)
+    return system(name)[0](job)
