@@ -46,7 +46,6 @@ __all__ = ["BACKWARD", "NEXT_FORWARD", "Exact", "Order", "Outcome", "Parts", "Pe
 
 BACKWARD, NEXT_FORWARD = "backward", "next_forward"
 TAIL_SHARE = 0.1  # the last tenth of a window's gradient arrivals: the tail whose state is read ahead
-HEAD_SHARE = 0.25  # the first quarter: the head, whose state is read ahead while the next forward runs
 
 
 class PendingUpdates:
@@ -363,45 +362,32 @@ class Speculative:
         self.parts = parts
         # (parameter, when) of each gradient that became final in this window, in order; appended by the threads
         # that have the gradients (autograd's, DDP's collective thread) under the lock, taken by step() after
-        # its drain. `head` and `tail` are the last window's: whose state to read ahead in the next.
+        # its drain. `tail` is the last window's: whose state to read ahead in the next.
         self._lock = threading.Lock()
         self._arrivals: list[tuple["ParamState", float]] = []
-        self.head: list["ParamState"] = []
         self.tail: list["ParamState"] = []
 
     def on_gradient_final(self, ps: "ParamState", grad: Grad) -> None:
         with self._lock:
+            first = not self._arrivals
             self._arrivals.append((ps, time.perf_counter()))
+        if first and self.tail:  # the window's last backward has begun: the drive's idle time is from here on
+            self.parts.state.read_ahead(self.tail)
         self.parts.updates.queue(ps, grad)
 
     def _end_window(self) -> None:
-        """Learn the head and the tail from this window's arrivals: the parameters whose gradients became final
-        in the first `HEAD_SHARE` of the time from the first to the last, in that order (the first updates of
-        the next backward), and those of the last `TAIL_SHARE`, the last one first (whose update is sure to wait
-        on the drive once backward is done: a tied embedding's is the last). `_read_ahead` asks for their
-        state on the SSD."""
+        """Learn the tail from this window's arrivals: the parameters whose gradients became final in the
+        last `TAIL_SHARE` of the time from the first to the last, the last one first (whose update is sure
+        to wait on the drive once backward is done: a tied embedding's is the last). On the SSD, their state
+        is read ahead in the next window while the worker is idle."""
         with self._lock:
             arrivals, self._arrivals = self._arrivals, []
         if len(arrivals) > 1:
             first, last = arrivals[0][1], arrivals[-1][1]
-            until, since = first + HEAD_SHARE * (last - first), last - TAIL_SHARE * (last - first)
-            self.head = [ps for ps, when in arrivals if when <= until]
+            since = last - TAIL_SHARE * (last - first)
             self.tail = [ps for ps, when in reversed(arrivals) if when >= since]
 
-    def _read_ahead(self) -> None:
-        """At the end of ``step()``: have the worker read the head's state on the SSD, then the tail's, while it
-        is idle, into what the pool spares (`OptimizerState.read_ahead`). The head's reads use the next forward,
-        when the drive has nothing else to do in this schedule; the tail's are done before backward ends
-        instead of after it. What no update took is given back at the next drain."""
-        if self.head or self.tail:
-            self.parts.state.read_ahead(self.head + self.tail)
-
     def finish(self) -> Outcome | None:
-        outcome = self._finish()
-        self._read_ahead()
-        return outcome
-
-    def _finish(self) -> Outcome | None:
         p = self.parts
         window, sharding = p.window, p.sharding
         for ps in p.gradients.set_by_hand(sharding.owned(p.order.params)):  # no hook fired for them
