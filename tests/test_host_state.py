@@ -39,16 +39,23 @@ def planned_engine(tmp_path, model, **kwargs):
                        config=cfg, **kwargs)
 
 
-def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backward_and_changes_no_bit(tmp_path):
-    """The tied embedding's gradient is final last; from the second window on its state is read ahead while the
-    worker is idle, and its update takes those reads (clipping that bites, a skipped step, accumulation)."""
+def backward_on_the_ssd(tmp_path):
+    """The tiny GPT-2 trained through the engine (``backward`` schedule, the whole state on the SSD) beside torch's
+    run: (model, torch's model, the engine, losses, torch's losses)."""
     model = tiny_causal_lm("gpt2")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
     engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
                          config=config(tmp_path, "backward", host_state=0))
+    losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
+    return model, ref_model, engine, losses, ref_losses
+
+
+def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backward_and_changes_no_bit(tmp_path):
+    """The tied embedding's gradient is final last; from the second window on its state is read ahead while the
+    worker is idle, and its update takes those reads (clipping that bites, a skipped step, accumulation)."""
+    model, ref_model, engine, losses, ref_losses = backward_on_the_ssd(tmp_path)
     opt = engine.optimizer
-    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
     summary, tail = engine.summary(), opt._schedules["backward"].tail
     engine.close()
     assert losses == ref_losses
@@ -66,13 +73,8 @@ def test_the_updates_writes_land_behind_step_on_a_slow_drive_and_change_no_bit(t
     last step) wait for them: bitwise torch, and the state read is the one just committed."""
     real = aio._pwritev
     monkeypatch.setattr(aio, "_pwritev", lambda fd, bufs, off: (time.sleep(0.01), real(fd, bufs, off))[1])
-    model = tiny_causal_lm("gpt2")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=config(tmp_path, "backward", host_state=0))
+    model, ref_model, engine, losses, ref_losses = backward_on_the_ssd(tmp_path)
     opt = engine.optimizer
-    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
     masters = [opt.read_state(p)["master"] for p in model.parameters()]  # at once: waits for the last writes
     summary = engine.summary()
     engine.close()
