@@ -184,3 +184,4 @@ def test_every_fuyou_system_takes_config_fields_and_keeps_its_own():
     assert "(host_state=0)" in what and "optimizer_schedule='backward', chunk_size='8MiB'" in what
     assert system("torch@chunk_size=8MiB") is None and system("ds-offload@chunk_size=8MiB") is None
     assert system("fuyou-state-ssd@4GiB") is None, "a bare budget is the HF sweep's only"
+    assert system("fuyou-state-ssd@optimizer_schedule=backward,chunk_size") is None

@@ -418,7 +418,10 @@ def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
     from fuyou_strategy.config import FuyouConfig, parse_bytes
     run, fixed, what = FUYOU_SYSTEMS[base]
     if "=" in suffix:
-        fields = dict(pair.split("=", 1) for pair in suffix.split(","))
+        pairs = [pair.split("=", 1) for pair in suffix.split(",")]
+        if any(len(pair) != 2 for pair in pairs):
+            return None
+        fields = dict(pairs)
         if not set(fields) <= {f.name for f in dataclasses.fields(FuyouConfig)}:
             return None
         return _fuyou_system(run, {**fixed, **fields}), f"{what}, " + ", ".join(f"{k}={v!r}" for k, v in fields.items())
