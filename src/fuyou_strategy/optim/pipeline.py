@@ -118,7 +118,7 @@ class ChunkPipeline:
         self.timeout = store.config.io_timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # Owned by the worker thread; handed to a drain() waiter when everything before it ran: the futures the
-        # jobs returned, and the `Later` writes among them that a partial drain may leave in flight.
+        # jobs returned, and apart from them the `Later` writes, which a partial drain may leave in flight.
         self._futures: list[Future] = []
         self._later: list[Future] = []
         # Owned by the thread that drains (the training loop's): the `Later` writes a `drain(writes=False)` left in
@@ -204,12 +204,11 @@ class ChunkPipeline:
         error, futures, later = barrier.result()  # PipelineError if the worker stopped first
         earlier, self._landing = self._landing, []  # the last partial drain's
         if not writes and error is None and not any(f.done() and f.exception() is not None for f in earlier + later):
-            behind = set(later)
-            error = self._wait_futures([f for f in futures if f not in behind] + earlier)
+            error = self._wait_futures(futures + earlier)
             if error is None:
                 self._landing = [f for f in later if not f.done() or f.exception() is not None]
                 return
-        error = self._wait_futures(futures + earlier, error)  # `futures` holds `later` too
+        error = self._wait_futures(futures + later + earlier, error)
         if error is not None:
             raise error
 
@@ -329,10 +328,10 @@ class ChunkPipeline:
                 w.set_exception(self._stopped_error())
 
     def _writes_done(self) -> bool:
-        return self._error is not None or all(f.done() for f in self._futures)
+        return self._error is not None or all(f.done() for f in self._futures + self._later)
 
     def _wait_writes(self, job: ChunkJob) -> None:
-        if not wait(self._futures, timeout=self.timeout).not_done:
+        if not wait(self._futures + self._later, timeout=self.timeout).not_done:
             return
         self._error = self._error or TimeoutError(
             f"{self.name}: the writes before job {job.entry or '(write-only)'!r} did not complete within "
@@ -466,7 +465,6 @@ class ChunkPipeline:
             return
         if isinstance(out, Later):
             self._later.append(out.later)
-            self._futures.append(out.later)
             if job.done is not None:
                 job._outs.append(out.later)
             out = out.now

@@ -331,11 +331,13 @@ class OptimizerState:
                 stored[0].release()
             if k == last and finished is not None:
                 finished()
+            futures = [f for f in futures if f is not None]
             written = store.write_chunk(ps.entry, k, buf, slot=slot)
-            now = gather([f for f in futures if f is not None])
+            if exact:
+                return gather([*futures, written])
             # A speculative update's write to the shadow slot may land after step()'s drain: `commit` waits
             # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
-            return gather([now, written]) if exact else Later(now, written)
+            return Later(gather(futures), written)
 
         # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
         # (one copy, none back); exact, the active chunk itself, updated in place (no copy).

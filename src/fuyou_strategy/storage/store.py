@@ -225,7 +225,7 @@ class TensorStore:
         self._in_memory = 0
         self.memory_limit = host_state_bytes(config)
         self._lock = threading.Lock()
-        # Notified (under the lock) whenever a write ends: readers of a chunk committed behind its write wait on it.
+        # Notified (under the lock) when a chunk committed behind its write lands: readers of it wait on it.
         self._landed = threading.Condition(self._lock)
         self.writes_behind = 0  # chunks committed while their write was in flight, ever (under the lock)
         self.waits_behind = 0  # reads that waited for such a write to land (under the lock)
@@ -545,14 +545,17 @@ class TensorStore:
         """`_end_write` under the lock."""
         entry.inflight[phys] -= 1
         entry.writing[phys][k] -= 1
+        landed = False
         if not entry.writing[phys][k]:
             del entry.writing[phys][k]
+            landed = k in entry.behind[phys]
             entry.behind[phys].discard(k)
         if fut.exception() is None:
             entry.written[phys].add(k)
         elif entry.failed[phys] is None:
             entry.failed[phys] = str(fut.exception())
-        self._landed.notify_all()
+        if landed:  # only a chunk committed behind its write has readers waiting (`_wait_behind`)
+            self._landed.notify_all()
 
     def _wait_behind(self, entry: Entry, phys: int, k: int | None) -> None:
         """Under the lock: wait until chunk ``k`` (None: every chunk) of physical slot ``phys`` has no write in
