@@ -25,13 +25,13 @@ def run_peers(tmp_path, *argv):
 
 
 def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path):
-    systems = ["torch", "fuyou-lightning", "fuyou-hf", "ds-offload", "colossal-cpu"]
+    systems = ["torch", "fuyou-lightning", "fuyou-hf", "fuyou-engine", "ds-offload", "colossal-cpu"]
     result, stdout = run_peers(tmp_path, "--systems", ",".join(systems), "--trace", str(tmp_path / "traces"))
     rows = result["sizes"]["tiny"]
     assert list(rows) == systems
     torch_row = rows["torch"]
     assert torch_row["status"] == "ok" and len(torch_row["losses"]) == 4
-    for name in ("fuyou-lightning", "fuyou-hf"):
+    for name in ("fuyou-lightning", "fuyou-hf", "fuyou-engine"):
         row = rows[name]
         assert row["status"] == "ok", row
         # same weights, data and hyper-parameters: FuyouAdamW computes what torch's AdamW does
@@ -46,7 +46,8 @@ def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path
             assert f"{module} is not installed" in rows[name]["reason"] and "install.sh" in rows[name]["reason"]
             assert f"| {name} | **unavailable** |" in stdout
     assert not os.listdir(tmp_path / "swap"), "every run's swap files are removed"
-    assert sorted(os.listdir(tmp_path / "traces")) == ["fuyou-hf-tiny.json", "fuyou-lightning-tiny.json"]
+    assert sorted(os.listdir(tmp_path / "traces")) == ["fuyou-engine-tiny.json", "fuyou-hf-tiny.json",
+                                                       "fuyou-lightning-tiny.json"]
     from fuyou_strategy.report import load_trace
 
     assert load_trace(tmp_path / "traces" / "fuyou-hf-tiny.json").steps, "a timeline of fuyou's steps"

@@ -247,6 +247,33 @@ def fuyou_hf(job: Job, **more) -> Trace:
     return Trace(recorder.times, recorder.losses, "HF Trainer + FuyouCallback", callback.summary)
 
 
+def fuyou_engine(job: Job, **more) -> Trace:
+    """`FuyouEngine` in the reference's plain loop, no framework: the engine's own cost against torch's step,
+    apart from what an integration adds."""
+    import torch
+
+    from fuyou_strategy import FuyouConfig, FuyouEngine
+
+    model = job.build_model().to(job.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    engine = FuyouEngine(model, opt, config=FuyouConfig(**_fuyou_fields(job, False, **more)))
+    engine.expect_steps(job.steps)
+
+    def step(batch):
+        engine.begin_micro_batch(update=True)
+        with _autocast(job):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    try:
+        trace = _loop(job, model, step, "plain loop + FuyouEngine")
+        return Trace(trace.step_s, trace.losses, trace.driver, engine.summary())
+    finally:
+        engine.close()
+
+
 def _lightning_refusal(strategy: str) -> str | None:
     """Lightning's own error for ``Trainer(strategy=strategy)`` on this machine, or ``None`` if it accepts it."""
     import lightning as L
@@ -370,6 +397,7 @@ def colossal(job: Job, variant: str) -> Trace:
 FUYOU_SYSTEMS: dict[str, tuple[Callable[..., Trace], dict, str]] = {
     "fuyou-lightning": (fuyou_lightning, {}, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
     "fuyou-hf": (fuyou_hf, {}, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-engine": (fuyou_engine, {}, "fuyou, FuyouEngine in the reference's plain loop, planner's plan"),
     "fuyou-hf-bf16state": (fuyou_hf, dict(state_format="bf16"),
                            "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
     "fuyou-hf-backward": (fuyou_hf, dict(optimizer_schedule="backward"),
