@@ -25,7 +25,7 @@ def run_peers(tmp_path, *argv):
 
 
 def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path):
-    systems = ["torch", "fuyou-lightning", "fuyou-hf", "fuyou-engine", "ds-offload", "colossal-cpu"]
+    systems = ["torch", "torch-hf", "fuyou-lightning", "fuyou-hf", "fuyou-engine", "ds-offload", "colossal-cpu"]
     result, stdout = run_peers(tmp_path, "--systems", ",".join(systems), "--trace", str(tmp_path / "traces"))
     rows = result["sizes"]["tiny"]
     assert list(rows) == systems
@@ -40,6 +40,9 @@ def test_harness_trains_torch_and_fuyou_alike_and_reports_missing_peers(tmp_path
         assert row["ssd_peak_bytes"] > 0, "the optimizer state was on SSD while it ran"
         assert row["peak_rss"] > 0 and row["median_s"] > 0
     assert rows["torch"]["ssd_peak_bytes"] == 0
+    # the HF Trainer without fuyou: the same training as the plain loop's
+    assert rows["torch-hf"]["status"] == "ok" and rows["torch-hf"]["ssd_peak_bytes"] == 0
+    assert rows["torch-hf"]["losses"] == pytest.approx(torch_row["losses"], rel=1e-6, abs=0)
     for name, module in (("ds-offload", "deepspeed"), ("colossal-cpu", "colossalai")):
         if importlib.util.find_spec(module) is None:
             assert rows[name]["status"] == "unavailable"

@@ -198,9 +198,10 @@ def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
                  trainer.strategy.engine.summary())
 
 
-def fuyou_hf(job: Job, **more) -> Trace:
+def fuyou_hf(job: Job, *, fuyou: bool = True, **more) -> Trace:
     """The Hugging Face ``Trainer`` with `FuyouCallback` (sequential batches, constant learning rate); ``more``:
-    config fields besides the default plan's (a sweep's ``host_memory_budget``)."""
+    config fields besides the default plan's (a sweep's ``host_memory_budget``). ``fuyou=False``: the same Trainer
+    without the callback (torch's fused AdamW through the Trainer: what the Trainer itself costs)."""
     import tempfile
 
     import torch
@@ -241,9 +242,11 @@ def fuyou_hf(job: Job, **more) -> Trace:
                                   max_grad_norm=0.0,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=job.device == "cpu",
                                   bf16=job.dtype == "bf16", dataloader_drop_last=True, disable_tqdm=True)
-        callback = FuyouCallback(**_fuyou_fields(job, False, **more))
-        trainer = InOrder(model=model, args=targs, train_dataset=data, callbacks=[callback, recorder])
+        callback = FuyouCallback(**_fuyou_fields(job, False, **more)) if fuyou else None
+        trainer = InOrder(model=model, args=targs, train_dataset=data, callbacks=[c for c in (callback, recorder) if c])
         trainer.train()
+    if callback is None:
+        return Trace(recorder.times, recorder.losses, "HF Trainer")
     return Trace(recorder.times, recorder.losses, "HF Trainer + FuyouCallback", callback.summary)
 
 
@@ -420,6 +423,8 @@ def _fuyou_system(run: Callable[..., Trace], fields: dict) -> Callable[[Job], Tr
 # name -> (run, what the row means)
 SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
+    "torch-hf": (lambda job: fuyou_hf(job, fuyou=False),
+                 "torch.optim.AdamW(fused=True) through the HF Trainer, no fuyou (what the Trainer itself costs)"),
     **{name: (_fuyou_system(run, fields), what) for name, (run, fields, what) in FUYOU_SYSTEMS.items()},
     "ds-offload": (lambda job: deepspeed_zero(job, "offload"), "DeepSpeed ZeRO-2 + CPU optimizer (ZeRO-Offload)"),
     "ds-zero3-cpu": (lambda job: deepspeed_zero(job, "zero3-cpu"), "DeepSpeed ZeRO-3, params + optimizer on CPU"),
