@@ -133,15 +133,20 @@ def torch_adamw(job: Job) -> Trace:
     import torch
     model = job.build_model().to(job.device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    return _plain_loop(job, model, opt, "plain loop")
 
+
+def _plain_loop(job: Job, model, opt, driver: str, before: Callable[[], None] = lambda: None) -> Trace:
+    """The reference's loop: ``before()``, forward, backward, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``."""
     def step(batch):
+        before()
         with _autocast(job):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
-    return _loop(job, model, step, "plain loop")
+    return _loop(job, model, step, driver)
 
 
 def _fuyou_fields(job: Job, everything_on_ssd: bool, **more) -> dict:
@@ -198,7 +203,7 @@ def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
                  trainer.strategy.engine.summary())
 
 
-def fuyou_hf(job: Job, *, fuyou: bool = True, **more) -> Trace:
+def hf_trainer(job: Job, *, fuyou: bool = True, **more) -> Trace:
     """The Hugging Face ``Trainer`` with `FuyouCallback` (sequential batches, constant learning rate); ``more``:
     config fields besides the default plan's (a sweep's ``host_memory_budget``). ``fuyou=False``: the same Trainer
     without the callback (torch's fused AdamW through the Trainer: what the Trainer itself costs)."""
@@ -261,17 +266,9 @@ def fuyou_engine(job: Job, **more) -> Trace:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
     engine = FuyouEngine(model, opt, config=FuyouConfig(**_fuyou_fields(job, False, **more)))
     engine.expect_steps(job.steps)
-
-    def step(batch):
-        engine.begin_micro_batch(update=True)
-        with _autocast(job):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        engine.optimizer.step()
-        engine.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
     try:
-        trace = _loop(job, model, step, "plain loop + FuyouEngine")
+        trace = _plain_loop(job, model, engine.optimizer, "plain loop + FuyouEngine",
+                            before=lambda: engine.begin_micro_batch(update=True))
         return Trace(trace.step_s, trace.losses, trace.driver, engine.summary())
     finally:
         engine.close()
@@ -399,14 +396,14 @@ def colossal(job: Job, variant: str) -> Trace:
 # ``<name>@<field>=<value>[,<field>=<value>...]``, the same system with those `FuyouConfig` fields set.
 FUYOU_SYSTEMS: dict[str, tuple[Callable[..., Trace], dict, str]] = {
     "fuyou-lightning": (fuyou_lightning, {}, "fuyou, Lightning strategy, planner's plan (activations, weights auto)"),
-    "fuyou-hf": (fuyou_hf, {}, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
+    "fuyou-hf": (hf_trainer, {}, "fuyou, HF Trainer + FuyouCallback, planner's plan"),
     "fuyou-engine": (fuyou_engine, {}, "fuyou, FuyouEngine in the reference's plain loop, planner's plan"),
-    "fuyou-hf-bf16state": (fuyou_hf, dict(state_format="bf16"),
+    "fuyou-hf-bf16state": (hf_trainer, dict(state_format="bf16"),
                            "fuyou, HF Trainer + FuyouCallback, planner's plan, bf16 moments (state_format=\"bf16\")"),
-    "fuyou-hf-backward": (fuyou_hf, dict(optimizer_schedule="backward"),
+    "fuyou-hf-backward": (hf_trainer, dict(optimizer_schedule="backward"),
                           "fuyou, HF Trainer + FuyouCallback, planner's plan, updates speculative during backward "
                           "(optimizer_schedule=\"backward\")"),
-    "fuyou-hf-next-forward": (fuyou_hf, dict(optimizer_schedule="next_forward"),
+    "fuyou-hf-next-forward": (hf_trainer, dict(optimizer_schedule="next_forward"),
                               "fuyou, HF Trainer + FuyouCallback, planner's plan, updates exact ahead of the next "
                               "forward (optimizer_schedule=\"next_forward\")"),
     "fuyou-state-ssd": (fuyou_lightning, dict(host_state=0),
@@ -423,7 +420,7 @@ def _fuyou_system(run: Callable[..., Trace], fields: dict) -> Callable[[Job], Tr
 # name -> (run, what the row means)
 SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
     "torch": (torch_adamw, "torch.optim.AdamW(fused=True), all in memory (the reference)"),
-    "torch-hf": (lambda job: fuyou_hf(job, fuyou=False),
+    "torch-hf": (lambda job: hf_trainer(job, fuyou=False),
                  "torch.optim.AdamW(fused=True) through the HF Trainer, no fuyou (what the Trainer itself costs)"),
     **{name: (_fuyou_system(run, fields), what) for name, (run, fields, what) in FUYOU_SYSTEMS.items()},
     "ds-offload": (lambda job: deepspeed_zero(job, "offload"), "DeepSpeed ZeRO-2 + CPU optimizer (ZeRO-Offload)"),
