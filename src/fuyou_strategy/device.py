@@ -29,6 +29,8 @@ host allocator (``pin_memory=True``) rounds every request up to a power of two, 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 import queue
 import random
@@ -42,7 +44,10 @@ import torch
 
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
-           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host"]
+           "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host",
+           "computes_on_host", "usable_cores", "use_intra_op_threads"]
+
+log = logging.getLogger("fuyou_strategy")
 
 PAGE_SIZE = 4096
 COPY_TIMEOUT = 600.0  # seconds a copy may take before its wait gives up (a stuck device or copy engine)
@@ -70,6 +75,57 @@ def read_on_host(t: torch.Tensor) -> bool:
     """Whether the host must copy ``t`` into a host buffer (`start_copy`) before it reads it: ``t`` is on an
     accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there."""
     return _on_accelerator(t) or _late is not None
+
+
+def computes_on_host(params: list[torch.Tensor]) -> bool:
+    """Whether a model with these parameters computes on the CPU: none is on an accelerator, and a model built
+    on the meta device is materialised on the CPU (no accelerator) — the device tier is host RAM."""
+    if any(_on_accelerator(p) for p in params):
+        return False
+    return not (params and all(p.is_meta for p in params) and accelerator_type() is not None)
+
+
+# -- intra-op threads -----------------------------------------------------------------------------------------
+# torch's CPU ops run on OpenMP (libgomp on Linux): each thread that runs a parallel op gets a team of its own,
+# kept for the process's life. Once the teams together hold more threads than the process has cores, libgomp
+# stops spinning at its barriers and sleeps on a futex at once (its "throttled" spin), in every team: each
+# parallel region then starts and ends through the scheduler. On the CPU the training thread's team already
+# holds every core, so a second team (the optimizer's worker) costs the training thread that spinning for the
+# whole run (docs/host-state.md, "The idle cores").
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: what OpenMP counts as available)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _omp_set_num_threads() -> "ctypes._CFuncPtr | None":
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+
+
+def use_intra_op_threads(n: int) -> int:
+    """Give the calling thread's own ops ``n`` intra-op threads, leaving every other thread's count (and the
+    default of threads started later) as it is; returns the count the thread has now.
+
+    ``torch.set_num_threads`` would also change the process-wide default that torch gives each thread on its
+    first parallel op (the data loader's, a user's). Here torch sets this thread's count from that default
+    first, then OpenMP's own ``omp_set_num_threads`` changes this thread's alone. Where torch runs on another
+    thread pool (no OpenMP symbol in the process), nothing changes, and the count it has is returned."""
+    have = torch.get_num_threads()  # torch's lazy per-thread set-up, which would otherwise undo what follows
+    setter = _omp_set_num_threads()
+    if setter is not None and n != have:
+        setter(ctypes.c_int(n))
+        have = torch.get_num_threads()
+    if have != n:
+        log.debug("fuyou: this thread keeps %d intra-op threads (asked %d): torch's parallel backend is not OpenMP",
+                  have, n)
+    return have
 
 
 # -- host buffers ---------------------------------------------------------------------------------------------

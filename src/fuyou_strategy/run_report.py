@@ -277,6 +277,9 @@ class RunReport:
             "last_grad_norm": stats.last_grad_norm,
             "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
             "state_format": opt.state_format.name,  # FuyouConfig.state_format: the bytes per parameter of the state
+            # FuyouConfig.optimizer_threads: the worker's intra-op threads as it set them, and why
+            "optimizer_threads": opt.adam_state.pipeline.threads,
+            "optimizer_threads_reason": opt.threads_reason,
             "ssd_bytes_optimizer_state": state_on_ssd,
             "host_bytes_optimizer_state": state_in_ram,
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark

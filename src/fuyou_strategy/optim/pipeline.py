@@ -26,6 +26,9 @@ A job function may return `Later(now, later)` instead of a future: ``later`` is 
 `drain(writes=False)` need not wait for (the optimizer's shadow-slot writes, which `TensorStore.commit`
 can commit while they land); the next `drain` of either kind waits for it and raises its error.
 
+The worker's own ops run on ``threads`` intra-op threads when given (`device.use_intra_op_threads`; the
+optimizer passes `FuyouConfig.optimizer_threads`), on torch's default otherwise.
+
 The optimizer uses it for the AdamW update (read state → update → write shadow slot), for
 restoring weights after a skipped step, and for streaming checkpoints.
 """
@@ -40,7 +43,10 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+import torch
+
 from .. import trace
+from ..device import use_intra_op_threads
 from ..storage import ACTIVE, HostBuffer, StorageError, TensorStore, gather
 from ..storage.store import SlotVersion
 from ..storage.aio import then
@@ -107,9 +113,11 @@ class ChunkPipeline:
             host pool for one more buffer, or the worker would wait on itself; the caller
             sizes it (`FuyouAdamW` does from the pool budget and the chunk size).
         name: the worker thread's name, used in errors.
+        threads: the intra-op threads of the worker's own ops; ``None``: torch's default.
     """
 
-    def __init__(self, store: TensorStore, depth: int, name: str = "fuyou-pipeline") -> None:
+    def __init__(self, store: TensorStore, depth: int, name: str = "fuyou-pipeline", *,
+                 threads: int | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth: got {depth}; need at least one chunk in flight")
         self.store = store
@@ -139,6 +147,8 @@ class ChunkPipeline:
         self._ahead_keep_free = 0
         self.ahead_used = 0  # read-ahead chunks a job took (written by the worker only; read for reports)
         self.ahead_dropped = 0  # read-ahead chunks no job took, or stale when one asked
+        self._threads = threads
+        self.threads: int | None = threads  # the worker's intra-op threads, as it set them (written by it once)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -258,6 +268,7 @@ class ChunkPipeline:
     # -- the worker ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.threads = use_intra_op_threads(self._threads) if self._threads is not None else torch.get_num_threads()
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             self._stop(f"{self.name}: the worker thread died of {type(exc).__name__}: {exc}; "

@@ -195,11 +195,13 @@ class OptimizerState:
         owned: the parameters whose state this process keeps.
         config: swap directories, chunk and pool sizes, ``state_slots``, ``io_timeout``.
         depth: chunks the worker reads ahead (`ChunkPipeline`).
+        threads: the worker's intra-op threads (`ChunkPipeline`); ``None``: torch's default.
 
     A construction that fails part-way releases what it made and raises its own error.
     """
 
-    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int, *, spare_from: int = 0) -> None:
+    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int, *, spare_from: int = 0,
+                 threads: int | None = None) -> None:
         self.config, self.slots, self.owned = config, config.state_slots, owned
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
@@ -207,7 +209,7 @@ class OptimizerState:
         try:
             # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
             self.in_memory = self._host_tier(owned, self.store.memory_limit)
-            self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw")
+            self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw", threads=threads)
             try:
                 for ps in owned:
                     self.store.create(ps.entry, (ps.nbytes,), torch.uint8, chunk_bytes=ps.stride, slots=self.slots,
