@@ -13,13 +13,14 @@ the parent turns that (and any crash, timeout or memory overrun) into a row that
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 LR, BETAS, EPS = 1e-4, (0.9, 0.999), 1e-8
 
@@ -435,6 +436,15 @@ SYSTEMS: dict[str, tuple[Callable[[Job], Trace], str]] = {
 SWEPT = "fuyou-hf@"  # fuyou-hf@<host_memory_budget>, e.g. fuyou-hf@4GiB: a point of the host budget sweep
 
 
+def _field_value(text: str) -> Any:
+    """A `FuyouConfig` value as written after ``@<field>=``: a number or ``true``/``false`` as JSON reads it
+    (``optimizer_threads=2``), anything else the string itself (``"backward"``, ``"64MiB"``)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
     """``(run, what the row means)`` of a system name (`SYSTEMS`; ``fuyou-hf@<bytes>``, a point of the host budget
     sweep; or ``<fuyou system>@<field>=<value>[,<field>=<value>...]``: that system with those `FuyouConfig`
@@ -451,7 +461,7 @@ def system(name: str) -> tuple[Callable[[Job], Trace], str] | None:
         pairs = [pair.split("=", 1) for pair in suffix.split(",")]
         if any(len(pair) != 2 for pair in pairs):
             return None
-        fields = dict(pairs)
+        fields = {k: _field_value(v) for k, v in pairs}
         if not set(fields) <= {f.name for f in dataclasses.fields(FuyouConfig)}:
             return None
         return _fuyou_system(run, {**fixed, **fields}), f"{what}, " + ", ".join(f"{k}={v!r}" for k, v in fields.items())
