@@ -184,12 +184,18 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         threads = [m for m in said if m.startswith("fuyou: io_threads='auto' took")]
         assert threads == [f"fuyou: io_threads='auto' took {auto.io_threads}: {auto_io_threads(cores)[1]}"]
         assert sum(m.startswith("fuyou: host_memory_budget='auto' took 10.00 GiB: 50% of") for m in said) == 1
+        # resolved by the optimizer, from where the model computes (the CPU here)
+        from fuyou_strategy.config import auto_optimizer_threads
+        from fuyou_strategy.device import usable_cores
+        took, why = auto_optimizer_threads(True, usable_cores(), torch.get_num_threads())
+        assert [m for m in said if m.startswith("fuyou: optimizer_threads='auto'")] == [
+            f"fuyou: optimizer_threads='auto' took {took}: {why}"]
     finally:
         engine.close()
     said.clear()
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(
         swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, host_memory_budget="64MiB",
-        optimizer_prefetch_chunks=4), report=said.append)
+        optimizer_prefetch_chunks=4, optimizer_threads=1), report=said.append)
     engine.close()
     assert not [m for m in said if "='auto' took" in m]
 
@@ -218,3 +224,18 @@ def test_placement_left_unset_is_decided_from_the_device_and_a_value_given_stays
     assert (activations, weights) == ("keep", "ssd") and "weights='ssd'" in said[0], "placed by hand"
     assert placed("cuda:0", activations="keep") == ("keep", "device", []), "a value given is kept, silently"
     assert placed("cuda:0", activations="ssd", weights="host") == ("ssd", "host", [])
+
+
+@pytest.mark.parametrize("value", [0, -1, "two", True, 2.0, 1025])
+def test_optimizer_threads_must_be_auto_or_a_count(value):
+    with pytest.raises(ConfigError, match=r"^optimizer_threads: got .*expected 'auto' or an int from 1 to 1024"):
+        FuyouConfig(optimizer_threads=value)
+
+
+def test_auto_optimizer_threads_leaves_the_training_threads_their_cores():
+    from fuyou_strategy.config import auto_optimizer_threads
+    assert auto_optimizer_threads(True, 2, 2)[0] == 1  # this project's CPUs: the training thread has both cores
+    assert auto_optimizer_threads(True, 16, 4)[0] == 12  # a user who gave training 4 of 16 threads
+    assert auto_optimizer_threads(True, 8, 16)[0] == 1  # never fewer than one
+    threads, why = auto_optimizer_threads(False, 16, 16)
+    assert threads is None and "accelerator" in why  # on a GPU host the cores are the worker's

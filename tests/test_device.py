@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -180,3 +181,34 @@ def test_pinned_host_buffers_pin_exactly_their_page_rounded_size_and_count_it_un
     gc.collect()
     assert recorder.unregistered == [(ptr, b"ZZZZ")], "unpinned before the memory is released"
     assert host_buffer_usage().live == before
+
+
+# -- intra-op threads ------------------------------------------------------------------------------------------
+def _in_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and out, "the thread did not finish"
+    return out[0]
+
+
+def test_intra_op_threads_change_for_the_calling_thread_alone():
+    default = torch.get_num_threads()
+    torch.ones(1 << 16).sum()  # this thread's own set-up done, as in training
+
+    def worker():
+        had = device.use_intra_op_threads(1)
+        torch.ones(1 << 20).mul_(2)  # a parallel op: torch must not set the count again on it
+        return had, torch.get_num_threads()
+
+    assert _in_thread(worker) == (1, 1)
+    assert torch.get_num_threads() == default  # the caller's threads, untouched
+    assert _in_thread(torch.get_num_threads) == default  # and the default of threads that start later
+
+
+def test_computes_on_host_follows_the_parameters():
+    assert device.computes_on_host([torch.zeros(2), torch.zeros(2)])
+    on_meta = device.computes_on_host([torch.zeros(2, device="meta")])
+    assert on_meta == (device.accelerator_type() is None)  # a meta model is materialised on the accelerator
+    assert 1 <= device.usable_cores() <= (os.cpu_count() or 1)

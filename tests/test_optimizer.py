@@ -321,3 +321,54 @@ def test_an_optimizer_that_leaves_fused_unset_keeps_the_for_loop_kernel_and_says
         assert len(hints) == 1 and "fused=True" in hints[0], said
     else:
         assert hints == [], said
+
+
+def _threads_in_worker(opt):
+    """The intra-op threads the optimizer's worker thread runs its ops with."""
+    from fuyou_strategy.optim import ChunkJob
+    seen = []
+    opt.adam_state.run(ChunkJob(None, 1, lambda k: seen.append(torch.get_num_threads())))
+    opt.adam_state.drain()
+    return seen[0]
+
+
+def test_the_worker_takes_the_cores_the_training_thread_leaves_and_the_numbers_do_not_change(tmp_path):
+    """On the CPU, ``optimizer_threads="auto"`` gives the worker the cores the training thread's team leaves (one,
+    at least), set for the worker alone; any count gives bitwise the same weights and state as torch, with
+    parameters large enough (128K elements) that the kernels and norms split their work over the threads."""
+    from fuyou_strategy.device import usable_cores
+    training = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.GELU(), torch.nn.Linear(256, 512))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for threads in ("auto", 1, 2):
+        m = copy.deepcopy(model)
+        opt = FuyouAdamW(m.parameters(), lr=3e-3, max_grad_norm=MAX_NORM,
+                         config=small_config(tmp_path, chunk_size="1MiB", host_memory_budget="16MiB",
+                                             optimizer_threads=threads))
+        try:
+            expected = max(1, usable_cores() - training) if threads == "auto" else threads
+            assert _threads_in_worker(opt) == expected
+            assert opt.adam_state.pipeline.threads == expected
+            assert torch.get_num_threads() == training  # the training thread's own count is left alone
+            for step in range(STEPS):
+                (m(x).pow(2).mean() * LOSS_SCALE[step] * 300).backward()
+                opt.step()
+                opt.zero_grad()
+            assert 1 <= opt.stats.clipped < STEPS, opt.stats  # clipping bit on some steps, not all
+            runs[threads] = ([p.detach().clone() for p in m.parameters()],
+                             [opt.read_state(p)["exp_avg_sq"] for p in m.parameters()])
+        finally:
+            opt.close()
+    for step in range(STEPS):
+        (ref(x).pow(2).mean() * LOSS_SCALE[step] * 300).backward()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for threads, (weights, moments) in runs.items():
+        for w, v, r in zip(weights, moments, ref.parameters()):
+            assert torch.equal(w, r), threads
+            assert torch.equal(v, ref_opt.state[r]["exp_avg_sq"]), threads

@@ -293,6 +293,10 @@ class FuyouEngine:
                                     release_grads=release_grads, loss_scaling=loss_scaling,
                                     process_group=process_group, gradients_averaged=gradients_averaged)
         try:
+            if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
+                took = self.optimizer.adam_state.pipeline.threads
+                took = "torch's default" if took is None else took
+                self.report(f"fuyou: optimizer_threads='auto' took {took}: {self.optimizer.threads_reason}")
             self.reporting = RunReport(self)
             self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
             if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself

@@ -655,7 +655,7 @@ def _worker_threads(config: FuyouConfig, params: list[torch.Tensor]) -> tuple[in
     if config.optimizer_threads != "auto":
         return config.optimizer_threads, "optimizer_threads was given"
     threads, why = auto_optimizer_threads(computes_on_host(params), usable_cores(), torch.get_num_threads())
-    log.info("fuyou: optimizer_threads='auto' took %s: %s", "torch's default" if threads is None else threads, why)
+    log.debug("fuyou: optimizer_threads='auto' took %s: %s", "torch's default" if threads is None else threads, why)
     return threads, why
 
 
