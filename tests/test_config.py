@@ -190,6 +190,7 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         took, why = auto_optimizer_threads(True, usable_cores(), torch.get_num_threads())
         assert [m for m in said if m.startswith("fuyou: optimizer_threads='auto'")] == [
             f"fuyou: optimizer_threads='auto' took {took}: {why}"]
+        assert engine.summary()["optimizer_threads"] == took and engine.summary()["optimizer_threads_reason"] == why
     finally:
         engine.close()
     said.clear()

@@ -105,7 +105,7 @@ def usable_cores() -> int:
 def _omp_set_num_threads() -> "ctypes._CFuncPtr | None":
     try:
         return ctypes.CDLL(None).omp_set_num_threads
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no such symbol; or no process handle (Windows)
         return None
 
 
