@@ -651,10 +651,12 @@ def _call_alive(method: "weakref.WeakMethod", *args: Any) -> None:
 
 def _worker_threads(config: FuyouConfig, params: list[torch.Tensor]) -> tuple[int | None, str]:
     """The intra-op threads of the optimizer's worker (`FuyouConfig.optimizer_threads`; ``None``: torch's
-    default), and why (one sentence; `FuyouEngine` announces it, `summary()` reports it)."""
+    default), and why (one sentence, logged and reported)."""
     if config.optimizer_threads != "auto":
         return config.optimizer_threads, "optimizer_threads was given"
-    return auto_optimizer_threads(computes_on_host(params), usable_cores(), torch.get_num_threads())
+    threads, why = auto_optimizer_threads(computes_on_host(params), usable_cores(), torch.get_num_threads())
+    log.debug("fuyou: optimizer_threads='auto' took %s: %s", "torch's default" if threads is None else threads, why)
+    return threads, why
 
 
 def _trainable(params: Iterable[Any]) -> list[Any]:
