@@ -1,11 +1,12 @@
 """A/B: next_forward's updates beside forward (today) vs all of them before forward with every core (serial).
-argv: torch | overlap | serial. 350M fp32 batch 2x256, state in RAM. Prints the median step of steps 4..11.
+argv: torch | overlap | serial | serial1. 350M fp32 batch 2x256, state in RAM. Prints the median step of steps 4..11.
 Run (serial_ab.txt, 2026-11-27, AMD EPYC 2 cores, jemalloc defaults, two interleaved rounds, nothing else running):
   for r in 1 2; do for m in torch overlap serial; do
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python serial_ab.py $m; done; done
 overlap: optimizer_schedule="next_forward", optimizer_threads="auto" (1 on 2 cores), the updates land per module
 beside forward. serial: the same with optimizer_threads=2 and engine.flush() before forward, so that every update
 runs on both cores while the training thread waits, as torch's step() does.
+serial1: the same with optimizer_threads=1 (the worker's one thread: no second OpenMP team of two).
 DROPOUT=0: dropout off, as the peers harness builds its models (serial_ab_no_dropout.txt); by default GPT2Config's 0.1."""
 import os, statistics, sys, time
 import torch
@@ -23,11 +24,11 @@ else:
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), max_grad_norm=1.0,
                          config=FuyouConfig(optimizer_schedule="next_forward", host_state="auto",
                                             host_memory_budget="14GiB", swap_dirs=["/tmp/iocpu"],
-                                            optimizer_threads=2 if mode == "serial" else "auto"))
+                                            optimizer_threads={"serial": 2, "serial1": 1}.get(mode, "auto")))
     opt = engine.optimizer
     def begin():
         engine.begin_micro_batch(update=True)
-        if mode == "serial":
+        if mode.startswith("serial"):
             engine.flush()
 times, fl, phases = [], [], []
 for i in range(12):
