@@ -294,7 +294,7 @@ class FuyouEngine:
                                     process_group=process_group, gradients_averaged=gradients_averaged)
         try:
             if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
-                took = self.optimizer.adam_state.pipeline.threads
+                took = self.optimizer.threads_asked  # what was asked, not what the worker has set yet (a race)
                 took = "torch's default" if took is None else took
                 self.report(f"fuyou: optimizer_threads='auto' took {took}: {self.optimizer.threads_reason}")
             self.reporting = RunReport(self)

@@ -164,10 +164,11 @@ class FuyouAdamW(torch.optim.Optimizer):
             shards = Shards(process_group, self._params, config)
         self._gradients_averaged = gradients_averaged
         owned = [ps for ps in self._params if shards is None or shards.owns(ps)]
-        threads, self.threads_reason = _worker_threads(config, [ps.param for ps in self._params])
+        # the worker's intra-op threads asked for (None: torch's default) and why; `FuyouEngine` announces them
+        self.threads_asked, self.threads_reason = _worker_threads(config, [ps.param for ps in self._params])
         # releases itself if it fails; its read-ahead leaves the transfers' reserved share of the pool free
         self.adam_state = OptimizerState(owned, config, shares.optimizer_depth, spare_from=shares.reserved,
-                                         threads=threads)
+                                         threads=self.threads_asked)
         # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the hooks on
         # the parameters) is released by one finalizer: on close(), or when the optimizer is collected.
         # The hooks hold the optimizer only weakly, so a model that outlives its optimizer does not keep
@@ -651,12 +652,10 @@ def _call_alive(method: "weakref.WeakMethod", *args: Any) -> None:
 
 def _worker_threads(config: FuyouConfig, params: list[torch.Tensor]) -> tuple[int | None, str]:
     """The intra-op threads of the optimizer's worker (`FuyouConfig.optimizer_threads`; ``None``: torch's
-    default), and why (one sentence, logged and reported)."""
+    default), and why (one sentence; `FuyouEngine` announces it, `summary()` reports it)."""
     if config.optimizer_threads != "auto":
         return config.optimizer_threads, "optimizer_threads was given"
-    threads, why = auto_optimizer_threads(computes_on_host(params), usable_cores(), torch.get_num_threads())
-    log.debug("fuyou: optimizer_threads='auto' took %s: %s", "torch's default" if threads is None else threads, why)
-    return threads, why
+    return auto_optimizer_threads(computes_on_host(params), usable_cores(), torch.get_num_threads())
 
 
 def _trainable(params: Iterable[Any]) -> list[Any]:

@@ -147,9 +147,8 @@ class ChunkPipeline:
         self._ahead_keep_free = 0
         self.ahead_used = 0  # read-ahead chunks a job took (written by the worker only; read for reports)
         self.ahead_dropped = 0  # read-ahead chunks no job took, or stale when one asked
-        self._threads = threads
         self.threads: int | None = threads  # the worker's intra-op threads, as it set them (written by it once)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(threads,), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: ChunkJob) -> None:
@@ -266,9 +265,9 @@ class ChunkPipeline:
         return error
 
     # -- the worker ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, threads: int | None) -> None:
         try:
-            self.threads = use_intra_op_threads(self._threads) if self._threads is not None else torch.get_num_threads()
+            self.threads = use_intra_op_threads(threads) if threads is not None else torch.get_num_threads()
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             self._stop(f"{self.name}: the worker thread died of {type(exc).__name__}: {exc}; "
