@@ -5,6 +5,7 @@
 # results.tgz (the harness's table, JSON and PNG, the traces, each run's stderr log). About 6 minutes on an H200.
 #   bash benchmarks/gpu_quick.sh                      # on the GPU machine, from the repository root
 #   T_TESTS=150 T_BENCH=270 SIZE=350M SYSTEMS=torch,fuyou-hf bash benchmarks/gpu_quick.sh
+#   BATCH=32 SYSTEMS=torch,fuyou-engine bash benchmarks/gpu_quick.sh  # more tokens per step (GPU memory allows)
 #   WARMUP=14 STEPS=4 SYSTEMS=torch,fuyou-hf,fuyou-hf-backward bash benchmarks/gpu_quick.sh  # auto has measured both
 #                                                     # schedules (8 windows after the plan, 2 of next_forward) by then
 # The full check with DeepSpeed and two models is `python -m benchmarks.gpu_check` (30 minutes; docs/gpu.md).
@@ -24,7 +25,7 @@ echo "tests exit $?"; tail -25 "$OUT/tests.log"
 echo "== peers at ${SIZE:-350M} (at $(( $(date +%s) - S )) s)"
 timeout -k 5 "${T_BENCH:-270}" $PY -m benchmarks.peers --device cuda --arch gpt2 --sizes "${SIZE:-350M}" \
   --systems "${SYSTEMS:-torch,fuyou-hf,fuyou-lightning,fuyou-state-ssd,fuyou-ssd}" --dtype "${DTYPE:-bf16}" \
-  --batch 8 --seq 1024 --steps "${STEPS:-3}" --warmup "${WARMUP:-2}" --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
+  --batch "${BATCH:-8}" --seq 1024 --steps "${STEPS:-3}" --warmup "${WARMUP:-2}" --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
   --trace "$WORK/trace" > "$OUT/bench.log" 2>&1
 echo "bench exit $?"; tail -30 "$OUT/bench.log"
 (cd "$WORK" && tar czf "$OUT/results.tgz" bench trace swap/*.log 2>/dev/null)
