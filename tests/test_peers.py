@@ -189,3 +189,14 @@ def test_every_fuyou_system_takes_config_fields_and_keeps_its_own():
     assert system("torch@chunk_size=8MiB") is None and system("ds-offload@chunk_size=8MiB") is None
     assert system("fuyou-state-ssd@4GiB") is None, "a bare budget is the HF sweep's only"
     assert system("fuyou-state-ssd@optimizer_schedule=backward,chunk_size") is None
+
+
+def test_the_systems_option_keeps_a_variants_fields_together():
+    """``--systems`` splits at commas, but a variant's second field stays with it."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks.peers.run import split_systems
+    finally:
+        sys.path.remove(ROOT)
+    assert split_systems("torch,fuyou-engine@optimizer_schedule=next_forward,optimizer_threads=8,fuyou-hf@4GiB,ds") == [
+        "torch", "fuyou-engine@optimizer_schedule=next_forward,optimizer_threads=8", "fuyou-hf@4GiB", "ds"]

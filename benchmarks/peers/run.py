@@ -24,6 +24,7 @@ import argparse
 import faulthandler
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -42,6 +43,18 @@ from fuyou_strategy.storage.rundir import dir_bytes  # noqa: E402
 from systems import SIZES, SWEPT, SYSTEMS, Job, Unavailable, run, system  # noqa: E402
 
 GiB = 2**30
+
+
+def split_systems(text: str) -> list[str]:
+    """``--systems`` as names: split at commas, except that a ``<field>=<value>`` piece after a variant
+    (``fuyou-engine@optimizer_schedule=next_forward,optimizer_threads=8``) belongs to that variant."""
+    names: list[str] = []
+    for piece in text.split(","):
+        if names and "@" in names[-1] and "=" in piece and "@" not in piece:
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -324,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                int(0.9 * _mem_total()))
         return
     args.dtype, dtype_why = choose_dtype(args.dtype) if args.dtype == "auto" else (args.dtype, "--dtype")
-    systems = args.systems.split(",")
+    systems = split_systems(args.systems)
     unknown = [s for s in systems if system(s) is None]
     sizes = [Path(args.model).name] if args.model else args.sizes.split(",")
     unknown += [s for s in sizes if not args.model and s not in SIZES]
@@ -363,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     print(f"[round {rnd + 1}/{args.rounds}] {size} {name} ...", file=sys.stderr, flush=True)
                     swap = root / f"{name}-{size}-r{rnd}"
-                    traced = (["--trace", str(Path(args.trace).resolve() / f"{name}-{size}.json")]
+                    file_name = re.sub(r"[^\w.-]", "_", name)  # variants' "@" and "=" kept out of file names
+                    traced = (["--trace", str(Path(args.trace).resolve() / f"{file_name}-{size}.json")]
                               if args.trace and rnd == 0 and name.startswith("fuyou") else [])
                     r = watch(["--worker", name, "--sizes", size, "--swap-dir", str(swap), *forwarded, *traced], swap,
                               limit, args.timeout, not args.no_jemalloc)
