@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
@@ -109,14 +109,6 @@ class ScheduleChooser:
             plan, then still settles (with 8, a 9-step run never measured ``next_forward``, which in host
             RAM on this project's CPU was 0.93x ``backward``'s step at 350M).
         probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
-        exact_first: called at each choice; a reason (one sentence) to take ``next_forward`` without measuring
-            ``backward``, or ``None``. `FuyouAdamW` gives one that holds while the model computes on the CPU
-            and every chunk of the state is in host RAM: there ``backward``'s speculation is more work for the
-            same cores (each chunk copied into the shadow slot first) with no SSD transfer to hide, and its
-            shadow slot is RAM that ``next_forward`` never touches. Measured at 350M on this project's CPU:
-            ``next_forward`` 0.93x ``backward``'s step, and 0.92-0.95x ``auto``'s with 0.65x its peak RSS
-            (7.65 against 11.78 GiB; docs/host-state.md). Short of that, window times on 2 cores vary by
-            more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
     gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
@@ -139,10 +131,8 @@ class ScheduleChooser:
     """
 
     def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, samples: int = 5,
-                 probe_after: int = 3, probe_every: int = 64,
-                 exact_first: Callable[[], str | None] | None = None) -> None:
+                 probe_after: int = 3, probe_every: int = 64) -> None:
         self.setting = setting
-        self.exact_first = exact_first
         self.can_speculate = can_speculate
         self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
         self.rolled: deque[bool] = deque(maxlen=history)
@@ -167,9 +157,6 @@ class ScheduleChooser:
             return self.setting, "configured"
         if not self.can_speculate:
             return NEXT_FORWARD, self.why_not
-        why = self.exact_first() if self.exact_first is not None else None
-        if why is not None:
-            return NEXT_FORWARD, why
         if self.probing is not None:
             schedule, before = self.probing
             if self.measured[schedule] == before:
