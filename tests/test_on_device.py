@@ -40,7 +40,9 @@ def test_the_optimizer_on_the_device_is_adamw_fused_on_the_same_gradients_bitwis
     model = tiny_causal_lm("llama").to(compute_device)
     masters = [p.detach().cpu().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
-    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path), fused=True)
+    # backward pinned: commits are checked below ("auto" takes next_forward on the CPU with the state in RAM)
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                     config=config(tmp_path, optimizer_schedule="backward"))
     try:
         for step in range(STEPS):
             x = ids(step, compute_device)

@@ -72,7 +72,10 @@ def max_rel_diff(a_params, b_params):
 def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_path, family, fused):
     model = tiny_causal_lm(family)
     fused_ref = copy.deepcopy(model)
-    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path), fused=fused)
+    # backward pinned: the speculative path (redos, commits) is what this test checks, and on the CPU with the
+    # state in RAM "auto" takes next_forward outright
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=fused,
+                     config=small_config(tmp_path, optimizer_schedule="backward"))
     assert any(ps.nchunks > 1 for ps in opt._params), "the test must cover multi-chunk parameters"
     train_fuyou(model, opt)
     # Clipping must have bitten on some steps and not on others, or a path went untested.
@@ -105,7 +108,8 @@ def test_matches_torch_adamw_with_schedule_groups_accumulation_and_clipping(tmp_
 def test_fp32_masters_match_adamw_on_the_same_gradients(tmp_path, dtype, fused, tolerance):
     model = tiny_causal_lm("llama", dtype=dtype)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM, config=small_config(tmp_path))
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=MAX_NORM,
+                     config=small_config(tmp_path, optimizer_schedule="backward"))  # redos and commits, below
     ref_opt = torch.optim.AdamW(masters, lr=3e-3, fused=fused)
     worst = 0.0
     for step in range(STEPS):
@@ -184,7 +188,7 @@ def test_accumulating_without_no_update_is_an_error_not_a_wrong_update(tmp_path)
     # version check (which guards the same misuse when weights are saved) before ours.
     w = torch.nn.Parameter(torch.randn(64, 64))
     before = w.detach().clone()
-    opt = FuyouAdamW([w], lr=3e-3, config=small_config(tmp_path))
+    opt = FuyouAdamW([w], lr=3e-3, config=small_config(tmp_path, optimizer_schedule="backward"))  # queued in backward
     (w * 2.0).sum().backward()
     (w * 3.0).sum().backward()  # the update queued by the first backward used a partial gradient
     with pytest.raises(RuntimeError, match="accumulated again after its update was queued; wrap .*no_update"):
@@ -225,7 +229,7 @@ def test_frozen_parameters_are_ignored(tmp_path):
 def test_closure_and_hand_set_gradients(tmp_path):
     w = torch.nn.Parameter(torch.randn(10, 10))
     ref = w.detach().clone().requires_grad_()
-    opt = FuyouAdamW([w], lr=0.1, config=small_config(tmp_path))
+    opt = FuyouAdamW([w], lr=0.1, config=small_config(tmp_path, optimizer_schedule="backward"))  # commits, below
     ref_opt = torch.optim.AdamW([ref], lr=0.1, fused=True)
     grad = torch.randn(10, 10)
     w.grad, ref.grad = grad.clone(), grad.clone()  # no backward: hooks never fire

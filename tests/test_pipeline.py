@@ -224,11 +224,12 @@ def test_close_wakes_a_waiting_drain_and_later_calls_are_refused(pipe):
     assert not pipe._thread.is_alive()
 
 
+@pytest.mark.parametrize("schedule", ["backward", "next_forward"])
 @pytest.mark.parametrize("fault", ["worker dies", "read never completes"])
-def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_path, monkeypatch, fault):
+def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_path, monkeypatch, fault, schedule):
     before = set(threading.enumerate())
     model = torch.nn.Linear(64, 32)
-    opt = FuyouAdamW(model.parameters(), lr=0.1, config=config(tmp_path))
+    opt = FuyouAdamW(model.parameters(), lr=0.1, config=config(tmp_path, optimizer_schedule=schedule))
     end = lambda: None  # noqa: E731
     if fault == "worker dies":
         monkeypatch.setattr(opt.adam_state.pipeline, "_process", die)
@@ -243,6 +244,12 @@ def test_optimizer_step_raises_instead_of_hanging_and_close_leaves_nothing(tmp_p
         error = outcome(train_step)
     finally:
         end()
+    if schedule == "next_forward" and fault == "read never completes":
+        # step() queued the update and waits on it: the error names the update, says so, and chains the cause
+        # (a dead worker is found when step() queues, and raised as it is)
+        assert isinstance(error, RuntimeError) and "partly updated; resume from the last checkpoint" in str(error)
+        assert str(error.__cause__) in str(error), "the cause is in the message, not only in the chain"
+        error = error.__cause__
     if fault == "worker dies":
         assert isinstance(error, RuntimeError) and "fuyou-adamw: the worker thread died" in str(error), error
     else:

@@ -108,12 +108,15 @@ def test_every_schedule_is_bitwise_torch(tmp_path, family, via, schedule, slow_u
     model = tiny_causal_lm(family)
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
+    # auto's measured choice (speculation first, next_forward after a rollback) is what this test follows: the
+    # state on the SSD, since on the CPU with all of it in RAM auto takes next_forward at once
+    # (test_auto_on_the_cpu_with_the_state_in_ram_never_speculates)
+    cfg = config(tmp_path, schedule, **({"host_state": 0} if schedule == "auto" else {}))
     if via == "optimizer":  # no model attached: step() lands the updates itself
-        opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=config(tmp_path, schedule))
+        opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, config=cfg)
         closer, begin = opt, None
     else:  # the engine attaches the model: the next forward waits, module by module
-        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
-                             config=config(tmp_path, schedule),
+        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), config=cfg,
                              max_grad_norm=MAX_NORM)
         opt, closer = engine.optimizer, engine
         begin = lambda last: engine.begin_micro_batch(update=last)  # noqa: E731
@@ -204,6 +207,41 @@ def test_auto_chooses_from_measured_costs():
     assert chooser.choose()[0] == BACKWARD, "no rollback in the recent history"
     assert ScheduleChooser("auto", can_speculate=False).choose()[0] == NEXT_FORWARD, "one state slot"
     assert ScheduleChooser("backward", can_speculate=True).choose() == (BACKWARD, "configured")
+
+
+def test_auto_takes_next_forward_at_once_where_its_reason_holds():
+    """``exact_first`` (the CPU with the whole state in RAM): ``next_forward`` without measuring ``backward``,
+    whatever the windows cost; when it stops holding (state moved to the SSD), the measured choice again."""
+    reason = ["the whole state is in host RAM"]
+    chooser = ScheduleChooser("auto", can_speculate=True, exact_first=lambda: reason[0])
+    chooser.record_wait(BACKWARD, 0.1)
+    chooser.record_wait(NEXT_FORWARD, 0.9)
+    assert chooser.choose() == (NEXT_FORWARD, "the whole state is in host RAM")
+    reason[0] = None
+    assert chooser.choose()[0] == BACKWARD, "the measured costs decide once the reason is gone"
+    assert ScheduleChooser("backward", can_speculate=True, exact_first=lambda: "x").choose() == (BACKWARD, "configured")
+
+
+@pytest.mark.parametrize("host_state", ["auto", 0])
+def test_auto_on_the_cpu_with_the_state_in_ram_never_speculates(tmp_path, host_state):
+    """The engine on the CPU: with the whole state in RAM ``auto`` runs ``next_forward`` from the first step
+    and says why; with the state on the SSD it still speculates first; bitwise torch either way."""
+    model = tiny_causal_lm("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "auto", host_memory_budget="64MiB", host_state=host_state))
+    losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
+    stats = engine.optimizer.stats
+    engine.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    if host_state == "auto":
+        assert stats.schedules[BACKWARD] == 0 and stats.schedules[NEXT_FORWARD] == STEPS, stats.history
+        assert "whole state is in host RAM" in stats.last_reason
+    else:
+        assert stats.history[0][0] == BACKWARD, stats.history
 
 
 def test_auto_measures_next_forward_without_a_rollback_and_keeps_the_faster_schedule(monkeypatch):
@@ -492,3 +530,22 @@ def test_a_wait_for_an_update_stays_a_keyboard_interrupt_and_a_failure_says_the_
                                            "partly updated") as excinfo:
         failed.wait([param])
     assert isinstance(excinfo.value.__cause__, OSError)
+
+
+def test_after_a_failed_update_a_later_wait_raises_at_once_and_names_the_first_failure():
+    """A forward must not read weights whose update was queued behind one that failed (the state is partly
+    updated): its wait raises without waiting, naming the first failure; the message carries the cause."""
+    from fuyou_strategy.optim.schedule import PendingUpdates
+
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    failed = PendingUpdates(_Failed())
+    failed.add(first, object(), "the update of parameter 0 (2,)")
+    failed.add(second, object(), "the update of parameter 1 (3,)")
+    with pytest.raises(RuntimeError, match=r"parameter 0 .* \(the cause: OSError: .*Input/output error\)"):
+        failed.wait([first])
+    assert isinstance(failed.failed, OSError)
+    with pytest.raises(RuntimeError, match=r"parameter 1 \(3,\) cannot land, because an earlier update failed "
+                                           r"\(.*Input/output error\)") as excinfo:
+        failed.wait([second])
+    assert excinfo.value.__cause__ is failed.failed
+    assert not failed.jobs

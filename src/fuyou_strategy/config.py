@@ -331,8 +331,9 @@ class FuyouConfig:
             no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
             per step from the measured cost of a redo, how often clipping or a non-finite gradient
             forced one recently, and each schedule's measured window time (`ScheduleChooser`:
-            ``next_forward`` is measured after the first rollback or 8 windows, the other schedule
-            again every 64).
+            ``next_forward`` is measured after the first rollback or 3 windows, the other schedule
+            again every 64); where the model computes on the CPU with the whole state in host RAM,
+            ``next_forward`` throughout (speculation there only adds copies and RAM).
         gradient_reduction: data parallelism with a ``DistributedDataParallel`` model: how its
             gradient buckets are reduced. ``"owner"`` (default): each gradient is summed onto the
             rank that owns the parameter's optimizer state only (one ``reduce`` per run of

@@ -199,7 +199,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._schedules = {s.name: s for s in (Speculative(parts), Exact(parts))}
             # Data parallel without DDP's averages: only next_forward (the updates wait for the sum at step()).
             self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
-                shards is None or gradients_averaged))
+                shards is None or gradients_averaged), exact_first=self._exact_first)
             self.stats.last_reason = self._choose()
             # Parameters on the meta device (a model built there) get their masters once they have memory,
             # or a tier copy: `initialise_materialized`.
@@ -240,6 +240,18 @@ class FuyouAdamW(torch.optim.Optimizer):
             name, reason = self.sharding.same_choice([name, reason])
         self.window.schedule = self._schedules[name]
         return reason
+
+    def _exact_first(self) -> str | None:
+        """Why ``"auto"`` takes ``next_forward`` without measuring ``backward`` (`ScheduleChooser`), or ``None``:
+        the model computes on the CPU, and every state chunk of this rank is in host RAM with no streamed weight
+        (whose gradients ``next_forward`` would park on the SSD)."""
+        owned, state = self.adam_state.owned, self.adam_state
+        if not owned or not computes_on_host([ps.param for ps in owned]):
+            return None
+        if any(ps.index not in state.in_memory or ps.grads is not None for ps in owned):
+            return None
+        return ("the model computes on the CPU and the whole state is in host RAM: next_forward, without the "
+                "shadow-slot copies and RAM of backward's speculation")
 
     # -- the hooks: they only queue ----------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -597,11 +609,12 @@ class FuyouAdamW(torch.optim.Optimizer):
 
     # -- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Land the updates left for the next forward, remove the hooks, stop the worker and delete the
-        swap files (also done when the optimizer is garbage collected)."""
+        """Land the updates left for the next forward (none once one has failed: its error was raised), remove the
+        hooks, stop the worker and delete the swap files (also done when the optimizer is garbage collected)."""
         if self._finalizer.alive:
             try:
-                self.landing.wait_all()
+                if self.landing.failed is None:
+                    self.landing.wait_all()
             finally:
                 self._finalizer()
 

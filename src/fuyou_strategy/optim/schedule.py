@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -54,7 +54,9 @@ class PendingUpdates:
     `wait` is what a forward pre-hook (or the weight streamer, before it reads a block's tier copy)
     calls for the parameters it is about to read; `wait_all` lands everything (before a checkpoint,
     evaluation, a state dict, or the next backward). Each wait has a way out (`ChunkPipeline.wait_job`),
-    and a failed update is raised as what it is: the state on SSD is then partly updated.
+    and a failed update is raised as what it is: the state on SSD is then partly updated. After one has
+    failed, every later wait for an update still queued raises at once (naming the first failure) rather
+    than let a forward read weights that were never updated, and `FuyouAdamW.close` lands nothing more.
     """
 
     def __init__(self, pipeline: ChunkPipeline) -> None:
@@ -64,6 +66,9 @@ class PendingUpdates:
         # popped it, so no job is waited for twice or lost.
         self.jobs: dict[torch.nn.Parameter, tuple[ChunkJob, str]] = {}
         self.gated = False  # a forward waits for the weights it reads (`FuyouAdamW.attach_model`), so step() need not
+        # The first failure (a wait's, or `Exact.finish` queueing half a step), set once by the thread that saw it
+        # (one attribute store) and only read after.
+        self.failed: BaseException | None = None
 
     def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str) -> None:
         self.jobs[param] = (job, what)
@@ -83,12 +88,16 @@ class PendingUpdates:
             if entry is None:
                 continue
             job, what = entry
+            if self.failed is not None:
+                raise RuntimeError(f"FuyouAdamW: {what} cannot land, because an earlier update failed "
+                                   f"({self.failed}); resume from the last checkpoint") from self.failed
             try:
                 self.pipeline.wait_job(job, what)
             except Exception as exc:  # a KeyboardInterrupt stays one
+                self.failed = exc
                 raise RuntimeError(
                     f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
-                    "the last checkpoint") from exc
+                    f"the last checkpoint (the cause: {type(exc).__name__}: {exc})") from exc
 
     def wait_all(self) -> None:
         self.wait(list(self.jobs))
@@ -109,6 +118,14 @@ class ScheduleChooser:
             plan, then still settles (with 8, a 9-step run never measured ``next_forward``, which in host
             RAM on this project's CPU was 0.93x ``backward``'s step at 350M).
         probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
+        exact_first: called at each choice; a reason (one sentence) to take ``next_forward`` without measuring
+            ``backward``, or ``None``. `FuyouAdamW` gives one that holds while the model computes on the CPU
+            and every chunk of the state is in host RAM: there ``backward``'s speculation is more work for the
+            same cores (each chunk copied into the shadow slot first) with no SSD transfer to hide, and its
+            shadow slot is RAM that ``next_forward`` never touches. Measured at 350M on this project's CPU:
+            ``next_forward`` 0.93x ``backward``'s step, and 0.92-0.95x ``auto``'s with 0.65x its peak RSS
+            (7.65 against 11.78 GiB; docs/host-state.md). Short of that, window times on 2 cores vary by
+            more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
     gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
@@ -131,8 +148,10 @@ class ScheduleChooser:
     """
 
     def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, samples: int = 5,
-                 probe_after: int = 3, probe_every: int = 64) -> None:
+                 probe_after: int = 3, probe_every: int = 64,
+                 exact_first: Callable[[], str | None] | None = None) -> None:
         self.setting = setting
+        self.exact_first = exact_first
         self.can_speculate = can_speculate
         self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
         self.rolled: deque[bool] = deque(maxlen=history)
@@ -157,6 +176,9 @@ class ScheduleChooser:
             return self.setting, "configured"
         if not self.can_speculate:
             return NEXT_FORWARD, self.why_not
+        why = self.exact_first() if self.exact_first is not None else None
+        if why is not None:
+            return NEXT_FORWARD, why
         if self.probing is not None:
             schedule, before = self.probing
             if self.measured[schedule] == before:
@@ -499,12 +521,16 @@ class Exact:
         if total is None:
             return Outcome("skip")  # nothing was written: state and weights are as they were
         coef = p.clip_coef(total)
-        for ps in (ps for ps in p.order.update if ps.index in norms):
-            if sharding.owns(ps):  # else its owner updates it
-                job = p.updates.queue(ps, p.gradients.at_step(ps), coef=coef, exact=True)
-                p.landing.add(ps.param, job, f"the update of {ps.describe()}")
-                p.gradients.handed_over(ps)
-            p.advance(ps)  # after queueing: the update read the step it completes
+        try:
+            for ps in (ps for ps in p.order.update if ps.index in norms):
+                if sharding.owns(ps):  # else its owner updates it
+                    job = p.updates.queue(ps, p.gradients.at_step(ps), coef=coef, exact=True)
+                    p.landing.add(ps.param, job, f"the update of {ps.describe()}")
+                    p.gradients.handed_over(ps)
+                p.advance(ps)  # after queueing: the update read the step it completes
+        except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
+            p.landing.failed = exc
+            raise
         p.stats.deferred += 1
         p.stats.clipped += coef is not None
         p.updated(norms)
