@@ -21,6 +21,11 @@ _OWN_CACHE = None if os.environ.get("FUYOU_CACHE_DIR") else tempfile.mkdtemp(pre
 if _OWN_CACHE is not None:
     os.environ["FUYOU_CACHE_DIR"] = _OWN_CACHE
 
+# A rank or a child process that dies of a native abort (CI once saw a gloo rank end in "terminate called without
+# an active exception", with no Python traceback) prints every thread's Python stack first: spawned ranks and
+# subprocesses inherit the variable, and Python enables `faulthandler` at start-up from it.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 from fuyou_strategy import FuyouConfig  # noqa: E402
 
 
