@@ -200,3 +200,25 @@ def test_the_systems_option_keeps_a_variants_fields_together():
         sys.path.remove(ROOT)
     assert split_systems("torch,fuyou-engine@optimizer_schedule=next_forward,optimizer_threads=8,fuyou-hf@4GiB,ds") == [
         "torch", "fuyou-engine@optimizer_schedule=next_forward,optimizer_threads=8", "fuyou-hf@4GiB", "ds"]
+
+
+def test_pool_divides_each_round_by_the_same_runs_torch_round_and_pools_every_step(tmp_path, capsys):
+    from benchmarks.peers import pool
+
+    def run(folder, torch_steps, fuyou_steps):
+        rounds = lambda steps: [{"status": "ok", "step_s": s} for s in steps]  # noqa: E731
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "peers.json"
+        path.write_text(json.dumps({"runs": {"350M": {"torch": rounds(torch_steps), "fuyou-hf": rounds(fuyou_steps)}}}))
+        return path
+
+    first = run("a", [[10.0, 10.0, 10.0], [20.0, 20.0, 20.0]], [[11.0, 11.0, 12.0], [18.0, 19.0, 30.0]])
+    second = run("b", [[10.0, 10.0, 10.0]], [[9.0, 9.0, 9.0]])
+    pool.main([str(first), str(second), "--out", str(tmp_path / "pooled.json")])
+    hf = json.loads((tmp_path / "pooled.json").read_text())["pooled"]["350M"]["fuyou-hf"]
+    assert [r["ratio"] for r in hf["rounds"]] == [1.1, 0.95, 0.9], "each round over its own run and round's torch"
+    assert [(r["run"], r["round"]) for r in hf["rounds"]] == [("a", 1), ("a", 2), ("b", 1)]
+    assert hf["median_ratio"] == 0.95 and (hf["min"], hf["max"]) == (0.9, 1.1)
+    # every timed step: fuyou 9, 9, 9, 11, 11, 12, 18, 19, 30 (median 11) over torch's 10 x 6, 20 x 3 (median 10)
+    assert hf["pooled"] == 1.1
+    assert "| 350M | fuyou-hf | 3 | 1.10, 0.95, 0.90 | 0.95 (0.90–1.10) | 1.10 |" in capsys.readouterr().out

@@ -124,7 +124,7 @@ class ScheduleChooser:
             same cores (each chunk copied into the shadow slot first) with no SSD transfer to hide, and its
             shadow slot is RAM that ``next_forward`` never touches. Measured at 350M on this project's CPU:
             ``next_forward`` 0.93x ``backward``'s step, and 0.92-0.95x ``auto``'s with 0.65x its peak RSS
-            (7.65 against 11.78 GiB; docs/host-state.md). Short of that, window times on 2 cores vary by
+            (7.65 against 11.78 GiB; docs/host-state-log.md). Short of that, window times on 2 cores vary by
             more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
