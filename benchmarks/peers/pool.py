@@ -2,8 +2,8 @@
 
 One run of ``python -m benchmarks.peers`` gives a few interleaved rounds; on a 2-core machine whose own torch
 step moves by 15% from round to round, a target such as "<= 1.03x torch" needs more rounds than one run takes.
-This reads the JSON of several runs (each must have run ``torch`` beside the systems), and for every system
-at every size prints:
+This reads the JSON of several runs of the same code and settings (each must have run ``torch`` beside the
+systems), and for every system at every size prints:
 
 - each round's ratio: the system's median step over the median step of the *same run and round's* torch
   (rounds are interleaved, so the two ran minutes apart);
