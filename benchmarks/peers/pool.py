@@ -26,31 +26,29 @@ from pathlib import Path
 
 def pool(paths: list[Path]) -> dict:
     """``{size: {system: {"rounds": [{"run", "round", "ratio"}], "median_ratio", "min", "max", "pooled"}}}``."""
-    out: dict = {}
+    pairs: dict = {}  # size -> system -> [(run, round, the system's round, the same run and round's torch)]
     for path in paths:
-        runs = json.loads(path.read_text())["runs"]
-        for size, systems in runs.items():
+        for size, systems in json.loads(path.read_text())["runs"].items():
             torch_rounds = systems.get("torch") or []
             for name, rounds in systems.items():
-                if name == "torch":
-                    continue
-                entry = out.setdefault(size, {}).setdefault(name, {"rounds": [], "steps": [], "torch_steps": []})
-                for i, run in enumerate(rounds):
-                    ref = torch_rounds[i] if i < len(torch_rounds) else None
-                    if run.get("status") != "ok" or not ref or ref.get("status") != "ok":
-                        continue
-                    entry["rounds"].append({"run": str(path.parent.name), "round": i + 1,
-                                            "ratio": statistics.median(run["step_s"]) / statistics.median(ref["step_s"])})
-                    entry["steps"] += run["step_s"]
-                    entry["torch_steps"] += ref["step_s"]
-    for systems in out.values():
-        for entry in systems.values():
-            ratios = [r["ratio"] for r in entry["rounds"]]
-            if ratios:
-                entry.update(median_ratio=statistics.median(ratios), min=min(ratios), max=max(ratios),
-                             pooled=statistics.median(entry["steps"]) / statistics.median(entry["torch_steps"]))
-            del entry["steps"], entry["torch_steps"]
-    return out
+                if name != "torch":
+                    pairs.setdefault(size, {}).setdefault(name, []).extend(
+                        (path.parent.name, i + 1, run, ref) for i, (run, ref) in enumerate(zip(rounds, torch_rounds))
+                        if run.get("status") == "ok" and ref.get("status") == "ok")
+    return {size: {name: _entry(ok) for name, ok in systems.items()} for size, systems in pairs.items()}
+
+
+def _entry(ok: list[tuple]) -> dict:
+    rounds = [{"run": run, "round": i, "ratio": statistics.median(r["step_s"]) / statistics.median(t["step_s"])}
+              for run, i, r, t in ok]
+    if not rounds:
+        return {"rounds": []}
+    ratios = [r["ratio"] for r in rounds]
+    # pooled as the harness pools one run's rounds (`run.merge`): the median of every timed step
+    pooled = (statistics.median(x for *_, r, _ in ok for x in r["step_s"])
+              / statistics.median(x for *_, t in ok for x in t["step_s"]))
+    return {"rounds": rounds, "median_ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "pooled": pooled}
 
 
 def table(pooled: dict) -> str:
