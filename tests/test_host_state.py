@@ -205,8 +205,10 @@ def test_the_cost_model_gives_the_state_what_the_host_budget_leaves_in_the_optim
 
     from fuyou_strategy.planner import fixed_plan, predict, solve
 
-    # 8 blocks and the rest of 10**6 parameters each: 24 MB of state per block (two slots); a slow SSD
-    on_ssd = synthetic(n=8, ssd_bw=1e9, host=120 * MiB, optimizer_host_bytes=8 * MiB)  # 216 MB in all
+    # 8 blocks and the rest of 10**6 parameters each: 24 MB of state per block (two slots); a slow SSD, whose state
+    # traffic (0.24 s a block) outlasts a block's backward (0.2 s): at 1e9 B/s the tail's read ahead and the writes
+    # behind step() hid all of it
+    on_ssd = synthetic(n=8, ssd_bw=1e8, host=120 * MiB, optimizer_host_bytes=8 * MiB)  # 216 MB in all
     auto = dataclasses.replace(on_ssd, host_state=None)
     base, ram = predict(on_ssd, [K] * 8), predict(auto, [K] * 8)
     per_block = 2 * 12 * 10**6

@@ -78,7 +78,8 @@ def test_a_trace_holds_each_lane_of_the_traced_steps_and_the_plans_prediction(pl
     plan = engine.plan
     assert trace["otherData"]["predicted_step_s"] == plan.predicted_step_s
     start = min(e["ts"] for e in predicted)
-    end = max(e["ts"] + e["dur"] for e in predicted)
+    # the state writes of the backward schedule land behind step() (`cost.predict`): every other task is in the step
+    end = max(e["ts"] + e["dur"] for e in predicted if not e["name"].startswith("write state"))
     assert start >= steps[0]["ts"] - 1  # microseconds
     if plan.profile["redo_fraction"] == 0:
         assert (end - steps[0]["ts"]) / 1e6 == pytest.approx(plan.predicted_step_s, rel=1e-6, abs=1e-6)

@@ -116,6 +116,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus: got {args.gpus}; expected the number of GPUs (>= 1)")
     profile = analytic_profile(model, hw, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
                                prefetch_blocks=args.prefetch_blocks, gpus=args.gpus)
+    if args.paper_runtime:  # the paper's schedule: no tail read-ahead, every state write inside the step
+        profile = dataclasses.replace(profile, tail_read_ahead=False, writes_behind=False)
     flops, flops_paper = profile.notes["flops_per_step"], profile.notes["flops_per_step_paper"]
     print(f"model {model.name}: {model.params / 1e9:.1f}B parameters, {model.layers} blocks; batch {args.batch} x seq "
           f"{args.seq} x {args.micro_batches} micro-batch(es)" + (
@@ -228,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--state-format", default="fp32", choices=list(STATE_FORMATS),
                       help="optimizer state format (FuyouConfig.state_format; default fp32, exact)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")
+    plan.add_argument("--paper-runtime", action="store_true",
+                      help="model Fuyou's paper rather than this library's runtime: each update reads its state when "
+                           "its gradients arrive and writes it before the step ends (no tail read-ahead, no writes "
+                           "behind step()); reproduces the paper's figures")
     plan.add_argument("--full-table", action="store_true", help="one row per block")
     plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")
     plan.add_argument("--json", help="write the results as JSON")

@@ -43,6 +43,19 @@ today, the copy onto the device runs on the compute resource as the block starts
 read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
 weights are not touched by any of this.
 
+Under the ``backward`` schedule the model follows two things the runtime's speculative updates do
+(`optim.schedule.Speculative`). **The tail's state is read ahead:** the updates whose gradients
+arrive in the last `TAIL_SHARE` of backward (the rest of the model, whose embeddings come last, then
+the first blocks) have their state read from the SSD from the first gradient of backward on, in the
+drive's idle time, last arrival first, into what the host budget leaves spare; such an update then waits
+only for its gradients and the CPU. Which updates form the tail is learnt from a first pass without it,
+as the runtime learns it from the window before. **The state writes land behind the step:** ``step()``
+waits for every update's computation and publication but not for its write to the shadow slot, so the
+step ends when the last update is computed; the writes still on the drive then hold up the next step's
+SSD traffic (forward's weight reads and activation writes), which a second pass models by starting
+with the drive busy for as long as the first left it busy after the step. Under ``next_forward`` an
+update lands (and the forward that waits for it starts) only once its state is written.
+
 When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a second,
 unoverlapped pass over every parameter; that is added in proportion. With
 ``overlap_optimizer=False`` every update waits for the end of backward (the ZeRO-Infinity
@@ -57,6 +70,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..activations.blocks import Policy
 from ..config import STATE_BYTES_PER_PARAM
+from ..optim.schedule import TAIL_SHARE
 from ..planfile import WEIGHT_TIERS
 
 __all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
@@ -142,6 +156,12 @@ class Profile:
     # its gradients off it, on the compute thread; only the SSD reads ahead are asynchronous. False models
     # side-stream copies over the link.
     blocking_weight_copy: bool = True
+    # Under the backward schedule the runtime reads the state of the updates whose gradients come last ahead,
+    # while the drive idles in backward, and step() leaves the state writes to land behind it (see `predict`).
+    # False models a runtime without them: the schedule of Fuyou's paper, whose figures `fuyou plan
+    # --paper-runtime` reproduces.
+    tail_read_ahead: bool = True
+    writes_behind: bool = True
     state_slots: int = OPTIMIZER_SSD_SLOTS  # FuyouConfig.state_slots: copies of the state kept per parameter
     # Bytes of optimizer state per parameter and slot (FuyouConfig.state_format: 12 fp32, 8 bf16, ~6.03 8bit)
     state_bytes: float = STATE_BYTES_PER_PARAM
@@ -223,6 +243,12 @@ class _Schedule:
         self.busy = dict.fromkeys(self.free, 0.0)
         self.tasks: list[tuple[str, str, float, float]] | None = [] if record else None
 
+    def occupy(self, resource: str, until: float, name: str = "") -> None:
+        """The resource is busy until ``until`` with work counted elsewhere (kept on the timeline, not in `busy`)."""
+        if self.tasks is not None and until > self.free[resource]:
+            self.tasks.append((resource, name, self.free[resource], until))
+        self.free[resource] = max(self.free[resource], until)
+
     def run(self, resource: str, seconds: float, *after: float, name: str = "") -> float:
         start = max([self.free[resource], *after])
         end = start + seconds
@@ -239,21 +265,56 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     profile's weight tiers or ``weight_tiers`` (one per block); with ``timeline``, every simulated
     task in `Prediction.timeline` (the picture ``fuyou report`` draws beside a measured trace).
 
-    ``schedule`` (default: the profile's) is when the updates run. Under ``"next_forward"`` the
-    steady-state step starts with the previous step's updates, in forward order (the rest of the
-    model - embeddings - first, then block 0, 1, ...); each block's forward waits for its own
-    update (and a streamed block's read for the weight written back), and backward queues nothing:
-    the step ends with backward, and there is no redo. ``"auto"`` predicts both and returns the faster."""
+    ``schedule`` (default: the profile's) is when the updates run. Under ``"backward"`` they follow
+    each block's gradients, the tail's state read ahead and the state writes landing behind the step
+    (two passes: the first learns the tail and how long the writes outlast the step). Under
+    ``"next_forward"`` the steady-state step starts with the previous step's updates, in forward order
+    (the rest of the model - embeddings - first, then block 0, 1, ...); each block's forward waits for its
+    own update, written (and a streamed block's read for the weight written back), and backward queues
+    nothing: the step ends with backward, and there is no redo. ``"auto"`` predicts both and returns the
+    faster."""
     schedule = schedule or profile.schedule
     if schedule == "auto" and overlap_optimizer:
         both = [predict(profile, policies, weight_tiers=weight_tiers, timeline=timeline, schedule=name)
                 for name in ("backward", "next_forward")]
         return min(both, key=lambda pred: pred.step_s)
-    ahead = schedule == "next_forward" and overlap_optimizer
     blocks = profile.blocks if weight_tiers is None else profile.with_weight_tiers(weight_tiers)
+    if len(policies) != len(blocks):
+        raise ValueError(f"{len(policies)} policies for {len(blocks)} blocks")
+    speculative = schedule != "next_forward" and overlap_optimizer
+    if not speculative or not (profile.tail_read_ahead or profile.writes_behind):
+        return _simulate(profile, blocks, policies, overlap_optimizer, schedule == "next_forward", timeline)[0]
+    _, arrivals, behind = _simulate(profile, blocks, policies, True, False, False)
+    tail = _tail(arrivals) if profile.tail_read_ahead else []
+    return _simulate(profile, blocks, policies, True, False, timeline, tail=tail, behind=behind)[0]
+
+
+def _tail(arrivals: dict) -> list:
+    """The updates (``"rest"`` or block index) whose gradients arrived in the last `TAIL_SHARE` of the time from
+    the first arrival to the last, the last one first: whose state the runtime reads ahead
+    (`optim.schedule.Speculative._end_window`)."""
+    if len(arrivals) < 2:
+        return []
+    first, last = min(arrivals.values()), max(arrivals.values())
+    since = last - TAIL_SHARE * (last - first)
+    latest_first = sorted(reversed(list(arrivals.items())), key=lambda item: -item[1])  # ties: the later one first
+    return [key for key, when in latest_first if when >= since]
+
+
+def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy], overlap_optimizer: bool,
+              ahead: bool, timeline: bool, *, tail: Sequence = (), behind: float = 0.0
+              ) -> tuple[Prediction, dict, float]:
+    """One simulated step (`predict`). ``ahead``: the ``next_forward`` schedule; else, with
+    ``overlap_optimizer``, the ``backward`` one, whose ``tail`` updates have their state read ahead and
+    whose drive is busy for the first ``behind`` seconds with the writes of the step before. Returns the
+    prediction, when each update's gradients were ready (``"rest"`` or block index -> seconds; ``backward``
+    only) and how long the drive stayed busy after the step (the writes landing behind it)."""
     n = len(blocks)
-    if len(policies) != n:
-        raise ValueError(f"{len(policies)} policies for {n} blocks")
+    speculative = overlap_optimizer and not ahead
+    # when an update of the step is finished for step(): computed and published, its state written unless the
+    # write may land behind the step (`Profile.writes_behind`)
+    finished: Callable[[tuple[float, float]], float] = (lambda times: times[0]) if (
+        speculative and profile.writes_behind) else max
     k, kw = profile.prefetch_blocks, profile.weight_window
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
@@ -262,12 +323,18 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     host_peak += state_ram
     ssd_peak -= state_ram
     s = _Schedule(record=timeline)
+    if behind > 0:
+        s.occupy("ssd", behind, name="state writes of the step before")
     t = 0.0  # end of the previous phase on the compute resource
     backward_end = 0.0
     landed: dict[int, float] = {}  # next_forward: when each block's update (of the step before) landed
     if ahead:
-        t = _update(s, profile, profile.other_params, 0.0, ram=ram["rest"], name="rest")  # the embeddings run first
-        landed = {i: _update(s, profile, b.params, 0.0, b, ram=ram[i], name=f"block {i}") for i, b in enumerate(blocks)}
+        t = max(_update(s, profile, profile.other_params, 0.0, ram=ram["rest"], name="rest"))  # embeddings first
+        landed = {i: max(_update(s, profile, b.params, 0.0, b, ram=ram[i], name=f"block {i}"))
+                  for i, b in enumerate(blocks)}
+    arrivals: dict = {}  # backward: "rest" or block index -> when its update's gradients were ready
+    read_ahead: dict | None = None  # the tail's keys -> (state bytes read ahead, when read), once issued
+    spare = None if profile.host_budget is None else max(0, profile.host_budget - host_peak)
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
         # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
@@ -314,8 +381,12 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
                     grads = s.run("link", b.grad_bytes / link, t, name=f"gradients out {i}")
             if last and profile.data_parallel > 1 and b.grad_bytes:  # the ranks' average, before the update
                 grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
-            if last and overlap_optimizer and not ahead:
-                updates_done.append(_update(s, profile, b.params, grads, b, ram=ram[i], name=f"block {i}"))
+            if last and speculative:
+                arrivals[i] = grads
+                if i in tail and read_ahead is None:  # the worker is idle from here on: the tail's state is read ahead
+                    read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
+                updates_done.append(finished(_update(s, profile, b.params, grads, b, ram=ram[i], name=f"block {i}",
+                                                     ahead=(read_ahead or {}).get(i))))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if profile.data_parallel > 1 and profile.other_params:
@@ -325,19 +396,24 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     if ahead:
         updates_done = []  # they run ahead of the next forward: the next step's start, above
     elif overlap_optimizer:
-        updates_done.append(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest"))
+        arrivals["rest"] = backward_end
+        if "rest" in tail and read_ahead is None:
+            read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
+        updates_done.append(finished(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
+                                             name="rest", ahead=(read_ahead or {}).get("rest"))))
     else:
-        updates_done = [_update(s, profile, b.params, backward_end, b, ram=ram[i], name=f"block {i}")
+        updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], name=f"block {i}"))
                         for i, b in reversed(list(enumerate(blocks)))]
-        updates_done.append(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest"))
+        updates_done.append(max(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest")))
     step = max([backward_end, *updates_done])
+    outlasts = max(0.0, s.free["ssd"] - step) if speculative and profile.writes_behind else 0.0  # the writes behind
     timeline, s.tasks = s.tasks or [], None  # the redo below is a share of a pass, not a task on the timeline
     if profile.redo_fraction > 0 and not ahead:
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
         for i, b in reversed(list(enumerate(blocks))):
-            redo = max(redo, _update(s, profile, b.params, step, b, ram=ram[i]))
-        redo = max(redo, _update(s, profile, profile.other_params, step, ram=ram["rest"]))
+            redo = max(redo, finished(_update(s, profile, b.params, step, b, ram=ram[i])))
+        redo = max(redo, finished(_update(s, profile, profile.other_params, step, ram=ram["rest"])))
         step += profile.redo_fraction * (redo - step)
 
     ssd_writes = ((profile.params - sum(ram.values())) * profile.state_bytes
@@ -348,9 +424,26 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
                                ("ssd", ssd_peak, profile.ssd_budget)):
         if budget is not None and peak > budget:
             over[tier] = peak - budget
-    return Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
-                      s.busy["cpu"], step - backward_end, over, timeline, schedule if overlap_optimizer else "backward",
-                      ssd_writes, state_ram)
+    prediction = Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
+                            s.busy["cpu"], step - backward_end, over, timeline,
+                            ("next_forward" if ahead else "backward"), ssd_writes, state_ram)
+    return prediction, arrivals, outlasts
+
+
+def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail: Sequence, ram: dict, after: float,
+                spare: int | None) -> dict:
+    """Read the ``tail``'s state that lies on the SSD, in that order, from ``after`` on and as far as ``spare``
+    host bytes (``None``: no limit) hold it: ``tail`` key -> (bytes read ahead, when read)."""
+    done = {}
+    for key in tail:
+        params = profile.other_params if key == "rest" else blocks[key].params
+        nbytes = (params - ram[key]) * profile.state_bytes
+        if spare is not None:
+            nbytes = min(nbytes, spare)
+            spare -= nbytes
+        if nbytes > 0:
+            done[key] = (nbytes, s.run("ssd", nbytes / profile.ssd_read_bytes_per_s, after, name=f"read ahead {key}"))
+    return done
 
 
 def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) -> dict:
@@ -414,26 +507,30 @@ class _WeightReads:
 
 
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
-            ram: int = 0, name: str = "") -> float:
+            ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None) -> tuple[float, float]:
     """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
     weight: uploaded to the device when resident (``block`` None or on the device), written back to
     SSD for the ``ssd`` tier, left in place for ``host``. The state of ``ram`` of the ``params`` is
-    in host RAM: it moves nothing over the SSD."""
+    in host RAM: it moves nothing over the SSD; ``ahead``: (bytes, when) of the rest read ahead
+    (`_read_ahead`). Returns when the new weight is published and when the state is written."""
     if params == 0:
-        return grads_ready
+        return grads_ready, grads_ready
     on_ssd = (params - ram) * profile.state_bytes
-    read = s.run("ssd", on_ssd / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
-    done = s.run("cpu", params / profile.adam_params_per_s, read, name=f"adamw {name}")
-    written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, done, name=f"write state {name}")
+    pre_read, pre_done = ahead or (0.0, 0.0)
+    read = grads_ready
+    if on_ssd > pre_read:
+        read = s.run("ssd", (on_ssd - pre_read) / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
+    computed = done = s.run("cpu", params / profile.adam_params_per_s, read, pre_done, name=f"adamw {name}")
     tier = block.weight_tier if block is not None else "device"
-    if tier == "ssd":  # the trainable weights' own copies (frozen ones are never written back)
+    if tier == "ssd":  # the trainable weights' own copies (frozen ones are never written back): before the state's
         own = _own_copies(profile, [block], lambda b: b.grad_bytes)
         if own:
-            written = s.run("ssd", own / profile.ssd_write_bytes_per_s, done, name=f"write weights {name}")
+            done = s.run("ssd", own / profile.ssd_write_bytes_per_s, computed, name=f"write weights {name}")
     elif tier == "device" and profile.weight_upload_bytes_per_param:
-        done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, done,
+        done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, computed,
                      name=f"weights up {name}")
-    return max(written, done)
+    written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, computed, name=f"write state {name}")
+    return done, written
 
 
 def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy]) -> tuple[int, int, int]:
