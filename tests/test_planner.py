@@ -412,6 +412,10 @@ def test_auto_plans_after_the_warm_up_within_the_budget_and_changes_no_number(tm
     assert [p.value for p in engine.swapper.policies] == engine.plan.policies
     summary = engine.summary()
     assert summary["plan_predicted_step_seconds"] > 0 and summary["plan_measured_step_seconds"] > 0
+    # the schedule chooser weighs the plan's predicted step under each schedule
+    predicted = engine.plan.predicted_by_schedule()
+    assert engine.optimizer.chooser.predicted == predicted and set(predicted) == {"backward", "next_forward"}
+    assert min(predicted.values()) == pytest.approx(engine.plan.predicted_step_s)
     for (name, p), (_, q) in zip(reference.named_parameters(), ours.named_parameters()):
         assert torch.equal(p, q), name
 

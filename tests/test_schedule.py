@@ -285,6 +285,49 @@ def test_auto_measures_next_forward_without_a_rollback_and_keeps_the_faster_sche
     assert again.choose() == chooser.choose() and again.cost(BACKWARD) == 0.5
 
 
+def test_auto_does_not_measure_next_forward_early_where_the_planner_predicts_it_far_slower(monkeypatch):
+    """With the state on the SSD, next_forward leaves only forward to hide the state's traffic under, and its
+    early measurement (two windows) slowed short runs. Where the plan's cost model predicts it at least
+    `PREDICTED_SLOWER` times backward's step, it is measured only after ``probe_every`` windows, unless
+    something rolls back."""
+    from fuyou_strategy.optim import schedule as schedule_module
+
+    clock = [0.0]
+    monkeypatch.setattr(schedule_module.time, "perf_counter", lambda: clock[0])
+    seconds = {BACKWARD: 1.0, NEXT_FORWARD: 1.4}
+
+    def run(chooser, windows, rolled_at=()):
+        chosen, reasons = [], []
+        for w in range(windows):
+            schedule, why = chooser.choose()
+            chosen.append(schedule)
+            reasons.append(why)
+            clock[0] += seconds[schedule]
+            chooser.end_step(schedule, rolled=w in rolled_at, rollback_s=0.5 if w in rolled_at else None)
+        return chosen, reasons
+
+    far = {BACKWARD: 10.0, NEXT_FORWARD: 10.0 * schedule_module.PREDICTED_SLOWER}
+    chooser = ScheduleChooser("auto", can_speculate=True, probe_after=4, probe_every=10)
+    chooser.expect(far)
+    chosen, reasons = run(chooser, 14)
+    assert chosen == [BACKWARD] * 10 + [NEXT_FORWARD] * 2 + [BACKWARD] * 2, "measured at probe_every, then dropped"
+    assert "the planner predicts next_forward 12 s a step against backward's 10 s (1.20x)" in reasons[5]
+    # a prediction closer than that: measured early, as without one
+    near = ScheduleChooser("auto", can_speculate=True, probe_after=4, probe_every=10)
+    near.expect({BACKWARD: 10.0, NEXT_FORWARD: 11.9})
+    assert run(near, 6)[0] == [BACKWARD] * 4 + [NEXT_FORWARD] * 2
+    # a rollback: the model assumed the warm-up's rate of them, so next_forward is measured at once
+    rolled = ScheduleChooser("auto", can_speculate=True, probe_after=4, probe_every=10)
+    rolled.expect(far)
+    assert run(rolled, 4, rolled_at=(1,))[0] == [BACKWARD] * 2 + [NEXT_FORWARD] * 2
+    # the prediction survives a checkpoint; an empty one (a plan without a profile) clears it
+    again = ScheduleChooser("auto", can_speculate=True, probe_after=4, probe_every=10)
+    again.load_state_dict(chooser.state_dict())
+    assert again.predicted == far
+    again.expect({})
+    assert again.predicted == {}
+
+
 def test_backward_with_one_state_slot_is_refused():
     from fuyou_strategy import ConfigError
 

@@ -314,6 +314,7 @@ class FuyouEngine:
                 materialize(model, self.device, init_weights)
             self.optimizer.initialise_materialized()
             if self.plan is not None:
+                self.optimizer.chooser.expect(self.plan.predicted_by_schedule())
                 self._hold_state_in_ram(self.plan)
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
@@ -454,6 +455,7 @@ class FuyouEngine:
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
         self.optimizer.chooser.forget_costs()  # the warm-up's windows cost what the plan no longer does
+        self.optimizer.chooser.expect(self.plan.predicted_by_schedule())
         self.reporting.plan_applied()
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:

@@ -46,6 +46,9 @@ __all__ = ["BACKWARD", "NEXT_FORWARD", "Exact", "Order", "Outcome", "Parts", "Pe
 
 BACKWARD, NEXT_FORWARD = "backward", "next_forward"
 TAIL_SHARE = 0.1  # the last tenth of a window's gradient arrivals: the tail whose state is read ahead
+# `ScheduleChooser`: how much slower than ``backward`` the planner's cost model must predict ``next_forward``'s
+# step before ``next_forward`` is not measured early (see `ScheduleChooser.expect`)
+PREDICTED_SLOWER = 1.2
 
 
 class PendingUpdates:
@@ -127,6 +130,19 @@ class ScheduleChooser:
             (7.65 against 11.78 GiB; docs/host-state-log.md). Short of that, window times on 2 cores vary by
             more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
 
+    The planner's cost model (`expect`, from the plan the engine applies) may rule ``next_forward`` out
+    early: when it predicts ``next_forward``'s step at least `PREDICTED_SLOWER` times ``backward``'s and
+    nothing rolled back, ``next_forward`` is first measured after ``probe_every`` windows instead of
+    ``probe_after``. With the optimizer state on the SSD, ``next_forward`` leaves only forward to hide the
+    state's traffic under, against backward's two thirds of the step. Measured at 350M fp32 on this
+    project's CPU with everything on the SSD (2026-11-28, two runs): its two windows took 18.6/20.7 and
+    18.8/18.3 s against ``backward``'s 14.2/16.2 and 12.9/14.1 s in the same runs; falling in the peers
+    harness's 4 timed steps, they made its median 1.62x and 1.83x torch's step, against 1.35x and 1.56x for
+    the code of 2026-11-23, which did not measure ``next_forward`` (docs/host-state-log.md). Without a plan
+    (activations and weights fixed, no warm-up profile) there is no prediction, and ``next_forward`` is
+    measured early as before. A rollback brings the early measurement back: the model's prediction assumes
+    the warm-up's rate of them.
+
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
     gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
     rollback, and ``W_b``, ``W_n`` the measured wall seconds of a window under each schedule (from one
@@ -164,6 +180,20 @@ class ScheduleChooser:
         self.probing: tuple[str, int] | None = None  # the schedule being measured, and its `measured` count then
         self._last_end: float | None = None  # when the last window ended (perf_counter), and under what
         self._last_schedule: str | None = None
+        self.predicted: dict[str, float] = {}  # the cost model's step under each schedule (`expect`)
+
+    def expect(self, predicted: Mapping[str, float]) -> None:
+        """The planner's cost model predicts these steps (seconds) under each schedule for the plan in use
+        (`Plan.predicted_by_schedule`; empty: no prediction); see the class docstring."""
+        self.predicted = {name: float(predicted[name]) for name in (BACKWARD, NEXT_FORWARD) if name in predicted}
+
+    def _ruled_out(self) -> str | None:
+        """Why ``next_forward`` is not measured early (the cost model predicts it far slower), or ``None``."""
+        b, n = self.predicted.get(BACKWARD), self.predicted.get(NEXT_FORWARD)
+        if b is None or n is None or b <= 0 or n < PREDICTED_SLOWER * b:
+            return None
+        return (f"the planner predicts next_forward {n:.3g} s a step against backward's {b:.3g} s ({n / b:.2f}x): "
+                f"not measured before window {self.probe_every}")
 
     def cost(self, schedule: str) -> float | None:
         """The median wall seconds of a recent window under ``schedule`` (``None``: not measured)."""
@@ -190,10 +220,11 @@ class ScheduleChooser:
             if rate > 0.0 and self.rollback_s is not None:
                 return self._probe(NEXT_FORWARD, f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: "
                                                  "trying next_forward to measure its window")
-            if cost_b is not None and self.windows >= self.probe_after:
+            ruled_out = self._ruled_out()
+            if cost_b is not None and self.windows >= (self.probe_every if ruled_out else self.probe_after):
                 return self._probe(NEXT_FORWARD, f"backward measured at {cost_b:.3g} s a window: trying next_forward "
                                                  "to measure its window")
-            return BACKWARD, f"no rollback in the last {len(self.rolled)} steps"
+            return BACKWARD, ruled_out or f"no rollback in the last {len(self.rolled)} steps"
         expected = (cost_b or 0.0) + rate * (self.rollback_s or 0.0)
         best = NEXT_FORWARD if cost_n < expected else BACKWARD
         other = BACKWARD if best == NEXT_FORWARD else NEXT_FORWARD
@@ -243,7 +274,7 @@ class ScheduleChooser:
         return {"rolled": list(self.rolled), "rollback_s": self.rollback_s,
                 "window_s": {k: list(v) for k, v in self.window_s.items()}, "measured": dict(self.measured),
                 "windows": self.windows, "last_probe": self.last_probe,
-                "probing": list(self.probing) if self.probing else None}
+                "probing": list(self.probing) if self.probing else None, "predicted": dict(self.predicted)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rolled.clear()
@@ -256,6 +287,7 @@ class ScheduleChooser:
         self.windows, self.last_probe = state.get("windows", 0), state.get("last_probe", 0)
         probing = state.get("probing")
         self.probing = (probing[0], probing[1]) if probing else None
+        self.expect(state.get("predicted", {}))
 
 
 @dataclass

@@ -117,6 +117,15 @@ class Plan:
         return predict(Profile.from_dict(self.profile), [Policy(p) for p in self.policies],
                        weight_tiers=self.weight_tiers, timeline=True).timeline
 
+    def predicted_by_schedule(self) -> dict[str, float]:
+        """The cost model's step under each optimizer schedule for this plan, ``{"backward": s, "next_forward":
+        s}`` (what `ScheduleChooser.expect` weighs); empty for a plan file saved without its profile."""
+        if not self.profile:
+            return {}
+        profile, policies = Profile.from_dict(self.profile), [Policy(p) for p in self.policies]
+        return {name: predict(profile, policies, weight_tiers=self.weight_tiers, schedule=name).step_s
+                for name in ("backward", "next_forward")}
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, for `load` and ``FuyouConfig(plan=...)``."""
         with open(path, "w") as f:
