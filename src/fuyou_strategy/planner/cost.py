@@ -335,6 +335,14 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
     arrivals: dict = {}  # backward: "rest" or block index -> when its update's gradients were ready
     read_ahead: dict | None = None  # the tail's keys -> (state bytes read ahead, when read), once issued
     spare = None if profile.host_budget is None else max(0, profile.host_budget - host_peak)
+
+    def ahead_of(key) -> tuple[float, float] | None:
+        """What of ``key``'s state was read ahead: the whole tail's reads are issued when the first of it is due
+        (the worker is idle from there on), from the window's first gradient on."""
+        nonlocal read_ahead
+        if key in tail and read_ahead is None:
+            read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
+        return (read_ahead or {}).get(key)
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
         # -- forward: blocks in order; streamed weights arrive k blocks ahead; each swapped block's
@@ -383,10 +391,8 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
                 grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
             if last and speculative:
                 arrivals[i] = grads
-                if i in tail and read_ahead is None:  # the worker is idle from here on: the tail's state is read ahead
-                    read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
                 updates_done.append(finished(_update(s, profile, b.params, grads, b, ram=ram[i], name=f"block {i}",
-                                                     ahead=(read_ahead or {}).get(i))))
+                                                     ahead=ahead_of(i))))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if profile.data_parallel > 1 and profile.other_params:
@@ -397,10 +403,8 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
         updates_done = []  # they run ahead of the next forward: the next step's start, above
     elif overlap_optimizer:
         arrivals["rest"] = backward_end
-        if "rest" in tail and read_ahead is None:
-            read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
         updates_done.append(finished(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
-                                             name="rest", ahead=(read_ahead or {}).get("rest"))))
+                                             name="rest", ahead=ahead_of("rest"))))
     else:
         updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], name=f"block {i}"))
                         for i, b in reversed(list(enumerate(blocks)))]
