@@ -326,6 +326,39 @@ def test_auto_does_not_measure_next_forward_early_where_the_planner_predicts_it_
     assert again.predicted == far
     again.expect({})
     assert again.predicted == {}
+    # without a prediction, ``backward_first`` (the whole state on the SSD) rules it out alike, while it holds
+    reason = ["the whole state is on the SSD"]
+    ssd = ScheduleChooser("auto", can_speculate=True, probe_after=4, probe_every=10, backward_first=lambda: reason[0])
+    chosen, reasons = run(ssd, 6)
+    assert chosen == [BACKWARD] * 6 and reasons[5].startswith("the whole state is on the SSD: next_forward not measured")
+    reason[0] = None  # the plan moved part of the state into RAM
+    assert run(ssd, 2)[0] == [NEXT_FORWARD] * 2
+
+
+def test_auto_with_the_whole_state_on_the_ssd_keeps_backward_and_says_why(tmp_path):
+    """The engine, every state chunk on the SSD, nothing rolling back: ``auto`` runs ``backward`` throughout
+    (``next_forward`` would hide the same traffic under forward only) and names the reason; bitwise torch."""
+    model = tiny_causal_lm("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, fused=True)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True),
+                         config=config(tmp_path, "auto", host_memory_budget="64MiB", host_state=0))
+    try:
+        for step in range(STEPS):
+            for m, opt in ((ref_model, ref_opt), (model, engine.optimizer)):
+                if m is model:
+                    engine.begin_micro_batch(update=True)
+                m(input_ids=ids(step, 0), labels=ids(step, 0)).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        engine.optimizer.flush()
+        stats = engine.optimizer.stats
+        assert stats.schedules[NEXT_FORWARD] == 0 and stats.schedules[BACKWARD] == STEPS, stats.history
+        assert stats.rollbacks == 0 and "the whole state is on the SSD" in stats.last_reason, stats.last_reason
+    finally:
+        engine.close()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_backward_with_one_state_slot_is_refused():

@@ -199,7 +199,8 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._schedules = {s.name: s for s in (Speculative(parts), Exact(parts))}
             # Data parallel without DDP's averages: only next_forward (the updates wait for the sum at step()).
             self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
-                shards is None or gradients_averaged), exact_first=self._exact_first)
+                shards is None or gradients_averaged), exact_first=self._exact_first,
+                backward_first=self._backward_first)
             self.stats.last_reason = self._choose()
             # Parameters on the meta device (a model built there) get their masters once they have memory,
             # or a tier copy: `initialise_materialized`.
@@ -252,6 +253,15 @@ class FuyouAdamW(torch.optim.Optimizer):
             return None
         return ("the model computes on the CPU and the whole state is in host RAM: next_forward, without the "
                 "shadow-slot copies and RAM of backward's speculation")
+
+    def _backward_first(self) -> str | None:
+        """Why ``"auto"`` keeps ``backward`` without measuring ``next_forward`` early (`ScheduleChooser`), or
+        ``None``: every state chunk of this rank is on the SSD, where ``next_forward`` hides the same traffic
+        under less of the step."""
+        owned, state = self.adam_state.owned, self.adam_state
+        if not owned or any(ps.index in state.in_memory for ps in owned):
+            return None
+        return "the whole state is on the SSD, whose traffic next_forward hides under forward only"
 
     # -- the hooks: they only queue ----------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:

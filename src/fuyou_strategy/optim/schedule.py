@@ -121,6 +121,9 @@ class ScheduleChooser:
             plan, then still settles (with 8, a 9-step run never measured ``next_forward``, which in host
             RAM on this project's CPU was 0.93x ``backward``'s step at 350M).
         probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
+        backward_first: called at each choice; a reason (one sentence) not to measure ``next_forward`` before
+            ``probe_every`` windows, or ``None``. `FuyouAdamW` gives one that holds while every chunk of the state
+            is on the SSD (see below).
         exact_first: called at each choice; a reason (one sentence) to take ``next_forward`` without measuring
             ``backward``, or ``None``. `FuyouAdamW` gives one that holds while the model computes on the CPU
             and every chunk of the state is in host RAM: there ``backward``'s speculation is more work for the
@@ -130,18 +133,20 @@ class ScheduleChooser:
             (7.65 against 11.78 GiB; docs/host-state-log.md). Short of that, window times on 2 cores vary by
             more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
 
-    The planner's cost model (`expect`, from the plan the engine applies) may rule ``next_forward`` out
-    early: when it predicts ``next_forward``'s step at least `PREDICTED_SLOWER` times ``backward``'s and
-    nothing rolled back, ``next_forward`` is first measured after ``probe_every`` windows instead of
-    ``probe_after``. With the optimizer state on the SSD, ``next_forward`` leaves only forward to hide the
-    state's traffic under, against backward's two thirds of the step. Measured at 350M fp32 on this
-    project's CPU with everything on the SSD (2026-11-28, two runs): its two windows took 18.6/20.7 and
-    18.8/18.3 s against ``backward``'s 14.2/16.2 and 12.9/14.1 s in the same runs; falling in the peers
-    harness's 4 timed steps, they made its median 1.62x and 1.83x torch's step, against 1.35x and 1.56x for
-    the code of 2026-11-23, which did not measure ``next_forward`` (docs/host-state-log.md). Without a plan
-    (activations and weights fixed, no warm-up profile) there is no prediction, and ``next_forward`` is
-    measured early as before. A rollback brings the early measurement back: the model's prediction assumes
-    the warm-up's rate of them.
+    Two things rule ``next_forward`` out early, so that it is first measured after ``probe_every`` windows
+    instead of ``probe_after`` (while nothing rolls back): the planner's cost model (`expect`, from the plan
+    the engine applies) predicting its step at least `PREDICTED_SLOWER` times ``backward``'s, or
+    ``backward_first``. With every chunk of the state on the SSD, ``next_forward`` cannot win without
+    rollbacks: both schedules move the same bytes (one slot read, the other written), but ``next_forward``
+    hides them under forward only (F), ``backward`` under backward (B, about 2F) as well. With U the updates'
+    time, ``next_forward``'s step is about max(F, U) + B and ``backward``'s F + max(B, U), never shorter.
+    Measured at 350M fp32 on this project's CPU with everything on the SSD (2026-11-28, two runs): its two
+    windows took 18.6/20.7 and 18.8/18.3 s against ``backward``'s 14.2/16.2 and 12.9/14.1 s in the same
+    runs; falling in the peers harness's 4 timed steps, they made its median 1.62x and 1.83x torch's step,
+    against 1.35x and 1.56x for the code of 2026-11-23, which did not measure ``next_forward``
+    (docs/host-state-log.md). With the plan's placement and the state on the SSD they were 0.97-1.32x
+    ``backward``'s over thirteen runs. A rollback brings the early measurement back: the model's prediction
+    assumes the warm-up's rate of them, and the argument above assumes none.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
     gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
@@ -165,9 +170,11 @@ class ScheduleChooser:
 
     def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, samples: int = 5,
                  probe_after: int = 3, probe_every: int = 64,
-                 exact_first: Callable[[], str | None] | None = None) -> None:
+                 exact_first: Callable[[], str | None] | None = None,
+                 backward_first: Callable[[], str | None] | None = None) -> None:
         self.setting = setting
         self.exact_first = exact_first
+        self.backward_first = backward_first
         self.can_speculate = can_speculate
         self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
         self.rolled: deque[bool] = deque(maxlen=history)
@@ -188,12 +195,13 @@ class ScheduleChooser:
         self.predicted = {name: float(predicted[name]) for name in (BACKWARD, NEXT_FORWARD) if name in predicted}
 
     def _ruled_out(self) -> str | None:
-        """Why ``next_forward`` is not measured early (the cost model predicts it far slower), or ``None``."""
+        """Why ``next_forward`` is not measured early (see the class docstring), or ``None``."""
         b, n = self.predicted.get(BACKWARD), self.predicted.get(NEXT_FORWARD)
-        if b is None or n is None or b <= 0 or n < PREDICTED_SLOWER * b:
-            return None
-        return (f"the planner predicts next_forward {n:.3g} s a step against backward's {b:.3g} s ({n / b:.2f}x): "
-                f"not measured before window {self.probe_every}")
+        if b is not None and n is not None and b > 0 and n >= PREDICTED_SLOWER * b:
+            why = f"the planner predicts next_forward {n:.3g} s a step against backward's {b:.3g} s ({n / b:.2f}x)"
+        else:
+            why = self.backward_first() if self.backward_first is not None else None
+        return f"{why}: next_forward not measured before window {self.probe_every}" if why else None
 
     def cost(self, schedule: str) -> float | None:
         """The median wall seconds of a recent window under ``schedule`` (``None``: not measured)."""
