@@ -332,8 +332,10 @@ class FuyouConfig:
             per step from the measured cost of a redo, how often clipping or a non-finite gradient
             forced one recently, and each schedule's measured window time (`ScheduleChooser`:
             ``next_forward`` is measured after the first rollback or 3 windows, the other schedule
-            again every 64); where the model computes on the CPU with the whole state in host RAM,
-            ``next_forward`` throughout (speculation there only adds copies and RAM).
+            again every 64; with the whole state on the SSD, or a plan that predicts ``next_forward``
+            at least 1.2x slower, after 64, since it hides the state's traffic under forward only);
+            where the model computes on the CPU with the whole state in host RAM, ``next_forward``
+            throughout (speculation there only adds copies and RAM).
         gradient_reduction: data parallelism with a ``DistributedDataParallel`` model: how its
             gradient buckets are reduced. ``"owner"`` (default): each gradient is summed onto the
             rank that owns the parameter's optimizer state only (one ``reduce`` per run of
