@@ -283,10 +283,11 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
         raise ValueError(f"{len(policies)} policies for {len(blocks)} blocks")
     speculative = schedule != "next_forward" and overlap_optimizer
     if not speculative or not (profile.tail_read_ahead or profile.writes_behind):
-        return _simulate(profile, blocks, policies, overlap_optimizer, schedule == "next_forward", timeline)[0]
-    _, arrivals, behind = _simulate(profile, blocks, policies, True, False, False)
+        return _simulate(profile, blocks, policies, overlap_optimizer=overlap_optimizer,
+                         ahead=schedule == "next_forward", timeline=timeline)[0]
+    _, arrivals, behind = _simulate(profile, blocks, policies)
     tail = _tail(arrivals) if profile.tail_read_ahead else []
-    return _simulate(profile, blocks, policies, True, False, timeline, tail=tail, behind=behind)[0]
+    return _simulate(profile, blocks, policies, timeline=timeline, tail=tail, behind=behind)[0]
 
 
 def _tail(arrivals: dict) -> list:
@@ -301,9 +302,9 @@ def _tail(arrivals: dict) -> list:
     return [key for key, when in latest_first if when >= since]
 
 
-def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy], overlap_optimizer: bool,
-              ahead: bool, timeline: bool, *, tail: Sequence = (), behind: float = 0.0
-              ) -> tuple[Prediction, dict, float]:
+def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy], *,
+              overlap_optimizer: bool = True, ahead: bool = False, timeline: bool = False, tail: Sequence = (),
+              behind: float = 0.0) -> tuple[Prediction, dict, float]:
     """One simulated step (`predict`). ``ahead``: the ``next_forward`` schedule; else, with
     ``overlap_optimizer``, the ``backward`` one, whose ``tail`` updates have their state read ahead and
     whose drive is busy for the first ``behind`` seconds with the writes of the step before. Returns the

@@ -112,19 +112,19 @@ class Plan:
     def timeline(self) -> list[tuple[str, str, float, float]]:
         """The cost model's simulated step under this plan: ``(resource, task, start s, end s)`` per task
         (`cost.predict`'s ``timeline``); empty for a plan file saved without its profile."""
-        if not self.profile:
-            return []
-        return predict(Profile.from_dict(self.profile), [Policy(p) for p in self.policies],
-                       weight_tiers=self.weight_tiers, timeline=True).timeline
+        return self._predict(timeline=True).timeline if self.profile else []
 
     def predicted_by_schedule(self) -> dict[str, float]:
         """The cost model's step under each optimizer schedule for this plan, ``{"backward": s, "next_forward":
         s}`` (what `ScheduleChooser.expect` weighs); empty for a plan file saved without its profile."""
         if not self.profile:
             return {}
-        profile, policies = Profile.from_dict(self.profile), [Policy(p) for p in self.policies]
-        return {name: predict(profile, policies, weight_tiers=self.weight_tiers, schedule=name).step_s
-                for name in ("backward", "next_forward")}
+        return {name: self._predict(schedule=name).step_s for name in ("backward", "next_forward")}
+
+    def _predict(self, **options) -> Prediction:
+        """`cost.predict` on the saved profile with this plan's policies and weight tiers."""
+        return predict(Profile.from_dict(self.profile), [Policy(p) for p in self.policies],
+                       weight_tiers=self.weight_tiers, **options)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, for `load` and ``FuyouConfig(plan=...)``."""
