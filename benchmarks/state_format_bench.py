@@ -35,6 +35,11 @@ memory) at the default chunk size, with every chunk of full length and the last 
 ``--update`` measures the CPU cost instead: one chunk's update (4M elements, what the optimizer's worker runs
 per chunk) in each format, median of 7 after a warm-up, as parameters per second and as a multiple of the
 fused fp32 kernel's time. Writes ``benchmarks/results/state_format_update.json``.
+
+``--quantiser`` times the 8-bit format's quantiser and dequantiser (`formats.Quantiser`, table look-ups) against
+``torch.bucketize`` over the same thresholds and torchao's ``dequant_with_qmap``, on a 4M-element chunk of each
+map, and compares the codes of all 2**32 fp32 bit patterns with ``bucketize``'s (a few minutes; ``--quick``
+skips it). Writes ``benchmarks/results/state_format_quantiser.json``.
 """
 
 from __future__ import annotations
@@ -196,6 +201,70 @@ def update_table(out: str, n: int = 1 << 22, repeats: int = 7) -> int:
     return 0
 
 
+def quantiser_table(out: str, n: int = 1 << 22, repeats: int = 7, exhaustive: bool = True) -> int:
+    """`formats.Quantiser` against ``torch.bucketize`` (its codes) and torchao's ``dequant_with_qmap`` (its
+    values): time per 4M-element chunk, side by side, and (``exhaustive``) the codes of all 2**32 fp32 bit
+    patterns compared, for both maps (`--quantiser`)."""
+    import statistics
+    import time
+
+    import torch
+
+    from fuyou_strategy.optim import formats
+
+    q = formats._torchao()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+
+    def median(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    for signed in (True, False):
+        quantiser, qmap = q.quantiser[signed], q.qmap[signed]
+        values = torch.randn(n, generator=g) if signed else torch.rand(n, generator=g) ** 4
+        scaled, scale = q.scale_tensor(values, formats.BLOCK)
+        codes = quantiser.codes(scaled)
+        assert torch.equal(codes, torch.bucketize(scaled, quantiser.thresholds, right=True).to(torch.uint8))
+        assert torch.equal(quantiser.values(codes, scale), q.dequant_with_qmap(codes, qmap, scale))
+        row = {"map": "signed" if signed else "unsigned", "elements": n, "threads": torch.get_num_threads(),
+               "lookup_steps": quantiser.steps,
+               "codes_bucketize_s": median(lambda: torch.bucketize(scaled, quantiser.thresholds, right=True)
+                                           .to(torch.uint8)),
+               "codes_quantiser_s": median(lambda: quantiser.codes(scaled)),
+               "values_torchao_s": median(lambda: q.dequant_with_qmap(codes, qmap, scale)),
+               "values_quantiser_s": median(lambda: quantiser.values(codes, scale))}
+        if exhaustive:
+            mismatched, nan = 0, 0
+            for start in range(0, 1 << 32, 1 << 24):
+                bits = torch.arange(start, start + (1 << 24), dtype=torch.int64)
+                x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+                wrong = quantiser.codes(x) != torch.bucketize(x, quantiser.thresholds, right=True).to(torch.uint8)
+                mismatched += int((wrong & ~x.isnan()).sum())
+                nan += int((wrong & x.isnan()).sum())
+            row.update(exhaustive_non_nan_mismatches=mismatched, exhaustive_nan_mismatches=nan)
+        rows.append(row)
+    print(f"| map | look-up steps | codes: bucketize | codes: Quantiser | x | values: torchao | values: Quantiser | x "
+          f"| all 2**32 patterns: non-NaN mismatches |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['map']} | {r['lookup_steps']} | {r['codes_bucketize_s'] * 1e3:.1f} ms | "
+              f"{r['codes_quantiser_s'] * 1e3:.1f} ms | {r['codes_bucketize_s'] / r['codes_quantiser_s']:.2f} | "
+              f"{r['values_torchao_s'] * 1e3:.1f} ms | {r['values_quantiser_s'] * 1e3:.1f} ms | "
+              f"{r['values_torchao_s'] / r['values_quantiser_s']:.2f} | "
+              f"{r.get('exhaustive_non_nan_mismatches', 'not run')} |")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    print(f"\nwrote {out}")
+    return 0 if all(r.get("exhaustive_non_nan_mismatches", 0) == 0 for r in rows) else 1
+
+
 def bytes_table(out: str) -> int:
     rows = [_bytes(fmt, dtype, slots) for dtype in ("fp32", "bf16") for slots in (2, 1) for fmt in FORMATS]
     print("| compute dtype | state_slots | format | state B/param/slot | SSD files B/param | SSD written B/param/step |")
@@ -259,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the runs of the other tasks from --out's JSON (re-run only --tasks)")
     parser.add_argument("--bytes", action="store_true", help="measure SSD bytes per format instead (see above)")
+    parser.add_argument("--quantiser", action="store_true",
+                        help="time the 8-bit quantiser against bucketize and torchao, and check all 2**32 codes")
+    parser.add_argument("--quick", action="store_true", help="with --quantiser: skip the exhaustive check")
     parser.add_argument("--padding", action="store_true", help="the state's padding per chunking rule (see above)")
     parser.add_argument("--child", nargs=2, metavar=("TASK", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -268,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         return bytes_table(str(HERE / "results" / "state_format_bytes.json"))
     if args.update:
         return update_table(str(HERE / "results" / "state_format_update.json"))
+    if args.quantiser:
+        return quantiser_table(str(HERE / "results" / "state_format_quantiser.json"), exhaustive=not args.quick)
     if args.replot:
         print(draw(json.loads(Path(args.out).read_text())["runs"], args.png))
         return 0

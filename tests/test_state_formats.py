@@ -260,3 +260,27 @@ def test_the_quantiser_gives_torchaos_codes_bitwise(signed):
                    torch.tensor([0.0, -0.0, 1.0, low])]).clamp(low, 1.0)
     assert torch.equal(q.quantiser[signed].codes(x), q.quantize_8bit_with_qmap(x, qmap))
     assert torch.all(thresholds[1:] > thresholds[:-1])  # one threshold per interval, in order
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_quantisers_lookups_equal_bucketize_and_torchaos_values(signed):
+    """`Quantiser.codes` looks the code up by the value's top 16 bits and steps past the thresholds inside that
+    interval: it must equal ``bucketize`` over the thresholds for every fp32 value but NaN. Checked here on both
+    ends and a random middle of each of the 65,536 intervals, every threshold and its neighbours, infinities and
+    zeros (all 2**32 patterns: ``state_format_bench.py --quantiser``). `Quantiser.values` must equal torchao's
+    ``dequant_with_qmap`` for every code."""
+    q = formats._torchao()
+    quantiser, qmap = q.quantiser[signed], q.qmap[signed]
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    middle = top | torch.randint(0, 1 << 16, (1 << 16,), generator=torch.Generator().manual_seed(0))
+    bits = torch.cat([top, top | 0xFFFF, middle])
+    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    t = quantiser.thresholds
+    x = torch.cat([x, t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0)),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf")])])
+    x = x[~x.isnan()]
+    assert quantiser.steps >= 1  # some interval holds a threshold inside it, so the steps are exercised
+    assert torch.equal(quantiser.codes(x), torch.bucketize(x, t, right=True).to(torch.uint8))
+    codes = torch.arange(1 << 16).remainder(256).to(torch.uint8)  # every code, in 256 blocks
+    scale = torch.rand(codes.numel() // formats.BLOCK, generator=torch.Generator().manual_seed(1)) + 0.5
+    assert torch.equal(quantiser.values(codes, scale), q.dequant_with_qmap(codes, qmap, scale))

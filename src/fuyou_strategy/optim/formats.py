@@ -61,7 +61,7 @@ import torch
 from ..config import STATE_CHUNK_ELEMENTS, STATE_FORMATS, ConfigError
 
 __all__ = ["FORMATS", "BLOCK", "MIN_8BIT", "KINDS", "ALL_KINDS", "Layout", "StateFormat", "Moment8bit", "Quantiser",
-           "update_compact", "fp32_values", "bytes_per_param"]
+           "update_compact", "fp32_values", "bytes_per_param", "scratch"]
 
 FORMATS = STATE_FORMATS
 BLOCK = 256  # elements per 8-bit block (torchao's and bitsandbytes' default)
@@ -131,9 +131,9 @@ def bytes_per_param(state_format: str) -> float:
 
 class Moment8bit:
     """An 8-bit moment in a chunk: ``codes`` (``uint8``, whole blocks) and one fp32 ``scale`` per block of
-    `BLOCK`, views of the chunk's buffer. torchao's ``OptimState8bit`` without the tensor subclass: its
-    dequantisation and block scaling are torchao's functions; its quantiser is `Quantiser`, torchao's
-    codes bitwise."""
+    `BLOCK`, views of the chunk's buffer. torchao's ``OptimState8bit`` without the tensor subclass: its block
+    scaling is torchao's function; its quantiser and dequantiser are `Quantiser`, torchao's codes and values
+    bitwise."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> None:
         self.codes, self.scale, self.signed = codes, scale, signed
@@ -142,29 +142,55 @@ class Moment8bit:
         return self.codes.numel()
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 values (a new tensor): torchao's ``dequant_with_qmap``."""
-        q = _torchao()
-        return q.dequant_with_qmap(self.codes, q.qmap[self.signed], self.scale)
+        """The fp32 values (a new tensor): torchao's ``dequant_with_qmap``, bitwise (`Quantiser.values`)."""
+        return _torchao().quantiser[self.signed].values(self.codes, self.scale)
+
+    def dequantize_into(self, out: torch.Tensor, index: torch.Tensor) -> None:
+        """`dequantize` into ``out`` (fp32), with ``index`` (``int32``) as its scratch; both as many as the codes."""
+        _torchao().quantiser[self.signed].values_into(self.codes, self.scale, out, index)
 
     def copy_(self, values: torch.Tensor) -> None:
         """Quantise ``values`` (as many as the codes) into the codes and scales in place: torchao's
         ``OptimState8bit.copy_`` (``scale_tensor``, then the codes)."""
-        q = _torchao()
-        scaled, scale = q.scale_tensor(values, BLOCK)
-        self.codes.copy_(q.quantiser[self.signed].codes(scaled))
+        n = self.numel()
+        self.quantize_from(values, torch.empty(n), torch.empty(n), torch.empty(n, dtype=torch.int32),
+                           torch.empty(n, dtype=torch.bool))
+
+    def quantize_from(self, values: torch.Tensor, scaled: torch.Tensor, work: torch.Tensor, code: torch.Tensor,
+                      mask: torch.Tensor) -> None:
+        """`copy_` with its scratch given: ``scaled`` and ``work`` (fp32), ``code`` (``int32``), ``mask`` (bool),
+        each as many as the codes. torchao's ``scale_tensor`` written into ``scaled``: the same operations."""
+        torch.abs(values, out=scaled)
+        scale = scaled.view(-1, BLOCK).amax(-1).clip(1e-12)
+        torch.div(values.view(-1, BLOCK), scale.view(-1, 1), out=scaled.view(-1, BLOCK))
+        _torchao().quantiser[self.signed].codes_into(scaled, code, work, mask)
+        self.codes.copy_(code)
         self.scale.copy_(scale)
 
 
 class Quantiser:
-    """torchao's 8-bit quantiser (``quantize_8bit_with_qmap``) computed with one native binary search.
+    """torchao's 8-bit quantiser (``quantize_8bit_with_qmap``) and dequantiser (``dequant_with_qmap``), bitwise,
+    in a few table look-ups instead of searches.
 
-    torchao finds, for a value ``x`` scaled into [-1, 1], the code ``c`` with ``qmap[c] <= x < qmap[c+1]``
-    and rounds up when ``x - qmap[c] >= (qmap[c+1] - qmap[c]) * 0.5`` — eight ``torch.where`` passes and a
-    rounding pass over the chunk. Within each interval that test is monotone in ``x``, so it is decided by
-    one threshold: ``thresholds[c]``, the least fp32 value that rounds up past ``c``, found here once by
-    bisection over the fp32 values of the interval with torchao's own expression. ``torch.bucketize`` against
-    the thresholds then gives torchao's codes for every input, bitwise (a test checks random values, every
-    threshold and both its neighbours, for both maps), in one pass."""
+    **Codes.** torchao finds, for a value ``x`` scaled into [-1, 1], the code ``c`` with
+    ``qmap[c] <= x < qmap[c+1]`` and rounds up when ``x - qmap[c] >= (qmap[c+1] - qmap[c]) * 0.5``: eight
+    ``torch.where`` passes and a rounding pass over the chunk. Within each interval that test is monotone in
+    ``x``, so it is decided by one threshold: ``thresholds[c]``, the least fp32 value that rounds up past ``c``,
+    found here once by bisection over the fp32 values of the interval with torchao's own expression. The code of
+    ``x`` is then the number of thresholds ``<= x`` (``torch.bucketize(x, thresholds, right=True)``; a test checks
+    it against torchao on random values, every threshold and both its neighbours, for both maps).
+
+    A binary search branches eight times per element, unpredictably; instead, the fp32 values that share their
+    top 16 bits form one interval of the reals, so a table of 65,536 entries (``base``, read with
+    ``index_select``: indexing with a tensor is several times slower on the CPU) holds the code of each
+    interval's least value, and only the thresholds inside the interval remain: at most `steps` (1 for torchao's
+    maps), each one a look-up and a comparison, ``code += x >= ahead[code]`` (``ahead`` is the thresholds and a
+    NaN, so a code past the last threshold stays). This equals ``bucketize`` for every fp32 value but NaN (a
+    NaN gets its interval's code; a NaN input has a NaN block scale, so it dequantises to NaN either way), which
+    ``benchmarks/state_format_bench.py --quantiser`` checks over all 2**32 bit patterns, and a test on a sample.
+
+    **Values.** ``qmap[codes] * scale`` per block, as torchao computes it, with the look-up made by
+    ``index_select``: the same values."""
 
     def __init__(self, qmap: torch.Tensor) -> None:
         low, high = qmap[:-1], qmap[1:]
@@ -175,9 +201,54 @@ class Quantiser:
             up = (_from_ordered(mid) - low) >= half
             hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid)
         self.thresholds = _from_ordered(hi)
+        # The 2**16 intervals, by their top 16 bits as an unsigned number, each from its least to its greatest
+        # value that is not a NaN.
+        top = torch.arange(1 << 16, dtype=torch.int64) << 16
+        ends = torch.stack([top, top | 0xFFFF])
+        ends = torch.where(ends >= 1 << 31, ends - (1 << 32), ends).to(torch.int32).view(torch.float32)
+        first, last = ends.nan_to_num(float("inf")).amin(0), ends.nan_to_num(float("-inf")).amax(0)
+        nan = ends.isnan().all(0)
+        first, last = torch.where(nan, float("nan"), first), torch.where(nan, float("nan"), last)
+        base = torch.bucketize(first, self.thresholds, right=True).to(torch.int32)
+        inside = torch.where(nan, 0, torch.bucketize(last, self.thresholds, right=True) - base)
+        self.steps = int(inside.max())
+        self.ahead = torch.cat([self.thresholds, torch.tensor([float("nan")])])
+        # Indexed by the top 16 bits as a signed number (an int32's arithmetic shift) plus 2**15: rolled by
+        # 2**15, as ``index_select`` takes no negative index.
+        self.base = base.roll(1 << 15)
+        self.qmap = qmap
 
     def codes(self, scaled: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(scaled, self.thresholds, right=True).to(torch.uint8)
+        """The codes of ``scaled`` (fp32, contiguous), as ``uint8``."""
+        flat = scaled.reshape(-1)
+        code = torch.empty(flat.numel(), dtype=torch.int32)
+        self.codes_into(flat, code, torch.empty_like(flat), torch.empty(flat.numel(), dtype=torch.bool))
+        return code.view(scaled.shape).to(torch.uint8)
+
+    def codes_into(self, scaled: torch.Tensor, code: torch.Tensor, work: torch.Tensor, mask: torch.Tensor) -> None:
+        """`codes` into ``code`` (``int32``), with ``work`` (fp32) and ``mask`` (bool) as scratch; all 1-D, as
+        many as ``scaled``."""
+        key = work.view(torch.int32)  # the key is read once, before ``work`` holds the thresholds
+        torch.bitwise_right_shift(scaled.view(torch.int32), 16, out=key)
+        key += 1 << 15
+        torch.index_select(self.base, 0, key, out=code)
+        for _ in range(self.steps):
+            torch.index_select(self.ahead, 0, code, out=work)
+            torch.ge(scaled, work, out=mask)
+            code += mask
+
+    def values(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """torchao's ``dequant_with_qmap(codes, qmap, scale)``: the fp32 values of whole blocks of ``codes``."""
+        out = torch.empty(codes.numel())
+        self.values_into(codes.reshape(-1), scale, out, torch.empty(codes.numel(), dtype=torch.int32))
+        return out.view(codes.shape)
+
+    def values_into(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, index: torch.Tensor) -> None:
+        """`values` into ``out`` (fp32), with ``index`` (``int32``) as scratch; all 1-D, as many as ``codes``:
+        torchao's look-up and block scaling, the same operations."""
+        index.copy_(codes)
+        torch.index_select(self.qmap, 0, index, out=out)
+        out.view(scale.shape[0], -1).mul_(scale.view(-1, 1))
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
@@ -206,21 +277,62 @@ def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor
         p[:n].copy_(master)
         g[:n].copy_(grad)
     step = (step + 1).to(torch.float32)
-    # torchao.optim.adam.single_param_adam (IS_ADAMW, no amsgrad, no stochastic rounding), p being fp32:
-    p_f32 = p.float()
-    grad_f32 = g.float()
-    p_f32 = p_f32 - lr * weight_decay * p_f32
+    g = g.float()
+    # torchao.optim.adam.single_param_adam (IS_ADAMW, no amsgrad, no stochastic rounding), p being fp32, line for
+    # line, each result written into a kept buffer (w: p_f32; m, v: the moments in fp32; t, u, c, b: scratch)
+    # by the same operation (a product's operands may swap: IEEE products commute).
+    w, m, v, t, u, c, b = scratch(padded, *(torch.float32,) * 5, torch.int32, torch.bool)
+    torch.mul(p, lr * weight_decay, out=w)
+    torch.sub(p, w, out=w)  # p_f32 = p_f32 - lr * weight_decay * p_f32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    exp_avg_f32 = fp32_values(exp_avg).lerp(grad_f32, 1 - beta1)
-    exp_avg_sq_f32 = fp32_values(exp_avg_sq).lerp(grad_f32.square(), 1 - beta2)
-    exp_avg.copy_(exp_avg_f32)
-    exp_avg_sq.copy_(exp_avg_sq_f32)
-    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
-    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
-    p.copy_(p_f32)
+    _fp32_into(exp_avg, m, c)
+    m.lerp_(g, 1 - beta1)  # exp_avg_f32 = exp_avg.float().lerp(grad_f32, 1 - beta1)
+    _fp32_into(exp_avg_sq, v, c)
+    torch.square(g, out=t)
+    v.lerp_(t, 1 - beta2)  # exp_avg_sq_f32 = exp_avg_sq.float().lerp(grad_f32.square(), 1 - beta2)
+    for moment, values in ((exp_avg, m), (exp_avg_sq, v)):  # exp_avg.copy_(exp_avg_f32), then exp_avg_sq
+        if isinstance(moment, Moment8bit):
+            moment.quantize_from(values, t, u, c, b)
+        else:
+            moment.copy_(values)
+    torch.sqrt(v, out=t)
+    t.div_(bias_correction2.sqrt())
+    t.add_(eps)  # denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
+    m.div_(bias_correction1)
+    m.mul_(lr)
+    m.div_(t)
+    w.sub_(m)  # p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
+    p.copy_(w)
     if padded != n:
         master.copy_(p[:n])
+
+
+def _fp32_into(moment: Any, out: torch.Tensor, index: torch.Tensor) -> None:
+    """`fp32_values` of ``moment`` into ``out``; ``index`` (``int32``, as many) is an 8-bit moment's scratch."""
+    if isinstance(moment, Moment8bit):
+        moment.dequantize_into(out, index)
+    else:
+        out.copy_(moment)
+
+
+_SCRATCH = threading.local()  # per thread (the worker; a planner's measurement): no sharing, no lock
+
+
+def scratch(n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
+    """One tensor of ``n`` elements per entry of ``dtypes``, kept per thread (and per ``dtypes``) and grown as
+    needed: an update's temporaries. Fresh ones each chunk cost a page fault per 4 KiB where the allocator
+    returns freed memory to the system (jemalloc's default decay): that made the bf16 update ~3x slower and the
+    8-bit one ~5x. They live outside the host pool, as the temporaries they replace did (the 8-bit update's
+    take 25 bytes per element of the largest chunk). A caller must be done with one call's tensors before the
+    next call with the same ``dtypes`` on its thread: they are the same memory."""
+    kept = getattr(_SCRATCH, "buffers", None)
+    if kept is None:
+        kept = _SCRATCH.buffers = {}
+    buffers = kept.get(dtypes)
+    if buffers is None or buffers[0].numel() < n:
+        buffers = kept[dtypes] = [torch.empty(n, dtype=dtype) for dtype in dtypes]
+    return [buffer[:n] for buffer in buffers]
 
 
 def fp32_values(moment: Any) -> torch.Tensor:

@@ -25,7 +25,6 @@ commits and rolls back — the last two only after a drain, when no job runs.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
-from .formats import KINDS, Layout, fp32_values, update_compact
+from .formats import KINDS, Layout, fp32_values, scratch, update_compact
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "UpdateMeter", "adamw_kernel",
@@ -133,25 +132,12 @@ def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step
     elif layout.moments == "fp32":
         adamw_kernel(master, grad, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
     else:
-        m, v = _scratch(master.numel())
+        m, v = scratch(master.numel(), torch.float32, torch.float32)  # the moments upcast
         m.copy_(exp_avg)
         v.copy_(exp_avg_sq)
         adamw_kernel(master, grad, m, v, step, fused=fused, **hyper)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
-
-
-_SCRATCH = threading.local()  # per thread (the worker; a planner's measurement): no sharing, no lock
-
-
-def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 tensors of ``n`` elements for the bf16 moments' upcasts, kept per thread and grown as needed
-    (8 bytes per element of the largest chunk, outside the host pool like the update's other temporaries):
-    fresh ones each chunk cost page faults that made the bf16 update ~3x slower."""
-    have = getattr(_SCRATCH, "buffers", None)
-    if have is None or have[0].numel() < n:
-        have = _SCRATCH.buffers = (torch.empty(n), torch.empty(n))
-    return have[0][:n], have[1][:n]
 
 
 class GradChunks(Protocol):
