@@ -191,6 +191,22 @@ def test_every_fuyou_system_takes_config_fields_and_keeps_its_own():
     assert system("fuyou-state-ssd@optimizer_schedule=backward,chunk_size") is None
 
 
+def test_a_names_fields_reach_the_config_of_every_placement():
+    """The fields after ``@`` reach `FuyouConfig` whatever the system's placement: ``fuyou-ssd@state_format=bf16``
+    once ran the fp32 state, its field dropped where everything is on the SSD."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks.peers.systems import Job, _fuyou_fields
+    finally:
+        sys.path.remove(ROOT)
+    job = Job("gpt2", "124M", None, "fp32", 1, 64, 1, "/tmp/swap")
+    for everything_on_ssd in (True, False):
+        fields = _fuyou_fields(job, everything_on_ssd, state_format="bf16", host_state="auto")
+        assert fields["state_format"] == "bf16" and fields["host_state"] == "auto", fields
+        assert fields["swap_dirs"] == ["/tmp/swap"]
+    assert _fuyou_fields(job, True)["host_state"] == 0 and _fuyou_fields(job, True)["weights"] == "ssd"
+
+
 def test_the_systems_option_keeps_a_variants_fields_together():
     """``--systems`` splits at commas, but a variant's second field stays with it."""
     sys.path.insert(0, ROOT)

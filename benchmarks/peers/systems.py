@@ -151,12 +151,16 @@ def _plain_loop(job: Job, model, opt, driver: str, before: Callable[[], None] = 
 
 
 def _fuyou_fields(job: Job, everything_on_ssd: bool, **more) -> dict:
+    """The `FuyouConfig` fields of a fuyou system: its placement, the trace, then ``more`` (a system's own fields
+    and a name's ``@<field>=<value>``), which win."""
     traced = dict(trace=job.trace) if job.trace else {}
     if everything_on_ssd:
-        return dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", host_state=0, **traced)
-    # the default plan: the planner profiles the first steps and places activations and weights (and, with the
-    # default host_memory_budget="auto" and host_state="auto", as much optimizer state in RAM as the plan leaves)
-    return dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2, **traced, **more)
+        fields = dict(swap_dirs=[job.swap_dir], activations="ssd", weights="ssd", host_state=0)
+    else:
+        # the default plan: the planner profiles the first steps and places activations and weights (and, with the
+        # default host_memory_budget="auto" and host_state="auto", as much optimizer state in RAM as the plan leaves)
+        fields = dict(swap_dirs=[job.swap_dir], activations="auto", weights="auto", planner_warmup_steps=2)
+    return {**fields, **traced, **more}
 
 
 def fuyou_lightning(job: Job, everything_on_ssd: bool = False, **more) -> Trace:
