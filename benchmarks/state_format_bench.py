@@ -242,8 +242,7 @@ def quantiser_table(out: str, n: int = 1 << 22, repeats: int = 7, exhaustive: bo
         if exhaustive:
             mismatched, nan = 0, 0
             for start in range(0, 1 << 32, 1 << 24):
-                bits = torch.arange(start, start + (1 << 24), dtype=torch.int64)
-                x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+                x = formats.fp32_of_bits(torch.arange(start, start + (1 << 24), dtype=torch.int64))
                 wrong = quantiser.codes(x) != torch.bucketize(x, quantiser.thresholds, right=True).to(torch.uint8)
                 mismatched += int((wrong & ~x.isnan()).sum())
                 nan += int((wrong & x.isnan()).sum())

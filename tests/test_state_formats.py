@@ -274,7 +274,7 @@ def test_the_quantisers_lookups_equal_bucketize_and_torchaos_values(signed):
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
     middle = top | torch.randint(0, 1 << 16, (1 << 16,), generator=torch.Generator().manual_seed(0))
     bits = torch.cat([top, top | 0xFFFF, middle])
-    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    x = formats.fp32_of_bits(bits)
     t = quantiser.thresholds
     x = torch.cat([x, t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0)),
                    torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf")])])

@@ -207,8 +207,7 @@ class Quantiser:
         # The 2**16 intervals, by their top 16 bits as an unsigned number, each from its least to its greatest
         # value that is not a NaN.
         top = torch.arange(1 << 16, dtype=torch.int64) << 16
-        ends = torch.stack([top, top | 0xFFFF])
-        ends = torch.where(ends >= 1 << 31, ends - (1 << 32), ends).to(torch.int32).view(torch.float32)
+        ends = fp32_of_bits(torch.stack([top, top | 0xFFFF]))
         first, last = ends.nan_to_num(float("inf")).amin(0), ends.nan_to_num(float("-inf")).amax(0)
         nan = ends.isnan().all(0)
         first, last = torch.where(nan, float("nan"), first), torch.where(nan, float("nan"), last)
@@ -252,6 +251,11 @@ class Quantiser:
         index.copy_(codes)
         torch.index_select(self.qmap, 0, index, out=out)
         out.view(scale.shape[0], -1).mul_(scale.view(-1, 1))
+
+
+def fp32_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values whose bit patterns are ``bits`` (``int64``, each in [0, 2**32))."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
