@@ -65,6 +65,14 @@ def eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
 
 
+@pytest.fixture(params=["whole chunks", "tiles"])
+def tile(request, monkeypatch):
+    """The compact updates over each chunk at once (the 4096-element chunks here are under one `TILE`), or in
+    tiles of 1024 elements: four per full chunk, and one whose master ends before its padded codes."""
+    if request.param == "tiles":
+        monkeypatch.setattr(formats, "TILE", 1024)
+
+
 def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
     out = t.new_zeros(n)
     out[: t.numel()] = t.reshape(-1)
@@ -72,7 +80,7 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_8bit_equals_torchao_adamw8bit(tmp_path, eager, clip):
+def test_8bit_equals_torchao_adamw8bit(tmp_path, eager, clip, tile):
     """Every parameter bitwise as torchao's AdamW8bit on the same gradients (clipping that bites included):
     the 5000-element one as AdamW8bit on a zero-padded 5120-element copy (torchao only quantises whole
     blocks), the bias with torchao's fp32 moments."""
@@ -105,7 +113,7 @@ def test_8bit_equals_torchao_adamw8bit(tmp_path, eager, clip):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_bf16_is_torch_adamw_with_its_moments_rounded_to_bf16(tmp_path, fused):
+def test_bf16_is_torch_adamw_with_its_moments_rounded_to_bf16(tmp_path, fused, tile):
     """The bf16 format is torch's AdamW (the same kernel, fused or for-loop) whose moments are rounded to bf16
     after every step, chunked or not: bitwise, clipping that bites included."""
     steps = 4

@@ -37,7 +37,7 @@ from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
-from .formats import KINDS, Layout, fp32_values, scratch, update_compact
+from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "UpdateMeter", "adamw_kernel",
@@ -126,16 +126,18 @@ def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step
     """One AdamW update of a chunk's ``state`` (`Layout.views`) in place, as its layout says: torch's kernel
     (`adamw_kernel`) on fp32 moments, or on fp32 copies of bf16 moments rounded back to bf16 (round to
     nearest even, as ``Tensor.copy_`` casts), or torchao's update (`formats.update_compact`)."""
-    master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
-    if layout.kernel == "torchao":
-        update_compact(state, grad, step, **hyper)
-    elif layout.moments == "fp32":
-        adamw_kernel(master, grad, exp_avg, exp_avg_sq, step, fused=fused, **hyper)
-    else:
+    if layout.kernel != "torchao" and layout.moments == "fp32":
+        adamw_kernel(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
+        return
+    for part, g in tiles(state, grad):  # cache-sized tiles: a compact update passes over its elements many times
+        if layout.kernel == "torchao":
+            update_compact(part, g, step, **hyper)
+            continue
+        master, exp_avg, exp_avg_sq = part["master"], part["exp_avg"], part["exp_avg_sq"]
         m, v = scratch(master.numel(), torch.float32, torch.float32)  # the moments upcast
         m.copy_(exp_avg)
         v.copy_(exp_avg_sq)
-        adamw_kernel(master, grad, m, v, step, fused=fused, **hyper)
+        adamw_kernel(master, g, m, v, step, fused=fused, **hyper)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
 
