@@ -37,11 +37,12 @@ kernels target CUDA. Two pieces are ours. torchao's quantiser searches the map w
 passes; `Quantiser` gets the same codes from thresholds derived from torchao's own rounding test, looked up
 by each value's top 16 bits (bitwise: tested, and checked over all 2**32 fp32 patterns), and its look-ups use
 ``index_select``. And `update_compact` runs torchao's arithmetic into per-thread buffers (`scratch`) instead
-of fresh temporaries. The first version (one ``torch.bucketize``) was 2-3x faster than torchao's eager code;
-the look-ups and the buffers made the update another 6-10x faster (``docs/state-formats.md``).
+of fresh temporaries, over cache-sized tiles of the chunk (`tiles`). The first version (one ``torch.bucketize``)
+was 2-3x faster than torchao's eager code; the look-ups and the buffers made the update another 6-10x faster,
+the tiles another 1.5-1.9x (``docs/state-formats.md``).
 The update equals torchao's ``AdamW8bit`` on the same gradients, bitwise when torchao runs eagerly (its
 optimizer wraps the same function in ``torch.compile``, which fuses and can differ in the last bit).
-**Its cost is CPU time:** even so, the 8-bit update takes ~15-25x the time of torch's fused fp32 kernel
+**Its cost is CPU time:** even so, the 8-bit update takes ~11-16x the time of torch's fused fp32 kernel
 (measured in ``docs/state-formats.md``); choose it for the bytes (disk space, drive wear, host RAM), not
 for speed on few cores.
 
