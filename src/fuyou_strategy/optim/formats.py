@@ -57,8 +57,8 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -292,8 +292,8 @@ def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str,
 
 def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, lr: Any, beta1: float,
                    beta2: float, weight_decay: float, eps: float) -> None:
-    """One AdamW update of a chunk (or a tile of one, `tiles`) in place (``state`` from `Layout.views`, ``step`` the count before it):
-    torchao's ``single_param_adam`` line for line, over `Moment8bit` moments or plain fp32 ones (an 8-bit
+    """One AdamW update of a chunk, or of a tile of one (`tiles`), in place (``state`` from `Layout.views`,
+    ``step`` the count before it): torchao's ``single_param_adam`` line for line, over `Moment8bit` moments or plain fp32 ones (an 8-bit
     state's small parameters) — bitwise torchao's ``AdamW8bit`` run eagerly (tests), several times faster
     for its quantiser (`Quantiser`). An 8-bit chunk whose size is not whole blocks runs on zero-padded
     copies of its master and gradient (the padding stays zero, as if torchao had the padded tensor)."""
@@ -352,7 +352,7 @@ def scratch(n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
     needed: an update's temporaries. Fresh ones each chunk cost a page fault per 4 KiB where the allocator
     returns freed memory to the system (jemalloc's default decay): that made the bf16 update ~3x slower and the
     8-bit one ~5x. They live outside the host pool, as the temporaries they replace did (the 8-bit update's
-    take 25 bytes per element of the largest chunk). A caller must be done with one call's tensors before the
+    take 25 bytes per element of a `TILE`: 6.25 MiB per thread). A caller must be done with one call's tensors before the
     next call with the same ``dtypes`` on its thread: they are the same memory."""
     kept = getattr(_SCRATCH, "buffers", None)
     if kept is None:
