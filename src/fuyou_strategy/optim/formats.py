@@ -39,7 +39,7 @@ by each value's top 16 bits (bitwise: tested, and checked over all 2**32 fp32 pa
 ``index_select``. And `update_compact` runs torchao's arithmetic into per-thread buffers (`scratch`) instead
 of fresh temporaries, over cache-sized tiles of the chunk (`tiles`). The first version (one ``torch.bucketize``)
 was 2-3x faster than torchao's eager code; the look-ups and the buffers made the update another 6-10x faster,
-the tiles another 1.5-1.9x (``docs/state-formats.md``).
+the tiles another 1.4-1.9x (``docs/state-formats.md``).
 The update equals torchao's ``AdamW8bit`` on the same gradients, bitwise when torchao runs eagerly (its
 optimizer wraps the same function in ``torch.compile``, which fuses and can differ in the last bit).
 **Its cost is CPU time:** even so, the 8-bit update takes ~11-16x the time of torch's fused fp32 kernel
@@ -279,9 +279,10 @@ def _from_ordered(key: torch.Tensor) -> torch.Tensor:
 def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
     """A chunk's ``state`` (`Layout.views`) and gradient in tiles of `TILE` elements: ``(state, grad)`` of
     views, in order. A compact update makes a dozen passes or more over its elements (casts, look-ups, the
-    quantiser's); over a 4M-element chunk each pass reads memory, over a tile of 256K elements the next pass
-    finds it in the CPU's caches: the 8-bit update runs ~2x faster and the bf16 one ~1.4x on this project's
-    CPU (``benchmarks/state_format_bench.py --update``; 128K-512K elements did as well, 1M and 16K worse).
+    quantiser's); over a chunk of millions each pass reads memory, over a tile of 256K elements the next pass
+    finds it in the CPU's caches. On this project's CPU the 8-bit update runs 1.7-1.9x faster over a
+    4M-element chunk and 1.4-1.6x over the default 1.4M, the bf16 one ~1.4x (``docs/state-formats.md``;
+    128K-512K elements did as well, 1M and 16K-64K worse).
     Every operation is elementwise or within a block, so each element gets the same bits (tested)."""
     n = state["exp_avg"].numel()  # an 8-bit moment's whole blocks: past the master's end if padded
     for start in range(0, n, TILE):
@@ -293,10 +294,11 @@ def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str,
 def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, lr: Any, beta1: float,
                    beta2: float, weight_decay: float, eps: float) -> None:
     """One AdamW update of a chunk, or of a tile of one (`tiles`), in place (``state`` from `Layout.views`,
-    ``step`` the count before it): torchao's ``single_param_adam`` line for line, over `Moment8bit` moments or plain fp32 ones (an 8-bit
-    state's small parameters) — bitwise torchao's ``AdamW8bit`` run eagerly (tests), several times faster
-    for its quantiser (`Quantiser`). An 8-bit chunk whose size is not whole blocks runs on zero-padded
-    copies of its master and gradient (the padding stays zero, as if torchao had the padded tensor)."""
+    ``step`` the count before it): torchao's ``single_param_adam`` line for line, over `Moment8bit` moments
+    or plain fp32 ones (an 8-bit state's small parameters) — bitwise torchao's ``AdamW8bit`` run eagerly
+    (tests), several times faster for its quantiser (`Quantiser`). A tile whose master is shorter than its
+    whole blocks (a chunk's padded end) runs on zero-padded copies of its master and gradient (the padding
+    stays zero, as if torchao had the padded tensor)."""
     master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
     n, padded = master.numel(), exp_avg.numel()
     p, g = master, grad
@@ -352,8 +354,8 @@ def scratch(n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
     needed: an update's temporaries. Fresh ones each chunk cost a page fault per 4 KiB where the allocator
     returns freed memory to the system (jemalloc's default decay): that made the bf16 update ~3x slower and the
     8-bit one ~5x. They live outside the host pool, as the temporaries they replace did (the 8-bit update's
-    take 25 bytes per element of a `TILE`: 6.25 MiB per thread). A caller must be done with one call's tensors before the
-    next call with the same ``dtypes`` on its thread: they are the same memory."""
+    take 25 bytes per element of a `TILE`: 6.25 MiB per thread). A caller must be done with one call's
+    tensors before the next call with the same ``dtypes`` on its thread: they are the same memory."""
     kept = getattr(_SCRATCH, "buffers", None)
     if kept is None:
         kept = _SCRATCH.buffers = {}
