@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_causal_lm
 from fuyou_strategy import FuyouCallback, FuyouConfig, FuyouEngine, FuyouStrategy
+from fuyou_strategy.config import PAGE
 from fuyou_strategy.storage import round_up
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -23,6 +24,12 @@ def state_slot_bytes(engine):
     rounded up to the 4 KiB that O_DIRECT transfers."""
     return sum(round_up(e.chunk_len(k)) for name, e in engine.optimizer.store.entries.items()
                if name.startswith("adamw.") for k in range(e.nchunks))
+
+
+def masters_held_bytes(engine):
+    """Bytes of the masters that the parameters hold (every one here: fp32 on the CPU), which an update leaves
+    unread on the SSD once its parameter holds the committed master: each chunk's, down to a whole page."""
+    return sum(4 * ps.span(k)[1] // PAGE * PAGE for ps in engine.optimizer._params for k in range(ps.nchunks))
 
 
 def train_engine(tmp_path, steps=3, *, max_grad_norm=None, expect=None, **fields):
@@ -54,15 +61,17 @@ def train_engine(tmp_path, steps=3, *, max_grad_norm=None, expect=None, **fields
 def engine_steps(tmp_path, steps=3, max_grad_norm=None, **fields):
     engine, seen, slot, _ = train_engine(tmp_path, steps, max_grad_norm=max_grad_norm, optimizer_schedule="backward",
                                          **fields)
-    return seen, slot, engine.optimizer.stats.last_grad_norm
+    return seen, slot, engine.optimizer.stats.last_grad_norm, masters_held_bytes(engine)
 
 
 def test_a_committed_step_writes_and_reads_one_slot_of_optimizer_state(tmp_path):
-    seen, slot, last_norm = engine_steps(tmp_path)
+    seen, slot, last_norm, masters = engine_steps(tmp_path)
+    assert 0 < masters < slot / 3 + 1
     assert len(seen) == 3 and all(KEYS <= set(m) for m in seen)
     for m in seen[1:]:  # the first step's figures include the set-up (the engine's clock starts at the first forward)
-        # the speculative update read the active slot and wrote the shadow slot, once: nothing else moved
-        assert m["fuyou/ssd_write_bytes"] == slot and m["fuyou/ssd_read_bytes"] == slot
+        # the speculative update read the active slot and wrote the shadow slot, once: nothing else moved; the
+        # committed masters came from the parameters (the first step read them from the SSD)
+        assert m["fuyou/ssd_write_bytes"] == slot and m["fuyou/ssd_read_bytes"] == slot - masters
         assert m["fuyou/ssd_write_gbps"] == pytest.approx(slot / m["fuyou/step_seconds"] / 1e9)
         assert (m["fuyou/clipped"], m["fuyou/rolled_back"], m["fuyou/skipped"]) == (0, 0, 0)
         assert m["fuyou/schedule_next_forward"] == 0 and 0 < m["fuyou/host_pool_peak_bytes"]
@@ -70,16 +79,17 @@ def test_a_committed_step_writes_and_reads_one_slot_of_optimizer_state(tmp_path)
 
 
 def test_a_step_that_clipping_rolls_back_says_so_and_moves_the_state_twice(tmp_path):
-    seen, slot, _ = engine_steps(tmp_path, max_grad_norm=1e-6)
+    seen, slot, _, masters = engine_steps(tmp_path, max_grad_norm=1e-6)
     m = seen[-1]
     assert (m["fuyou/clipped"], m["fuyou/rolled_back"]) == (1, 1)
-    # the speculative pass and the redo each read and wrote one slot
-    assert m["fuyou/ssd_write_bytes"] == 2 * slot and m["fuyou/ssd_read_bytes"] == 2 * slot
+    # the speculative pass and the redo each wrote one slot; the speculative pass took the committed masters from
+    # the parameters, and the redo read them from the SSD (the parameters held the speculative weights)
+    assert m["fuyou/ssd_write_bytes"] == 2 * slot and m["fuyou/ssd_read_bytes"] == 2 * slot - masters
     assert m["fuyou/rollback_rate"] > 0
 
 
 def test_activations_on_ssd_are_counted_in_the_step(tmp_path):
-    seen, slot, _ = engine_steps(tmp_path, activations="ssd", activation_min_bytes=0)
+    seen, slot, _, _ = engine_steps(tmp_path, activations="ssd", activation_min_bytes=0)
     m = seen[-1]
     assert m["fuyou/activation_bytes_to_ssd"] > 0
     assert m["fuyou/ssd_write_bytes"] >= slot + m["fuyou/activation_bytes_to_ssd"]

@@ -409,6 +409,32 @@ def test_a_chunk_read_ahead_and_then_written_is_read_again(pipe, store, monkeypa
     assert store.pool.lent == 0
 
 
+def test_a_chunk_read_ahead_without_its_head_goes_only_to_a_job_that_fills_the_head_itself(pipe, store, monkeypatch):
+    """`ChunkJob.skip`: the optimizer leaves a chunk's master bytes unread where the parameter holds the master. A
+    read-ahead made so serves a job that skips as much, never one that reads the whole chunk."""
+    reads = counting_reads(store, monkeypatch)
+    read_before = store.engine.bytes_read
+    pipe.read_ahead([("x", 0, 4096), ("x", 1, 4096)], keep_free=0)
+    until(lambda: len(reads) == 2)
+    until(lambda: store.engine.bytes_read - read_before == 2 * 4096)  # only the second page of each 8 KiB chunk
+    seen = []
+
+    def tail_values(k, buf):
+        with buf:
+            seen.append((k, buf.view(torch.float32)[1024].item()))
+
+    pipe.submit(ChunkJob("x", 2, tail_values, skip=lambda k: 4096))
+    pipe.drain()
+    assert seen == [(0, 1024.0), (1, 3072.0)] and len(reads) == 2 and pipe.ahead_used == 2
+    pipe.read_ahead([("x", 0, 4096)], keep_free=0)
+    until(lambda: len(reads) == 3)
+    seen.clear()
+    pipe.submit(ChunkJob("x", 1, chunk_values(seen)))  # reads the whole chunk: the head read ahead is missing
+    pipe.drain()
+    assert seen == [(0, 0.0)] and len(reads) == 4 and pipe.ahead_dropped == 1
+    assert store.pool.lent == 0
+
+
 def test_read_ahead_that_no_job_takes_is_given_back_at_the_drain(pipe, store, monkeypatch):
     reads = counting_reads(store, monkeypatch)
     pipe.read_ahead([("x", 0), ("x", 1), ("x", 2)], keep_free=0)

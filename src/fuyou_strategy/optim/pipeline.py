@@ -83,6 +83,7 @@ class ChunkJob:
     fence: bool = False
     done: Future | None = None
     lend: str | None = None  # fn writes each chunk back to this slot: `TensorStore.read_chunk`'s ``lend``
+    skip: Callable[[int], int] | None = None  # bytes at the head of chunk k that fn fills itself (`read_chunk`'s)
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
@@ -97,10 +98,11 @@ class Later(NamedTuple):
 
 @dataclass
 class ReadAhead:
-    """Chunks ``(entry, k)`` of the active slot that jobs will probably read, in the order to read them; the
-    buffers come from the pool only while ``keep_free`` bytes of its budget stay free for everyone else."""
+    """Chunks ``(entry, k, skip)`` of the active slot that jobs will probably read, in the order to read them,
+    each without its first ``skip`` bytes (`ChunkJob.skip`); the buffers come from the pool only while
+    ``keep_free`` bytes of its budget stay free for everyone else."""
 
-    chunks: list[tuple[str, int]]
+    chunks: list[tuple[str, int, int]]
     keep_free: int
 
 
@@ -140,8 +142,8 @@ class ChunkPipeline:
         self._progress = time.monotonic()  # when the worker last processed a chunk (`wait_job`)
         # The read-ahead, owned by the worker thread: chunks still to read, the reads made (the slot's version
         # token when the read began, and the read), the chunks jobs read themselves since (never read ahead).
-        self._ahead_todo: deque[tuple[str, int]] = deque()
-        self._ahead: dict[tuple[str, int], tuple[SlotVersion, Future]] = {}
+        self._ahead_todo: deque[tuple[str, int, int]] = deque()
+        self._ahead: dict[tuple[str, int], tuple[SlotVersion, Future, int]] = {}  # and the bytes the read skipped
         self._claimed: set[tuple[str, int]] = set()
         self._stale: list[Future] = []  # read-ahead reads found stale when a job asked, given back at the drain
         self._ahead_keep_free = 0
@@ -159,11 +161,12 @@ class ChunkPipeline:
         if job.nchunks == 0 and job.done is not None:
             job.done.set_result(None)
 
-    def read_ahead(self, chunks: list[tuple[str, int]], *, keep_free: int) -> None:
-        """Read these chunks of the active slot ahead while the worker is idle (module docstring), replacing
-        any earlier list; ``keep_free``: the pool bytes the read-ahead never takes. Raises `PipelineError` if
-        the worker stopped."""
-        self._put(ReadAhead(list(chunks), keep_free))
+    def read_ahead(self, chunks: list[tuple[str, int] | tuple[str, int, int]], *, keep_free: int) -> None:
+        """Read these chunks ``(entry, k)`` of the active slot ahead while the worker is idle (module docstring),
+        or ``(entry, k, skip)``: without its first ``skip`` bytes (which only a job that fills them itself takes,
+        `ChunkJob.skip`), replacing any earlier list; ``keep_free``: the pool bytes the read-ahead never takes.
+        Raises `PipelineError` if the worker stopped."""
+        self._put(ReadAhead([(name, k, *skip) if skip else (name, k, 0) for name, k, *skip in chunks], keep_free))
 
     def wait_job(self, job: ChunkJob, what: str) -> None:
         """Wait for ``job.done`` while later jobs go on; raises the job's error.
@@ -353,12 +356,12 @@ class ChunkPipeline:
         """Start the next read-ahead reads, up to `_AHEAD_IN_FLIGHT` on the drive, while the pool spares a
         buffer; a chunk that cannot be read now (in host RAM, being written, gone) is skipped: its job
         reads it as always."""
-        in_flight = sum(not fut.done() for _token, fut in self._ahead.values())
+        in_flight = sum(not fut.done() for _token, fut, _skip in self._ahead.values())
         while self._ahead_todo and in_flight < _AHEAD_IN_FLIGHT:
-            key = self._ahead_todo.popleft()
+            name, k, skip = self._ahead_todo.popleft()
+            key = (name, k)
             if key in self._ahead or key in self._claimed:
                 continue
-            name, k = key
             try:
                 token = self.store.slot_version(name)
                 if not token.on_ssd:  # in host RAM: a job's read is a copy, nothing to gain
@@ -367,10 +370,10 @@ class ChunkPipeline:
                 if buf is None:  # the pool has nothing to spare: no more read-ahead in this window
                     self._ahead_todo.clear()
                     return
-                fut = self.store.read_chunk(name, k, into=buf)  # releases the buffer if it fails
+                fut = self.store.read_chunk(name, k, into=buf, skip=skip)  # releases the buffer if it fails
             except StorageError:
                 continue
-            self._ahead[key] = (token, fut)
+            self._ahead[key] = (token, fut, skip)
             fut.add_done_callback(lambda _f: self._queue.put(_WAKE))  # the idle worker starts the next one
             in_flight += 1
 
@@ -384,9 +387,10 @@ class ChunkPipeline:
         made = self._ahead.pop(key, None)
         if made is None:
             return None
-        token, fut = made
+        token, fut, skipped = made
         try:
-            usable = job.slot == ACTIVE and not job.fence and self.store.slot_version(job.entry) == token
+            usable = (job.slot == ACTIVE and not job.fence and self.store.slot_version(job.entry) == token
+                      and skipped <= (job.skip(k) if job.skip is not None else 0))  # the job fills what was skipped
         except StorageError:
             usable = False
         if usable and not (fut.done() and fut.exception() is not None):
@@ -399,7 +403,7 @@ class ChunkPipeline:
     def _drop_ahead(self, *, wait_reads: bool = False) -> None:
         """Forget the read-ahead: every buffer goes back to the pool (a read in flight's when it lands;
         ``wait_reads``: wait for those, up to ``io_timeout``, so a drain leaves no read of the window behind)."""
-        made = [fut for _token, fut in self._ahead.values()]
+        made = [fut for _token, fut, _skip in self._ahead.values()]
         self.ahead_dropped += len(made)
         made += self._stale
         self._ahead.clear()
@@ -419,7 +423,8 @@ class ChunkPipeline:
             if job.entry is not None:
                 ahead = self._take_ahead(job, k)
                 reads.append(ahead if ahead is not None else self.store.read_chunk(
-                    job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend))
+                    job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend,
+                    skip=job.skip(k) if job.skip is not None else 0))
             for name in job.extra:
                 reads.append(self.store.read_chunk(name, k, timeout=self.timeout))
         except BaseException as exc:  # noqa: BLE001 - handed to drain()

@@ -25,6 +25,7 @@ commits and rolls back — the last two only after a drain, when no job runs.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -193,6 +194,14 @@ class OptimizerState:
         self.config, self.slots, self.owned = config, config.state_slots, owned
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
+        # The parameters (indices) whose own tensor holds their active master bitwise (`_param_holds`): a resident
+        # fp32 parameter on the host, its update committed or its weights restored since. Their updates read only
+        # the moments from the SSD and take the master from the parameter (a third less read). Taken out when a
+        # speculative update publishes ahead of the active slot; put back by `commit`, an exact update and
+        # `restore_weights`. Under ``_holds_lock``: the threads that queue updates (autograd's, DDP's) and the
+        # training thread between steps each change only the parameters they hold at the time.
+        self.param_holds: set[int] = set()
+        self._holds_lock = threading.Lock()
         self.store = TensorStore(config)
         try:
             # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
@@ -208,6 +217,23 @@ class OptimizerState:
         except BaseException:
             self.store.close()
             raise
+
+    @staticmethod
+    def _param_holds(ps: ParamState) -> bool:
+        """Whether ``ps``'s parameter can hold its master: a resident (not streamed) fp32 tensor in host RAM,
+        which `publish` sets to every new master, bit for bit (the CPU's fp32 compute; on an accelerator or
+        in another dtype the parameter is a copy, and the state keeps the only master)."""
+        p = ps.param
+        return ps.grads is None and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+    def _hold(self, params: Iterable[ParamState], holds: bool) -> None:
+        """Record that these parameters hold (or no longer hold) their active master (``param_holds``)."""
+        with self._holds_lock:
+            for ps in params:
+                if holds and self._param_holds(ps):
+                    self.param_holds.add(ps.index)
+                else:
+                    self.param_holds.discard(ps.index)
 
     def _host_tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None) -> set[int]:
         """The parameters (indices) whose state ``nbytes`` of host RAM holds beside ``chosen`` (those there
@@ -297,6 +323,12 @@ class OptimizerState:
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
+        # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
+        # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
+        with self._holds_lock:
+            from_param = ps.index in self.param_holds and ps.index not in self.in_memory
+        self._hold([ps], exact)
+        flat = ps.param.detach().view(-1) if from_param else None
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
@@ -305,6 +337,8 @@ class OptimizerState:
             state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
             began = time.perf_counter()
+            if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
+                state["master"].copy_(flat[start : start + n])
             g = raw.to(torch.float32)  # on the host: a device gradient was staged (`Gradients.staged`)
             if inv_scale is not None:
                 g = g * inv_scale  # GradScaler.unscale_
@@ -332,13 +366,16 @@ class OptimizerState:
         # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
         # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=slot)
+                        lend=slot, skip=(lambda k: 4 * ps.span(k)[1]) if from_param else None)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
         idle, into pool buffers it can spare beyond ``spare_from`` (`ChunkPipeline.read_ahead`): for updates
         whose gradients come when nothing is left to overlap them."""
-        chunks = [(ps.entry, k) for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
+        with self._holds_lock:
+            held = set(self.param_holds)
+        chunks = [(ps.entry, k, 4 * ps.span(k)[1] if ps.index in held else 0)
+                  for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
         if chunks:
             self.pipeline.read_ahead(chunks, keep_free=self.spare_from)
 
@@ -355,7 +392,9 @@ class OptimizerState:
     def commit(self, params: Iterable[ParamState], *, writes_behind: bool = False) -> None:
         """The shadow slot of these parameters becomes the active one (after a drain; ``writes_behind``: one
         that left the shadow writes in flight, which land behind the commit, `TensorStore.commit`)."""
+        params = list(params)
         self.store.commit([ps.entry for ps in params], writes_behind=writes_behind)
+        self._hold(params, True)  # each published the master it committed
 
     def rollback(self) -> None:
         """Drop every shadow write (after a drain; the shadow writes a partial drain left in flight land first)."""
@@ -365,6 +404,7 @@ class OptimizerState:
     def restore_weights(self, params: Iterable[ParamState],
                         publish: Callable[[ParamState, int, torch.Tensor], Future | None]) -> None:
         """Publish the active masters again (after a skip or a failure, or a checkpoint load)."""
+        params = list(params)
         for ps in params:
 
             def restore(k: int, buf: HostBuffer, ps: ParamState = ps) -> Future | None:
@@ -373,6 +413,7 @@ class OptimizerState:
 
             self.pipeline.submit(ChunkJob(ps.entry, ps.nchunks, restore))
         self.pipeline.drain()
+        self._hold(params, True)
 
     # -- reading it back -------------------------------------------------------------------------------
     def read(self, ps: ParamState) -> dict[str, torch.Tensor]:
@@ -425,6 +466,7 @@ class OptimizerState:
                 self.store.rollback()
                 raise
         self.commit(params)
+        self._hold(params, False)  # the parameters hold the masters only once `restore_weights` published them
 
     def _load_pass(self, params: list[ParamState], read: Callable, finish: Callable, *, write: bool, what: str,
                    progress: bool) -> None:

@@ -591,11 +591,17 @@ class TensorStore:
 
     # -- chunk I/O ----------------------------------------------------------------------------------
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
-                   into: HostBuffer | None = None, lend: str | None = None, prefix: int | None = None) -> Future:
+                   into: HostBuffer | None = None, lend: str | None = None, prefix: int | None = None,
+                   skip: int = 0) -> Future:
         """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
 
         ``prefix``: only the chunk's first ``prefix`` bytes (the master weights at the head of an optimizer
         state chunk, which a `WeightStreamer` streams); the read is that many bytes rounded up to a page.
+
+        ``skip``: leave the chunk's first ``skip`` bytes (rounded down to a page) unread on the SSD, for a
+        caller that fills them itself (an optimizer state chunk's master weights, which a resident fp32
+        parameter holds already); the buffer still spans the whole chunk, those bytes undefined. An entry in
+        host RAM copies or lends the whole chunk as always.
 
         ``lend=SHADOW`` (the caller will write the chunk back to the shadow slot): an in-memory entry
         copies the chunk into its own shadow slot's memory and lends that (`LentChunk`: no pool buffer,
@@ -633,8 +639,9 @@ class TensorStore:
                 raise
             return _done(buf)
         d, offset = entry.location(k, phys)
+        head = min(skip, length) // PAGE * PAGE
         try:
-            inner = self.engine.read(self._files[d], offset, buf.data)
+            inner = self.engine.read(self._files[d], offset + head, buf.data[head:])
         except BaseException:
             buf.release()
             raise
