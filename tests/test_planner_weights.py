@@ -74,6 +74,18 @@ def test_weights_streamed_from_the_masters_take_no_ssd_space_or_writes_of_their_
     assert resident[0] == resident[1], "only the SSD tier's weights are affected"
 
 
+def test_resident_weights_that_hold_their_masters_leave_a_third_of_the_state_unread():
+    """fp32 compute on the CPU: a resident weight is its master (`OptimizerState.param_holds`), so the model reads
+    4 bytes less of the state per parameter for it; a streamed block's state is read whole."""
+    tiers = [Policy.KEEP] * 8
+    params = 9 * 10**6  # 8 blocks and the parameters outside them, 10**6 each
+    for weight_tiers, unread in ((["device"] * 8, params), (["ssd"] * 8, 10**6)):
+        whole, held = (predict(dataclasses.replace(weighty(), masters_in_weights=m), tiers, weight_tiers=weight_tiers)
+                       for m in (False, True))
+        assert whole.ssd_s - held.ssd_s == pytest.approx(4 * unread / 2e9), weight_tiers
+        assert whole.ssd_write_bytes == held.ssd_write_bytes, "the new master is written as before"
+
+
 def test_nothing_fits_is_a_plan_error_naming_the_tier_and_the_weights():
     with pytest.raises(PlanError, match=r"does not fit: device needs .* more \(.*weights 8 ssd"):
         solve(weighty(device=300 * MiB, host=0), weight_tiers=WEIGHT_TIERS)

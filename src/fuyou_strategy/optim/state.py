@@ -19,6 +19,13 @@ moves state in or out between steps (the engine, once the planner says what the 
 changes: the same jobs read and write the same bytes, so the results are bitwise those of the state
 all on the SSD.
 
+The parameter as the master's source: where a resident fp32 parameter in host RAM holds its committed master
+bit for bit (``param_holds``: fp32 compute on the CPU, every update published into it, every rollback restored),
+its update leaves the chunk's master bytes unread on the SSD and copies them from the parameter (8 of 12 bytes
+per parameter read); the new master is still written, so the active slot stays the whole state. A parameter
+written outside the optimizer between steps (a misuse: weights load with the optimizer's state, which restores
+them) is then the master its next update starts from, as in torch's AdamW, where the state is on the SSD.
+
 Threads: the pipeline's worker runs every job function; the training thread submits jobs, drains,
 commits and rolls back — the last two only after a drain, when no job runs.
 """

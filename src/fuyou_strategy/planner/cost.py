@@ -38,7 +38,8 @@ ends (every micro-batch), and its update starts from them. The updated weight go
 tier (written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
 device; frozen weights are never written back, and with ``weights_from_master`` (fp32 weights, one
 process) the SSD tier's trainable weights are the masters in the state: neither stored nor written
-apart from it. With ``blocking_weight_copy``, as the runtime does
+apart from it; with ``masters_in_weights`` (fp32 compute on the CPU) a resident weight is its master, and its
+update reads only the moments from the SSD. With ``blocking_weight_copy``, as the runtime does
 today, the copy onto the device runs on the compute resource as the block starts (only the SSD
 read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
 weights are not touched by any of this.
@@ -172,6 +173,9 @@ class Profile:
     # process: `WeightStreamer.use_master`): the update writes them with the state, no copy of their own on the
     # SSD and no write-back; frozen weights keep their copies.
     weights_from_master: bool = False
+    # A resident trainable weight holds its fp32 master (fp32 compute on the CPU: `OptimizerState.param_holds`):
+    # its update reads only the moments from the SSD, the master comes from the weight (4 bytes less per parameter).
+    masters_in_weights: bool = False
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
@@ -442,7 +446,7 @@ def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail
     done = {}
     for key in tail:
         params = profile.other_params if key == "rest" else blocks[key].params
-        nbytes = (params - ram[key]) * profile.state_bytes
+        nbytes = (params - ram[key]) * _state_read_bytes(profile, None if key == "rest" else blocks[key])
         if spare is not None:
             nbytes = min(nbytes, spare)
             spare -= nbytes
@@ -511,6 +515,13 @@ class _WeightReads:
         return max(t, ready)
 
 
+def _state_read_bytes(profile: Profile, block: BlockProfile | None) -> float:
+    """Bytes per parameter an update reads of its state on the SSD: all of it, less the fp32 master where the
+    resident weight holds it (`Profile.masters_in_weights`; ``block`` None: the weights outside the blocks)."""
+    resident = block is None or block.weight_tier == "device"
+    return profile.state_bytes - (4.0 if profile.masters_in_weights and resident else 0.0)
+
+
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
             ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None) -> tuple[float, float]:
     """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
@@ -520,11 +531,11 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     (`_read_ahead`). Returns when the new weight is published and when the state is written."""
     if params == 0:
         return grads_ready, grads_ready
-    on_ssd = (params - ram) * profile.state_bytes
+    on_ssd, to_read = (params - ram) * profile.state_bytes, (params - ram) * _state_read_bytes(profile, block)
     pre_read, pre_done = ahead or (0.0, 0.0)
     read = grads_ready
-    if on_ssd > pre_read:
-        read = s.run("ssd", (on_ssd - pre_read) / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
+    if to_read > pre_read:
+        read = s.run("ssd", (to_read - pre_read) / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
     computed = done = s.run("cpu", params / profile.adam_params_per_s, read, pre_done, name=f"adamw {name}")
     tier = block.weight_tier if block is not None else "device"
     if tier == "ssd":  # the trainable weights' own copies (frozen ones are never written back): before the state's

@@ -217,6 +217,8 @@ class WarmupProfiler:
             state_bytes=self.optimizer.state_bytes_per_param(),
             weights_from_master=all(self.optimizer.streams_from_master(p)
                                     for b in self.blocks for p in b.parameters() if p.requires_grad),
+            masters_in_weights=self.device.type == "cpu" and all(
+                p.dtype == torch.float32 for p in self.model.parameters() if p.requires_grad),
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
             source="measured",
