@@ -29,7 +29,7 @@ def state_slot_bytes(engine):
 def masters_held_bytes(engine):
     """Bytes of the masters that the parameters hold (every one here: fp32 on the CPU), which an update leaves
     unread on the SSD once its parameter holds the committed master: each chunk's, down to a whole page."""
-    return sum(4 * ps.span(k)[1] // PAGE * PAGE for ps in engine.optimizer._params for k in range(ps.nchunks))
+    return sum(ps.master_nbytes(k) // PAGE * PAGE for ps in engine.optimizer._params for k in range(ps.nchunks))
 
 
 def train_engine(tmp_path, steps=3, *, max_grad_norm=None, expect=None, **fields):

@@ -108,6 +108,10 @@ class ParamState:
         """Chunk ``k``'s bytes per checkpoint file (`Layout.pieces`)."""
         return {kind: byte_view(t) for kind, t in self.layout.split(buf.view(), self.span(k)[1]).items()}
 
+    def master_nbytes(self, k: int) -> int:
+        """Bytes of chunk ``k``'s fp32 master, at the head of the chunk in every format (`formats.Layout`)."""
+        return 4 * self.span(k)[1]
+
     def span(self, k: int) -> tuple[int, int]:
         """``(first element, elements)`` of chunk ``k``."""
         start = k * self.elems_per_chunk
@@ -373,7 +377,7 @@ class OptimizerState:
         # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
         # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=slot, skip=(lambda k: 4 * ps.span(k)[1]) if from_param else None)
+                        lend=slot, skip=ps.master_nbytes if from_param else None)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
@@ -381,7 +385,7 @@ class OptimizerState:
         whose gradients come when nothing is left to overlap them."""
         with self._holds_lock:
             held = set(self.param_holds)
-        chunks = [(ps.entry, k, 4 * ps.span(k)[1] if ps.index in held else 0)
+        chunks = [(ps.entry, k, ps.master_nbytes(k) if ps.index in held else 0)
                   for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
         if chunks:
             self.pipeline.read_ahead(chunks, keep_free=self.spare_from)
