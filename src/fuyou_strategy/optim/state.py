@@ -205,7 +205,7 @@ class OptimizerState:
         self.config, self.slots, self.owned = config, config.state_slots, owned
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
-        # The parameters (indices) whose own tensor holds their active master bitwise (`_param_holds`): a resident
+        # The parameters (indices) whose own tensor holds their active master bitwise (`_can_hold`): a resident
         # fp32 parameter on the host, its update committed or its weights restored since. Their updates read only
         # the moments from the SSD and take the master from the parameter (a third less read). Taken out when a
         # speculative update publishes ahead of the active slot; put back by `commit`, an exact update and
@@ -230,7 +230,7 @@ class OptimizerState:
             raise
 
     @staticmethod
-    def _param_holds(ps: ParamState) -> bool:
+    def _can_hold(ps: ParamState) -> bool:
         """Whether ``ps``'s parameter can hold its master: a resident (not streamed) fp32 tensor in host RAM,
         which `publish` sets to every new master, bit for bit (the CPU's fp32 compute; on an accelerator or
         in another dtype the parameter is a copy, and the state keeps the only master)."""
@@ -241,7 +241,7 @@ class OptimizerState:
         """Record that these parameters hold (or no longer hold) their active master (``param_holds``)."""
         with self._holds_lock:
             for ps in params:
-                if holds and self._param_holds(ps):
+                if holds and self._can_hold(ps):
                     self.param_holds.add(ps.index)
                 else:
                     self.param_holds.discard(ps.index)
