@@ -143,7 +143,7 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
     assert auto(fast, probed)[0] == 6, "one drive unmeasured: by count"
     assert FuyouConfig(swap_dirs=[str(fast)], optimizer_prefetch_chunks=3,
                        host_memory_budget="1GiB").optimizer_prefetch_chunks == 3, "a number is kept"
-    assert cli(["doctor", "--dir", str(probed), "--size", "8MiB", "--json"]) == 0
+    assert cli(["doctor", "--dir", str(probed), "--size", "8MiB", "--cpu-probe-seconds", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rate = report["bandwidth"][str(probed)]
     measured = auto_prefetch_chunks(1, 16 * 2**20, min(rate["read_bps"], rate["write_bps"]))[0]

@@ -2,6 +2,7 @@
 configuration files for the callback and LightningCLI."""
 
 import dataclasses
+import errno
 import importlib.util
 import json
 import logging
@@ -14,6 +15,8 @@ import yaml
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine, progress
 from fuyou_strategy.cli import main as cli
+from fuyou_strategy.doctor import diagnose
+from fuyou_strategy.storage import aio, probe
 from fuyou_strategy.storage.wear import Wear
 from test_lightning import CausalLM, token_batches
 from test_metrics import train_engine
@@ -201,10 +204,12 @@ def test_bad_observability_settings_name_the_field(field, value, fix):
 
 
 def test_fuyou_doctor_checks_a_directory_and_recommends_a_config_that_loads(tmp_path, capsys):
-    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB", "--json"]) == 0
+    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB", "--cpu-probe-seconds", "0.2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     mine = {c["name"]: c for c in report["checks"] if c["subject"] == str(tmp_path)}
     assert {"free space", "filesystem", "O_DIRECT", "bandwidth"} <= set(mine)
+    assert "I/O CPU cost" in {c["name"] for c in report["checks"] if c["subject"] == "cpu"}
+    assert report["io_cpu"]["bytes_moved"] > 0 and report["io_cpu"]["alone_s"] > 0
     assert all(c["status"] in ("ok", "warn") for c in mine.values())
     assert {"memlock", "cores", "RAM", "cuda"} <= {c["name"] for c in report["checks"]}
     assert report["config"]["swap_dirs"] == [str(tmp_path)]
@@ -213,13 +218,64 @@ def test_fuyou_doctor_checks_a_directory_and_recommends_a_config_that_loads(tmp_
     FuyouConfig.from_dict(report["config"])  # the recommendation is a valid configuration
     assert not list(tmp_path.iterdir()), "the probe's files are gone"
     # the text form: the same configuration, as YAML with a reason per line
-    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB"]) == 0
+    assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB", "--cpu-probe-seconds", "0"]) == 0
     text = capsys.readouterr().out
     config_lines = text.split("# recommended FuyouConfig", 1)[1].split("\n", 1)[1]
     measured_again = ("optimizer_prefetch_chunks",)  # from a second bandwidth measurement
     loaded = {k: v for k, v in yaml.safe_load(config_lines).items() if k not in measured_again}
     assert loaded == {k: v for k, v in report["config"].items() if k not in measured_again}
     assert all("  # " in line for line in config_lines.strip().splitlines())
+
+
+def _cost(lost_s_per_gb: float, steal: float | None) -> probe.IOCpuCost:
+    """An I/O-CPU probe's result that lost ``lost_s_per_gb`` compute seconds per GB over 2 GB moved."""
+    return probe.IOCpuCost("/x", 2, 2, alone_s=3.0, beside_s=3.0 + 2 * lost_s_per_gb, bytes_moved=2 * 10**9,
+                           steal_share=steal, system_share=0.06)
+
+
+@pytest.mark.parametrize("lost, steal, status", [(0.9, 0.26, "warn"), (0.9, None, "warn"), (0.05, 0.0, "ok")])
+def test_fuyou_doctor_warns_where_swap_io_takes_the_computes_cpu(tmp_path, monkeypatch, lost, steal, status):
+    """Where each GB of swap I/O costs busy cores a measured share of a second (a VM's disk emulation), the doctor
+    warns, names the fixes, and says so in the host-state recommendation; where it costs little, it says ok."""
+    seen = {}
+
+    def fake(directory, **kwargs):
+        seen.update(kwargs, directory=directory)
+        return _cost(lost, steal)
+
+    monkeypatch.setattr(probe, "measure_io_cpu_cost", fake)
+    d = diagnose([str(tmp_path)], probe_bytes=8 * 2**20, cpu_probe_seconds=0.5)
+    check = next(c for c in d.checks if c.name == "I/O CPU cost")
+    assert check.status == status and seen["directory"] == str(tmp_path) and seen["seconds"] == 0.5
+    assert f"{lost:.2f} s of compute" in check.detail and d.io_cpu["lost_s_per_gb"] == pytest.approx(lost)
+    assert ("host_state" in check.detail and "state_format='bf16'" in check.detail) == (status == "warn")
+    assert ("virtual machine" in check.detail) == (status == "warn" and steal is not None)
+    assert (f"costs {lost:.2f} s of compute here" in d.reasons["host_state"]) == (status == "warn")
+    assert not any(c.name == "I/O CPU cost" for c in diagnose([str(tmp_path)], probe_bytes=8 * 2**20,
+                                                              cpu_probe_seconds=0).checks), "0 skips the probe"
+
+
+def test_the_io_cpu_probe_times_compute_beside_a_real_stream_and_hands_on_its_failure(tmp_path, monkeypatch):
+    cost = probe.measure_io_cpu_cost(str(tmp_path), seconds=0.2, size=32 * 2**20, window=4 * 2**20, io_threads=1)
+    assert cost.alone_s > 0 and cost.beside_s > 0 and cost.bytes_moved % (4 * 2**20) == 0 and cost.bytes_moved > 0
+    assert cost.lost_s_per_gb == pytest.approx((cost.beside_s - cost.alone_s) / (cost.bytes_moved / 1e9))
+    assert not list(tmp_path.iterdir()), "the probe's files are gone"
+    with pytest.raises(ValueError, match="^mode: got 'x'"):
+        probe.measure_io_cpu_cost(str(tmp_path), mode="x")
+    # the stream's thread dies on a write error after the warm-up: the caller gets that error, and no file stays
+    calls = {"n": 0}
+    real = aio._pwritev
+
+    def failing(fd, buffers, offset):
+        calls["n"] += 1
+        if calls["n"] > 8 * 4:  # the warm-up's 8 windows of 4 one-MiB requests pass
+            raise OSError(errno.EIO, "injected")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(aio, "_pwritev", failing)
+    with pytest.raises(Exception, match="injected"):
+        probe.measure_io_cpu_cost(str(tmp_path), seconds=0.2, size=32 * 2**20, window=4 * 2**20, io_threads=1)
+    assert not list(tmp_path.iterdir())
 
 
 def test_fuyou_doctor_fails_a_directory_it_cannot_use(tmp_path, capsys):

@@ -173,7 +173,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     dirs = args.dir or [tempfile.gettempdir()]
     quiet = args.json or not sys.stderr.isatty()
-    diagnosis = diagnose(dirs, probe_bytes=args.size,
+    diagnosis = diagnose(dirs, probe_bytes=args.size, cpu_probe_seconds=args.cpu_probe_seconds,
                          progress=None if quiet else lambda text: print(text, file=sys.stderr, flush=True))
     print(json.dumps(diagnosis.as_dict(), indent=1) if args.json else diagnosis.text())
     return 0 if diagnosis.ok else 1
@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the temp dir)")
     doctor.add_argument("--size", type=_size, default=parse_bytes("256MiB"),
                         help="bytes written and read per directory (default 256MiB)")
+    doctor.add_argument("--cpu-probe-seconds", type=float, default=3.0,
+                        help="about how long each of the three runs of matmuls takes that measure what swap I/O costs "
+                             "the compute beside it (default 3; 0 skips that check)")
     doctor.add_argument("--json", action="store_true", help="print the checks and the configuration as JSON")
     doctor.set_defaults(func=_cmd_doctor)
 

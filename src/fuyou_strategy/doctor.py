@@ -3,8 +3,11 @@
 Each swap directory is checked as the engine will use it: that a run directory can be made and
 written there, its filesystem, whether it takes ``O_DIRECT``, its free space, and its sequential
 write and read bandwidth (measured with the engine's own I/O path, `storage.probe`). Beside them:
-host memory, CPU cores for the I/O threads, the locked-memory limit, and the accelerator. The
-recommended configuration carries the reason for each value, as YAML comments or in JSON.
+host memory, CPU cores for the I/O threads, the locked-memory limit, and the accelerator; and what the
+swap I/O costs the compute beside it (`storage.probe.measure_io_cpu_cost`: on a virtual machine the
+hypervisor's disk emulation can take a second of busy cores' compute per GB moved, which the optimizer
+state on the SSD then pays every step). The recommended configuration carries the reason for each
+value, as YAML comments or in JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from .device import accelerator
 __all__ = ["Check", "Diagnosis", "diagnose"]
 
 GiB = 2**30
+# Compute seconds lost per GB of swap I/O above which `fuyou doctor` warns: the state on the SSD moves 20-24 bytes
+# per parameter per step (fp32), so at this rate a 1B-parameter model loses ~6-7 s of compute per step.
+IO_CPU_WARN_S_PER_GB = 0.3
 
 
 @dataclass
@@ -40,6 +46,7 @@ class Diagnosis:
     config: dict[str, Any] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     bandwidth: dict[str, dict] = field(default_factory=dict)  # directory -> the measured rates
+    io_cpu: dict | None = None  # `IOCpuCost.as_dict` of the first usable directory, if measured
 
     @property
     def ok(self) -> bool:
@@ -54,7 +61,7 @@ class Diagnosis:
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks], "config": self.config,
-                "reasons": self.reasons, "bandwidth": self.bandwidth}
+                "reasons": self.reasons, "bandwidth": self.bandwidth, "io_cpu": self.io_cpu}
 
     def text(self) -> str:
         """The checks as a table, then the recommended configuration as YAML with a reason per line."""
@@ -73,10 +80,11 @@ def _yaml_line(key: str, value: Any) -> str:
     return yaml.safe_dump({key: value}, default_flow_style=True, width=10**6).strip().strip("{}")
 
 
-def diagnose(directories: list[str], *, probe_bytes: int = 256 * 2**20,
+def diagnose(directories: list[str], *, probe_bytes: int = 256 * 2**20, cpu_probe_seconds: float = 3.0,
              progress: Callable[[str], None] | None = None) -> Diagnosis:
     """Check ``directories`` (measuring ``probe_bytes`` written and read in each) and the machine;
-    ``progress`` is told what is being measured."""
+    ``cpu_probe_seconds``: about how long each run of matmuls of the I/O-CPU probe takes (three runs,
+    on the first usable directory; ``0`` skips it); ``progress`` is told what is being measured."""
     d = Diagnosis()
     say = progress or (lambda _text: None)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -87,6 +95,8 @@ def diagnose(directories: list[str], *, probe_bytes: int = 256 * 2**20,
             usable.append(directory)
     mem = _meminfo()
     _check_machine(d, cores, mem)
+    if usable and cpu_probe_seconds > 0:
+        _check_io_cpu(d, usable[0], cpu_probe_seconds, auto_io_threads(cores)[0], say)
     _recommend(d, usable, cores, mem.get("MemAvailable", 0))
     return d
 
@@ -148,6 +158,32 @@ def _check_machine(d: Diagnosis, cores: int, mem: dict[str, int]) -> None:
             d.add("accelerator", "cuda", "warn", "none: the device tier is host RAM (CPU training)")
 
 
+def _check_io_cpu(d: Diagnosis, directory: str, seconds: float, io_threads: int, say: Callable[[str], None]) -> None:
+    from .storage.aio import StorageIOError
+    from .storage.probe import measure_io_cpu_cost
+
+    say(f"measuring what swap I/O in {directory} costs the compute beside it (~{3 * seconds:.0f} s of matmuls) ...")
+    try:
+        cost = measure_io_cpu_cost(directory, seconds=seconds, size=256 * 2**20, io_threads=io_threads)
+    except (OSError, StorageIOError, RuntimeError) as exc:
+        d.add("cpu", "I/O CPU cost", "warn", f"not measured: {exc}")
+        return
+    d.io_cpu = cost.as_dict()
+    lost = cost.lost_s_per_gb
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in (("steal", cost.steal_share),
+                                                                    ("system", cost.system_share)) if share is not None)
+    detail = (f"each GB of swap I/O took {max(lost, 0.0):.2f} s of compute from the busy cores "
+              f"({cost.bytes_moved / 1e9:.1f} GB moved beside {cost.alone_s:.1f} s of matmuls"
+              + (f"; CPU time while it ran: {shares}" if shares else "") + ")")
+    if lost >= IO_CPU_WARN_S_PER_GB:
+        steal = cost.steal_share is not None and cost.steal_share >= 0.05
+        detail += ((": a virtual machine whose hypervisor serves the disk on these CPUs" if steal else "")
+                   + f". The optimizer state on the SSD moves 20-24 bytes per parameter per step in fp32 "
+                   f"(~{lost * 22:.0f} s of compute per billion parameters per step here): keep what fits in RAM "
+                   "(host_state), or take state_format='bf16' (12-16 bytes)")
+    d.add("cpu", "I/O CPU cost", "warn" if lost >= IO_CPU_WARN_S_PER_GB else "ok", detail)
+
+
 def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> None:
     defaults = FuyouConfig()
     if usable:
@@ -164,8 +200,11 @@ def _recommend(d: Diagnosis, usable: list[str], cores: int, available: int) -> N
     d.recommend("host_memory_budget", format_bytes(budget),
                 f"what 'auto' takes now, in whole GiB: {why}; the optimizer's read-ahead, the activations' staging, "
                 "and then as much optimizer state as fits")
+    costly = d.io_cpu is not None and d.io_cpu["lost_s_per_gb"] >= IO_CPU_WARN_S_PER_GB
     d.recommend("host_state", "auto",
-                "the optimizer state the budget leaves room for stays in RAM (exact), the rest on the SSD")
+                "the optimizer state the budget leaves room for stays in RAM (exact), the rest on the SSD"
+                + (f"; each GB of swap I/O costs {d.io_cpu['lost_s_per_gb']:.2f} s of compute here, so every "
+                   "byte of state in RAM saves compute as well as drive time" if costly else ""))
     if usable:
         slowest = drives.slowest(d.bandwidth.values())
         # The rule of optimizer_prefetch_chunks="auto" with these measurements, which it now finds in the cache.
