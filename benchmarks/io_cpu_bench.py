@@ -38,13 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def _parse_size(text: str) -> int:
-    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
+from fuyou_strategy.config import parse_bytes
 
 
 def worker(config: str, directory: str, seconds: float, size: int) -> dict:
@@ -53,7 +47,7 @@ def worker(config: str, directory: str, seconds: float, size: int) -> dict:
 
     spec, _, cap = config.partition("@")
     block, threads, mode = (spec + "/rw").split("/")[:3]
-    cost = measure_io_cpu_cost(directory, seconds=seconds, size=size, block_size=_parse_size(block),
+    cost = measure_io_cpu_cost(directory, seconds=seconds, size=size, block_size=parse_bytes(block),
                                io_threads=int(threads), mode=mode, rate=float(cap) * 1e9 if cap else None)
     return {"config": config, **cost.as_dict()}
 
@@ -69,7 +63,7 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.dir, args.seconds, _parse_size(args.size))))
+        print(json.dumps(worker(args.worker, args.dir, args.seconds, parse_bytes(args.size))))
         return
 
     configs = args.configs.split(",")
