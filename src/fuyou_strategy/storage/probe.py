@@ -10,17 +10,18 @@ computes that CPU comes out of the compute (``steal`` in ``/proc/stat`` on a VM)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from ..config import PAGE
 from ..device import alloc_host_buffer
-from .aio import IOEngine, filesystem_type
+from .aio import IOEngine, SwapFile, filesystem_type
 from .rundir import make_run_dir, remove_run_dir
 
 __all__ = ["Bandwidth", "IOCpuCost", "measure_bandwidth", "measure_io_cpu_cost"]
@@ -67,13 +68,10 @@ def measure_bandwidth(
     """
     size = max(PAGE, size // PAGE * PAGE)
     window = min(size, _MAX_WINDOW if buffer is None else buffer.numel() // PAGE * PAGE)
-    run_dir = make_run_dir(directory)
-    engine = IOEngine([run_dir], threads_per_dir=threads, block_size=block_size, direct_io=direct_io)
-    try:
-        f = engine.open(0, "bench.bin")
+    with _probe_file(directory, "bench.bin", size, threads=threads, block_size=block_size,
+                     direct_io=direct_io) as (engine, f):
         buf = alloc_host_buffer(window) if buffer is None else buffer[:window]
         buf.copy_(torch.randint(0, 256, (window,), dtype=torch.uint8))
-        os.posix_fallocate(f.fd, 0, size)  # measure the data path, not block allocation
 
         def run(write: bool) -> float:
             start = time.perf_counter()
@@ -97,9 +95,24 @@ def measure_bandwidth(
         run(write=True)
         write_bps = run(write=True)
         read_bps = run(write=False)
-        engine.close_file(f)
         return Bandwidth(directory, filesystem_type(directory), f.direct, block_size, threads, size, write_bps, read_bps)
+
+
+@contextlib.contextmanager
+def _probe_file(directory: str, name: str, size: int, *, threads: int, block_size: int,
+                direct_io: str) -> Iterator[tuple[IOEngine, SwapFile]]:
+    """An engine and a ``size``-byte preallocated file ``name`` (the data path is measured, not block allocation)
+    in a fresh run directory of ``directory``; the file, the engine and the run directory are gone afterwards."""
+    run_dir = make_run_dir(directory)
+    engine = IOEngine([run_dir], threads_per_dir=threads, block_size=block_size, direct_io=direct_io)
+    f = None
+    try:
+        f = engine.open(0, name)
+        os.posix_fallocate(f.fd, 0, size)
+        yield engine, f
     finally:
+        if f is not None:
+            engine.close_file(f)
         engine.close()
         remove_run_dir(run_dir)
 
@@ -171,15 +184,11 @@ def measure_io_cpu_cost(
     n = max(5, round(seconds / per))
     alone_before = matmuls(n)
 
-    run_dir = make_run_dir(directory)
-    engine = IOEngine([run_dir], threads_per_dir=io_threads, block_size=block_size, direct_io="auto")
     stop = threading.Event()
     failure: list[BaseException] = []
     moved = [0]  # written by the stream thread only; this thread reads snapshots (one int each)
-    f = None
-    try:
-        f = engine.open(0, "io_cpu.bin")
-        os.posix_fallocate(f.fd, 0, size)
+    with _probe_file(directory, "io_cpu.bin", size, threads=io_threads, block_size=block_size,
+                     direct_io="auto") as (engine, f):
         src, dst = alloc_host_buffer(window), alloc_host_buffer(window)
         src.copy_(torch.randint(0, 256, (window,), dtype=torch.uint8))
         for offset in range(0, size, window):  # the first write converts unwritten extents: a warm-up
@@ -203,22 +212,18 @@ def measure_io_cpu_cost(
 
         io = threading.Thread(target=stream, name="fuyou-io-cpu-probe", daemon=True)
         io.start()
-        time.sleep(0.5)  # the stream at its rate before the matmuls start
-        cpu_before, moved_before = _cpu_times(), moved[0]
-        beside = matmuls(n)
-        cpu_after, moved_during = _cpu_times(), moved[0] - moved_before
-        stop.set()
+        try:
+            time.sleep(0.5)  # the stream at its rate before the matmuls start
+            cpu_before, moved_before = _cpu_times(), moved[0]
+            beside = matmuls(n)
+            cpu_after, moved_during = _cpu_times(), moved[0] - moved_before
+        finally:
+            stop.set()  # before the file closes, on every path
         io.join(timeout=300)
         if io.is_alive():
             raise RuntimeError(f"the I/O stream in {directory} did not stop within 300 s")
         if failure:
             raise failure[0]
-    finally:
-        stop.set()
-        if f is not None:
-            engine.close_file(f)
-        engine.close()
-        remove_run_dir(run_dir)
     alone = min(alone_before, matmuls(n))
     steal = system = None
     if cpu_before is not None and cpu_after is not None:
