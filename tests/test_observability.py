@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from conftest import tiny_causal_lm
-from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine, progress
+from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine, drives, progress, run_report
 from fuyou_strategy.cli import main as cli
 from fuyou_strategy.doctor import diagnose
 from fuyou_strategy.storage import aio, probe
@@ -244,15 +244,67 @@ def test_fuyou_doctor_warns_where_swap_io_takes_the_computes_cpu(tmp_path, monke
         return _cost(lost, steal)
 
     monkeypatch.setattr(probe, "measure_io_cpu_cost", fake)
+    monkeypatch.setattr(drives, "CACHE", tmp_path / "cache" / "bandwidth.json")  # the suite's cache keeps no fake
     d = diagnose([str(tmp_path)], probe_bytes=8 * 2**20, cpu_probe_seconds=0.5)
     check = next(c for c in d.checks if c.name == "I/O CPU cost")
     assert check.status == status and seen["directory"] == str(tmp_path) and seen["seconds"] == 0.5
+    # remembered for the runs on this filesystem (`RunReport` reads it), beside the bandwidth
+    remembered = drives.io_cpu_cost([str(tmp_path / "cache")])
+    assert remembered["io_cpu_s_per_gb"] == pytest.approx(lost) and remembered["io_cpu_steal_share"] == steal
+    assert drives.measured([str(tmp_path)]) is not None
     assert f"{lost:.2f} s of compute" in check.detail and d.io_cpu["lost_s_per_gb"] == pytest.approx(lost)
     assert ("host_state" in check.detail and "state_format='bf16'" in check.detail) == (status == "warn")
     assert ("virtual machine" in check.detail) == (status == "warn" and steal is not None)
     assert (f"costs {lost:.2f} s of compute here" in d.reasons["host_state"]) == (status == "warn")
     assert not any(c.name == "I/O CPU cost" for c in diagnose([str(tmp_path)], probe_bytes=8 * 2**20,
                                                               cpu_probe_seconds=0).checks), "0 skips the probe"
+
+
+def test_a_run_reports_what_its_swap_io_costs_the_compute_and_warns_from_a_share_of_the_step(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """After the wear's sample steps a run with the state on the SSD multiplies its swap bytes per step by what
+    `fuyou doctor` measured a GB to cost the compute on that filesystem, reports it with the hypervisor's steal
+    share over those steps, and warns from IO_CPU_WARN_SHARE of the step; without a measurement it only reports
+    the steal. The figures are the run's own: checked against its summary and metrics."""
+    monkeypatch.setattr(drives, "CACHE", tmp_path / "cache" / "bandwidth.json")
+    steal = iter(range(0, 10**6, 10))  # /proc/stat as a VM that steals 10 of every 100 jiffies
+    monkeypatch.setattr(run_report, "cpu_times", lambda: [90 * (n := next(steal)) // 10, 0, 0, 0, 0, 0, 0, n])
+
+    def run(name, s_per_gb):
+        swap, measured_in = tmp_path / name, tmp_path / f"{name}-doctor"  # measured in another folder of the same disk
+        swap.mkdir(), measured_in.mkdir()
+        if s_per_gb is not None:
+            drives.remember_io_cpu(drives.cache_key(measured_in), s_per_gb, 0.25)
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="fuyou_strategy"):
+            warnings.simplefilter("always")
+            engine, metrics, slot, summary = train(swap, steps=5)
+        lines = [r.getMessage() for r in caplog.records if "swap I/O" in r.getMessage()]
+        return summary, metrics, lines, [str(w.message) for w in caught if "swap I/O costs" in str(w.message)]
+
+    summary, metrics, lines, warned = run("unmeasured", None)
+    moved = [m["fuyou/ssd_read_bytes"] + m["fuyou/ssd_write_bytes"] for m in metrics]
+    io = summary["io_cpu"]
+    assert io["bytes_per_step"] == sorted(moved[1:4])[1] > 0, "the median of the sampled steps, the first left out"
+    assert io["s_per_gb"] is None and io["compute_s_per_step"] is None and not warned
+    assert io["steal_share"] == pytest.approx(0.1)
+    assert len(lines) == 1 and "the hypervisor took 10% of the CPU time" in lines[0] and "fuyou doctor" in lines[0]
+
+    drives.CACHE.unlink(missing_ok=True)  # one measurement at a time: the costliest on a filesystem counts
+    summary, metrics, lines, warned = run("cheap", 1e-6)  # a drive that costs the CPUs nothing to speak of
+    io = summary["io_cpu"]
+    assert io["s_per_gb"] == 1e-6 and io["compute_s_per_step"] == pytest.approx(io["bytes_per_step"] / 1e9 * 1e-6)
+    assert 0 < io["share_of_step"] < run_report.IO_CPU_WARN_SHARE and not warned and len(lines) == 1
+    assert "s of compute per GB (`fuyou doctor`" in lines[0] and io["measured_at"] in lines[0]
+
+    drives.CACHE.unlink(missing_ok=True)  # one measurement at a time: the costliest on a filesystem counts
+    summary, metrics, lines, warned = run("costly", 1e3)
+    io, step_s = summary["io_cpu"], sorted(m["fuyou/step_seconds"] for m in metrics[1:4])[1]
+    assert io["share_of_step"] == pytest.approx(io["compute_s_per_step"] / step_s)
+    assert io["share_of_step"] >= run_report.IO_CPU_WARN_SHARE
+    assert len(warned) == 1, "warned once"
+    assert "host_state" in warned[0] and "state_format='bf16'" in warned[0] and "1000.00 s of compute per GB" in warned[0]
+    assert f"{io['share_of_step']:.0%}" in warned[0]
 
 
 def test_the_io_cpu_probe_times_compute_beside_a_real_stream_and_hands_on_its_failure(tmp_path, monkeypatch):

@@ -170,6 +170,7 @@ def _check_io_cpu(d: Diagnosis, directory: str, seconds: float, io_threads: int,
         return
     d.io_cpu = cost.as_dict()
     lost = cost.lost_s_per_gb
+    drives.remember_io_cpu(drives.cache_key(directory), lost, cost.steal_share)  # a run's own report reads it
     shares = ", ".join(f"{name} {share:.0%}" for name, share in (("steal", cost.steal_share),
                                                                     ("system", cost.system_share)) if share is not None)
     detail = (f"each GB of swap I/O took {max(lost, 0.0):.2f} s of compute from the busy cores "

@@ -5,7 +5,9 @@ reads and writes with the engine's own I/O path and remember the rates in
 ``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set; ``bandwidth.json`` in
 ``$FUYOU_CACHE_DIR`` if that is set, as the test suite does), keyed by the directory and its filesystem.
 ``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's read-ahead from the
-drives' speed instead of their number.
+drives' speed instead of their number. ``fuyou doctor`` also remembers what a GB of swap I/O there cost the busy
+cores' compute (`remember_io_cpu`; on a virtual machine the hypervisor serves the disk on the same CPUs), and a
+run reads it back (`io_cpu_cost`) to say what its own I/O costs.
 
 This module imports nothing of fuyou's, so that `fuyou_strategy.config` can use it.
 """
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["CACHE", "cache_key", "load", "measured", "remember", "slowest"]
+__all__ = ["CACHE", "cache_key", "io_cpu_cost", "load", "measured", "remember", "remember_io_cpu", "slowest"]
 
 CACHE = (Path(os.environ["FUYOU_CACHE_DIR"]) if os.environ.get("FUYOU_CACHE_DIR") else
          Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fuyou-strategy") / "bandwidth.json"
@@ -40,11 +43,24 @@ def load() -> dict[str, dict[str, Any]]:
 
 
 def remember(key: str, rates: dict[str, Any]) -> None:
-    """Add one measurement (read-modify-write of the whole file; a read-only home keeps nothing: the next run
-    measures again)."""
+    """Add one bandwidth measurement (whatever else ``key`` has remembered is kept)."""
+    _update(key, {"read_bps": float(rates["read_bps"]), "write_bps": float(rates["write_bps"]),
+                  "direct": bool(rates.get("direct", True))})
+
+
+def remember_io_cpu(key: str, s_per_gb: float, steal_share: float | None) -> None:
+    """Add what a GB of swap I/O in ``key``'s directory cost the compute beside it (`storage.probe.IOCpuCost`),
+    with the share of CPU time the hypervisor stole meanwhile, and when it was measured."""
+    _update(key, {"io_cpu_s_per_gb": max(0.0, float(s_per_gb)), "io_cpu_steal_share": steal_share,
+                  "io_cpu_measured_at": time.strftime("%Y-%m-%d %H:%M", time.localtime())})
+
+
+def _update(key: str, fields: dict[str, Any]) -> None:
+    """Merge ``fields`` into ``key``'s entry (read-modify-write of the whole file; a read-only home keeps
+    nothing: the next run measures again)."""
     cache = load()
-    cache[key] = {"read_bps": float(rates["read_bps"]), "write_bps": float(rates["write_bps"]),
-                  "direct": bool(rates.get("direct", True))}
+    entry = cache.get(key)
+    cache[key] = {**(entry if isinstance(entry, dict) else {}), **fields}
     try:
         CACHE.parent.mkdir(parents=True, exist_ok=True)
         tmp = CACHE.with_name(f"{CACHE.name}.tmp-{os.getpid()}")
@@ -72,3 +88,17 @@ def measured(directories: Iterable[str | os.PathLike]) -> list[dict[str, Any]] |
 def slowest(rates: Iterable[dict[str, Any]]) -> float:
     """The slowest read or write rate, in bytes/s, of some directories' measurements: what sets the pace."""
     return min(min(r["read_bps"], r["write_bps"]) for r in rates)
+
+
+def io_cpu_cost(directories: Iterable[str | os.PathLike]) -> dict[str, Any] | None:
+    """The costliest I/O CPU measurement remembered for the filesystems ``directories`` live on
+    (``{"io_cpu_s_per_gb", "io_cpu_steal_share", "io_cpu_measured_at"}``): measured in the directory itself
+    or in another of its filesystem (what a byte costs the CPUs is the device's and the machine's, not the
+    folder's); ``None`` if none was."""
+    try:
+        devices = {cache_key(d).split(":", 1)[0] for d in directories}
+    except OSError:
+        return None
+    found = [e for k, e in load().items() if isinstance(e, dict) and k.split(":", 1)[0] in devices
+             and isinstance(e.get("io_cpu_s_per_gb"), (int, float))]
+    return max(found, key=lambda e: e["io_cpu_s_per_gb"]) if found else None

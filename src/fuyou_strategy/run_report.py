@@ -1,5 +1,5 @@
-"""`RunReport`: what a `FuyouEngine` run reports — per-step metrics, the summary, SSD wear, the step trace,
-and the planner's predicted against measured step time.
+"""`RunReport`: what a `FuyouEngine` run reports — per-step metrics, the summary, SSD wear, what its swap I/O
+costs the compute, the step trace, and the planner's predicted against measured step time.
 
 The engine owns one and calls it at the loop's events (`begin_window`, `before_step`, `after_step`); it
 reads the engine's parts (optimizer counters, tensor store, swapper, streamer, plan) and never changes
@@ -13,17 +13,22 @@ import time
 import warnings
 from typing import Any, Callable, Protocol
 
-from . import trace
+from . import drives, trace
 from .activations import discover_blocks
 from .activations.spans import BlockSpans
 from .config import format_bytes
 from .optim.schedule import NEXT_FORWARD
+from .storage.probe import cpu_shares, cpu_times
 from .storage.wear import TB, Wear, drive_capacity
 
-__all__ = ["RunReport", "WEAR_SAMPLE_STEPS"]
+__all__ = ["IO_CPU_WARN_SHARE", "RunReport", "WEAR_SAMPLE_STEPS"]
 
-# Steps measured (after the first) before the SSD wear of a run is projected and reported.
+# Steps measured (after the first) before the SSD wear of a run, and what its swap I/O costs the compute, are
+# reported.
 WEAR_SAMPLE_STEPS = 3
+# The share of the step that the swap I/O's compute cost (`fuyou doctor`'s measurement per GB, times the bytes the
+# run moves per step) must reach for a warning.
+IO_CPU_WARN_SHARE = 0.10
 
 
 class Run(Protocol):
@@ -49,6 +54,7 @@ class RunReport:
         self.micro_batches = 0
         self.run_steps: int | None = None  # optimizer steps of the whole run, from the adapter (`expect_steps`)
         self.wear: Wear | None = None
+        self.io_cpu: dict[str, Any] | None = None  # what the swap I/O costs the compute (`_measure_io_cpu`)
         self._last_step_end: float | None = None
         self._window_open = False  # a micro-batch of the next step has begun
         self._tracer: trace.Tracer | None = None
@@ -61,6 +67,8 @@ class RunReport:
         self._plan_reported = False
         self._wear_warned = False
         self._written_per_step: list[float] = []
+        self._moved_per_step: list[float] = []  # read + written
+        self._cpu_marks: list[list[int] | None] = []  # `cpu_times` at each sampled step's end
         self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
         # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
         # rollback counts) nor the bytes the load wrote into the store.
@@ -92,7 +100,7 @@ class RunReport:
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
             self._metrics = self._step_metrics(now - self._last_step_end)
-            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"])
+            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"], self._metrics["fuyou/ssd_read_bytes"])
         self._last_step_end = now
         self._window_open = False
         if self._tracer is not None:
@@ -201,16 +209,57 @@ class RunReport:
             "FuyouConfig.ssd_endurance_tbw to your drive's rating (its datasheet), add drives (swap_dirs), keep "
             "activations off the SSD, or raise ssd_wear_warning", stacklevel=4)
 
-    def _measure_wear(self, written: float) -> None:
+    def _measure_wear(self, written: float, read: float) -> None:
+        """Sample the first steps' bytes (and the machine's CPU time); after ``WEAR_SAMPLE_STEPS`` of them, past
+        the first, report the wear and what the I/O costs the compute, once."""
         if self.wear is not None:  # measured once: the sample is not kept growing with the run
             return
         self._written_per_step.append(written)
+        self._moved_per_step.append(written + read)
+        self._cpu_marks.append(cpu_times())
         if len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
             return
         sample = self._written_per_step[1:]  # the first step includes the warm-up
-        self.wear = self._wear(statistics.median(sample), statistics.median(self.step_times[-len(sample):]))
+        step_s = statistics.median(self.step_times[-len(sample):])
+        self.wear = self._wear(statistics.median(sample), step_s)
         self.engine.report(f"fuyou: {self.wear.describe(self.config.ssd_wear_warning)}")
         self._check_wear(self.wear, "about")
+        # the CPU time of the sampled steps: from the end of the first to the end of the last
+        self._measure_io_cpu(statistics.median(self._moved_per_step[1:]), step_s,
+                             cpu_shares(self._cpu_marks[0], self._cpu_marks[-1])[1])
+
+    def _measure_io_cpu(self, moved: float, step_s: float, steal: float | None) -> None:
+        """What the swap I/O of a step costs the compute: the bytes it moves times what `fuyou doctor` measured a
+        GB to cost on this filesystem (`drives.io_cpu_cost`; on a virtual machine the hypervisor serves the disk
+        on the training's own CPUs); reported, and warned of from ``IO_CPU_WARN_SHARE`` of the step."""
+        if moved <= 0:
+            return
+        cost = drives.io_cpu_cost(self._optimizer.store.run_dirs)
+        s_per_gb = cost["io_cpu_s_per_gb"] if cost is not None else None
+        compute_s = moved / 1e9 * s_per_gb if s_per_gb is not None else None
+        share = compute_s / step_s if compute_s is not None and step_s > 0 else None
+        self.io_cpu = {"bytes_per_step": moved, "s_per_gb": s_per_gb, "compute_s_per_step": compute_s,
+                       "share_of_step": share, "steal_share": steal,
+                       "measured_at": cost.get("io_cpu_measured_at") if cost is not None else None}
+        stolen = f"the hypervisor took {steal:.0%} of the CPU time over these steps" if steal else None
+        if compute_s is None:
+            if stolen:
+                self.engine.report(f"fuyou: swap I/O: {format_bytes(moved)} per step; {stolen}. On a virtual machine "
+                                   "swap I/O can cost the compute: `fuyou doctor` measures how much, and runs then "
+                                   "report it")
+            return
+        cost_line = (f"{format_bytes(moved)} per step at {s_per_gb:.2f} s of compute per GB (`fuyou "
+                     f"doctor`, {self.io_cpu['measured_at']}): ~{compute_s:.2f} s of each {step_s:.2f} s step "
+                     f"({share:.0%})")
+        self.engine.report(f"fuyou: swap I/O: {cost_line}" + (f"; {stolen}" if stolen else ""))
+        if share is not None and share >= IO_CPU_WARN_SHARE:
+            state = self._optimizer.adam_state.slot_bytes(in_memory=False)
+            warnings.warn(
+                f"fuyou: this run's swap I/O costs its compute: {cost_line}, over IO_CPU_WARN_SHARE="
+                f"{IO_CPU_WARN_SHARE:g}. No overlap hides a cost paid in compute; fewer bytes do. The optimizer "
+                f"state on the SSD reads and writes about {format_bytes(state)} each per step: hold it in RAM "
+                "(host_state='auto' with a larger host_memory_budget), or take state_format='bf16'; keep "
+                "activations off the SSD", stacklevel=4)
 
     # -- metrics and the summary --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -311,6 +360,9 @@ class RunReport:
             "ssd_write_bytes_total": store.engine.bytes_written,
             # measured after WEAR_SAMPLE_STEPS steps: per step and hour, DWPD, the run's share of the rating
             "wear": self.wear.as_dict() if self.wear is not None else None,
+            # measured with the wear: swap bytes per step, what fuyou doctor measured a GB to cost the compute here
+            # (s_per_gb, None if it did not), their product and its share of the step, the hypervisor's steal share
+            "io_cpu": dict(self.io_cpu) if self.io_cpu is not None else None,
         }
 
     def format_summary(self) -> str:

@@ -24,7 +24,7 @@ from ..device import alloc_host_buffer
 from .aio import IOEngine, SwapFile, filesystem_type
 from .rundir import make_run_dir, remove_run_dir
 
-__all__ = ["Bandwidth", "IOCpuCost", "measure_bandwidth", "measure_io_cpu_cost"]
+__all__ = ["Bandwidth", "IOCpuCost", "cpu_shares", "cpu_times", "measure_bandwidth", "measure_io_cpu_cost"]
 
 # One source/destination buffer is reused for every transfer; bigger files loop over it.
 _MAX_WINDOW = 64 * 2**20
@@ -139,13 +139,24 @@ class IOCpuCost:
         return {**asdict(self), "lost_s_per_gb": self.lost_s_per_gb}
 
 
-def _cpu_times() -> list[int] | None:
-    """``/proc/stat``'s first line: user, nice, system, idle, iowait, irq, softirq, steal (jiffies)."""
+def cpu_times() -> list[int] | None:
+    """``/proc/stat``'s first line: user, nice, system, idle, iowait, irq, softirq, steal (jiffies); ``None``
+    off Linux."""
     try:
         with open("/proc/stat") as f:
             return [int(v) for v in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> tuple[float | None, float | None]:
+    """The system and steal shares of the machine's CPU time between two `cpu_times` readings (``None``
+    where either is missing). Steal is what the hypervisor of a virtual machine ran elsewhere."""
+    if before is None or after is None:
+        return None, None
+    delta = [x - y for x, y in zip(after, before)]
+    total = sum(delta) or 1
+    return delta[2] / total, delta[7] / total
 
 
 def measure_io_cpu_cost(
@@ -214,9 +225,9 @@ def measure_io_cpu_cost(
         io.start()
         try:
             time.sleep(0.5)  # the stream at its rate before the matmuls start
-            cpu_before, moved_before = _cpu_times(), moved[0]
+            cpu_before, moved_before = cpu_times(), moved[0]
             beside = matmuls(n)
-            cpu_after, moved_during = _cpu_times(), moved[0] - moved_before
+            cpu_after, moved_during = cpu_times(), moved[0] - moved_before
         finally:
             stop.set()  # before the file closes, on every path
         io.join(timeout=300)
@@ -225,9 +236,5 @@ def measure_io_cpu_cost(
         if failure:
             raise failure[0]
     alone = min(alone_before, matmuls(n))
-    steal = system = None
-    if cpu_before is not None and cpu_after is not None:
-        delta = [x - y for x, y in zip(cpu_after, cpu_before)]
-        total = sum(delta) or 1
-        system, steal = delta[2] / total, delta[7] / total
+    system, steal = cpu_shares(cpu_before, cpu_after)
     return IOCpuCost(directory, torch.get_num_threads(), io_threads, alone, beside, moved_during, steal, system)
