@@ -255,8 +255,8 @@ class RunReport:
         if share is not None and share >= IO_CPU_WARN_SHARE:
             state = self._optimizer.adam_state.slot_bytes(in_memory=False)
             warnings.warn(
-                f"fuyou: this run's swap I/O costs its compute: {cost_line}, over IO_CPU_WARN_SHARE="
-                f"{IO_CPU_WARN_SHARE:g}. No overlap hides a cost paid in compute; fewer bytes do. The optimizer "
+                f"fuyou: this run's swap I/O costs its compute: {cost_line}, {IO_CPU_WARN_SHARE:.0%} or more of "
+                "the step. No overlap hides a cost paid in compute; fewer bytes do. The optimizer "
                 f"state on the SSD reads and writes about {format_bytes(state)} each per step: hold it in RAM "
                 "(host_state='auto' with a larger host_memory_budget), or take state_format='bf16'; keep "
                 "activations off the SSD", stacklevel=4)
