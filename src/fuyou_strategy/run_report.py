@@ -68,7 +68,7 @@ class RunReport:
         self._wear_warned = False
         self._written_per_step: list[float] = []
         self._moved_per_step: list[float] = []  # read + written
-        self._cpu_marks: list[list[int] | None] = []  # `cpu_times` at each sampled step's end
+        self._cpu_from: list[int] | None = None  # `cpu_times` at the first step's end: the sample's CPU time starts
         self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
         # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
         # rollback counts) nor the bytes the load wrote into the store.
@@ -216,7 +216,8 @@ class RunReport:
             return
         self._written_per_step.append(written)
         self._moved_per_step.append(written + read)
-        self._cpu_marks.append(cpu_times())
+        if len(self._written_per_step) == 1:
+            self._cpu_from = cpu_times()
         if len(self._written_per_step) <= WEAR_SAMPLE_STEPS:
             return
         sample = self._written_per_step[1:]  # the first step includes the warm-up
@@ -226,7 +227,7 @@ class RunReport:
         self._check_wear(self.wear, "about")
         # the CPU time of the sampled steps: from the end of the first to the end of the last
         self._measure_io_cpu(statistics.median(self._moved_per_step[1:]), step_s,
-                             cpu_shares(self._cpu_marks[0], self._cpu_marks[-1])[1])
+                             cpu_shares(self._cpu_from, cpu_times())[1])
 
     def _measure_io_cpu(self, moved: float, step_s: float, steal: float | None) -> None:
         """What the swap I/O of a step costs the compute: the bytes it moves times what `fuyou doctor` measured a
