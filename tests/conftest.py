@@ -14,12 +14,32 @@ from pathlib import Path
 
 import pytest
 
+
+def _own_dir(variable: str, prefix: str, *, keep_users: bool = True) -> str | None:
+    """A fresh folder in ``variable`` for this test process, unless a process of the same test worker set it (a
+    spawned rank, a kill server) or, with ``keep_users``, the user did: returns the folder this process made, to
+    remove at the end, else ``None``. The folder is made in the system temp folder (``TMPDIR``'s, if set).
+
+    Each pytest-xdist worker gets its own (``PYTEST_XDIST_WORKER``, inherited by what the worker starts), so
+    that two workers never see each other's files: the leftover check below and the drive cache's tests count
+    what is in these folders."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    owner = os.environ.get(f"{variable}_OWNER", worker if keep_users else None)
+    if os.environ.get(variable) and owner == worker:
+        return None
+    made = tempfile.mkdtemp(prefix=f"{prefix}{worker}-")
+    os.environ[variable], os.environ[f"{variable}_OWNER"] = made, worker
+    return made
+
+
 # The planner's SSD probe and `fuyou doctor` remember what they measured (`fuyou_strategy.drives`): the tests'
 # measurements of their temporary folders go to a folder of this session, not the user's cache (it had 431 of
 # them). Set before fuyou_strategy is imported, which reads it; spawned ranks and the kill server inherit it.
-_OWN_CACHE = None if os.environ.get("FUYOU_CACHE_DIR") else tempfile.mkdtemp(prefix="fuyou-test-cache-")
-if _OWN_CACHE is not None:
-    os.environ["FUYOU_CACHE_DIR"] = _OWN_CACHE
+_OWN_CACHE = _own_dir("FUYOU_CACHE_DIR", "fuyou-test-cache-")
+# Under pytest-xdist each worker has its own system temp folder too: default swap folders (`fuyou-swap-*`) and
+# Lightning's temporary .ckpt files of one worker are not the other's leftovers.
+_OWN_TMP = _own_dir("TMPDIR", "fuyou-test-tmp-", keep_users=False) if "PYTEST_XDIST_WORKER" in os.environ else None
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 # A rank or a child process that dies of a native abort (CI once saw a gloo rank end in "terminate called without
 # an active exception", with no Python traceback) prints every thread's Python stack first: spawned ranks and
@@ -265,23 +285,49 @@ def compute_device():
     return torch.device(name)
 
 
-# The suites that move tensors between the device and the host: CI runs them a second time with
-# FUYOU_ASYNC_DEVICE set (`pytest -m device`), where every copy lands late and a missing wait fails
-# (docs/gpu.md). The optimizer, activation swapping, weight streaming, schedules and the device module;
-# data parallel (test_distributed.py) passed in the mode too but is left to the full runs (its spawned
-# ranks make it the slowest).
+# The suites that move tensors between the device and the host: each of their tests runs twice, with copies as
+# they are (``[now]``) and with every copy landing late (``[late]``, marker ``late_copies``: the late-copy test
+# mode, `fuyou_strategy.device.late_copies`, with FUYOU_ASYNC_DEVICE set for the processes the test starts), where
+# a missing wait fails (docs/gpu.md). The optimizer, activation swapping, weight streaming, schedules and the
+# device module; data parallel (test_distributed.py) passed in the mode too but is left out (its ranks make it
+# the slowest). A run with FUYOU_ASYNC_DEVICE already set runs them once, in that mode.
 DEVICE_SUITES = {"test_device.py", "test_on_device.py", "test_optimizer.py", "test_schedule.py", "test_pipeline.py",
                  "test_activations.py", "test_weights.py", "test_weights_trainable.py"}
+LATE_COPY_MS = "2"  # the largest delay of a late copy, in milliseconds (FUYOU_ASYNC_DEVICE's value)
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.path.name in DEVICE_SUITES and not os.environ.get("FUYOU_ASYNC_DEVICE"):
+        metafunc.fixturenames.insert(0, "copies")
+        metafunc.parametrize("copies", ["now", "late"], indirect=True)
+
+
+@pytest.fixture
+def copies(request, monkeypatch):
+    """The device suites' copy mode for one test: ``now`` as they are, ``late`` in the late-copy test mode."""
+    if request.param == "now":
+        yield
+        return
+    from fuyou_strategy.device import late_copies
+
+    monkeypatch.setenv("FUYOU_ASYNC_DEVICE", LATE_COPY_MS)
+    with late_copies(max_delay_ms=float(LATE_COPY_MS), seed=None):
+        yield
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE is not None:  # this process made it (a spawned rank inherits the variable and leaves it)
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    import ranks
+
+    ranks.stop()
+    for made in (_OWN_CACHE, _OWN_TMP):  # this process made it (a spawned rank inherits the variable and leaves it)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_configure(config):
     warm_up_first_calls()  # before any test: no test is this process's first call (see the function)
-    config.addinivalue_line("markers", "device: moves tensors between device and host (run again under FUYOU_ASYNC_DEVICE)")
+    config.addinivalue_line("markers", "device: moves tensors between device and host (run again with late copies)")
+    config.addinivalue_line("markers", "late_copies: a device test run in the late-copy test mode")
     config.addinivalue_line("markers", "venv: builds a fresh virtual environment from the package index (test_install.py)")
 
 
@@ -289,3 +335,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in DEVICE_SUITES:
             item.add_marker(pytest.mark.device)
+            if getattr(item, "callspec", None) is not None and item.callspec.params.get("copies") == "late":
+                item.add_marker(pytest.mark.late_copies)

@@ -12,8 +12,8 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ranks import spawn as spawn_ranks
 from conftest import tiny_causal_lm
 from fuyou_strategy.cli import main as fuyou_main
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
@@ -112,7 +112,7 @@ def max_relative_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_two_ranks_train_like_one_process_on_the_global_batch_each_holding_half_the_state(tmp_path, family):
-    mp.spawn(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "next_forward"}), nprocs=2)
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "next_forward"}), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # the ranks hold the same weights, bitwise: every rank has the owner's broadcast
     for name, p in ranks[0]["weights"].items():
@@ -153,7 +153,7 @@ def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(t
     """Each rank's own shard splits between host RAM and its SSD (``host_state``; ``"auto"``: what rank 0's
     plan leaves, moved there after the warm-up): bitwise the same as one process summing the ranks' gradients
     alike, as with the state all on the SSD."""
-    mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", **split}), nprocs=2)
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", **split}), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["host_bytes_optimizer_state"] > 0 for r in ranks), "each rank kept some of its shard in RAM"
     same_sum, norms = reference("gpt2", as_ranks=True)
@@ -166,7 +166,7 @@ def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(t
 def test_two_ranks_with_a_compact_state_train_like_one_process(tmp_path):
     """``state_format="bf16"``: each rank keeps its shard's moments in bf16; bitwise torch's AdamW summing the
     ranks' gradients alike, its moments rounded to bf16 after every step (the format's definition)."""
-    mp.spawn(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", "state_format": "bf16"}),
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", "state_format": "bf16"}),
              nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["state_format"] == "bf16" for r in ranks)
@@ -187,7 +187,7 @@ def test_two_ranks_stream_the_blocks_weights_and_train_like_one_process(tmp_path
     """Weight streaming under data parallelism: every rank streams the blocks' weights from its own
     tier copies; a streamed gradient is summed onto its owner from the ranks' host copies, and the
     owner's new weight reaches the others' tier copies as the next forward reaches the block."""
-    mp.spawn(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "auto", "weights": weights, **fields}),
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), family, {"optimizer_schedule": "auto", "weights": weights, **fields}),
              nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     weight_bytes = sum(p.numel() * p.element_size() for p in tiny_causal_lm(family).parameters())
@@ -246,7 +246,7 @@ def test_the_planner_chooses_the_weight_tiers_under_data_parallelism_alike_on_ev
                           for tier in ("device", "ssd"))
     assert streamed < resident
     budget = (streamed + resident) // 2
-    mp.spawn(_rank_main, args=(2, str(tmp_path), "llama", {**PLANNED, "device_memory_budget": budget}), nprocs=2)
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), "llama", {**PLANNED, "device_memory_budget": budget}), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     plans = [r["plan"] for r in ranks]
     assert plans[0] is not None and plans[0] == plans[1], "every rank applied rank 0's plan"
@@ -278,7 +278,7 @@ def _mismatched(rank, world, tmp):
 
 
 def test_ranks_with_different_configs_fail_on_every_rank_naming_the_field(tmp_path):
-    mp.spawn(_mismatched, args=(2, str(tmp_path)), nprocs=2)
+    spawn_ranks(_mismatched, args=(2, str(tmp_path)), nprocs=2)
     for r in range(2):
         text = (tmp_path / f"error{r}.txt").read_text()
         assert "FuyouConfig differs" in text and "activations" in text
@@ -425,7 +425,7 @@ def _assert_same_states(mine: dict, theirs: dict) -> None:
 @pytest.mark.parametrize("weights", ["device", "ssd"])
 def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back(tmp_path, weights):
     """The ranks stream their weights or not (``weights``); the one process keeps them resident."""
-    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "save", weights), nprocs=2)
+    spawn_ranks(_checkpoint_ranks, args=(2, str(tmp_path), "save", weights), nprocs=2)
     saved = [torch.load(tmp_path / f"save-rank{r}.pt") for r in range(2)]
     assert set(saved[0]["states"]).isdisjoint(saved[1]["states"]), "each rank saved only what it owns"
     assert all(r["tiers"] == ({} if weights == "device" else {0: "ssd", 1: "ssd"}) for r in saved)
@@ -445,7 +445,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back
         engine.save(str(tmp_path / "ckpt-one"))  # and back: a one-process save into 2 ranks
     finally:
         engine.close()
-    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "load", weights), nprocs=2)
+    spawn_ranks(_checkpoint_ranks, args=(2, str(tmp_path), "load", weights), nprocs=2)
     for r in range(2):
         loaded = torch.load(tmp_path / f"load-rank{r}.pt")
         _assert_same_states(loaded["states"], states)
@@ -454,7 +454,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_exactly_into_one_process_and_back
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tmp_path):
-    mp.spawn(_checkpoint_ranks, args=(2, str(tmp_path), "bad"), nprocs=2)
+    spawn_ranks(_checkpoint_ranks, args=(2, str(tmp_path), "bad"), nprocs=2)
     for r in range(2):
         error = torch.load(tmp_path / f"error-{r}.pt")
         assert "the sharded save failed on 1 of 2 ranks" in error and "rank 1: OSError" in error, error
@@ -501,13 +501,13 @@ def test_a_sharded_save_killed_on_one_rank_leaves_nothing_after_clean_or_a_resum
     ``owner.json`` and ``part-<rank>/`` folders is recognised as stale by ``fuyou clean``, and a resumed
     2-rank run removes it from the folder it loads from and saves into."""
     with pytest.raises(Exception, match="signal|SIGKILL|exited"):
-        mp.spawn(_sharded_save_killed, args=(2, str(tmp_path), "kill"), nprocs=2)
+        spawn_ranks(_sharded_save_killed, args=(2, str(tmp_path), "kill"), nprocs=2)
     (temp,) = [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
     assert "part-0" in {p.name for p in temp.iterdir()}, "rank 0 wrote its part before it died"
     shutil.copytree(tmp_path / "ckpt", tmp_path / "copy")
     assert fuyou_main(["clean", "--dir", str(tmp_path / "copy")]) == 0
     assert not [p for p in (tmp_path / "copy").iterdir() if ".tmp-" in p.name], "fuyou clean removed it"
-    mp.spawn(_sharded_save_killed, args=(2, str(tmp_path), "resume"), nprocs=2)
+    spawn_ranks(_sharded_save_killed, args=(2, str(tmp_path), "resume"), nprocs=2)
     for r in range(2):
         resumed = torch.load(tmp_path / f"resume-rank{r}.pt")
         assert resumed["steps"] == 3 and resumed["left_by_load"] == [], "the load removed it"
@@ -692,7 +692,7 @@ def test_a_rank_that_cannot_take_a_streamed_weight_stops_every_rank_at_that_bloc
     import time
 
     start = time.monotonic()
-    mp.spawn(_receive_fails_on_rank_1, args=(2, str(tmp_path)), nprocs=2)
+    spawn_ranks(_receive_fails_on_rank_1, args=(2, str(tmp_path)), nprocs=2)
     assert time.monotonic() - start < 100, "no rank waited for the collective timeout"
     errors = [torch.load(tmp_path / f"error-{r}.pt") for r in range(2)]
     for error in errors:
@@ -707,7 +707,7 @@ def test_a_rank_that_loses_its_disk_stops_every_rank_with_the_cause_not_a_hang(t
     import time
 
     start = time.monotonic()
-    mp.spawn(_disk_fails_on_rank_1, args=(2, str(tmp_path), weights), nprocs=2)
+    spawn_ranks(_disk_fails_on_rank_1, args=(2, str(tmp_path), weights), nprocs=2)
     assert time.monotonic() - start < 100, "no rank waited for the collective timeout"
     for r in range(2):
         error = torch.load(tmp_path / f"error-{r}.pt")
@@ -916,7 +916,7 @@ def _fp16_reference():
 def test_fp16_loss_scaling_under_data_parallelism_is_gradscaler_on_the_ranks_sum(tmp_path):
     """Every rank scales its loss by the same scale; an overflow on one rank skips the step on every
     rank and backs the scale off everywhere, as GradScaler does on the ranks' summed gradients."""
-    mp.spawn(_fp16_rank, args=(2, str(tmp_path)), nprocs=2)
+    spawn_ranks(_fp16_rank, args=(2, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"fp16-rank{r}.pt") for r in range(2)]
     model, masters, scales = _fp16_reference()
     for r in ranks:

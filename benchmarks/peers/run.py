@@ -21,6 +21,7 @@ peak RSS per system against model size) to ``--out`` (default ``benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -100,7 +101,6 @@ def worker(args: argparse.Namespace) -> dict:
     """Run one system on one size in this process; always returns a JSON-able dict (a crash in native
     code leaves its Python stack on stderr for the parent)."""
     faulthandler.enable()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by `watch` while it started us
     size, swap_dir = args.sizes, args.swap_dir
     job = job_of(args, size, swap_dir)
     try:
@@ -143,20 +143,18 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     start, peak_disk, stopped = time.monotonic(), 0, None
     with open(swap_dir.parent / f"{swap_dir.name}.log", "w+") as log:
-        # An interrupt (Ctrl-C, SIGTERM) while the worker starts would leave it running on its own (its own
-        # session, no `finally` yet to kill it): both wait until the `try` below, where they kill it.
-        interrupts = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)
-        try:
+        # An interrupt (Ctrl-C, SIGTERM) between starting the worker and the `try` below would leave it running
+        # on its own (its own session, no `finally` yet to kill it). A signal mask cannot hold it off: the mask
+        # is per thread, and a signal sent to the process reaches any other thread (torch's, an import's) that
+        # does not block it, whose Python handler then runs in this thread at once. So the handlers only note
+        # the interrupt while the worker starts, and it is raised again inside the `try`, where it kills it.
+        with _interrupts_deferred() as pending:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=fresh_env(use_jemalloc),
                                     start_new_session=True)
-        except BaseException:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)
-            raise
         out: list[str] = []
         reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
         try:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)  # a pending interrupt is raised here
+            pending.raise_again()
             reader.start()
             while proc.poll() is None:
                 rss = _rss(proc.pid)
@@ -189,6 +187,41 @@ def watch(argv: list[str], swap_dir: Path, limit: int, timeout: float, use_jemal
     if proc.returncode != 0:  # after it reported (e.g. a peer's exit handler crashed): keep the result, say so
         result["exit"] = f"exit code {proc.returncode} after reporting"
     return {**result, "ssd_peak_bytes": peak_disk, "wall_s": elapsed}
+
+
+class _Pending:
+    """The interrupts noted while `_interrupts_deferred` held them, raised again by `raise_again`."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.handlers: dict[int, object] = {}
+
+    def note(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+
+    def raise_again(self) -> None:
+        """Restore the handlers, then deliver each noted interrupt to them (the caller's `finally` runs)."""
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        self.handlers = {}
+        for signum in self.signals:
+            signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """While the block runs, SIGINT and SIGTERM are only noted; the caller calls ``raise_again()`` on what this
+    yields once it is inside the ``try`` whose ``finally`` cleans up (or at once, if the block failed).
+    Off the main thread (where Python's handlers cannot be set) nothing is deferred."""
+    pending = _Pending()
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            pending.handlers[signum] = signal.signal(signum, pending.note)
+    try:
+        yield pending
+    except BaseException:
+        pending.raise_again()
+        raise
 
 
 def crash_reason(stderr: str) -> str:

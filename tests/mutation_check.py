@@ -1,0 +1,202 @@
+"""Deliberate bugs, one at a time: does the test suite still catch each one? Old suite against new.
+
+    .venv/bin/python tests/mutation_check.py                    # every bug, the old suite (--old) and this one
+    .venv/bin/python tests/mutation_check.py --only clip-redo   # one bug (ids: --list)
+    .venv/bin/python tests/mutation_check.py --new-only         # this suite alone (after a change to the tests)
+
+Each bug (`MUTANTS`) is a one-line change to a copy of ``src/`` and names the test files that should catch it.
+Both suites run those files against the same mutated copy (``PYTHONPATH`` puts it before the installed
+package, and every process the tests start inherits it): the old suite as its CI ran it (``pytest FILES``, then
+``FUYOU_ASYNC_DEVICE=2 pytest -m device FILES``), taken from git at ``--old`` (default: the commit before the
+suite was made faster); this one as the README runs it (``pytest -n 2 FILES``: the late-copy runs are part of
+it). A bug is caught when a run fails. First both suites run the files on the unmutated copy: a file that fails
+there makes its rows meaningless, and the script stops.
+
+Prints a table (bug, files, caught by the old suite, caught by this one, seconds) and writes it as JSON
+(``--json``). Not collected by pytest (its name does not start with ``test_``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OLD_REF = "92aa3bf"  # main before the suite was made faster (issue 51)
+# The files the old CI ran a second time with late copies (its conftest's DEVICE_SUITES).
+OLD_DEVICE_SUITES = {"test_device.py", "test_on_device.py", "test_optimizer.py", "test_schedule.py", "test_pipeline.py",
+                     "test_activations.py", "test_weights.py", "test_weights_trainable.py"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    what: str
+    file: str  # under src/fuyou_strategy/
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # test files that should catch it (under tests/)
+
+
+MUTANTS = [
+    Mutant("grad-copy-wait", "a gradient's device-to-host copy is not waited for before the update reads it",
+           "optim/gradients.py", "            host, copy = self.copy_out(grad)\n            copy.wait()\n",
+           "            host, copy = self.copy_out(grad)\n", ("test_device.py", "test_optimizer.py")),
+    Mutant("copy-wait-late", "a device copy's wait returns before a late copy landed",
+           "device.py", "        if self._late is not None:\n            self._late.wait(timeout)\n",
+           "        if self._late is not None:\n            pass\n", ("test_device.py", "test_activations.py")),
+    Mutant("bias-correction", "AdamW's bias correction uses the step after the one being taken",
+           "optim/state.py", "[step + 1], amsgrad=False", "[step + 2], amsgrad=False", ("test_optimizer.py",)),
+    Mutant("bias-correction-compact", "the compact formats' second-moment bias correction is one step off",
+           "optim/formats.py", "    bias_correction2 = 1 - beta2**step\n", "    bias_correction2 = 1 - beta2**(step + 1)\n",
+           ("test_state_formats.py",)),
+    Mutant("clip-redo", "the redo after a rollback forgets the clip coefficient",
+           "optim/schedule.py", "                p.updates.queue(ps, p.gradients.at_step(ps), coef=coef)",
+           "                p.updates.queue(ps, p.gradients.at_step(ps), coef=None)", ("test_schedule.py",)),
+    Mutant("rollback-shadow", "an undone window keeps its shadow-slot writes (no rollback)",
+           "optim/schedule.py", "        p = self.parts\n        p.state.rollback()\n        p.window.partial.clear()",
+           "        p = self.parts\n        p.window.partial.clear()", ("test_schedule.py",)),
+    Mutant("meta-fsync", "a save's optimizer.json is not fsynced",
+           "optim/checkpoint.py", "        json.dump(meta, f, indent=1)\n        f.flush()\n        os.fsync(f.fileno())",
+           "        json.dump(meta, f, indent=1)\n        f.flush()", ("test_optimizer_checkpoint.py", "test_power_cut.py")),
+    Mutant("save-rename", "a whole save is not renamed from its temporary name into place",
+           "optim/checkpoint.py", "        try:\n            tmp.rename(folder / token)\n            _fsync_dir(folder)\n"
+           "        except BaseException:\n            shutil.rmtree(tmp, ignore_errors=True)\n            raise\n        return meta",
+           "        try:\n            _fsync_dir(folder)\n"
+           "        except BaseException:\n            shutil.rmtree(tmp, ignore_errors=True)\n            raise\n        return meta",
+           ("test_optimizer_checkpoint.py",)),
+    Mutant("checksum", "a state file's checksum mismatch is not reported",
+           "optim/checkpoint.py", "        if self._bad:\n", "        if False:\n", ("test_optimizer_checkpoint.py",)),
+    Mutant("token", "a save's optimizer.json is not checked against its folder's token",
+           "optim/checkpoint.py", "    if _TOKEN.fullmatch(save.name) and meta.get(\"token\") != save.name:",
+           "    if False:", ("test_optimizer_checkpoint.py",)),
+    Mutant("stale-temp", "a dead writer's temporary save folder is not recognised as stale",
+           "optim/checkpoint.py", "    reason = temp_writer_gone(path, pid)\n", "    reason = None\n",
+           ("test_optimizer_checkpoint.py", "test_cli.py", "test_store.py")),
+    Mutant("shard-owner", "each rank takes the next rank's parameters as its own (owner off by one)",
+           "optim/distributed.py", "        return self.owner[ps.index] == self.rank",
+           "        return (self.owner[ps.index] + 1) % self.world == self.rank", ("test_distributed.py",)),
+    Mutant("pool-lent", "a buffer given back to the host pool is not subtracted from what is lent",
+           "storage/pool.py", "        with self._cond:\n            self._lent -= capacity\n            if self._closed:",
+           "        with self._cond:\n            if self._closed:", ("test_pool.py", "test_host_budget.py")),
+    Mutant("prefetch-block", "backward reads back the activations of the blocks after the one it reached",
+           "activations/swap.py",
+           "        for j in range(block, block - self.config.activation_prefetch_blocks - 1, -1):",
+           "        for j in range(block - 1, block - self.config.activation_prefetch_blocks - 2, -1):",
+           ("test_activations.py", "test_pipeline.py")),
+    Mutant("weight-prefetch", "backward reads ahead the streamed weights of the wrong blocks",
+           "params/streaming.py", "            for j in range(i - 1, i - self.k - 1, -1):",
+           "            for j in range(i + 1, i - self.k - 1, -1):", ("test_weights.py", "test_weights_trainable.py")),
+    Mutant("scaler-backoff", "the loss scale grows where it should back off (found_inf ignored)",
+           "optim/scaler.py", "torch.full((), float(found_inf)),", "torch.full((), 0.0),",
+           ("test_schedule.py", "test_on_device.py")),
+    Mutant("accumulate", "every micro-batch's backward ends the window (gradient accumulation ignored)",
+           "engine.py", "            self.optimizer.updates_enabled = update\n",
+           "            self.optimizer.updates_enabled = True\n", ("test_hf.py", "test_lightning.py")),
+]
+
+
+def mutated_src(into: Path, mutant: Mutant | None) -> Path:
+    """A copy of ``src/`` at ``into`` with ``mutant`` applied (none: as it is)."""
+    shutil.rmtree(into, ignore_errors=True)
+    shutil.copytree(ROOT / "src", into, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    if mutant is not None:
+        path = into / "fuyou_strategy" / mutant.file
+        text = path.read_text()
+        if text.count(mutant.old) != 1:
+            raise SystemExit(f"{mutant.id}: the line to change occurs {text.count(mutant.old)} times in "
+                             f"src/fuyou_strategy/{mutant.file}, not once: update MUTANTS after the code changed")
+        path.write_text(text.replace(mutant.old, mutant.new))
+    return into
+
+
+def old_suite(into: Path, ref: str) -> Path:
+    """The repository's files at ``ref`` (tests, benchmarks, examples, docs: what the old tests read)."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def run(suite: Path, files: list[str], src: Path, *, old: bool, log) -> tuple[bool, float]:
+    """Whether the suite at ``suite`` fails on ``files`` with ``src`` first on the path, and the seconds it took."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FUYOU_ASYNC_DEVICE", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = str(src)
+    base = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[f"tests/{f}" for f in files]]
+    runs = [(base, env)]
+    if old and any(f in OLD_DEVICE_SUITES for f in files):
+        runs.append((base + ["-m", "device"], dict(env, FUYOU_ASYNC_DEVICE="2")))
+    elif not old:
+        runs = [(base + ["-n", "2"], env)]
+    start = time.monotonic()
+    for cmd, cmd_env in runs:
+        proc = subprocess.run(cmd, cwd=suite, env=cmd_env, capture_output=True, text=True, timeout=3600)
+        log.write(f"$ {' '.join(cmd)}  (in {suite})\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}\n")
+        log.flush()
+        if proc.returncode not in (0, 5):  # 5: no test selected by -m device
+            return True, time.monotonic() - start
+    return False, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", default=OLD_REF, help=f"the git ref of the old suite (default {OLD_REF})")
+    p.add_argument("--only", action="append", help="run this bug only (repeatable); --list shows the ids")
+    p.add_argument("--new-only", action="store_true", help="run this suite only, not the old one")
+    p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    p.add_argument("--json", default="mutation_check.json", help="where to write the table (default: %(default)s)")
+    p.add_argument("--log", default="mutation_check.log", help="every pytest run's output tail (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.id:24} {m.what}  [{', '.join(m.tests)}]")
+        return 0
+    chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.only and len(chosen) != len(set(args.only)):
+        raise SystemExit(f"unknown bug id in {args.only}; --list shows them")
+    work = Path(tempfile.mkdtemp(prefix="fuyou-mutation-"))
+    suites = {"new": ROOT} if args.new_only else {"old": old_suite(work / "old", args.old), "new": ROOT}
+    rows = []
+    try:
+        with open(args.log, "w") as log:
+            files = sorted({f for m in chosen for f in m.tests})
+            src = mutated_src(work / "src", None)
+            for name, suite in suites.items():  # the unmutated code passes, or no row means anything
+                present = [f for f in files if (suite / "tests" / f).exists()]
+                failed, secs = run(suite, present, src, old=name == "old", log=log)
+                print(f"unmutated, {name} suite: {'FAILS' if failed else 'passes'} ({secs:.0f} s)", flush=True)
+                if failed:
+                    raise SystemExit(f"the {name} suite fails without a bug: see {args.log}")
+            print(f"\n{'bug':24} {'old':>6} {'new':>6} {'old s':>6} {'new s':>6}  files", flush=True)
+            for m in chosen:
+                src = mutated_src(work / "src", m)
+                row = {"id": m.id, "what": m.what, "file": m.file, "tests": list(m.tests)}
+                for name, suite in suites.items():
+                    present = [f for f in m.tests if (suite / "tests" / f).exists()]
+                    row[f"{name}_files"] = present
+                    row[name], row[f"{name}_s"] = run(suite, present, src, old=name == "old", log=log) if present \
+                        else (False, 0.0)
+                rows.append(row)
+                shown = {k: ("caught" if row[k] else "MISSED") if k in row else "-" for k in ("old", "new")}
+                print(f"{m.id:24} {shown['old']:>6} {shown['new']:>6} {row.get('old_s', 0):6.0f} {row['new_s']:6.0f}  "
+                      f"{', '.join(m.tests)}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lost = [r["id"] for r in rows if r.get("old") and not r["new"]]
+    print(f"\n{sum(r['new'] for r in rows)} of {len(rows)} caught by this suite"
+          + (f", {sum(bool(r.get('old')) for r in rows)} by the old one" if not args.new_only else "")
+          + (f"; LOST: {', '.join(lost)}" if lost else ""))
+    Path(args.json).write_text(json.dumps({"old_ref": None if args.new_only else args.old, "rows": rows}, indent=1))
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
