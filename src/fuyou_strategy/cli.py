@@ -71,6 +71,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
     from .integrations.hf_checkpoints import find_leftovers
     from .optim.checkpoint import find_stale_temps
+    from .storage.durable import find_stale_temp_files
     from .storage.rundir import find_stale_runs, remove_run_dir
 
     dirs = args.dir or [tempfile.gettempdir()]
@@ -80,6 +81,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         dirs += glob.glob(f"{tempfile.gettempdir()}/fuyou-swap-*")
     stale = [(run, remove_run_dir) for run in find_stale_runs(dirs)]
     stale += [(temp, shutil.rmtree) for temp in find_stale_temps(dirs)]  # from checkpoint saves cut short
+    stale += [(temp, os.remove) for temp in find_stale_temp_files(dirs)]  # a .ckpt written beside its old one
     for folder in dirs:  # a Trainer's output_dir: incomplete checkpoint-N folders of a run that is gone
         leftovers = find_leftovers(folder)
         inside = tuple(os.path.join(left.path, "") for left in leftovers)

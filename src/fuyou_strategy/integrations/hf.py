@@ -37,7 +37,9 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   before the Trainer's save. A checkpoint is complete only when both halves are, decided from the
   files (`hf_checkpoints`); ``on_init_end`` sets incomplete ones aside, so that
   ``resume_from_checkpoint=True`` picks the newest complete one. Rotation removes the state with
-  its folder, after the new checkpoint is complete.
+  its folder, after the new checkpoint is complete. The Trainer fsyncs nothing: the callback makes the
+  checkpoint durable in ``state`` and again at ``on_save`` (`hf_checkpoints.make_durable`; the window
+  a power cut can still hit is in that module's docstring).
 - resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams the save that
   the checkpoint's ``trainer_state.json`` records back from
   ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``), and refuses
@@ -482,6 +484,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
                 self._save_state(args, state)
             else:  # a save this callback did not see coming: written after the Trainer's files, by on_save
                 self.fuyou_save = {"pending": True, "global_step": state.global_step}
+        if self.engine is not None and self._at is not None and os.path.isdir(self._checkpoint_dir(*self._at)):
+            hf_checkpoints.make_durable(self._checkpoint_dir(*self._at))  # the Trainer's files so far, before rotation
         return {"args": {"config": self.config.to_dict(), "resume_from": self.resume_from,
                          "log_metrics": self.log_metrics},
                 "attributes": {"fuyou_save": self.fuyou_save}}
@@ -491,6 +495,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
         self._save_due = False
         if self.engine is not None and not self._saved_for(state) and os.path.isdir(self._checkpoint_dir(args, state)):
             self._save_state(args, state)
+        if self.engine is not None and args.should_save and os.path.isdir(self._checkpoint_dir(args, state)):
+            hf_checkpoints.make_durable(self._checkpoint_dir(args, state))  # trainer_state.json and the rotation
 
     # -- end -------------------------------------------------------------------------------------------------
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -23,8 +23,10 @@ hands the training loop's events to a `FuyouEngine`:
   `FuyouMixedPrecision` has no ``GradScaler`` of its own;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
   ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/`` (checksummed); the ``.ckpt`` records the
-  token, and the earlier saves there are removed only once the ``.ckpt`` is written, so the
-  ``.ckpt`` on disk always names a complete save, whenever the process dies. ``ckpt_path=``
+  token, and the earlier saves there are removed only once the ``.ckpt`` is written and durable
+  (`DurableCheckpointIO` writes it beside the old one, fsyncs it, renames it over it and fsyncs the
+  folder), so the ``.ckpt`` on disk always names a complete save, whenever the process dies or the
+  power goes (`..storage.durable`). ``ckpt_path=``
   streams it back and refuses a ``.ckpt`` whose save is not there (a mismatched pair), and
   ``remove_checkpoint`` (top-k pruning) removes it. Weights kept in bf16 are saved as their
   fp32 masters.
@@ -43,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 
@@ -52,6 +55,8 @@ require(__name__, "lightning")  # without it: the error says which extra to inst
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # noqa: E402
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy  # noqa: E402
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
+from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.callbacks import RichProgressBar  # noqa: E402
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision  # noqa: E402
@@ -69,8 +74,9 @@ from ..config import ConfigError, FuyouConfig, auto_host_budget, available_memor
 from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
+from ..storage.durable import fsync_dir, make_durable, write_durably
 
-__all__ = ["FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy", "SIDECAR_SUFFIX", "register"]
+__all__ = ["DurableCheckpointIO", "FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy", "SIDECAR_SUFFIX", "register"]
 
 SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -85,6 +91,24 @@ def _check_precision(precision: str, supported: tuple[str, ...] = _PRECISIONS,
     if precision not in supported:
         fix = fixes.get(precision, f"use one of {list(supported)}")
         raise ConfigError(f"precision: got {precision!r}; the fuyou strategy supports {list(supported)}: {fix}")
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(get_filesystem(path), LocalFileSystem)
+
+
+class DurableCheckpointIO(TorchCheckpointIO):
+    """Lightning's `TorchCheckpointIO`, writing a local ``.ckpt`` so that it survives a power cut:
+    beside the old file, fsynced, renamed over it, the folder fsynced (`write_durably`). A power cut at
+    any instant leaves the old ``.ckpt`` or the new one, whole. The fuyou strategies' default; a remote
+    path is written as Lightning writes it."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None or not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)  # refuses storage_options, as Lightning
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_durably(path, lambda f: torch.save(checkpoint, f))
 
 
 class _EngineOwner:
@@ -145,6 +169,17 @@ class _EngineOwner:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """Lightning's, unless none was given: then `DurableCheckpointIO`."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DurableCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
 
 class _ClipsInOptimizer:
@@ -483,13 +518,15 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         token = state["fuyou"]["token"]
         try:
             super().save_checkpoint(checkpoint, filepath, storage_options)  # atomic: the old .ckpt or the new one
+            if self.is_global_zero and not isinstance(self.checkpoint_io, DurableCheckpointIO):
+                make_durable(filepath)  # a CheckpointIO of the user's: at least durable before the old state goes
         except BaseException:
             discard(os.path.join(folder, token))
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # if empty: made by this save
             raise
         if self.is_global_zero:  # data parallel: the ranks share the folder; only rank 0 wrote the .ckpt
-            remove_versions(folder, keep=token)
+            remove_versions(folder, keep=token)  # the .ckpt naming them is durably replaced: a power cut keeps the new
 
     def _masters_into(self, checkpoint: dict[str, Any]) -> None:
         """Weights kept in bf16 go into the checkpoint as their fp32 masters."""
@@ -517,6 +554,8 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
+        if self.is_global_zero and _is_local(filepath):
+            fsync_dir(os.path.dirname(os.path.abspath(filepath)))  # a power cut keeps no .ckpt whose state is gone
         shutil.rmtree(sidecar(filepath), ignore_errors=True)
 
     # -- pending updates: landed before anything reads the weights outside a training forward ---------------

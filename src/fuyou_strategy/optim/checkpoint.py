@@ -21,14 +21,16 @@ without the metadata checksum) still load.
 
 A save never touches an earlier one before it is complete: it writes ``<token>.tmp-<pid>/``
 (with an ``owner.json`` first, so that ``fuyou clean`` can tell whether its writer still runs),
-fsyncs every file and the folder, renames it to ``<token>/`` and fsyncs ``<folder>``; only
+fsyncs every file (``owner.json`` too) and the folder, renames it to ``<token>/`` and fsyncs ``<folder>``; only
 then does `save` remove the earlier saves (each renamed to a ``.tmp-<pid>`` name first, so a
 half-removed save never looks complete). Every save and load first removes the temporary folders
 in its checkpoint folder whose writer is gone (`remove_stale_temps`: a save killed earlier, which
 would otherwise hold a full copy of the state for good). A caller that records the token elsewhere — the
 Lightning strategy's ``.ckpt`` — writes with `save_version` and removes the earlier saves with
 `remove_versions` only after that record is written. A process killed at any instant thus
-leaves at least one complete save, and every record names a save that exists.
+leaves at least one complete save, and every record names a save that exists; so does a power cut,
+as long as the record is durable before `remove_versions` runs (the Lightning strategy fsyncs its
+``.ckpt`` and that folder first; `..storage.durable`).
 
 Loading takes the save a state dict names (`find`: its token must be in the folder, or the
 error says which side is stale) or the newest one (`newest`); the optimizer stages what
@@ -62,6 +64,7 @@ from typing import Any, Callable, Iterable
 
 from ..config import format_bytes
 from ..progress import Progress
+from ..storage.durable import fsync_dir
 from ..storage.rundir import OWNER_FILE, RUN_PREFIX, StaleRun, dir_bytes, temp_writer_gone, write_owner
 from .formats import ALL_KINDS, KINDS  # KINDS: the files of an fp32 save (a caller names its format's own)
 
@@ -207,7 +210,7 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
     if not sharded:
         try:
             tmp.rename(folder / token)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -226,9 +229,9 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
     if group.rank == 0:
         try:
             _write_meta(tmp, meta)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             tmp.rename(folder / token)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"rank 0 (completing the save): {type(exc).__name__}: {exc}"
@@ -249,7 +252,7 @@ def _write_state(into: Path, token: str, write_state: Callable[[SaveWriter], Non
         raise
     meta = _meta(token, writer.close(), describe(), record, kinds)
     _write_meta(into, meta)
-    _fsync_dir(into)
+    fsync_dir(into)
     return meta
 
 
@@ -271,15 +274,6 @@ def _write_meta(into: Path, meta: dict) -> None:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the entries of directory ``path`` (files created, renamed in) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove_versions(folder: str | os.PathLike, keep: str) -> None:

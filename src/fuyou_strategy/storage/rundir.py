@@ -171,12 +171,15 @@ def remove_run_dir(path: str) -> None:
 
 
 def write_owner(path: str | os.PathLike, name: str = OWNER_FILE) -> None:
-    """Record this process (host, pid, start time) in ``path/<name>`` (mode 0600; it must not exist)."""
+    """Record this process (host, pid, start time) in ``path/<name>`` (mode 0600; it must not exist),
+    fsynced: the folder it lies in may be fsynced and renamed into place later (a checkpoint save)."""
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
              "created": time.time()}
     fd = os.open(os.path.join(path, name), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(owner, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def owner_gone(path: str | os.PathLike, pid: int | None = None, name: str = OWNER_FILE) -> str | None:
