@@ -158,7 +158,7 @@ def test_the_wear_line_of_a_toy_run_says_its_share_first_and_that_nothing_is_to_
 
 
 def test_the_engine_reports_the_wear_line_against_its_warning_share(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="fuyou_strategy"):
+    with caplog.at_level(logging.DEBUG, logger="fuyou_strategy"):  # at DEBUG: nothing to act on (summary()["wear"])
         engine, *_ = train(tmp_path, steps=5, expect=10)
     (line,) = [r.getMessage() for r in caplog.records if "SSD wear" in r.getMessage()]
     assert line.startswith("fuyou: SSD wear: the run's 10 steps")
@@ -291,8 +291,8 @@ def test_a_run_reports_what_its_swap_io_costs_the_compute_and_warns_from_a_share
         if s_per_gb is not None:
             drives.remember_io_cpu(drives.cache_key(measured_in), s_per_gb, 0.25)
         caplog.clear()
-        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="fuyou_strategy"):
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG, logger="fuyou_strategy"):
+            warnings.simplefilter("always")  # the figures at DEBUG (summary()["io_cpu"]); a warning from the share
             engine, metrics, slot, summary = train(swap, steps=5)
         lines = [r.getMessage() for r in caplog.records if "swap I/O" in r.getMessage()]
         return summary, metrics, lines, [str(w.message) for w in caught if "swap I/O costs" in str(w.message)]
