@@ -48,16 +48,17 @@ _MOVED = {
 
 
 def _register_with_lightning() -> None:
-    """Register ``strategy="fuyou"`` with Lightning's Trainer and Fabric (Lightning is imported)."""
+    """Register ``strategy="fuyou"`` with Lightning's Trainer and Fabric (Lightning is imported): importing
+    ``fuyou_strategy.integrations.lightning`` registers it, at the module's end."""
+    if any(f"{__name__}.integrations.{name}" in sys.modules for name in ("lightning", "lightning_internals")):
+        return  # Lightning was imported by our integration's own import, which registers once it is complete
     try:
-        from .integrations.lightning import register
+        importlib.import_module(".integrations.lightning", __name__)
     except MissingExtraError:  # a partial install: the names raise the install line
-        return
+        pass
     except ImportError as error:  # Lightning broken: the core still works; the names raise this again
         warnings.warn(f'strategy="fuyou" is not registered: importing Lightning failed: {error}', RuntimeWarning,
                       stacklevel=2)
-        return
-    register()
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):

@@ -282,10 +282,10 @@ class FuyouEngine:
         # logger once the optimizer is made (`_announce_choices`); each reason at DEBUG and in summary()["choices"].
         self.choices: dict[str, tuple[Any, str]] = {}
         for name, (value, why) in config.auto_choices().items():
-            self._chose(name, value, f"fuyou: {name}='auto' took {value}: {why}")
+            self._chose(name, value, why)
         for said in placed:  # "fuyou: activations (unset) took 'keep': why"
             name = said.split()[1]
-            self._chose(name, getattr(config, name), said)
+            self._chose(name, getattr(config, name), said.split(": ", 2)[2], said)
         self.model = model
         self.init_weights = init_weights
         # What close() reads exists before anything can fail: a construction that fails half-way closes
@@ -309,8 +309,7 @@ class FuyouEngine:
             if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
                 took = self.optimizer.threads_asked  # what was asked, not what the worker has set yet (a race)
                 took = "torch's default" if took is None else took
-                self._chose("optimizer_threads", took,
-                            f"fuyou: optimizer_threads='auto' took {took}: {self.optimizer.threads_reason}")
+                self._chose("optimizer_threads", took, self.optimizer.threads_reason)
             self._announce_choices()
             self.reporting = RunReport(self)
             self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
@@ -518,10 +517,10 @@ class FuyouEngine:
         """
         return self.reporting.metrics()
 
-    def _chose(self, name: str, value: Any, said: str) -> None:
-        """Record a choice; ``said`` (``"fuyou: <field> ... took <value>: <why>"``) goes to the DEBUG log."""
-        self.choices[name] = (value, said.split(": ", 2)[-1])
-        log.debug(said)
+    def _chose(self, name: str, value: Any, why: str, said: str | None = None) -> None:
+        """Record a choice and say it, with its reason, at DEBUG."""
+        self.choices[name] = (value, why)
+        log.debug(said or f"fuyou: {name}='auto' took {value}: {why}")
 
     def _announce_choices(self) -> None:
         """One short line of what fuyou chose; the reasons are in summary()["choices"] and at DEBUG."""

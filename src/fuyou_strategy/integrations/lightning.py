@@ -785,10 +785,14 @@ class FuyouFabricDDPStrategy(_FabricEngine, FabricDDPStrategy):
 
 
 def register() -> None:
-    """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
+    """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done when this module is imported, which
+    ``import fuyou_strategy`` does once Lightning is imported)."""
     if "fuyou" not in StrategyRegistry:
         FuyouStrategy.register_strategies(StrategyRegistry)  # and its other name, "fuyou_ddp"
     if "fuyou" not in FABRIC_REGISTRY:
         FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")
     if "fuyou_ddp" not in FABRIC_REGISTRY:  # Fabric launches a multi-process strategy only after fabric.launch()
         FABRIC_REGISTRY.register("fuyou_ddp", FuyouFabricDDPStrategy, description="Fuyou, data parallel")
+
+
+register()  # idempotent: strategy="fuyou" works once this module is imported
