@@ -19,6 +19,7 @@ import random
 import tempfile
 import time
 
+import common  # noqa: F401 (first: it quiets the import-time logs of the optional libraries transformers imports)
 import torch
 
 from fuyou_strategy import FuyouCallback

@@ -153,10 +153,12 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
     assert report["reasons"]["optimizer_prefetch_chunks"].startswith(f"takes {measured}:")
 
 
-def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch):
+def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch,
+                                                                                             caplog):
     """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: resolved once from the machine, carried
-    through ``replace``/``resolve`` copies, announced with their reason through the ``report`` the integration
-    passes (Lightning's rank-zero logger, the Trainer's logger); an explicit number is kept and not announced."""
+    through ``replace``/``resolve`` copies, announced in one short line through the ``report`` the integration
+    passes (Lightning's rank-zero logger, the Trainer's logger), each with its reason at DEBUG and in
+    ``summary()["choices"]``; an explicit number is kept and not announced."""
     import os
 
     import torch
@@ -179,17 +181,25 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         "a number is hard"
     said = []
     model = torch.nn.Linear(4, 4)
-    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=auto, report=said.append)
+    with caplog.at_level("DEBUG", logger="fuyou_strategy"):  # each choice's reason, at DEBUG
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=auto, report=said.append)
+    debug = caplog.text
     try:
-        threads = [m for m in said if m.startswith("fuyou: io_threads='auto' took")]
-        assert threads == [f"fuyou: io_threads='auto' took {auto.io_threads}: {auto_io_threads(cores)[1]}"]
-        assert sum(m.startswith("fuyou: host_memory_budget='auto' took 10.00 GiB: 50% of") for m in said) == 1
-        # resolved by the optimizer, from where the model computes (the CPU here)
+        # the framework's logger gets one short line of the choices; the reasons go to DEBUG and summary()
         from fuyou_strategy.config import auto_optimizer_threads
         from fuyou_strategy.device import usable_cores
         took, why = auto_optimizer_threads(True, usable_cores(), torch.get_num_threads())
-        assert [m for m in said if m.startswith("fuyou: optimizer_threads='auto'")] == [
-            f"fuyou: optimizer_threads='auto' took {took}: {why}"]
+        chose = [m for m in said if m.startswith("fuyou: chose ")]
+        assert len(chose) == 1 and len(chose[0]) <= 160, chose
+        assert f"io_threads={auto.io_threads}" in chose[0] and "host_memory_budget=10.00GiB" in chose[0]
+        assert f"optimizer_threads={took}" in chose[0] and not [m for m in said if "='auto' took" in m]
+        assert debug.count(f"fuyou: io_threads='auto' took {auto.io_threads}: {auto_io_threads(cores)[1]}") == 1
+        assert debug.count("fuyou: host_memory_budget='auto' took 10.00 GiB: 50% of") >= 1
+        # resolved by the optimizer, from where the model computes (the CPU here)
+        assert f"fuyou: optimizer_threads='auto' took {took}: {why}" in debug
+        choices = engine.summary()["choices"]
+        assert choices["io_threads"] == {"value": auto.io_threads, "why": auto_io_threads(cores)[1]}
+        assert choices["optimizer_threads"] == {"value": took, "why": why}
         assert engine.summary()["optimizer_threads"] == took and engine.summary()["optimizer_threads_reason"] == why
     finally:
         engine.close()
@@ -198,7 +208,7 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         swap_dirs=[str(tmp_path)], chunk_size="8KiB", io_threads=2, host_memory_budget="64MiB",
         optimizer_prefetch_chunks=4, optimizer_threads=1), report=said.append)
     engine.close()
-    assert not [m for m in said if "='auto' took" in m]
+    assert not [m for m in said if "='auto' took" in m or "io_threads=" in m or "host_memory_budget=" in m]
 
 
 def test_placement_left_unset_is_decided_from_the_device_and_a_value_given_stays():
@@ -240,3 +250,42 @@ def test_auto_optimizer_threads_leaves_the_training_threads_their_cores():
     assert auto_optimizer_threads(True, 8, 16)[0] == 1  # never fewer than one
     threads, why = auto_optimizer_threads(False, 16, 16)
     assert threads is None and "accelerator" in why  # on a GPU host the cores are the worker's
+
+
+def test_the_readme_says_where_the_state_lives_by_default_as_fuyouconfig_does(tmp_path):
+    """The README's paragraph on the defaults: each `field=value` it names is FuyouConfig's default (but
+    ``host_state=0``, which it tells a user to set for the whole state on the SSD), its figures are the rule
+    "auto" applies, and a default run keeps a state that fits in RAM and none of it on the SSD."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from fuyou_strategy import FuyouEngine
+    from fuyou_strategy.config import auto_host_budget
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    paragraph = readme[readme.index("By default AdamW"):].split("\n\n", 1)[0]
+    defaults = {name: f.default for name, f in FuyouConfig.__dataclass_fields__.items()}
+    named = re.findall(r"`(\w+)=([^`]+)`", paragraph)
+    assert ("host_state", '"auto"') in named and ("host_memory_budget", '"auto"') in named
+    for name, value in named:
+        if (name, value) != ("host_state", "0"):
+            assert value == repr(defaults[name]).replace("'", '"'), (name, value, defaults[name])
+    assert defaults["state_format"] == "fp32" and "fp32 master weights and both moments stay in host RAM" in paragraph
+    assert defaults["swap_dirs"] is None and "(default: a temporary folder)" in paragraph
+    GiB = 2**30  # "half the RAM available at start, at least 4 GiB left to the rest"
+    assert "half the RAM available at start, at least 4 GiB left" in paragraph
+    assert auto_host_budget(20 * GiB)[0] == 10 * GiB and auto_host_budget(6 * GiB)[0] == 2 * GiB
+    # "only what does not fit goes to the SSD": a default run of a small model writes none of its state there
+    model = torch.nn.Linear(64, 64)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), fused=True),
+                         config=FuyouConfig(swap_dirs=[str(tmp_path)]), report=lambda _line: None)
+    try:
+        engine.begin_micro_batch(update=True)
+        model(torch.randn(4, 64)).square().mean().backward()
+        engine.optimizer.step()
+        summary = engine.summary()
+        assert summary["ssd_bytes_optimizer_state"] == 0 and summary["host_bytes_optimizer_state"] > 0
+    finally:
+        engine.close()

@@ -58,8 +58,8 @@ def test_every_relative_link_and_anchor_resolves():
 def test_the_readme_is_short_and_starts_with_the_commands_ci_runs():
     readme = (ROOT / "README.md").read_text().split("\n")
     assert len(readme) <= 300, f"README.md has {len(readme)} lines; move reference material to docs/"
-    assert readme[2] == "```bash"
-    commands = [line for line in readme[3:readme.index("```", 3)] if not line.startswith("#")]
+    assert readme[3:5] == ["", "```bash"] and readme[2].endswith("."), "one sentence says what the project is first"
+    commands = [line for line in readme[5:readme.index("```", 5)] if not line.startswith("#")]
     assert len(commands) == 2 and commands[0].endswith("examples/lightning_finetune.py")
     ci = [line for line in (ROOT / ".ci" / "run").read_text().split("\n") if line.startswith("python3 -m venv")]
     assert ci == [commands[1]]

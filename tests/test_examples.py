@@ -94,14 +94,29 @@ def test_local_folder_example_trains_a_given_folder_and_text_file(tmp_path, caps
 WARNING_LINE = re.compile(r"warn|\[transformers\]|\bW\d{4} \d\d:\d\d:|Failed to load", re.IGNORECASE)
 
 
-@pytest.mark.parametrize("example", ["hf_trainer_finetune.py", "lightning_finetune.py"])
+# Each example's tiny settings, and what its closing summary says.
+RUNS = {"hf_trainer_finetune.py": (TINY, "3 optimizer steps"), "lightning_finetune.py": (TINY, "3 optimizer steps"),
+        "local_hf_finetune.py": (["--steps", "3", "--seq-len", "16", "--batch-size", "2", "--lines", "200"],
+                                 "in 3 steps")}
+# What fuyou may print before the closing summary of a run with its defaults: the one line of its choices
+# (`fuyou: chose io_threads=2, ...`; Lightning's logger shows it, the HF Trainer's logs it at INFO, hidden by default).
+FUYOU_LINES_AT_MOST = 1
+
+
+@pytest.mark.parametrize("example", sorted(RUNS))
 def test_an_example_prints_no_warning(tmp_path, example):
     """As a user runs it (in a subprocess, with the default warning filters) but with UserWarning and FutureWarning
-    made errors: our examples' output holds no warning, only their results and progress."""
+    made errors: our examples' output holds no warning, only their results and progress; and before the closing
+    summary at most `FUYOU_LINES_AT_MOST` line of fuyou's own."""
+    args, done = RUNS[example]
     cmd = [sys.executable, "-W", "error::UserWarning", "-W", "error::FutureWarning", os.path.join(EXAMPLES, example),
-           *TINY, "--swap-dir", str(tmp_path)]
+           *args, "--swap-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "3 optimizer steps" in proc.stdout
+    assert done in proc.stdout
     lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if WARNING_LINE.search(line)]
     assert lines == [], "\n".join(lines)
+    before_summary = proc.stdout[:proc.stdout.index(done)].splitlines() + proc.stderr.splitlines()
+    ours = [line for line in before_summary if "fuyou:" in line or "fuyou planner:" in line]
+    assert len(ours) <= FUYOU_LINES_AT_MOST and all(len(line) <= 160 for line in ours), ours
+    assert "fuyou/" not in proc.stdout + proc.stderr, "no per-step metric dicts or progress-bar keys of fuyou's"

@@ -246,16 +246,19 @@ def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_bu
     finally:
         engine.close()
     assert losses == reference
-    assert [m for m in said if m.startswith("fuyou: activations (unset) took 'keep': the device is cpu with no "
-                                            "device_memory_budget")], said
+    # one line says the choice; its reason is in summary()["choices"] (and at DEBUG)
+    assert [m for m in said if m.startswith("fuyou: chose ") and "activations='keep'" in m], said
+    value, why = engine.choices["activations"]
+    assert value == "keep" and why.startswith("the device is cpu with no device_memory_budget"), why
     budget = (streamed + resident) // 2
     said.clear()
     engine = streams_the_full_fine_tune_exactly(FuyouConfig(**fields, device_memory_budget=budget), resident_model,
                                                 reference, report=said.append)
     assert engine.config.activations == "auto" and engine.config.weights == "auto"
     assert engine.plan.device_peak <= budget
-    assert [m for m in said if m.startswith("fuyou: activations (unset) took 'auto': a device_memory_budget of")]
-    assert [m for m in said if m.startswith("fuyou: weights (unset) took 'auto': the planner places")]
+    assert [m for m in said if m.startswith("fuyou: chose ") and "activations='auto', weights='auto'" in m], said
+    assert engine.choices["activations"][1].startswith("a device_memory_budget of")
+    assert engine.choices["weights"][1].startswith("the planner places")
 
 
 def test_auto_that_cannot_fit_is_a_config_error_naming_both_fields(tmp_path):

@@ -97,6 +97,15 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gb(nbytes: int) -> str:
+    """``768 GB (715.26 GiB)``: a size in the decimal unit it is sold in, and in the binary one tables use."""
+    return f"{nbytes / 1e9:,.4g} GB ({format_bytes(nbytes)})"
+
+
+def _drives(count: int) -> str:
+    return f"{count} drive{'s' if count != 1 else ''}"
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import os
@@ -126,9 +135,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f" on each of {args.gpus} GPUs (data parallel: gradients all-reduced over each GPU's link, ring; the "
               "CPU and SSDs shared, updating the whole model once)" if args.gpus > 1 else ""))
     print(f"hardware: {hw.name} ({format_bytes(hw.device_memory) if hw.device_memory else 'no accelerator'}, "
-          f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {format_bytes(hw.host_memory)}, {hw.ssds} SSD(s) "
-          f"{hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s read/write, CPU AdamW "
+          f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {_gb(hw.host_memory)}, {_drives(hw.ssds)} of "
+          f"{hw.ssd_capacity / 1e12:g} TB, {hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s "
+          f"read/write in all, CPU AdamW "
           f"{hw.adam_params_per_s / 1e9:g}G params/s; weights: {profile.notes['weights']}")
+    print("bytes: GB and TB are powers of 10 (as drives and RAM are sold), GiB powers of 2")
     print(f"TFLOPS count model FLOPs, {flops / 1e15:.3g} PFLOP/step (forward + backward, 6*P*tokens + attention; "
           f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
           "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
@@ -148,12 +159,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
             continue
-        print(plan.table(compact=True) if not args.full_table else plan.table())
+        print(plan.table(compact=not args.full_table) if args.verbose or args.full_table else "\n".join(plan.totals()))
         tflops, tflops_paper = (f / plan.predicted_step_s / 1e12 for f in (flops, flops_paper))
-        drives = -(-plan.ssd_peak // hw.ssd_capacity)
-        print(f"predicted step {plan.predicted_step_s:.2f} s, {tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
+        drives = -(-plan.ssd_peak // hw.ssd_capacity)  # the fewest drives whose capacity holds the swap files
+        space = (f"within the {_drives(hw.ssds)}" + (f" ({_drives(drives)} would hold it)" if drives < hw.ssds else "")
+                 if drives <= hw.ssds else f"more than the {_drives(hw.ssds)} hold: it needs {_drives(drives)}")
+        print(f"{tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
               f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s); "
-              f"SSD space {format_bytes(plan.ssd_peak)}: {drives} drive(s) of {hw.ssd_capacity / 1e12:g} TB")
+              f"SSD space {_gb(plan.ssd_peak)}, {space}")
         results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
                          "policies": plan.policies, "state_in_ram": plan.state_in_ram, "ssd_drives_needed": drives}
@@ -236,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model Fuyou's paper rather than this library's runtime: each update reads its state when "
                            "its gradients arrive and writes it before the step ends (no tail read-ahead, no writes "
                            "behind step()); reproduces the paper's figures")
-    plan.add_argument("--full-table", action="store_true", help="one row per block")
+    plan.add_argument("-v", "--verbose", action="store_true",
+                      help="show the per-block table: each block's policy and weight tier, and what each alternative "
+                           "would cost (consecutive alike blocks on one row)")
+    plan.add_argument("--full-table", action="store_true", help="the per-block table with one row per block")
     plan.add_argument("--save", help="write the Fuyou plan as JSON (for FuyouConfig(plan=...))")
     plan.add_argument("--json", help="write the results as JSON")
     plan.set_defaults(func=_cmd_plan)

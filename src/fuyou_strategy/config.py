@@ -112,7 +112,7 @@ def auto_optimizer_threads(on_host: bool, cores: int, training_threads: int) -> 
     threads = max(1, cores - training_threads)
     return threads, (f"the model computes on the CPU with {training_threads} intra-op threads on {cores} cores; a "
                      "second OpenMP team beyond the cores would make every team sleep at each barrier instead of "
-                     "spinning (docs/host-state-log.md), so the worker takes the cores left, at least one")
+                     "spinning, so the worker takes the cores left, at least one")
 
 
 AUTO_PREFETCH_MAX = 8  # optimizer_prefetch_chunks="auto": at most this many chunks read ahead

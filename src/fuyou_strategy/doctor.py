@@ -3,7 +3,7 @@
 Each swap directory is checked as the engine will use it: that a run directory can be made and
 written there, its filesystem, whether it takes ``O_DIRECT``, its free space, and its sequential
 write and read bandwidth (measured with the engine's own I/O path, `storage.probe`). Beside them:
-host memory, CPU cores for the I/O threads, the locked-memory limit, and the accelerator; and what the
+host memory, CPU cores for the I/O threads, the accelerator and, with CUDA, the locked-memory limit; and what the
 swap I/O costs the compute beside it (`storage.probe.measure_io_cpu_cost`: on a virtual machine the
 hypervisor's disk emulation can take a second of busy cores' compute per GB moved, which the optimizer
 state on the SSD then pays every step). The recommended configuration carries the reason for each
@@ -141,21 +141,21 @@ def _check_machine(d: Diagnosis, cores: int, mem: dict[str, int]) -> None:
     d.add("cpu", "cores", "ok" if cores >= 4 else "warn",
           f"{cores} usable: the optimizer's AdamW and the I/O threads share them" +
           ("" if cores >= 4 else " (few: the CPU optimizer will bound the step)"))
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    try:
+        found = accelerator()
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install is a finding, not a crash
+        d.add("accelerator", "cuda", "warn", f"the CUDA query failed: {exc}")
+        return
+    if found is None:  # nothing to pin, nothing to warn of: CPU training is a supported setting
+        d.add("accelerator", "none", "ok", "training computes on the CPU; the device tier is host RAM")
+        return
+    d.add("accelerator", "cuda", "ok", f"{found[0]}, {format_bytes(found[1])}")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)  # only CUDA pins the host pool's buffers
     unlimited = soft == resource.RLIM_INFINITY
     d.add("limits", "memlock", "ok" if unlimited or soft >= GiB else "warn",
           ("unlimited" if unlimited else format_bytes(soft)) + ": locked memory per process; CUDA pins the host "
           "pool's buffers through the driver, but a container's low `ulimit -l` can refuse pinning "
           "(raise it with --ulimit memlock=-1)")
-    try:
-        found = accelerator()
-    except Exception as exc:  # noqa: BLE001 - a broken CUDA install is a finding, not a crash
-        d.add("accelerator", "cuda", "warn", f"the CUDA query failed: {exc}")
-    else:
-        if found is not None:
-            d.add("accelerator", "cuda", "ok", f"{found[0]}, {format_bytes(found[1])}")
-        else:
-            d.add("accelerator", "cuda", "warn", "none: the device tier is host RAM (CPU training)")
 
 
 def _check_io_cpu(d: Diagnosis, directory: str, seconds: float, io_threads: int, say: Callable[[str], None]) -> None:

@@ -99,6 +99,15 @@ def optimizer_arguments(optimizer: torch.optim.Optimizer, *, where: str = "the o
     return groups, defaults
 
 
+def _short(value: Any) -> str:
+    """A chosen value as the one-line announcement shows it: sizes as ``10.00GiB``, other strings quoted."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2**20:
+        value = format_bytes(value)
+    if isinstance(value, str) and value.endswith("iB") and value[:1].isdigit():  # a size, as format_bytes writes it
+        return value.replace(" ", "")
+    return repr(value) if isinstance(value, str) and value != "torch's default" else str(value)
+
+
 def _kernel_hint(where: str) -> str:
     """What a user whose optimizer left ``fused`` unset should know: fuyou keeps torch's choice (the
     for-loop kernel on the CPU), and the fused kernel is the fast one for an update that runs there."""
@@ -269,10 +278,14 @@ class FuyouEngine:
         config, placed = placement_defaults(config if config is not None else FuyouConfig(), self.device, ranks)
         self.config = config
         self.report = report if report is not None else log.info
-        for name, (value, why) in config.auto_choices().items():  # through the framework's logger, once per run
-            self.report(f"fuyou: {name}='auto' took {value}: {why}")
-        for said in placed:
-            self.report(said)
+        # What fuyou chose for the fields left to it, {field: (value, why)}: one line through the framework's
+        # logger once the optimizer is made (`_announce_choices`); each reason at DEBUG and in summary()["choices"].
+        self.choices: dict[str, tuple[Any, str]] = {}
+        for name, (value, why) in config.auto_choices().items():
+            self._chose(name, value, why)
+        for said in placed:  # "fuyou: activations (unset) took 'keep': why"
+            name = said.split()[1]
+            self._chose(name, getattr(config, name), said.split(": ", 2)[2], said)
         self.model = model
         self.init_weights = init_weights
         # What close() reads exists before anything can fail: a construction that fails half-way closes
@@ -296,7 +309,8 @@ class FuyouEngine:
             if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
                 took = self.optimizer.threads_asked  # what was asked, not what the worker has set yet (a race)
                 took = "torch's default" if took is None else took
-                self.report(f"fuyou: optimizer_threads='auto' took {took}: {self.optimizer.threads_reason}")
+                self._chose("optimizer_threads", took, self.optimizer.threads_reason)
+            self._announce_choices()
             self.reporting = RunReport(self)
             self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
             if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
@@ -502,6 +516,17 @@ class FuyouEngine:
         ``plan_predicted_step_seconds``.
         """
         return self.reporting.metrics()
+
+    def _chose(self, name: str, value: Any, why: str, said: str | None = None) -> None:
+        """Record a choice and say it, with its reason, at DEBUG."""
+        self.choices[name] = (value, why)
+        log.debug(said or f"fuyou: {name}='auto' took {value}: {why}")
+
+    def _announce_choices(self) -> None:
+        """One short line of what fuyou chose; the reasons are in summary()["choices"] and at DEBUG."""
+        if self.choices:
+            shown = ", ".join(f"{name}={_short(value)}" for name, (value, _why) in self.choices.items())
+            self.report(f"fuyou: chose {shown} (why: summary()['choices'])")
 
     def summary(self) -> dict[str, Any]:
         """What the run did: steps, clipping outcomes, bytes on SSD, peak host memory, step time."""

@@ -8,6 +8,7 @@ them. Everything here runs on the training thread.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import warnings
@@ -22,6 +23,8 @@ from .storage.probe import cpu_shares, cpu_times
 from .storage.wear import TB, Wear, drive_capacity
 
 __all__ = ["IO_CPU_WARN_SHARE", "RunReport", "WEAR_SAMPLE_STEPS"]
+
+log = logging.getLogger("fuyou_strategy")
 
 # Steps measured (after the first) before the SSD wear of a run, and what its swap I/O costs the compute, are
 # reported.
@@ -42,6 +45,7 @@ class Run(Protocol):
     streamer: Any
     profiler: Any
     plan: Any
+    choices: dict[str, tuple[Any, str]]
     report: Callable[[str], Any]
 
 
@@ -223,7 +227,8 @@ class RunReport:
         sample = self._written_per_step[1:]  # the first step includes the warm-up
         step_s = statistics.median(self.step_times[-len(sample):])
         self.wear = self._wear(statistics.median(sample), step_s)
-        self.engine.report(f"fuyou: {self.wear.describe(self.config.ssd_wear_warning)}")
+        # The figures at DEBUG and in summary()["wear"]; a warning only when the run spends more than ssd_wear_warning
+        log.debug("fuyou: %s", self.wear.describe(self.config.ssd_wear_warning))
         self._check_wear(self.wear, "about")
         # the CPU time of the sampled steps: from the end of the first to the end of the last
         self._measure_io_cpu(statistics.median(self._moved_per_step[1:]), step_s,
@@ -245,14 +250,13 @@ class RunReport:
         stolen = f"the hypervisor took {steal:.0%} of the CPU time over these steps" if steal else None
         if compute_s is None:
             if stolen:
-                self.engine.report(f"fuyou: swap I/O: {format_bytes(moved)} per step; {stolen}. On a virtual machine "
-                                   "swap I/O can cost the compute: `fuyou doctor` measures how much, and runs then "
-                                   "report it")
+                log.debug("fuyou: swap I/O: %s per step; %s. On a virtual machine swap I/O can cost the compute: "
+                          "`fuyou doctor` measures how much, and runs then report it", format_bytes(moved), stolen)
             return
         cost_line = (f"{format_bytes(moved)} per step at {s_per_gb:.2f} s of compute per GB (`fuyou "
                      f"doctor`, {self.io_cpu['measured_at']}): ~{compute_s:.2f} s of each {step_s:.2f} s step "
                      f"({share:.0%})")
-        self.engine.report(f"fuyou: swap I/O: {cost_line}" + (f"; {stolen}" if stolen else ""))
+        log.debug("fuyou: swap I/O: %s", cost_line + (f"; {stolen}" if stolen else ""))  # summary()["io_cpu"]
         if share is not None and share >= IO_CPU_WARN_SHARE:
             state = self._optimizer.adam_state.slot_bytes(in_memory=False)
             warnings.warn(
@@ -330,6 +334,8 @@ class RunReport:
             # FuyouConfig.optimizer_threads: the worker's intra-op threads as it set them, and why
             "optimizer_threads": opt.adam_state.pipeline.threads,
             "optimizer_threads_reason": opt.threads_reason,
+            # the fields left to fuyou ("auto", or unset placement) and why each took its value
+            "choices": {name: {"value": value, "why": why} for name, (value, why) in engine.choices.items()},
             "ssd_bytes_optimizer_state": state_on_ssd,
             "host_bytes_optimizer_state": state_in_ram,
             "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark

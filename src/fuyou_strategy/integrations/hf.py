@@ -236,8 +236,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
             override it, e.g. ``FuyouCallback(swap_dirs=["/nvme0"], activations="ssd")``.
         resume_from: the checkpoint folder to resume from when it is not
             ``<output_dir>/checkpoint-<step>`` (the Trainer does not tell callbacks).
-        log_metrics: add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the
-            Trainer's training logs (`on_log`).
+        log_metrics: add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to
+            ``trainer.state.log_history`` (and, after `place_before_integrations`, to the logs; `on_log`).
 
     Honoured: ``learning_rate``, ``weight_decay`` (with the Trainer's no-decay groups),
     ``adam_beta1/2``, ``adam_epsilon``, ``lr_scheduler_type`` and warm-up,
@@ -278,6 +278,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         self.config = FuyouConfig.resolve(config, **config_fields)
         self.resume_from = resume_from
         self.log_metrics = log_metrics
+        self._metrics_in_logs = False  # the fuyou/ metrics join the logs the integrations see once placed before them
         self.summary: dict[str, Any] | None = None
         self.plan = None  # the planner's Plan after training with activations="auto"
         self._run: _Run | None = None
@@ -302,8 +303,9 @@ class FuyouCallback(TrainerCallback, ExportableState):
     def place_before_integrations(self, trainer: Any) -> None:
         """Move this callback ahead of the Trainer's reporting integrations (``report_to``:
         TensorBoard, W&B, MLflow, ...), right after ``DefaultFlowCallback``, so that they log the
-        ``fuyou/`` metrics it adds to the logs in `on_log`. The Trainer puts the callbacks a user
-        passes after its integrations, where they only reach ``log_history`` and later callbacks::
+        ``fuyou/`` metrics it then adds to the logs in `on_log` (the console shows them too). The Trainer
+        puts the callbacks a user passes after its integrations; there the metrics reach ``log_history``
+        only::
 
             trainer = Trainer(..., callbacks=[fuyou])
             fuyou.place_before_integrations(trainer)
@@ -315,6 +317,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         callbacks.remove(self)
         flow = next((i + 1 for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), 0)
         callbacks.insert(flow, self)
+        self._metrics_in_logs = True
 
     @property
     def engine(self) -> FuyouEngine | None:
@@ -415,10 +418,10 @@ class FuyouCallback(TrainerCallback, ExportableState):
         return save.name
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the Trainer's logs of a
-        training step, and to the entry the Trainer just put in ``state.log_history``. Reporting
-        callbacks placed after this one (``callbacks=[FuyouCallback(...), ...]``) see them; the
-        Trainer's own ``report_to`` integrations run before user callbacks and do not."""
+        """Add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the entry the Trainer just
+        put in ``state.log_history`` (``trainer_state.json``); after `place_before_integrations`, to the logs of
+        the step too, which the ``report_to`` integrations and the console then show. Not by default: the
+        Trainer's progress callback runs after the user's and would print every key at every logging step."""
         if self.engine is None or logs is None or "loss" not in logs:
             return  # evaluation logs and the closing train_runtime line carry no step
         metrics = self.engine.metrics() if self.log_metrics else {}
@@ -426,8 +429,9 @@ class FuyouCallback(TrainerCallback, ExportableState):
             # Data parallel: the Trainer took the norm of this rank's .grad, which holds the average only for
             # the parameters the rank owns (the comm hook sums each bucket onto its owners); fp16: of the
             # gradients as scaled by FuyouAdamW's loss scale. The optimizer's is the global, unscaled one.
-            metrics["grad_norm"] = self.engine.last_grad_norm
-        logs.update(metrics)
+            logs["grad_norm"] = metrics["grad_norm"] = self.engine.last_grad_norm
+        if self._metrics_in_logs:
+            logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
 

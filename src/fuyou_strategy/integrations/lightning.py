@@ -38,6 +38,7 @@ until the strategy is set up again or the process ends; the activation hooks are
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -79,6 +80,7 @@ from ..storage.durable import fsync_dir, make_durable, write_durably
 __all__ = ["DurableCheckpointIO", "FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy", "SIDECAR_SUFFIX", "register"]
 
 SIDECAR_SUFFIX = ".fuyou"  # <checkpoint>.fuyou/ holds the optimizer's SSD state
+log = logging.getLogger("fuyou_strategy")
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _FP16 = ("16-mixed", "16-true")  # the optimizer scales the loss (FuyouAdamW's loss_scaling), not Lightning's GradScaler
 _PRECISION_FIX = {
@@ -158,7 +160,7 @@ class _EngineOwner:
         self._auto_budget = False
         budget, why = auto_host_budget(available_memory(), self.num_processes)
         self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
-        rank_zero_info(f"fuyou: host_memory_budget='auto' took {format_bytes(budget)} per rank: {why}")
+        log.debug("fuyou: host_memory_budget='auto' took %s per rank: %s", format_bytes(budget), why)
 
     def _ddp_wrap(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
         ignore_streamed_in_ddp(module, self.fuyou_config)  # DDP leaves the streamed weights to FuyouAdamW
@@ -288,7 +290,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
 
     Every optimizer step's `FuyouEngine.metrics` (grad norm, clipping, schedule, SSD bytes and
     GB/s, host and device high-water marks, ...) go to the Trainer's loggers under ``fuyou/``, and
-    ``fuyou/ssd_write_gbps`` to the progress bar; ``log_metrics=False`` turns that off.
+    ``log_metrics=False`` turns that off (nothing goes to the progress bar).
     """
 
     strategy_name = "fuyou"
@@ -494,16 +496,13 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
 
     def _log_metrics(self) -> None:
         """The step's `FuyouEngine.metrics` to the Trainer's loggers (every ``log_every_n_steps``, as
-        Lightning logs ``on_step`` values); ``fuyou/ssd_write_gbps`` also on the progress bar."""
+        Lightning logs ``on_step`` values); none on the progress bar, which has room for the user's own."""
         module, trainer = self.lightning_module, self._trainer
         metrics = self.engine.metrics() if self.engine is not None and self.log_metrics else {}
-        if not metrics or module is None or trainer is None or not trainer.training:
-            return  # no step yet, or called outside the Trainer's training loop (nothing to log into)
-        to_loggers = bool(trainer.loggers)  # without one, Lightning would warn on every key
+        if not metrics or module is None or trainer is None or not trainer.training or not trainer.loggers:
+            return  # no step yet, outside the training loop, or no logger (Lightning would warn on every key)
         for name, value in metrics.items():
-            bar = name == "fuyou/ssd_write_gbps"
-            if to_loggers or bar:
-                module.log(name, value, on_step=True, on_epoch=False, prog_bar=bar, logger=to_loggers)
+            module.log(name, value, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @override
@@ -825,10 +824,14 @@ class FuyouFabricDDPStrategy(_FabricEngine, FabricDDPStrategy):
 
 
 def register() -> None:
-    """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done on ``import fuyou_strategy``)."""
+    """Register ``"fuyou"`` with Lightning's Trainer and Fabric (done when this module is imported, which
+    ``import fuyou_strategy`` does once Lightning is imported)."""
     if "fuyou" not in StrategyRegistry:
         FuyouStrategy.register_strategies(StrategyRegistry)  # and its other name, "fuyou_ddp"
     if "fuyou" not in FABRIC_REGISTRY:
         FABRIC_REGISTRY.register("fuyou", FuyouFabricStrategy, description="Fuyou: SSD-offloaded AdamW and activations")
     if "fuyou_ddp" not in FABRIC_REGISTRY:  # Fabric launches a multi-process strategy only after fabric.launch()
         FABRIC_REGISTRY.register("fuyou_ddp", FuyouFabricDDPStrategy, description="Fuyou, data parallel")
+
+
+register()  # idempotent: strategy="fuyou" works once this module is imported

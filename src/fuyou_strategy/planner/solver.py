@@ -94,9 +94,13 @@ class Plan:
             rows = [tuple(r) for r in merged]
         lines = [f"{'block':>7}  {'activations':>12}  {'policy':<9}  {'weights':<7}  reason", "-" * 78]
         lines += [f"{b:>7}  {a:>12}  {p:<9}  {w:<7}  {r}" for b, a, p, w, r in rows]
+        return "\n".join(lines + ["-" * 78] + self.totals())
+
+    def totals(self) -> list[str]:
+        """The lines under `table`'s rows: how many blocks take each policy and tier, the predicted step, the
+        peak per tier against its budget."""
         budget = {k: (format_bytes(v) if v is not None else "no limit") for k, v in self.budgets.items()}
-        lines += [
-            "-" * 78,
+        return [
             f"policies: {_counts(self.policies, [p.value for p in Policy])}; weights: "
             f"{_counts(self.weight_tiers, WEIGHT_TIERS)}; predicted step {self.predicted_step_s:.3f} s",
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
@@ -104,7 +108,6 @@ class Plan:
             f"(budget {budget.get('ssd')})",
         ] + ([f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
              if self.state_in_ram else []) + ([self.note] if self.note else [])
-        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table(compact=True)
@@ -194,10 +197,12 @@ def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy),
                 "sequence or shrink the batch"
             )
         _, current, best = choice
-    # 2. Improve: faster, or as fast with the weights on cheaper tiers.
+    # 2. Improve: faster, or as fast with the weights on cheaper tiers. Every block is tried alone here: a block's
+    # cost depends on where it sits (the prefetch window, the drive's queue), so the middle of a run of alike
+    # blocks can gain where its ends do not (the plan's reasons list each alternative; none is then faster).
     while True:
         choice = None
-        for candidate, pred in _moves(profile, current, allowed, tiers, evaluate):
+        for candidate, pred in _moves(profile, current, allowed, tiers, evaluate, every_block=True):
             if not pred.fits:
                 continue
             faster = pred.step_s < best.step_s - _TOLERANCE * max(1.0, best.step_s)
@@ -238,18 +243,19 @@ def _tier_rank(state: _State) -> int:
 
 
 def _moves(profile: Profile, current: _State, allowed: list[Policy], tiers: list[str],
-           evaluate) -> Iterable[tuple[_State, Prediction]]:
+           evaluate, every_block: bool = False) -> Iterable[tuple[_State, Prediction]]:
     """Single-block changes worth trying, of a policy or of a weight tier (see `_changes`)."""
     policies, weights = current
-    for candidate in _changes([b.act_bytes for b in profile.blocks], policies, allowed):
+    for candidate in _changes([b.act_bytes for b in profile.blocks], policies, allowed, every_block):
         yield (candidate, weights), evaluate((candidate, weights))
-    for candidate in _changes([b.weight_bytes for b in profile.blocks], weights, tiers):
+    for candidate in _changes([b.weight_bytes for b in profile.blocks], weights, tiers, every_block):
         yield (policies, candidate), evaluate((policies, candidate))
 
 
-def _changes(sizes: list[int], current: list, allowed: list) -> Iterable[list]:
+def _changes(sizes: list[int], current: list, allowed: list, every_block: bool = False) -> Iterable[list]:
     """Per (size, current value, new value), the first and the last block of that size and value
-    changed, and all of them; then every block at once to each allowed value."""
+    changed (``every_block``: each block of it), and all of them; then every block at once to each allowed
+    value."""
     groups: dict[tuple, list[int]] = {}
     for i, (size, value) in enumerate(zip(sizes, current)):
         groups.setdefault((size, value), []).append(i)
@@ -259,7 +265,8 @@ def _changes(sizes: list[int], current: list, allowed: list) -> Iterable[list]:
                 continue
             # One block (the first or the last of its group), or the whole group at once: the
             # device peak can sit on a plateau (e.g. the prefetch window) that no single move lowers.
-            for change in dict.fromkeys(((indices[0],), (indices[-1],), tuple(indices))):
+            singles = [(i,) for i in indices] if every_block else [(indices[0],), (indices[-1],)]
+            for change in dict.fromkeys((*singles, tuple(indices))):
                 candidate = list(current)
                 for index in change:
                     candidate[index] = target
