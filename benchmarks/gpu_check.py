@@ -103,9 +103,10 @@ def plan_steps(args: argparse.Namespace) -> list[Step]:
         steps.append(Step("install", "the CUDA build of torch (same version) and DeepSpeed, torch held",
                           ["bash", str(ROOT / "benchmarks" / "gpu_check_install.sh")], SHARES["install"],
                           env={"PYTHON": py}))
-    tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-m", "device"]  # conftest.DEVICE_SUITES
+    tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-m", "device and not late_copies",
+             "tests/"]  # conftest.DEVICE_SUITES, with copies as they are
     if args.smoke:
-        tests += ["-k", "environment_variable"]
+        tests[-1:] = ["tests/test_device.py", "-k", "environment_variable"]
     steps.append(Step("tests", f"the device-dependent tests on {device}", tests, SHARES["tests"],
                       env={"FUYOU_TEST_DEVICE": device}))
     if args.smoke:

@@ -41,6 +41,12 @@ _OWN_CACHE = _own_dir("FUYOU_CACHE_DIR", "fuyou-test-cache-")
 _OWN_TMP = _own_dir("TMPDIR", "fuyou-test-tmp-", keep_users=False) if "PYTEST_XDIST_WORKER" in os.environ else None
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
+# OpenMP threads that wait for work sleep instead of spinning (libgomp reads this when torch loads it, below; every
+# process the tests start inherits it). It changes no result, only how idle threads wait: with two test workers on
+# two cores, each worker's spinning threads take the cores the other one computes on (test_schedule.py twice at
+# once: 57-108 s spinning, 27 s sleeping).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A rank or a child process that dies of a native abort (CI once saw a gloo rank end in "terminate called without
 # an active exception", with no Python traceback) prints every thread's Python stack first: spawned ranks and
 # subprocesses inherit the variable, and Python enables `faulthandler` at start-up from it.
@@ -328,10 +334,13 @@ def pytest_configure(config):
     warm_up_first_calls()  # before any test: no test is this process's first call (see the function)
     config.addinivalue_line("markers", "device: moves tensors between device and host (run again with late copies)")
     config.addinivalue_line("markers", "late_copies: a device test run in the late-copy test mode")
+    config.addinivalue_line("markers", "slow: takes 8 s or more (processes that import torch anew, benchmark "
+                            "harnesses, kills at every step of a save); run first, so that two workers end together")
     config.addinivalue_line("markers", "venv: builds a fresh virtual environment from the package index (test_install.py)")
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first, else as collected
     for item in items:
         if item.path.name in DEVICE_SUITES:
             item.add_marker(pytest.mark.device)

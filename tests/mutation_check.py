@@ -4,13 +4,14 @@
     .venv/bin/python tests/mutation_check.py --only clip-redo   # one bug (ids: --list)
     .venv/bin/python tests/mutation_check.py --new-only         # this suite alone (after a change to the tests)
 
-Each bug (`MUTANTS`) is a one-line change to a copy of ``src/`` and names the test files that should catch it.
-Both suites run those files against the same mutated copy (``PYTHONPATH`` puts it before the installed
-package, and every process the tests start inherits it): the old suite as its CI ran it (``pytest FILES``, then
-``FUYOU_ASYNC_DEVICE=2 pytest -m device FILES``), taken from git at ``--old`` (default: the commit before the
-suite was made faster); this one as the README runs it (``pytest -n 2 FILES``: the late-copy runs are part of
-it). A bug is caught when a run fails. First both suites run the files on the unmutated copy: a file that fails
-there makes its rows meaningless, and the script stops.
+Each bug (`MUTANTS`) is a small change to a copy of ``src/`` and names the test files that should catch it. Each
+suite runs those files against its own code with the bug in it (``PYTHONPATH`` puts the mutated copy before the
+installed package, and every process the tests start inherits it): the old suite, taken from git at ``--old``
+(default: the commit before the suite was made faster) with that commit's ``src/``, as its CI ran it (``pytest
+FILES``, then ``FUYOU_ASYNC_DEVICE=2 pytest -m device FILES``); this one with the working tree's ``src/``, as the
+README runs it (``pytest -n 2 FILES``: the late-copy runs are part of it). A bug is caught when a run fails.
+First both suites run all the named files on their unmutated code: one that fails there makes its rows
+meaningless, and the script stops.
 
 Prints a table (bug, files, caught by the old suite, caught by this one, seconds) and writes it as JSON
 (``--json``). Not collected by pytest (its name does not start with ``test_``).
@@ -44,6 +45,7 @@ class Mutant:
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]  # test files that should catch it (under tests/)
+    before: tuple[str, str] | None = None  # (old, new) where the old suite's code reads otherwise
 
 
 MUTANTS = [
@@ -68,11 +70,13 @@ MUTANTS = [
            "optim/checkpoint.py", "        json.dump(meta, f, indent=1)\n        f.flush()\n        os.fsync(f.fileno())",
            "        json.dump(meta, f, indent=1)\n        f.flush()", ("test_optimizer_checkpoint.py", "test_power_cut.py")),
     Mutant("save-rename", "a whole save is not renamed from its temporary name into place",
-           "optim/checkpoint.py", "        try:\n            tmp.rename(folder / token)\n            _fsync_dir(folder)\n"
+           "optim/checkpoint.py", "        try:\n            tmp.rename(folder / token)\n            fsync_dir(folder)\n"
            "        except BaseException:\n            shutil.rmtree(tmp, ignore_errors=True)\n            raise\n        return meta",
-           "        try:\n            _fsync_dir(folder)\n"
+           "        try:\n            fsync_dir(folder)\n"
            "        except BaseException:\n            shutil.rmtree(tmp, ignore_errors=True)\n            raise\n        return meta",
-           ("test_optimizer_checkpoint.py",)),
+           ("test_optimizer_checkpoint.py",),
+           before=("        try:\n            tmp.rename(folder / token)\n            _fsync_dir(folder)\n",
+                   "        try:\n            _fsync_dir(folder)\n")),
     Mutant("checksum", "a state file's checksum mismatch is not reported",
            "optim/checkpoint.py", "        if self._bad:\n", "        if False:\n", ("test_optimizer_checkpoint.py",)),
     Mutant("token", "a save's optimizer.json is not checked against its folder's token",
@@ -104,17 +108,20 @@ MUTANTS = [
 ]
 
 
-def mutated_src(into: Path, mutant: Mutant | None) -> Path:
-    """A copy of ``src/`` at ``into`` with ``mutant`` applied (none: as it is)."""
+def mutated_src(suite: Path, into: Path, mutant: Mutant | None) -> Path:
+    """A copy of ``suite``'s ``src/`` at ``into`` with ``mutant`` applied (none: as it is)."""
     shutil.rmtree(into, ignore_errors=True)
-    shutil.copytree(ROOT / "src", into, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(suite / "src", into, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     if mutant is not None:
         path = into / "fuyou_strategy" / mutant.file
         text = path.read_text()
-        if text.count(mutant.old) != 1:
-            raise SystemExit(f"{mutant.id}: the line to change occurs {text.count(mutant.old)} times in "
-                             f"src/fuyou_strategy/{mutant.file}, not once: update MUTANTS after the code changed")
-        path.write_text(text.replace(mutant.old, mutant.new))
+        old, new = mutant.old, mutant.new
+        if text.count(old) != 1 and mutant.before is not None:
+            old, new = mutant.before
+        if text.count(old) != 1:
+            raise SystemExit(f"{mutant.id}: the code to change occurs {text.count(old)} times in {path}, not once: "
+                             "update MUTANTS after the code changed")
+        path.write_text(text.replace(old, new))
     return into
 
 
@@ -168,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.log, "w") as log:
             files = sorted({f for m in chosen for f in m.tests})
-            src = mutated_src(work / "src", None)
             for name, suite in suites.items():  # the unmutated code passes, or no row means anything
+                src = mutated_src(suite, work / f"src-{name}", None)
                 present = [f for f in files if (suite / "tests" / f).exists()]
                 failed, secs = run(suite, present, src, old=name == "old", log=log)
                 print(f"unmutated, {name} suite: {'FAILS' if failed else 'passes'} ({secs:.0f} s)", flush=True)
@@ -177,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"the {name} suite fails without a bug: see {args.log}")
             print(f"\n{'bug':24} {'old':>6} {'new':>6} {'old s':>6} {'new s':>6}  files", flush=True)
             for m in chosen:
-                src = mutated_src(work / "src", m)
                 row = {"id": m.id, "what": m.what, "file": m.file, "tests": list(m.tests)}
                 for name, suite in suites.items():
+                    src = mutated_src(suite, work / f"src-{name}", m)
                     present = [f for f in m.tests if (suite / "tests" / f).exists()]
                     row[f"{name}_files"] = present
                     row[name], row[f"{name}_s"] = run(suite, present, src, old=name == "old", log=log) if present \

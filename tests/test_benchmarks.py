@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs processes that import torch anew, or a benchmark harness (conftest: slow)
+
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 WEIGHTS_BENCH = os.path.join(BENCHMARKS, "weights_bench.py")
 

@@ -137,6 +137,7 @@ def test_a_failed_late_copy_raises_to_its_waiter_and_a_dead_engine_is_not_waited
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 def test_the_environment_variable_turns_the_mode_on_and_a_bad_value_names_itself():
     code = "from fuyou_strategy import device; print(device.late_copies_enabled())"
     env = dict(os.environ, FUYOU_ASYNC_DEVICE="1.5")

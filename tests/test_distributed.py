@@ -20,6 +20,8 @@ from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import discover_blocks
 from fuyou_strategy.optim.distributed import RankError
 
+pytestmark = pytest.mark.slow  # runs processes that import torch anew, or a benchmark harness (conftest: slow)
+
 STEPS, ACCUMULATE, PER_RANK, SEQ = 3, 2, 2, 16
 TOLERANCE = 1e-3  # relative, per tensor, against one process on the global batch (explained in the test)
 

@@ -31,6 +31,7 @@ def test_lightning_example(tmp_path, capsys):
     assert os.listdir(tmp_path) == [], "the swap files are removed at the end"
 
 
+@pytest.mark.slow
 def test_lightning_example_on_two_ranks_streaming_weights(tmp_path, capfd):
     import lightning_finetune
 
@@ -103,6 +104,7 @@ RUNS = {"hf_trainer_finetune.py": (TINY, "3 optimizer steps"), "lightning_finetu
 FUYOU_LINES_AT_MOST = 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", sorted(RUNS))
 def test_an_example_prints_no_warning(tmp_path, example):
     """As a user runs it (in a subprocess, with the default warning filters) but with UserWarning and FutureWarning

@@ -205,6 +205,7 @@ def test_resume_without_fuyou_state_is_a_clear_error(tmp_path):
         train(tmp_path, FuyouCallback(**swap_config(tmp_path)), resume=checkpoint)
 
 
+@pytest.mark.slow
 def test_auto_plans_after_the_warm_up_and_changes_no_number(tmp_path, caplog):
     reference, _ = train(tmp_path)
     fields = swap_config(tmp_path, activations="auto", planner_warmup_steps=2, activation_min_bytes=0)

@@ -72,6 +72,7 @@ def weights(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_point_of_a_checkpoint_save_resumes_exactly(tmp_path, caplog):
     """Killed before, inside and after every step of a checkpoint save (the Trainer's files, fuyou's state,
     its rename, trainer_state.json, the rotation that removes the older checkpoint), the run resumes with

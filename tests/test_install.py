@@ -101,6 +101,7 @@ def test_the_core_imports_and_trains_with_torch_alone(tmp_path):
     assert "model gpt3-13b: 12.9B parameters" in out, "fuyou plan printed its table"
 
 
+@pytest.mark.slow
 def test_each_integration_needs_only_its_own_extra(tmp_path):
     """Lightning without transformers registers strategy="fuyou"; the HF callback without Lightning imports;
     accelerate missing alone is named as such."""
@@ -180,6 +181,7 @@ def _sh(args: list, cwd: Path, timeout: int = 600) -> str:
     ("hf", "hf_trainer_finetune.py", "lightning", LIGHTNING_LINE),
     ("lightning", "lightning_finetune.py", "transformers", HF_LINE.format("transformers")),
 ])
+@pytest.mark.slow
 def test_a_fresh_environment_with_one_extra_runs_its_example(tmp_path, extra, example, absent, other):
     if not _index_reachable():
         pytest.skip(f"the package index ({INDEX}) cannot be reached: a fresh environment cannot install the extras")

@@ -225,6 +225,7 @@ def last_ckpt_killed_at(root, k):
     trainer.strategy.engine.close()
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_step_of_a_save_leaves_a_resumable_last_ckpt(tmp_path):
     """Killed between any two steps of overwriting last.ckpt, the last.ckpt on disk resumes exactly:
     from the old save until the new .ckpt is in, then from the new one."""

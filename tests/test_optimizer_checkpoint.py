@@ -168,6 +168,7 @@ def same(a, b):
     return all(torch.equal(p, q) and all(torch.equal(s[k], t[k]) for k in s) for (p, s), (q, t) in zip(a, b))
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_step_of_a_save_leaves_a_complete_save(tmp_path):
     """Killed between any two steps of overwriting a checkpoint folder, the folder still holds
     a complete save: the old one or the new one; `fuyou clean` removes what the kill left."""

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs processes that import torch anew, or a benchmark harness (conftest: slow)
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 

@@ -269,6 +269,7 @@ def test_a_block_weight_tier_must_be_known():
         BlockProfile(fwd_s=0.1, bwd_s=0.2, act_bytes=0, params=1, weight_tier="gpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_memory", ["768GB", "24GB"])  # weights streamed from host, and from SSD
 def test_more_ssds_are_never_slower(host_memory):
     model = MODEL_PRESETS["gpt3-13b"]
@@ -361,6 +362,7 @@ def test_fuyou_plan_models_this_librarys_runtime_and_the_papers_on_request(tmp_p
     assert runs["ours"]["zero-infinity-like"]["step_s"] == runs["paper"]["zero-infinity-like"]["step_s"]
 
 
+@pytest.mark.slow
 def test_fuyou_plan_that_does_not_fit_exits_1(capsys):
     assert fuyou(["plan", "gpt3-175b", "--batch", "64", "--host-memory", "64GB"]) == 1
     assert "does not fit" in capsys.readouterr().out

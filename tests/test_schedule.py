@@ -101,6 +101,7 @@ def slow_updates(monkeypatch):
     monkeypatch.setattr(state, "adamw_kernel", slowly)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("via", ["optimizer", "engine"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

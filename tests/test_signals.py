@@ -85,6 +85,7 @@ _FORK_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_forked_child_leaves_the_parents_run_directory(tmp_path):
     out = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)], capture_output=True, text=True,
                          timeout=120)
@@ -174,6 +175,7 @@ _LIGHTNING_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 def test_with_lightning_sigterm_stops_training_gracefully_and_cleans_up(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", _LIGHTNING_CHILD, str(tmp_path)], stdout=subprocess.PIPE,
