@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -71,8 +72,23 @@ def test_the_updates_writes_land_behind_step_on_a_slow_drive_and_change_no_bit(t
     """With every write slowed, ``step()`` commits while the speculative updates' shadow writes still land; the
     next reads of those chunks (the next window's updates, a redo after clipping, the state read right after the
     last step) wait for them: bitwise torch, and the state read is the one just committed."""
-    real = aio._pwritev
-    monkeypatch.setattr(aio, "_pwritev", lambda fd, bufs, off: (time.sleep(0.01), real(fd, bufs, off))[1])
+    # Every write waits until a read has had to wait behind a write (then each is 10 ms late): so commits always
+    # leave writes in flight and some read meets one, however fast or slow the machine runs the training thread.
+    real_write, real_wait = aio._pwritev, TensorStore._wait_behind
+    reader_waited = threading.Event()
+
+    def slow_write(fd, bufs, off):
+        reader_waited.wait(timeout=30)
+        time.sleep(0.01)
+        return real_write(fd, bufs, off)
+
+    def wait_behind(store, entry, phys, k):  # called under the store's lock: the write cannot land before it waits
+        if entry.behind[phys] if k is None else k in entry.behind[phys]:
+            reader_waited.set()
+        return real_wait(store, entry, phys, k)
+
+    monkeypatch.setattr(aio, "_pwritev", slow_write)
+    monkeypatch.setattr(TensorStore, "_wait_behind", wait_behind)
     model, ref_model, engine, losses, ref_losses = backward_on_the_ssd(tmp_path)
     opt = engine.optimizer
     masters = [opt.read_state(p)["master"] for p in model.parameters()]  # at once: waits for the last writes
