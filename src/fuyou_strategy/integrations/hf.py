@@ -475,7 +475,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
     def state(self) -> dict[str, Any]:
         """What the Trainer records of this callback in a checkpoint's ``trainer_state.json``
         (``ExportableState``): the fuyou save that belongs to the checkpoint (``fuyou_save``, with the
-        Trainer's files and their sizes: `hf_checkpoints.trainer_files`) and the arguments that rebuild
+        checkpoint's files and their sizes: `hf_checkpoints.checkpoint_files`) and the arguments that rebuild
         the callback (``restore_callback_states_from_checkpoint``).
 
         The Trainer calls it inside its save, after its model files and before ``trainer_state.json``
@@ -493,7 +493,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         if self.engine is not None and self._at is not None and os.path.isdir(self._checkpoint_dir(*self._at)):
             hf_checkpoints.make_durable(self._checkpoint_dir(*self._at))  # the Trainer's files so far, before rotation
             if isinstance(record, dict):  # a removal cut short is told by a file missing (`hf_checkpoints`)
-                record = dict(record, files=hf_checkpoints.trainer_files(self._checkpoint_dir(*self._at)))
+                record = dict(record, files=hf_checkpoints.checkpoint_files(self._checkpoint_dir(*self._at)))
         return {"args": {"config": self.config.to_dict(), "resume_from": self.resume_from,
                          "log_metrics": self.log_metrics},
                 "attributes": {"fuyou_save": record}}

@@ -21,9 +21,10 @@ Trainer's ``resume_from_checkpoint=True`` says it found no valid checkpoint. Nev
 
 The rotation's removal of a checkpoint is not atomic either: a power cut in it can keep some of the
 files it removed gone and the rest, ``trainer_state.json`` included, there. So the record also lists
-the Trainer's files with their sizes as `FuyouCallback.state` found them (``files``); a checkpoint
-that lacks one, or holds it at another size, is incomplete (the Trainer would resume from it without
-complaint, e.g. restarting its learning-rate schedule when ``scheduler.pt`` is gone).
+the checkpoint's files (the Trainer's and fuyou's) with their sizes as `FuyouCallback.state` found
+them (``files``); a checkpoint that lacks one, or holds it at another size, is incomplete (the
+Trainer would resume from it without complaint, restarting its learning-rate schedule when
+``scheduler.pt`` is gone).
 
 So a checkpoint is **complete** when its ``trainer_state.json`` reads as JSON, every file it
 records is there at its size, and, if it records a fuyou save (``stateful_callbacks.FuyouCallback``)
@@ -60,7 +61,7 @@ from ..storage.durable import fsync_dir
 from ..storage.rundir import StaleRun, dir_bytes, owner_gone, owner_pid, write_owner
 
 __all__ = ["STATE_FOLDER", "TRAINER_STATE", "WRITER_FILE", "SET_ASIDE_PREFIX", "recorded_save", "why_incomplete",
-           "trainer_files", "checkpoints", "set_aside_incomplete", "find_leftovers", "claim", "release", "live_writer"]
+           "checkpoint_files", "checkpoints", "set_aside_incomplete", "find_leftovers", "claim", "release", "live_writer"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -70,6 +71,7 @@ CALLBACK_KEY = "FuyouCallback"  # its entry in trainer_state.json's stateful_cal
 WRITER_FILE = "_fuyou_writer.json"  # in the output directory while a run writes checkpoints there
 SET_ASIDE_PREFIX = "incomplete-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the Trainer's own pattern (transformers.trainer_utils)
+_TEMP = re.compile(r".+\.tmp-\d+")  # a fuyou save being written or removed (`optim.checkpoint`)
 
 _NOT_RECORDED = object()
 
@@ -77,7 +79,7 @@ _NOT_RECORDED = object()
 def recorded_save(stateful_callbacks: Any) -> Any:
     """What a ``trainer_state.json``'s ``stateful_callbacks`` records of fuyou's save: a dict
     (``token``, ``steps``, ``global_step``; or ``pending`` when the save follows the Trainer's files;
-    ``files``: `trainer_files` when it was recorded),
+    ``files``: `checkpoint_files` when it was recorded),
     ``None`` (the callback had no save to record), or `_NOT_RECORDED` (no `FuyouCallback` entry)."""
     entry = (stateful_callbacks or {}).get(CALLBACK_KEY, _NOT_RECORDED) if isinstance(stateful_callbacks, dict) \
         else _NOT_RECORDED
@@ -143,18 +145,17 @@ def make_durable(checkpoint: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(checkpoint)))
 
 
-def trainer_files(checkpoint: str | os.PathLike) -> dict[str, int]:
-    """The files in ``checkpoint`` outside ``fuyou_optimizer/`` (which checks its own) and other than
-    ``trainer_state.json`` (written after): ``{path relative to checkpoint: bytes}``."""
+def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, int]:
+    """The files in ``checkpoint``, fuyou's save included, but ``trainer_state.json`` (written after) and
+    temporary save folders (``*.tmp-<pid>``, removed by the next save or load): ``{relative path: bytes}``."""
     found = {}
     for parent, dirs, files in os.walk(checkpoint):
-        if os.path.relpath(parent, checkpoint) == ".":
-            dirs[:] = [d for d in dirs if d != STATE_FOLDER]
-            files = [f for f in files if f != TRAINER_STATE]
+        dirs[:] = [d for d in dirs if not _TEMP.fullmatch(d)]
         for name in files:
             path = os.path.join(parent, name)
-            if not os.path.islink(path):
-                found[os.path.relpath(path, checkpoint)] = os.path.getsize(path)
+            relative = os.path.relpath(path, checkpoint)
+            if relative != TRAINER_STATE and not os.path.islink(path):
+                found[relative] = os.path.getsize(path)
     return found
 
 
