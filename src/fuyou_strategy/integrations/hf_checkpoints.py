@@ -22,9 +22,9 @@ Trainer's ``resume_from_checkpoint=True`` says it found no valid checkpoint. Nev
 The rotation's removal of a checkpoint is not atomic either: a power cut in it can keep some of the
 files it removed gone and the rest, ``trainer_state.json`` included, there. So the record also lists
 the checkpoint's files (the Trainer's and fuyou's) with their sizes as `FuyouCallback.state` found
-them (``files``); a checkpoint that lacks one, or holds it at another size, is incomplete (the
-Trainer would resume from it without complaint, restarting its learning-rate schedule when
-``scheduler.pt`` is gone).
+them (``files``); a checkpoint that lacks one whose folder is there, or holds it at another size,
+is incomplete (the Trainer would resume from it without complaint, restarting its learning-rate
+schedule when ``scheduler.pt`` is gone).
 
 So a checkpoint is **complete** when its ``trainer_state.json`` reads as JSON, every file it
 records is there at its size, and, if it records a fuyou save (``stateful_callbacks.FuyouCallback``)
@@ -111,6 +111,8 @@ def why_incomplete(checkpoint: str | os.PathLike) -> str | None:
     saved = recorded_save(trainer_state.get("stateful_callbacks"))
     files = saved.get("files") if isinstance(saved, dict) else None
     for name, size in (files.items() if isinstance(files, dict) else ()):
+        if not (checkpoint / name).parent.is_dir():
+            continue  # a fuyou save gone whole, or another in its place: told below, or refused on resume
         try:
             found = (checkpoint / name).stat().st_size
         except OSError:
