@@ -19,9 +19,17 @@ the removed checkpoints gone: the run resumes from the newest older checkpoint t
 every earlier ``on_save`` made durable; with ``save_total_limit=1`` there may be none, and the
 Trainer's ``resume_from_checkpoint=True`` says it found no valid checkpoint. Never a wrong resume.
 
-So a checkpoint is **complete** when its ``trainer_state.json`` reads as JSON and, if it records a
-fuyou save (``stateful_callbacks.FuyouCallback``) or holds a ``fuyou_optimizer/`` folder, a save
-appeared there (save folders appear only complete, by a rename). Whether it is the save that
+The rotation's removal of a checkpoint is not atomic either: a power cut in it can keep some of the
+files it removed gone and the rest, ``trainer_state.json`` included, there. So the record also lists
+the checkpoint's files (the Trainer's and fuyou's) with their sizes as `FuyouCallback.state` found
+them (``files``); a checkpoint that lacks one whose folder is there, or holds it at another size,
+is incomplete (the Trainer would resume from it without complaint, restarting its learning-rate
+schedule when ``scheduler.pt`` is gone).
+
+So a checkpoint is **complete** when its ``trainer_state.json`` reads as JSON, every file it
+records is there at its size, and, if it records a fuyou save (``stateful_callbacks.FuyouCallback``)
+or holds a ``fuyou_optimizer/`` folder, a save appeared there (save folders appear only complete, by
+a rename). Whether it is the save that
 ``trainer_state.json`` records (its token; its step) is checked on resume, and a mismatch — state
 copied from another checkpoint — is refused naming both files, not set aside. A kill at any instant leaves the previous complete
 checkpoint in place (rotation comes last) and at most one incomplete one. A checkpoint neither
@@ -53,7 +61,7 @@ from ..storage.durable import fsync_dir
 from ..storage.rundir import StaleRun, dir_bytes, owner_gone, owner_pid, write_owner
 
 __all__ = ["STATE_FOLDER", "TRAINER_STATE", "WRITER_FILE", "SET_ASIDE_PREFIX", "recorded_save", "why_incomplete",
-           "checkpoints", "set_aside_incomplete", "find_leftovers", "claim", "release", "live_writer"]
+           "checkpoint_files", "checkpoints", "set_aside_incomplete", "find_leftovers", "claim", "release", "live_writer"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -63,13 +71,15 @@ CALLBACK_KEY = "FuyouCallback"  # its entry in trainer_state.json's stateful_cal
 WRITER_FILE = "_fuyou_writer.json"  # in the output directory while a run writes checkpoints there
 SET_ASIDE_PREFIX = "incomplete-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the Trainer's own pattern (transformers.trainer_utils)
+_TEMP = re.compile(r".+\.tmp-\d+")  # a fuyou save being written or removed (`optim.checkpoint`)
 
 _NOT_RECORDED = object()
 
 
 def recorded_save(stateful_callbacks: Any) -> Any:
     """What a ``trainer_state.json``'s ``stateful_callbacks`` records of fuyou's save: a dict
-    (``token``, ``steps``, ``global_step``; or ``pending`` when the save follows the Trainer's files),
+    (``token``, ``steps``, ``global_step``; or ``pending`` when the save follows the Trainer's files;
+    ``files``: `checkpoint_files` when it was recorded),
     ``None`` (the callback had no save to record), or `_NOT_RECORDED` (no `FuyouCallback` entry)."""
     entry = (stateful_callbacks or {}).get(CALLBACK_KEY, _NOT_RECORDED) if isinstance(stateful_callbacks, dict) \
         else _NOT_RECORDED
@@ -99,6 +109,16 @@ def why_incomplete(checkpoint: str | os.PathLike) -> str | None:
         return f"{TRAINER_STATE} does not hold the Trainer's state"
     folder = checkpoint / STATE_FOLDER
     saved = recorded_save(trainer_state.get("stateful_callbacks"))
+    files = saved.get("files") if isinstance(saved, dict) else None
+    for name, size in (files.items() if isinstance(files, dict) else ()):
+        if not (checkpoint / name).parent.is_dir():
+            continue  # a fuyou save gone whole, or another in its place: told below, or refused on resume
+        try:
+            found = (checkpoint / name).stat().st_size
+        except OSError:
+            return f"{name}, which {TRAINER_STATE} records, is missing: a removal cut short"
+        if found != size:
+            return f"{name} holds {found} bytes, {TRAINER_STATE} records {size}"
     if not is_recorded(saved) and not folder.is_dir():
         return None  # not written with FuyouCallback: not ours to judge
     if any((save / META).is_file() for save in save_dirs(folder)):
@@ -125,6 +145,20 @@ def make_durable(checkpoint: str | os.PathLike) -> None:
                 os.close(fd)
         fsync_dir(parent)
     fsync_dir(os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, int]:
+    """The files in ``checkpoint``, fuyou's save included, but ``trainer_state.json`` (written after) and
+    temporary save folders (``*.tmp-<pid>``, removed by the next save or load): ``{relative path: bytes}``."""
+    found = {}
+    for parent, dirs, files in os.walk(checkpoint):
+        dirs[:] = [d for d in dirs if not _TEMP.fullmatch(d)]
+        for name in files:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, checkpoint)
+            if relative != TRAINER_STATE and not os.path.islink(path):
+                found[relative] = os.path.getsize(path)
+    return found
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
