@@ -72,22 +72,31 @@ def test_the_updates_writes_land_behind_step_on_a_slow_drive_and_change_no_bit(t
     """With every write slowed, ``step()`` commits while the speculative updates' shadow writes still land; the
     next reads of those chunks (the next window's updates, a redo after clipping, the state read right after the
     last step) wait for them: bitwise torch, and the state read is the one just committed."""
-    # Every write waits until a read has had to wait behind a write (then each is 10 ms late): so commits always
-    # leave writes in flight and some read meets one, however fast or slow the machine runs the training thread.
-    real_write, real_wait = aio._pwritev, TensorStore._wait_behind
-    reader_waited = threading.Event()
+    # Every write is 10 ms late; once a commit has left writes in flight, each write still to land waits (2 s at
+    # most) until a read has waited behind one: so some read meets a write in flight however slowly the machine runs
+    # the training thread (under load the 10 ms alone were over before the next window read those chunks).
+    real_write, real_wait, real_commit = aio._pwritev, TensorStore._wait_behind, TensorStore.commit
+    left_behind, reader_waited = threading.Event(), threading.Event()
 
     def slow_write(fd, bufs, off):
-        reader_waited.wait(timeout=30)
         time.sleep(0.01)
+        if left_behind.is_set():
+            reader_waited.wait(timeout=2)
         return real_write(fd, bufs, off)
 
-    def wait_behind(store, entry, phys, k):  # called under the store's lock: the write cannot land before it waits
+    def commit(store, *args, **kwargs):
+        committed = real_commit(store, *args, **kwargs)
+        if store.writes_behind:
+            left_behind.set()
+        return committed
+
+    def wait_behind(store, entry, phys, k):  # under the store's lock: the write cannot land before the read waits
         if entry.behind[phys] if k is None else k in entry.behind[phys]:
             reader_waited.set()
         return real_wait(store, entry, phys, k)
 
     monkeypatch.setattr(aio, "_pwritev", slow_write)
+    monkeypatch.setattr(TensorStore, "commit", commit)
     monkeypatch.setattr(TensorStore, "_wait_behind", wait_behind)
     model, ref_model, engine, losses, ref_losses = backward_on_the_ssd(tmp_path)
     opt = engine.optimizer
