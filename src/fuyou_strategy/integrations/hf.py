@@ -474,9 +474,9 @@ class FuyouCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict[str, Any]:
         """What the Trainer records of this callback in a checkpoint's ``trainer_state.json``
-        (``ExportableState``): the fuyou save that belongs to the checkpoint (``fuyou_save``, with the
-        checkpoint's files and their sizes: `hf_checkpoints.checkpoint_files`) and the arguments that rebuild
-        the callback (``restore_callback_states_from_checkpoint``).
+        (``ExportableState``): the fuyou save that belongs to the checkpoint (``fuyou_save``), the
+        checkpoint's files and their sizes (``files``: `hf_checkpoints.checkpoint_files`) and the arguments
+        that rebuild the callback (``restore_callback_states_from_checkpoint``).
 
         The Trainer calls it inside its save, after its model files and before ``trainer_state.json``
         (and before rotation removes older checkpoints): one process, fuyou's state is written here,
@@ -489,14 +489,14 @@ class FuyouCallback(TrainerCallback, ExportableState):
                 self._save_state(args, state)
             else:  # a save this callback did not see coming: written after the Trainer's files, by on_save
                 self.fuyou_save = {"pending": True, "global_step": state.global_step}
-        record = self.fuyou_save
+        files = {}
         if self.engine is not None and self._at is not None and os.path.isdir(self._checkpoint_dir(*self._at)):
             hf_checkpoints.make_durable(self._checkpoint_dir(*self._at))  # the Trainer's files so far, before rotation
-            if isinstance(record, dict):  # a removal cut short is told by a file missing (`hf_checkpoints`)
-                record = dict(record, files=hf_checkpoints.checkpoint_files(self._checkpoint_dir(*self._at)))
+            if isinstance(self.fuyou_save, dict):  # a removal cut short is told by a file missing (`hf_checkpoints`)
+                files = hf_checkpoints.checkpoint_files(self._checkpoint_dir(*self._at))
         return {"args": {"config": self.config.to_dict(), "resume_from": self.resume_from,
                          "log_metrics": self.log_metrics},
-                "attributes": {"fuyou_save": record}}
+                "attributes": {"fuyou_save": self.fuyou_save}, "files": files}
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Normally written inside the Trainer's save (`state`) or just before it (`_step_done`); else now.

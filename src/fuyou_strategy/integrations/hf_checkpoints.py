@@ -20,9 +20,9 @@ every earlier ``on_save`` made durable; with ``save_total_limit=1`` there may be
 Trainer's ``resume_from_checkpoint=True`` says it found no valid checkpoint. Never a wrong resume.
 
 The rotation's removal of a checkpoint is not atomic either: a power cut in it can keep some of the
-files it removed gone and the rest, ``trainer_state.json`` included, there. So the record also lists
+files it removed gone and the rest, ``trainer_state.json`` included, there. So the callback's entry also lists
 the checkpoint's files (the Trainer's and fuyou's) with their sizes as `FuyouCallback.state` found
-them (``files``); a checkpoint that lacks one whose folder is there, or holds it at another size,
+them (``files``, `recorded_files`); a checkpoint that lacks one whose folder is there, or holds it at another size,
 is incomplete (the Trainer would resume from it without complaint, restarting its learning-rate
 schedule when ``scheduler.pt`` is gone).
 
@@ -60,7 +60,7 @@ from ..optim.checkpoint import META, remove_stale_temps, save_dirs
 from ..storage.durable import fsync_dir
 from ..storage.rundir import StaleRun, dir_bytes, owner_gone, owner_pid, write_owner
 
-__all__ = ["STATE_FOLDER", "TRAINER_STATE", "WRITER_FILE", "SET_ASIDE_PREFIX", "recorded_save", "why_incomplete",
+__all__ = ["STATE_FOLDER", "TRAINER_STATE", "WRITER_FILE", "SET_ASIDE_PREFIX", "recorded_save", "recorded_files", "why_incomplete",
            "checkpoint_files", "checkpoints", "set_aside_incomplete", "find_leftovers", "claim", "release", "live_writer"]
 
 log = logging.getLogger("fuyou_strategy")
@@ -76,20 +76,33 @@ _TEMP = re.compile(r".+\.tmp-\d+")  # a fuyou save being written or removed (`op
 _NOT_RECORDED = object()
 
 
-def recorded_save(stateful_callbacks: Any) -> Any:
-    """What a ``trainer_state.json``'s ``stateful_callbacks`` records of fuyou's save: a dict
-    (``token``, ``steps``, ``global_step``; or ``pending`` when the save follows the Trainer's files;
-    ``files``: `checkpoint_files` when it was recorded),
-    ``None`` (the callback had no save to record), or `_NOT_RECORDED` (no `FuyouCallback` entry)."""
+def _entry(stateful_callbacks: Any) -> Any:
+    """The `FuyouCallback` entry of a ``trainer_state.json``'s ``stateful_callbacks``, or `_NOT_RECORDED`."""
     entry = (stateful_callbacks or {}).get(CALLBACK_KEY, _NOT_RECORDED) if isinstance(stateful_callbacks, dict) \
         else _NOT_RECORDED
     if isinstance(entry, list):  # one entry per FuyouCallback; the first one writes the state
         entry = entry[0] if entry else _NOT_RECORDED
+    return entry
+
+
+def recorded_save(stateful_callbacks: Any) -> Any:
+    """What a ``trainer_state.json``'s ``stateful_callbacks`` records of fuyou's save: a dict
+    (``token``, ``steps``, ``global_step``; or ``pending`` when the save follows the Trainer's files),
+    ``None`` (the callback had no save to record), or `_NOT_RECORDED` (no `FuyouCallback` entry)."""
+    entry = _entry(stateful_callbacks)
     if entry is _NOT_RECORDED:
         return _NOT_RECORDED
     attributes = entry.get("attributes", {}) if isinstance(entry, dict) else {}
     saved = attributes.get("fuyou_save") if isinstance(attributes, dict) else None
     return saved if isinstance(saved, dict) else None
+
+
+def recorded_files(stateful_callbacks: Any) -> dict[str, int]:
+    """The checkpoint's files and their sizes as `FuyouCallback.state` found them (`checkpoint_files`; the
+    entry's ``files``, beside the Trainer's ``args`` and ``attributes``), or ``{}`` if none were recorded."""
+    entry = _entry(stateful_callbacks)
+    files = entry.get("files") if isinstance(entry, dict) else None
+    return files if isinstance(files, dict) else {}
 
 
 def is_recorded(saved: Any) -> bool:
@@ -109,8 +122,7 @@ def why_incomplete(checkpoint: str | os.PathLike) -> str | None:
         return f"{TRAINER_STATE} does not hold the Trainer's state"
     folder = checkpoint / STATE_FOLDER
     saved = recorded_save(trainer_state.get("stateful_callbacks"))
-    files = saved.get("files") if isinstance(saved, dict) else None
-    for name, size in (files.items() if isinstance(files, dict) else ()):
+    for name, size in recorded_files(trainer_state.get("stateful_callbacks")).items():
         if not (checkpoint / name).parent.is_dir():
             continue  # a fuyou save gone whole, or another in its place: told below, or refused on resume
         try:
