@@ -140,12 +140,8 @@ class ScheduleChooser:
     rollbacks: both schedules move the same bytes (one slot read, the other written), but ``next_forward``
     hides them under forward only (F), ``backward`` under backward (B, about 2F) as well. With U the updates'
     time, ``next_forward``'s step is about max(F, U) + B and ``backward``'s F + max(B, U), never shorter.
-    Measured at 350M fp32 on this project's CPU with everything on the SSD (2026-11-28, two runs): its two
-    windows took 18.6/20.7 and 18.8/18.3 s against ``backward``'s 14.2/16.2 and 12.9/14.1 s in the same
-    runs; falling in the peers harness's 4 timed steps, they made its median 1.62x and 1.83x torch's step,
-    against 1.35x and 1.56x for the code of 2026-11-23, which did not measure ``next_forward``
-    (docs/host-state-log.md). With the plan's placement and the state on the SSD they were 0.97-1.32x
-    ``backward``'s over thirteen runs. A rollback brings the early measurement back: the model's prediction
+    The measurements behind this are in docs/host-state-log.md (the schedules with the state on the SSD).
+    A rollback brings the early measurement back: the model's prediction
     assumes the warm-up's rate of them, and the argument above assumes none.
 
     For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
