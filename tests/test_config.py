@@ -3,7 +3,7 @@ import json
 import pytest
 
 from fuyou_strategy import ConfigError, FuyouConfig
-from fuyou_strategy.config import format_bytes, parse_bytes
+from fuyou_strategy.config import format_bytes, parse_bytes, resolve
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -23,7 +23,7 @@ def test_defaults_are_valid_and_normalised(monkeypatch):
     import fuyou_strategy.config as config_module
 
     monkeypatch.setattr(config_module, "available_memory", lambda: 20 * 2**30)
-    cfg = FuyouConfig()
+    cfg = resolve(FuyouConfig()).config
     assert cfg.swap_dirs is None
     assert cfg.host_memory_budget == 10 * 2**30, "host_memory_budget='auto': half the available RAM"
     assert cfg.host_state == "auto"
@@ -91,23 +91,27 @@ def test_the_optimizers_read_ahead_defaults_to_two_chunks_per_drive_and_a_number
     """``optimizer_prefetch_chunks="auto"``: 4 with one swap directory (the value before "auto"), two more per
     further directory, at most 8, chosen again when a copy changes the directories; the depth the optimizer
     reads ahead follows (within the budget); a number, 0 or a string other than "auto" as before."""
-    from fuyou_strategy.config import auto_prefetch_chunks, host_budget_split
+    from fuyou_strategy.config import auto_prefetch_chunks
+    from fuyou_strategy.storage import host_budget_split
 
     dirs = [tmp_path / str(i) for i in range(4)]
     for d in dirs:
         d.mkdir()
     one = FuyouConfig(swap_dirs=[str(dirs[0])], host_memory_budget="1GiB", chunk_size="1MiB")
-    assert one.optimizer_prefetch_chunks == 4 == auto_prefetch_chunks(1)[0]
-    assert one.auto_choices()["optimizer_prefetch_chunks"] == (4, auto_prefetch_chunks(1)[1])
+    assert resolve(one).config.optimizer_prefetch_chunks == 4 == auto_prefetch_chunks(1)[0]
+    assert resolve(one).choices["optimizer_prefetch_chunks"] == (4, auto_prefetch_chunks(1)[1])
     assert "(1 here)" in auto_prefetch_chunks(1)[1]
-    assert FuyouConfig(host_memory_budget="1GiB").optimizer_prefetch_chunks == 4, "a temporary folder: one drive"
+    assert resolve(FuyouConfig(host_memory_budget="1GiB")).config.optimizer_prefetch_chunks == 4, \
+        "a temporary folder: one drive"
     two = one.replace(swap_dirs=[str(d) for d in dirs[:2]])
-    assert two.optimizer_prefetch_chunks == 6 and two.auto_choices()["optimizer_prefetch_chunks"][0] == 6
-    assert FuyouConfig.resolve(one, swap_dirs=[str(d) for d in dirs]).optimizer_prefetch_chunks == 8, "at most 8"
+    assert resolve(two).config.optimizer_prefetch_chunks == 6 and resolve(two).choices["optimizer_prefetch_chunks"][0] == 6
+    assert resolve(FuyouConfig.merge(one, swap_dirs=[str(d) for d in dirs])).config.optimizer_prefetch_chunks == 8, \
+        "at most 8"
     assert host_budget_split(two).optimizer_depth == 6 > host_budget_split(one).optimizer_depth == 4
     fixed = FuyouConfig(swap_dirs=[str(d) for d in dirs[:2]], optimizer_prefetch_chunks=3, host_memory_budget="1GiB")
-    assert fixed.optimizer_prefetch_chunks == 3 and "optimizer_prefetch_chunks" not in fixed.auto_choices()
-    assert fixed.replace(swap_dirs=[str(dirs[0])]).optimizer_prefetch_chunks == 3, "a number stays through copies"
+    assert resolve(fixed).config.optimizer_prefetch_chunks == 3 and "optimizer_prefetch_chunks" not in resolve(fixed).choices
+    assert resolve(fixed.replace(swap_dirs=[str(dirs[0])])).config.optimizer_prefetch_chunks == 3, \
+        "a number stays through copies"
     for bad in (0, "many", True):
         with pytest.raises(ConfigError, match=r"optimizer_prefetch_chunks: got .*; expected 'auto' or an int >= 1"):
             FuyouConfig(optimizer_prefetch_chunks=bad, host_memory_budget="1GiB")
@@ -127,12 +131,12 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
         d.mkdir()
 
     def auto(*dirs):
-        config = FuyouConfig(swap_dirs=[str(d) for d in dirs], host_memory_budget="1GiB")
-        return config.optimizer_prefetch_chunks, config.auto_choices()["optimizer_prefetch_chunks"][1]
+        settings = resolve(FuyouConfig(swap_dirs=[str(d) for d in dirs], host_memory_budget="1GiB"))
+        return settings.config.optimizer_prefetch_chunks, settings.choices["optimizer_prefetch_chunks"][1]
 
     chunks, why = auto(fast)
     assert chunks == 4 and "not measured yet" in why, "unmeasured: by the number of drives, as before"
-    assert "temporary swap folder is new every run" in FuyouConfig(host_memory_budget="1GiB").auto_choices()[
+    assert "temporary swap folder is new every run" in resolve(FuyouConfig(host_memory_budget="1GiB")).choices[
         "optimizer_prefetch_chunks"][1]
     drives.remember(drives.cache_key(fast), {"read_bps": 7e9, "write_bps": 6e9})
     drives.remember(drives.cache_key(slow), {"read_bps": 0.9e9, "write_bps": 0.5e9})
@@ -141,8 +145,8 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
     assert auto(slow)[0] == 2, "0.5 GB/s x 20 ms is under one chunk: the double buffer"
     assert auto(fast, slow)[0] == auto_prefetch_chunks(2, 16 * 2**20, 0.5e9)[0] == 3, "the slowest drive sets the pace"
     assert auto(fast, probed)[0] == 6, "one drive unmeasured: by count"
-    assert FuyouConfig(swap_dirs=[str(fast)], optimizer_prefetch_chunks=3,
-                       host_memory_budget="1GiB").optimizer_prefetch_chunks == 3, "a number is kept"
+    assert resolve(FuyouConfig(swap_dirs=[str(fast)], optimizer_prefetch_chunks=3,
+                               host_memory_budget="1GiB")).config.optimizer_prefetch_chunks == 3, "a number is kept"
     assert cli(["doctor", "--dir", str(probed), "--size", "8MiB", "--cpu-probe-seconds", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rate = report["bandwidth"][str(probed)]
@@ -155,8 +159,8 @@ def test_the_read_ahead_follows_the_drives_measured_speed_once_it_is_cached(tmp_
 
 def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numbers_stay_hard(tmp_path, monkeypatch,
                                                                                              caplog):
-    """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: resolved once from the machine, carried
-    through ``replace``/``resolve`` copies, announced in one short line through the ``report`` the integration
+    """``io_threads`` and ``host_memory_budget`` default to ``"auto"``: a config keeps ``"auto"`` through
+    ``replace``/``merge`` copies and is resolved once from the machine (`resolve`, at the engine's start), announced in one short line through the ``report`` the integration
     passes (Lightning's rank-zero logger, the Trainer's logger), each with its reason at DEBUG and in
     ``summary()["choices"]``; an explicit number is kept and not announced."""
     import os
@@ -170,15 +174,16 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
     monkeypatch.setattr(config_module, "available_memory", lambda: 20 * 1024**3)
     cores = os.cpu_count() or 1
     auto = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB")
-    assert auto.io_threads == min(4, cores) == auto_io_threads(cores)[0]
-    assert set(auto.auto_choices()) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}
+    resolved = resolve(auto).config
+    assert resolved.io_threads == min(4, cores) == auto_io_threads(cores)[0]
+    assert set(resolve(auto).choices) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}
     assert auto_io_threads(64)[0] == 4 and auto_io_threads(1)[0] == 1
-    copy = FuyouConfig.resolve(auto, activations="keep")
-    assert set(copy.auto_choices()) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}, \
+    copy = FuyouConfig.merge(auto, activations="keep")
+    assert set(resolve(copy).choices) == {"host_memory_budget", "io_threads", "optimizer_prefetch_chunks"}, \
         "carried through copies"
     fixed = auto.replace(io_threads=3)
-    assert fixed.io_threads == 3 and set(fixed.auto_choices()) == {"host_memory_budget", "optimizer_prefetch_chunks"}, \
-        "a number is hard"
+    assert resolve(fixed).config.io_threads == 3 \
+        and set(resolve(fixed).choices) == {"host_memory_budget", "optimizer_prefetch_chunks"}, "a number is hard"
     said = []
     model = torch.nn.Linear(4, 4)
     with caplog.at_level("DEBUG", logger="fuyou_strategy"):  # each choice's reason, at DEBUG
@@ -191,14 +196,14 @@ def test_auto_defaults_fit_the_machine_are_announced_once_by_the_engine_and_numb
         took, why = auto_optimizer_threads(True, usable_cores(), torch.get_num_threads())
         chose = [m for m in said if m.startswith("fuyou: chose ")]
         assert len(chose) == 1 and len(chose[0]) <= 160, chose
-        assert f"io_threads={auto.io_threads}" in chose[0] and "host_memory_budget=10.00GiB" in chose[0]
+        assert f"io_threads={resolved.io_threads}" in chose[0] and "host_memory_budget=10.00GiB" in chose[0]
         assert f"optimizer_threads={took}" in chose[0] and not [m for m in said if "='auto' took" in m]
-        assert debug.count(f"fuyou: io_threads='auto' took {auto.io_threads}: {auto_io_threads(cores)[1]}") == 1
+        assert debug.count(f"fuyou: io_threads='auto' took {resolved.io_threads}: {auto_io_threads(cores)[1]}") == 1
         assert debug.count("fuyou: host_memory_budget='auto' took 10.00 GiB: 50% of") >= 1
         # resolved by the optimizer, from where the model computes (the CPU here)
         assert f"fuyou: optimizer_threads='auto' took {took}: {why}" in debug
         choices = engine.summary()["choices"]
-        assert choices["io_threads"] == {"value": auto.io_threads, "why": auto_io_threads(cores)[1]}
+        assert choices["io_threads"] == {"value": resolved.io_threads, "why": auto_io_threads(cores)[1]}
         assert choices["optimizer_threads"] == {"value": took, "why": why}
         assert engine.summary()["optimizer_threads"] == took and engine.summary()["optimizer_threads_reason"] == why
     finally:
@@ -289,3 +294,38 @@ def test_the_readme_says_where_the_state_lives_by_default_as_fuyouconfig_does(tm
         assert summary["ssd_bytes_optimizer_state"] == 0 and summary["host_bytes_optimizer_state"] > 0
     finally:
         engine.close()
+
+
+def test_constructing_a_config_reads_no_file_and_no_proc(tmp_path, monkeypatch):
+    """A `FuyouConfig` is a value: constructing, copying and merging one validate its fields and read nothing of
+    the machine (no ``/proc/meminfo``, no drive cache, no plan file, no stat of a folder); `resolve` reads the
+    machine, once, and reports there what only it can tell (a plan file that is missing)."""
+    import builtins
+    import io
+    import os
+
+    calls = []
+
+    def refuse(name, real):
+        def call(*args, **kwargs):
+            calls.append((name, args[:1]))
+            return real(*args, **kwargs)
+        return call
+
+    for module, names in ((builtins, ["open"]), (io, ["open"]),
+                          (os, ["open", "stat", "lstat", "scandir", "listdir", "access"])):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse(f"{module.__name__}.{name}", getattr(module, name)))
+    plan, trace = str(tmp_path / "missing-plan.json"), str(tmp_path / "missing" / "trace.json")
+    fields = dict(swap_dirs=[str(tmp_path / "a"), str(tmp_path / "b")], plan=plan, trace=trace,
+                  activations={0: "ssd"}, weights="device", state_slots=1, optimizer_schedule="next_forward")
+    config = FuyouConfig(**fields)
+    copy = config.replace(io_threads=2)
+    merged = FuyouConfig.merge({"host_memory_budget": "2GiB", "chunk_size": "8MiB"}, io_threads=3)
+    FuyouConfig()
+    assert calls == [], calls
+    assert (config.host_memory_budget, config.io_threads, config.optimizer_prefetch_chunks) == ("auto",) * 3
+    assert copy.io_threads == 2 and merged.host_memory_budget == 2 * 2**30 and merged.io_threads == 3
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="^plan: "):
+        resolve(config)

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_causal_lm
 from fuyou_strategy import FuyouConfig
 from fuyou_strategy.activations import ActivationSwapper
-from fuyou_strategy.config import HostShares, host_budget_split
+from fuyou_strategy.storage import HostShares, host_budget_split
 from fuyou_strategy.device import alloc_host_buffer, host_buffer_usage, reset_host_buffer_high_water
 from fuyou_strategy.optim import FuyouAdamW
 from fuyou_strategy.storage import HostBudgetError, StorageIOError, aio
@@ -32,7 +32,7 @@ def ids(seed=0):
 def train(model, cfg, steps=3, swap=True):
     """A few clipped steps of FuyouAdamW, with the activation swapper sharing its store when ``swap``."""
     opt = FuyouAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0, config=cfg)
-    swapper = ActivationSwapper(model, cfg, store=opt.store) if swap else None
+    swapper = ActivationSwapper(model, cfg, memory=opt.memory) if swap else None
     try:
         for step in range(steps):
             with swapper if swap else contextlib.nullcontext():

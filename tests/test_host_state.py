@@ -15,7 +15,8 @@ import torch
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import Policy
-from fuyou_strategy.config import host_budget_split, host_state_bytes, parse_bytes
+from fuyou_strategy.config import parse_bytes, resolve
+from fuyou_strategy.storage import host_budget_split, host_state_bytes
 from fuyou_strategy.device import host_buffer_usage, reset_host_buffer_high_water
 from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore, aio
 from test_schedule import MAX_NORM, STEPS, config, reference, train
@@ -447,19 +448,21 @@ def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_
     GiB = 1024**3
     monkeypatch.setattr(config_module, "available_memory", lambda: 20 * GiB)
     with caplog.at_level("DEBUG", logger="fuyou_strategy"):  # the engine announces it (test_config), at INFO
-        roomy = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")
+        settings = resolve(FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto"))
+    roomy = settings.config
     assert roomy.host_memory_budget == 10 * GiB and roomy.host_state == "auto"
     assert "host_memory_budget='auto' took 10.00 GiB: 50% of the 20.00 GiB of RAM available" in caplog.text
-    assert roomy.auto_choices()["host_memory_budget"][1].startswith("50% of the 20.00 GiB of RAM available")
+    assert settings.choices["host_memory_budget"][1].startswith("50% of the 20.00 GiB of RAM available")
     assert roomy.replace(io_threads=1).host_memory_budget == 10 * GiB, "resolved once"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this machine share it
-    assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 5 * GiB
+    assert resolve(FuyouConfig(host_memory_budget="auto")).config.host_memory_budget == 5 * GiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(config_module, "available_memory", lambda: 6 * GiB)
-    assert FuyouConfig(host_memory_budget="auto").host_memory_budget == 2 * GiB, "at least 4 GiB left to the rest"
+    assert resolve(FuyouConfig(host_memory_budget="auto")).config.host_memory_budget == 2 * GiB, \
+        "at least 4 GiB left to the rest"
     monkeypatch.setattr(config_module, "available_memory", lambda: GiB)
     with pytest.warns(UserWarning, match=r"only 1.00 GiB of RAM is available.*keeps the optimizer state on the SSD"):
-        tight = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")
+        tight = resolve(FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="auto", host_state="auto")).config
     assert tight.host_memory_budget == 512 * 1024**2 and tight.host_state == 0
     model = tiny_causal_lm("gpt2")
     with FuyouAdamW(decay_groups(model), lr=1e-3, config=tight) as opt:
@@ -524,30 +527,29 @@ def test_a_chunk_lent_for_an_exact_update_is_the_active_chunk_itself_and_a_rollb
 
 
 def test_fuyou_ddp_shares_the_auto_budget_between_the_ranks_of_the_machine(monkeypatch, tmp_path):
-    """The strategy's config is resolved once, where the strategy is made; with "auto" each of the node's
-    ranks takes its share when it sets up (a number given stays a hard cap)."""
+    """The strategy's config is a value, "auto" kept as given; each rank's engine resolves it with the node's
+    processes (``local_ranks``), so with "auto" each of the node's ranks takes its share (a number given stays a
+    hard cap). A `FuyouConfig` object asking "auto" shares alike: it no longer holds a number resolved where the
+    strategy was made."""
     import fuyou_strategy.config as config_module
     from fuyou_strategy import FuyouDDPStrategy
 
     GiB = 1024**3
     monkeypatch.setattr(config_module, "available_memory", lambda: 20 * GiB)
-    import fuyou_strategy.integrations.lightning as lightning_module
-
-    monkeypatch.setattr(lightning_module, "available_memory", lambda: 20 * GiB)
     two = [torch.device("cpu")] * 2
+
+    def per_rank(strategy):
+        return resolve(strategy.fuyou_config, local_ranks=strategy._parallel_engine_arguments()["local_ranks"]
+                       ).config.host_memory_budget
+
     auto = FuyouDDPStrategy(parallel_devices=two, swap_dirs=[str(tmp_path)])
-    assert auto.fuyou_config.host_memory_budget == 10 * GiB
-    auto.share_auto_budget()
-    auto.share_auto_budget()  # once
-    assert auto.fuyou_config.host_memory_budget == 5 * GiB
-    for fixed in [FuyouDDPStrategy(parallel_devices=two, host_memory_budget="3GiB"),
-                  FuyouDDPStrategy(FuyouConfig(host_memory_budget="auto"), parallel_devices=two)]:
-        budget = fixed.fuyou_config.host_memory_budget
-        fixed.share_auto_budget()
-        assert fixed.fuyou_config.host_memory_budget == budget
+    assert auto.fuyou_config.host_memory_budget == "auto"
+    assert resolve(auto.fuyou_config).config.host_memory_budget == 10 * GiB, "one process takes half"
+    assert per_rank(auto) == 5 * GiB
+    assert per_rank(FuyouDDPStrategy(parallel_devices=two, host_memory_budget="3GiB")) == 3 * GiB
+    assert per_rank(FuyouDDPStrategy(FuyouConfig(host_memory_budget="auto"), parallel_devices=two)) == 5 * GiB
     from_dict = FuyouDDPStrategy({"swap_dirs": [str(tmp_path)]}, parallel_devices=two)
-    from_dict.share_auto_budget()
-    assert from_dict.fuyou_config.host_memory_budget == 5 * GiB
+    assert per_rank(from_dict) == 5 * GiB
 
 
 def test_a_warm_up_whose_budget_holds_the_state_writes_none_of_it_to_the_ssd(tmp_path):

@@ -14,6 +14,7 @@ import yaml
 
 from conftest import tiny_causal_lm
 from fuyou_strategy import ConfigError, FuyouCallback, FuyouConfig, FuyouEngine, doctor, drives, progress, run_report
+from fuyou_strategy.config import resolve
 from fuyou_strategy.cli import main as cli
 from fuyou_strategy.doctor import diagnose
 from fuyou_strategy.storage import aio, probe
@@ -199,7 +200,7 @@ def test_no_wear_warning_for_a_short_run_on_a_rated_drive(tmp_path):
 ])
 def test_bad_observability_settings_name_the_field(field, value, fix):
     with pytest.raises(ConfigError, match=rf"^{field}: got .*") as err:
-        FuyouConfig(**{field: value})
+        resolve(FuyouConfig(**{field: value}))
     assert fix in str(err.value)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fuyou_strategy import ConfigError, FuyouConfig
-from fuyou_strategy.config import parse_bytes
+from fuyou_strategy.config import parse_bytes, resolve
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.cli import main as fuyou
 from fuyou_strategy.planner import (BlockProfile, Plan, PlanError, Profile, analytic_profile, fixed_plan, predict,
@@ -173,7 +173,7 @@ def test_config_accepts_auto_and_checks_planner_fields(tmp_path):
     with pytest.raises(ConfigError, match="planner_warmup_steps"):
         FuyouConfig(planner_warmup_steps=1)
     with pytest.raises(ConfigError, match="plan: .* does not exist"):
-        FuyouConfig(plan=str(tmp_path / "nope.json"))
+        resolve(FuyouConfig(plan=str(tmp_path / "nope.json")))
 
 
 def _edited(**changes):
@@ -203,8 +203,8 @@ def test_a_bad_plan_file_is_an_error_naming_the_file_the_problem_and_the_fix(tmp
     fix = r"; write a plan with Plan.save or `fuyou plan --save`"
     with pytest.raises(PlanError, match=f"^'{re.escape(str(path))}' {problem}.*{fix}$"):
         Plan.load(path)
-    with pytest.raises(ConfigError, match=f"^plan: '{re.escape(str(path))}' {problem}"):  # where the config is written
-        FuyouConfig(plan=str(path))
+    with pytest.raises(ConfigError, match=f"^plan: '{re.escape(str(path))}' {problem}"):  # where the config is resolved
+        resolve(FuyouConfig(plan=str(path)))
 
 
 # -- what-if ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fuyou_strategy import ConfigError, FuyouConfig
+from fuyou_strategy.config import resolve
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, predict, solve
 from test_planner import MiB, assert_within_budgets, synthetic
@@ -128,7 +129,7 @@ def test_config_weights_auto_needs_the_planner_or_a_plan(tmp_path):
     for weights in ("auto", "device"):
         assert FuyouConfig(weights=weights, plan=str(path)).plan == str(path)
     with pytest.raises(ConfigError, match=r"weights: got 'host', but the plan .* chooses the weight tiers \{0: 'ssd'\}"):
-        FuyouConfig(weights="host", plan=str(path))
+        resolve(FuyouConfig(weights="host", plan=str(path)))
     fixed_plan(weighty(n=2), ["keep", "ssd"]).save(path)  # every block's weights on the device
     assert FuyouConfig(weights="host", plan=str(path)).weights == "host"
 
@@ -178,7 +179,7 @@ def test_auto_streams_the_frozen_base_when_the_device_budget_is_small_and_change
         plan = engine.plan
         measured = Profile.from_dict(plan.profile)
         assert plan.weights and set(plan.weights.values()) == {"ssd"} and plan.device_peak <= budget
-        assert engine.streamer is not None and engine.streamer.config.weights == plan.weights
+        assert engine.streamer is not None and engine.streamer.weights == plan.weights
         summary = engine.summary()
         assert summary["weight_tiers"] == plan.weights and summary["weight_bytes_streamed"] > 0
         # The prediction includes reading the streamed blocks at the measured SSD and copy bandwidths.

@@ -21,7 +21,8 @@ from . import drives
 from .planfile import POLICIES, WEIGHT_TIERS, PlanError, did_you_mean, streamed_tiers
 from .planfile import read as read_plan
 
-__all__ = ["ConfigError", "FuyouConfig", "HostShares", "host_budget_split", "host_state_bytes", "placement_defaults",
+__all__ = ["ConfigError", "FuyouConfig", "Machine", "Settings", "resolve", "settled", "is_resolved",
+           "placement_defaults",
            "auto_host_budget", "available_memory", "parse_bytes", "format_bytes", "read_mapping",
            "STATE_BYTES_PER_PARAM"]
 
@@ -45,6 +46,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+class PlanFileError(ConfigError, PlanError):
+    """The plan file that ``plan`` names cannot be used: a bad value of the field and a bad plan at once."""
 
 
 # host_memory_budget="auto": this share of the RAM available at start, leaving at least AUTO_BUDGET_KEEP to
@@ -412,32 +417,23 @@ class FuyouConfig:
                     raise ConfigError(f"swap_dirs: got {os.fspath(d)!r}; the only placeholders are {{rank}} and "
                                       f"{{local_rank}} (a directory per rank or per GPU), not {exc}") from None
             resolved = [str(Path(d).expanduser()) for d in dirs]
-            if len(set(map(os.path.realpath, resolved))) != len(resolved):
+            if len(set(map(_same_path, resolved))) != len(resolved):
                 raise ConfigError(f"swap_dirs: got {resolved}; a directory is listed twice, list each drive once")
             self.swap_dirs = resolved
         raw_budget = self.host_memory_budget
-        if raw_budget == "auto":  # resolved once, here: every copy of this config (replace) keeps the number
-            available = available_memory()
-            self.host_memory_budget, why = auto_host_budget(available, _local_ranks())
-            self._chose("host_memory_budget", format_bytes(self.host_memory_budget), why)
-            if self.host_state == "auto" and available < AUTO_BUDGET_LOW:
-                warnings.warn(f"fuyou: only {format_bytes(available)} of RAM is available, less than "
-                              f"{format_bytes(AUTO_BUDGET_LOW)}: host_state='auto' keeps the optimizer state on the SSD "
-                              "(free memory, or set host_memory_budget and host_state)", stacklevel=3)
-                self.host_state = 0
-        self.host_memory_budget = parse_bytes(self.host_memory_budget, name="host_memory_budget")
-        if self.host_memory_budget < PAGE:
-            raise ConfigError(
-                f"host_memory_budget: got {raw_budget!r} ({self.host_memory_budget} bytes); it must hold at "
-                f"least one 4 KiB page, and in practice several chunks, e.g. '2GiB'"
-            )
+        if raw_budget != "auto":  # "auto" stays until `resolve` reads the machine
+            self.host_memory_budget = parse_bytes(raw_budget, name="host_memory_budget")
+            if self.host_memory_budget < PAGE:
+                raise ConfigError(
+                    f"host_memory_budget: got {raw_budget!r} ({self.host_memory_budget} bytes); it must hold at "
+                    f"least one 4 KiB page, and in practice several chunks, e.g. '2GiB'"
+                )
         if self.device_memory_budget is not None:
             self.device_memory_budget = parse_bytes(self.device_memory_budget, name="device_memory_budget")
-        if self.io_threads == "auto":
-            self.io_threads, why = auto_io_threads(os.cpu_count() or 1)
-            self._chose("io_threads", self.io_threads, why)
-        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or not 1 <= self.io_threads <= 64:
-            raise ConfigError(f"io_threads: got {self.io_threads!r}; expected an int from 1 to 64 (threads per swap dir)")
+        threads = self.io_threads
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64):
+            raise ConfigError(f"io_threads: got {self.io_threads!r}; expected 'auto' or an int from 1 to 64 (threads per "
+                              "swap dir)")
         for name in ("io_block_size", "chunk_size"):
             nbytes = parse_bytes(getattr(self, name), name=name)
             if nbytes < PAGE or nbytes % PAGE:
@@ -447,20 +443,15 @@ class FuyouConfig:
                     f"4 KiB for O_DIRECT, e.g. {suggestion} ({format_bytes(suggestion)})"
                 )
             setattr(self, name, nbytes)
-        if self.chunk_size > self.host_memory_budget:
+        if self.host_memory_budget != "auto" and self.chunk_size > self.host_memory_budget:
             raise ConfigError(
                 f"chunk_size: got {format_bytes(self.chunk_size)}, larger than host_memory_budget "
                 f"({format_bytes(self.host_memory_budget)}); lower chunk_size or raise host_memory_budget"
             )
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io: got {self.direct_io!r}; expected 'auto', 'on' or 'off'")
-        if self.optimizer_prefetch_chunks == "auto":
-            self.optimizer_prefetch_chunks, why = auto_prefetch_chunks(
-                len(self.swap_dirs or ()), self.chunk_size, slowest_measured(self.swap_dirs),
-                temporary=not self.swap_dirs)
-            self._chose("optimizer_prefetch_chunks", self.optimizer_prefetch_chunks, why)
-        if not isinstance(self.optimizer_prefetch_chunks, int) or isinstance(self.optimizer_prefetch_chunks, bool) \
-                or self.optimizer_prefetch_chunks < 1:
+        chunks = self.optimizer_prefetch_chunks
+        if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
             raise ConfigError(
                 f"optimizer_prefetch_chunks: got {self.optimizer_prefetch_chunks!r}; expected 'auto' or an int >= 1"
             )
@@ -483,7 +474,8 @@ class FuyouConfig:
                               "slot) or 1 (updates in step(), half the SSD state)")
         if self.host_state != "auto":
             raw_state, self.host_state = self.host_state, parse_bytes(self.host_state, name="host_state")
-            if self.host_state and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
+            if self.host_state and self.host_memory_budget != "auto" \
+                    and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
                 raise ConfigError(
                     f"host_state: got {raw_state!r} ({format_bytes(self.host_state)}) of host_memory_budget="
                     f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
@@ -512,15 +504,7 @@ class FuyouConfig:
             if not isinstance(self.plan, (str, os.PathLike)):
                 raise ConfigError(f"plan: got {self.plan!r}; expected the path of a plan JSON written by `fuyou plan "
                                   "--save` or Plan.save")
-            self.plan = os.fspath(self.plan)
-            try:
-                streamed = streamed_tiers(read_plan(self.plan))  # a bad plan fails here, not at the first step
-            except PlanError as exc:
-                raise ConfigError(f"plan: {exc}") from None
-            if streamed and self.weights not in ("device", "auto", None):
-                raise ConfigError(f"weights: got {self.weights!r}, but the plan {self.plan!r} chooses the weight tiers "
-                                  f"{streamed}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
-                                  "a plan that keeps every block's weights on the device")
+            self.plan = os.fspath(self.plan)  # read, and checked against ``weights``, by `resolve`
         elif self.weights == "auto" and self.activations not in ("auto", None):
             raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "
                               "planner choose each block's tier, so set activations='auto' (it chooses both) or "
@@ -528,11 +512,7 @@ class FuyouConfig:
         if self.trace is not None:
             if not isinstance(self.trace, (str, os.PathLike)):
                 raise ConfigError(f"trace: got {self.trace!r}; expected the path of the trace JSON to write")
-            self.trace = str(Path(self.trace).expanduser())
-            folder = os.path.dirname(os.path.abspath(self.trace))
-            if not os.path.isdir(folder):
-                raise ConfigError(f"trace: got {self.trace!r}, but its folder {folder!r} does not exist; create it "
-                                  "or write the trace elsewhere")
+            self.trace = str(Path(self.trace).expanduser())  # its folder is checked by `resolve`
         if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
             raise ConfigError(f"trace_steps: got {self.trace_steps!r}; expected an int >= 1 (steps in the trace)")
         tbw = self.ssd_endurance_tbw
@@ -570,12 +550,15 @@ class FuyouConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def resolve(cls, config: "FuyouConfig | Mapping[str, Any] | str | os.PathLike | None" = None, **fields: Any) -> "FuyouConfig":
+    def merge(cls, config: "FuyouConfig | Mapping[str, Any] | str | os.PathLike | None" = None,
+              **fields: Any) -> "FuyouConfig":
         """One config from what an adapter was given: a `FuyouConfig`, a mapping, a file path or
         ``None`` (defaults), with keyword ``fields`` overriding it (unknown names are errors)."""
         if config is None:
             base: dict[str, Any] = {}
         elif isinstance(config, FuyouConfig):
+            if not fields:
+                return config
             base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         elif isinstance(config, Mapping):
             base = dict(config)
@@ -583,42 +566,128 @@ class FuyouConfig:
             base = cls.from_file(config).to_dict()
         else:
             raise ConfigError(f"config: got {type(config).__name__}; expected a FuyouConfig, a dict, a .json/.yaml path or None")
-        if isinstance(config, FuyouConfig):
-            if not fields:
-                return config
-            fields = config._redo_choices(fields)
-            return cls.from_dict({**base, **fields})._carry_choices(config, fields)
         return cls.from_dict({**base, **fields})
 
     def replace(self, **changes: Any) -> "FuyouConfig":
-        """A validated copy with some fields changed (the "auto" choices of the others are carried over)."""
-        changes = self._redo_choices(changes)
-        return dataclasses.replace(self, **changes)._carry_choices(self, changes)
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
 
-    def _redo_choices(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """``changes``, with ``optimizer_prefetch_chunks`` chosen again when it was ``"auto"`` and the swap
-        directories it was chosen for change."""
-        if "swap_dirs" in changes and "optimizer_prefetch_chunks" not in changes \
-                and "optimizer_prefetch_chunks" in self.auto_choices():
-            return {**changes, "optimizer_prefetch_chunks": "auto"}
-        return changes
 
-    # -- "auto" choices: made once, when the config is validated; announced by the engine ------------------
-    def _chose(self, name: str, value: Any, why: str) -> None:
-        self.__dict__.setdefault("_choices", {})[name] = (value, why)
-        log.debug("fuyou: %s='auto' took %s: %s", name, value, why)
+def _same_path(path: str) -> str:
+    """``path`` as written, made absolute and normalised (no file system access: symlinks are `resolve`'s)."""
+    return os.path.normpath(os.path.abspath(path))
 
-    def _carry_choices(self, source: "FuyouConfig", overridden: Iterable[str]) -> "FuyouConfig":
-        carried = {k: v for k, v in source.auto_choices().items() if k not in set(overridden)}
-        self.__dict__["_choices"] = {**carried, **self.auto_choices()}
-        return self
 
-    def auto_choices(self) -> dict[str, tuple[Any, str]]:
-        """``{field: (value, why)}`` for each field left at ``"auto"`` that this config resolved from the
-        machine (``host_memory_budget``, ``io_threads``, ``optimizer_prefetch_chunks``); `FuyouEngine`
-        announces them once through the framework's logger. A value given explicitly is a hard setting and
-        appears nowhere here."""
-        return dict(self.__dict__.get("_choices", {}))
+# -- resolution: a config and the machine it runs on -> the settings a run uses ------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """What ``"auto"`` choices depend on, read once (`Machine.read`) or given (tests, ``fuyou plan``).
+
+    Attributes:
+        available_memory: bytes of RAM available at start (``MemAvailable``; 0 if unknown).
+        cores: CPU cores of the machine (``os.cpu_count()``).
+        local_ranks: processes of this training on this machine (``$LOCAL_WORLD_SIZE``, as torchrun sets it).
+        slowest_drive_bps: the slowest cached read or write rate of the swap directories (`drives.measured`);
+            ``None`` when one is unmeasured or the swap directory is a temporary folder.
+    """
+
+    available_memory: int
+    cores: int
+    local_ranks: int = 1
+    slowest_drive_bps: float | None = None
+
+    @classmethod
+    def read(cls, swap_dirs: Iterable[str] | None = None) -> "Machine":
+        """This machine, now: ``/proc/meminfo``, the CPU count, ``$LOCAL_WORLD_SIZE`` and the drive-bandwidth
+        cache for ``swap_dirs``."""
+        return cls(available_memory(), os.cpu_count() or 1, _local_ranks(), slowest_measured(swap_dirs))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A `FuyouConfig` resolved for one run: every ``"auto"`` that depends on the machine replaced by its number
+    (``host_memory_budget``, ``io_threads``, ``optimizer_prefetch_chunks``), ``activations``/``weights`` left
+    unset decided for the device (when one was given), the plan file read and checked.
+
+    Attributes:
+        config: the resolved values (a `FuyouConfig`: every part reads its fields from it).
+        choices: ``{field: (value, why)}`` for each field fuyou chose; `FuyouEngine` announces them once.
+        said: one sentence per placement decision (`placement_defaults`), as the engine logs it.
+        machine: what the choices were made from.
+    """
+
+    config: "FuyouConfig"
+    choices: Mapping[str, tuple[Any, str]]
+    said: tuple[str, ...] = ()
+    machine: Machine | None = None
+
+
+def is_resolved(config: "FuyouConfig") -> bool:
+    """No field of ``config`` still waits for the machine (`resolve`)."""
+    return "auto" not in (config.host_memory_budget, config.io_threads, config.optimizer_prefetch_chunks)
+
+
+def resolve(config: "FuyouConfig | None" = None, machine: Machine | None = None, *, device: Any = None,
+            ranks: int = 1, local_ranks: int | None = None) -> Settings:
+    """Turn ``config`` into the `Settings` of a run, once, at its start (`FuyouEngine`, or a part built on its
+    own). ``machine``: read now when not given. ``device`` (a ``torch.device``): where the model computes;
+    with it, ``activations``/``weights`` left unset are decided (`placement_defaults`, for ``ranks`` processes
+    in all). ``local_ranks``: the processes sharing this machine's RAM (default ``machine.local_ranks``).
+
+    Raises `ConfigError` for what only the machine can tell: a plan file that is missing or contradicts
+    ``weights``, a trace folder that does not exist, swap directories that are one directory twice."""
+    config = config if config is not None else FuyouConfig()
+    machine = machine if machine is not None else Machine.read(config.swap_dirs)
+    choices: dict[str, tuple[Any, str]] = {}
+    changes: dict[str, Any] = {}
+
+    def chose(name: str, value: Any, why: str, shown: Any = None) -> None:
+        changes[name] = value
+        choices[name] = (value if shown is None else shown, why)
+        log.debug("fuyou: %s='auto' took %s: %s", name, value if shown is None else shown, why)
+
+    if config.swap_dirs is not None and len(set(map(os.path.realpath, config.swap_dirs))) != len(config.swap_dirs):
+        raise ConfigError(f"swap_dirs: got {config.swap_dirs}; a directory is listed twice, list each drive once")
+    if config.host_memory_budget == "auto":
+        ranks_here = local_ranks if local_ranks is not None else machine.local_ranks
+        budget, why = auto_host_budget(machine.available_memory, ranks_here)
+        chose("host_memory_budget", budget, why, format_bytes(budget))
+        if config.host_state == "auto" and machine.available_memory < AUTO_BUDGET_LOW:
+            warnings.warn(f"fuyou: only {format_bytes(machine.available_memory)} of RAM is available, less than "
+                          f"{format_bytes(AUTO_BUDGET_LOW)}: host_state='auto' keeps the optimizer state on the SSD "
+                          "(free memory, or set host_memory_budget and host_state)", stacklevel=2)
+            changes["host_state"] = 0
+    if config.io_threads == "auto":
+        chose("io_threads", *auto_io_threads(machine.cores))
+    if config.optimizer_prefetch_chunks == "auto":
+        chose("optimizer_prefetch_chunks", *auto_prefetch_chunks(
+            len(config.swap_dirs or ()), config.chunk_size, machine.slowest_drive_bps, temporary=not config.swap_dirs))
+    if config.plan is not None:
+        try:
+            streamed = streamed_tiers(read_plan(config.plan))
+        except PlanError as exc:
+            raise PlanFileError(f"plan: {exc}") from None
+        if streamed and config.weights not in ("device", "auto", None):
+            raise ConfigError(f"weights: got {config.weights!r}, but the plan {config.plan!r} chooses the weight tiers "
+                              f"{streamed}; leave weights at 'device' or 'auto' to apply the plan's, or pin "
+                              "a plan that keeps every block's weights on the device")
+    if config.trace is not None:
+        folder = os.path.dirname(os.path.abspath(config.trace))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"trace: got {config.trace!r}, but its folder {folder!r} does not exist; create it "
+                              "or write the trace elsewhere")
+    resolved = config.replace(**changes) if changes else config
+    said: list[str] = []
+    if device is not None:
+        resolved, said = placement_defaults(resolved, device, ranks)
+    return Settings(resolved, choices, tuple(said), machine)
+
+
+def settled(config: "FuyouConfig | None") -> "FuyouConfig":
+    """``config`` with nothing left for the machine: itself when resolved already (the engine hands every part
+    its resolved config), else `resolve`'s values (a part built on its own)."""
+    config = config if config is not None else FuyouConfig()
+    return config if is_resolved(config) else resolve(config).config
 
 
 def read_mapping(path: str | os.PathLike) -> dict[str, Any]:
@@ -647,62 +716,6 @@ def read_mapping(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r}: expected a mapping of field names to values, got "
                           f"{type(values).__name__}")
     return dict(values)
-
-
-@dataclass(frozen=True)
-class HostShares:
-    """How `host_budget_split` divides ``host_memory_budget`` between the pool's users (bytes).
-
-    The pool lends to whoever asks while it has room: the shares are guarantees, not
-    partitions. Every user but one gives its buffers back as soon as a transfer is done;
-    host-policy activations hold theirs until backward, so they are admitted only while the
-    ``reserved`` part stays free, which keeps everyone else moving.
-
-    Attributes:
-        budget: ``host_memory_budget``.
-        state_in_ram: `host_state_bytes`: optimizer state held in host RAM (the pool lends it for the
-            entries' life); the rest (`pool`) is the transfers' and host users' share, which the shares
-            below divide.
-        state_chunk: one optimizer state chunk: the most whole groups of 2048 parameters'
-            ``[master | exp_avg | exp_avg_sq]`` (24 KiB each) that ``chunk_size`` holds, at least
-            one; so the same parameters' bf16 or fp32 weights or gradients are a whole number of
-            pages too (streamed weights and gradients are chunked alike).
-        optimizer_depth: state chunks the optimizer reads ahead of the one it updates:
-            ``optimizer_prefetch_chunks``, fewer when the budget is small, at least one.
-        optimizer_readahead: ``(optimizer_depth + 1) * state_chunk``.
-        activation_staging: SSD activations on their way to disk: two chunks, or one per
-            swap directory if there are more, so every drive can be busy.
-        activation_readback: SSD activations on their way back in backward (as many).
-        host_activations: what is left: the most host-policy activations ever hold.
-    """
-
-    budget: int
-    state_chunk: int
-    optimizer_depth: int
-    optimizer_readahead: int
-    activation_staging: int
-    activation_readback: int
-    host_activations: int
-    state_in_ram: int = 0
-
-    @property
-    def pool(self) -> int:
-        """The transfer pool's budget: what ``host_state`` leaves of ``host_memory_budget``."""
-        return self.budget - self.state_in_ram
-
-    @property
-    def reserved(self) -> int:
-        """What host-policy activations always leave free (all of the pool if it is that small)."""
-        return self.pool - self.host_activations
-
-
-def _transfers(config: FuyouConfig, pool: int) -> tuple[int, int, int, int]:
-    """(state chunk, read-ahead depth, read-ahead bytes, staging = readback bytes) of a pool of ``pool`` bytes."""
-    unit = STATE_CHUNK_ELEMENTS * STATE_BYTES_PER_PARAM
-    state_chunk = max(1, config.chunk_size // unit) * unit
-    staging = max(2, len(config.swap_dirs or ())) * config.chunk_size
-    depth = max(1, min(config.optimizer_prefetch_chunks, (pool - 2 * staging) // state_chunk - 1))
-    return state_chunk, depth, (depth + 1) * state_chunk, staging
 
 
 def placement_defaults(config: FuyouConfig, device: "torch.device", ranks: int = 1) -> tuple[FuyouConfig, list[str]]:
@@ -751,42 +764,3 @@ def placement_defaults(config: FuyouConfig, device: "torch.device", ranks: int =
         if why:
             said.append(f"fuyou: weights (unset) took {weights!r}: {why}")
     return config.replace(activations=activations, weights=weights), said
-
-
-def host_state_bytes(config: FuyouConfig) -> int:
-    """The bytes of ``host_memory_budget`` the optimizer state takes in host RAM from the start.
-
-    A number of ``host_state`` is itself. ``"auto"``: everything the transfers (the optimizer's full
-    read-ahead, the staging of SSD activations both ways) leave, when nothing else claims the host
-    tier yet. With the planner (``activations="auto"``, ``weights`` ``"device"`` or ``"auto"``) that is the
-    warm-up's share, which profiles with every activation kept and every weight resident: `FuyouEngine` then
-    gives the state what the plan leaves (`planner.Plan.state_in_ram`), moving the state the plan's host
-    activations and weights need out to the SSD, so a state the budget holds is never written there. When
-    something claims the host tier from the start (``activations`` naming ``"host"``, streamed weights, or a
-    pinned plan), nothing at first: with a plan, the engine gives the state what it leaves."""
-    if config.host_state != "auto":
-        return config.host_state
-    policies = config.activations.values() if isinstance(config.activations, dict) else [config.activations]
-    # staging buffers, gradients' host copies, host-tier weights; None is resident (`placement_defaults`)
-    streams = config.weights not in ("device", "auto", {}, None)
-    if streams or any(p == "host" for p in policies) or config.plan is not None:
-        return 0
-    _, _, readahead, staging = _transfers(config, config.host_memory_budget)
-    free = config.host_memory_budget - readahead - 2 * staging
-    return max(0, free // PAGE * PAGE)
-
-
-def host_budget_split(config: FuyouConfig) -> HostShares:
-    """The one division of ``config.host_memory_budget``; see `HostShares`.
-
-    `FuyouAdamW` reads ahead ``optimizer_depth`` chunks, the activation swapper admits
-    host-policy activations only into ``host_activations`` and stages SSD transfers in the
-    rest, and the planner budgets host-policy activations against ``host_activations``.
-    A budget smaller than the reserved shares together is still valid: the transfers then
-    take turns, and host-policy activations stay on the device.
-    """
-    state = host_state_bytes(config)
-    pool = config.host_memory_budget - state
-    state_chunk, depth, readahead, staging = _transfers(config, pool)
-    host = max(0, pool - readahead - 2 * staging)
-    return HostShares(config.host_memory_budget, state_chunk, depth, readahead, staging, staging, host, state)

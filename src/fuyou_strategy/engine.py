@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
-from .config import ConfigError, FuyouConfig, format_bytes, placement_defaults
+from .config import ConfigError, FuyouConfig, Settings, format_bytes, resolve
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -46,6 +46,7 @@ from .params.streaming import streamed_parameter_names
 from .planner import WEIGHT_TIERS, Plan, PlanError, solve
 from .planner.profile import WarmupProfiler
 from .run_report import RunReport
+from .storage import MemoryTiers
 from .storage.wear import Wear
 
 log = logging.getLogger("fuyou_strategy")
@@ -249,6 +250,9 @@ class FuyouEngine:
             ``DistributedDataParallel``'s construction does).
         gradients_averaged: with ``process_group``, the model is a ``DistributedDataParallel`` (or
             the loop reduces otherwise) and the gradients at ``step()`` are the ranks' average already.
+        local_ranks: the processes of this training on this machine, which share its RAM when
+            ``host_memory_budget="auto"`` (default ``$LOCAL_WORLD_SIZE``, else 1); the Lightning strategy
+            passes its node's.
 
     After construction ``engine.optimizer`` is the `FuyouAdamW` to hand to the framework.
     Nothing is left on disk when construction fails.
@@ -271,25 +275,27 @@ class FuyouEngine:
         loss_scaling: Any = None,
         process_group: Any = None,
         gradients_averaged: bool = False,
+        local_ranks: int | None = None,
     ) -> None:
         refuse_compiled(model, where)  # before anything is made on disk
         self.device = torch.device(device) if device is not None else model_device(model)
         ranks = dist.get_world_size(process_group) if process_group is not None else 1
-        config, placed = placement_defaults(config if config is not None else FuyouConfig(), self.device, ranks)
-        self.config = config
+        # The config resolved once, here: every part receives this value (`config.resolve`).
+        self.settings: Settings = resolve(config, device=self.device, ranks=ranks, local_ranks=local_ranks)
+        self.config = config = self.settings.config
         self.report = report if report is not None else log.info
         # What fuyou chose for the fields left to it, {field: (value, why)}: one line through the framework's
         # logger once the optimizer is made (`_announce_choices`); each reason at DEBUG and in summary()["choices"].
-        self.choices: dict[str, tuple[Any, str]] = {}
-        for name, (value, why) in config.auto_choices().items():
-            self._chose(name, value, why)
-        for said in placed:  # "fuyou: activations (unset) took 'keep': why"
+        self.choices: dict[str, tuple[Any, str]] = dict(self.settings.choices)
+        for said in self.settings.said:  # "fuyou: activations (unset) took 'keep': why"
             name = said.split()[1]
             self._chose(name, getattr(config, name), said.split(": ", 2)[2], said)
         self.model = model
         self.init_weights = init_weights
         # What close() reads exists before anything can fail: a construction that fails half-way closes
         # what it made, and its own error reaches the caller.
+        self.memory: MemoryTiers | None = None
+        self.optimizer: FuyouAdamW | None = None
         self.swapper: ActivationSwapper | None = None
         self.streamer: WeightStreamer | None = None
         self.plan: Plan | None = None
@@ -302,10 +308,13 @@ class FuyouEngine:
             self.report(_kernel_hint(where))
         if process_group is not None and not gradients_averaged and dist.get_world_size(process_group) > 1:
             sync_module_states(model, process_group)  # no DDP to make the ranks start alike: rank 0's weights
-        self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
-                                    release_grads=release_grads, loss_scaling=loss_scaling,
-                                    process_group=process_group, gradients_averaged=gradients_averaged)
+        # The run's memory tiers: built first, lent to the optimizer, the swapper and the streamer, closed last.
+        self.memory = MemoryTiers(config)
         try:
+            self.optimizer = FuyouAdamW(groups, **defaults, max_grad_norm=max_grad_norm, config=config,
+                                        release_grads=release_grads, loss_scaling=loss_scaling,
+                                        process_group=process_group, gradients_averaged=gradients_averaged,
+                                        memory=self.memory)
             if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
                 took = self.optimizer.threads_asked  # what was asked, not what the worker has set yet (a race)
                 took = "torch's default" if took is None else took
@@ -334,7 +343,8 @@ class FuyouEngine:
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
                 blocks = discover_blocks(model, config.blocks)
-                self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps)
+                self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps,
+                                               memory=self.memory)
                 if config.host_state == "auto":
                     self._report_state_split("for the warm-up (what the transfers leave); the plan then says how "
                                              "much stays")
@@ -349,10 +359,9 @@ class FuyouEngine:
     def _install_streamer(self, weights: str | dict) -> None:
         """Stream the blocks' weights (frozen and trainable) from their tiers; the optimizer publishes
         the trainable ones' updates there."""
-        config = self.config.replace(weights=weights, plan=None)
         if self._ddp:  # DistributedDataParallel must leave the streamed parameters to the optimizer
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
-            missing = [n for n in streamed_parameter_names(self.model, config) if n not in ignored]
+            missing = [n for n in streamed_parameter_names(self.model, self.config, weights) if n not in ignored]
             if missing:
                 raise ConfigError(
                     f"weights: {len(missing)} streamed parameters (the first: {missing[0]!r}) are not ignored by the "
@@ -362,7 +371,7 @@ class FuyouEngine:
         # The last step's updates land first (after a warm-up, `next_forward` leaves them for the next
         # forward): the tier copies are made from the weights, whose device storage is then released.
         self.optimizer.flush()
-        self.streamer = WeightStreamer(self.model, config, store=self.optimizer.store,
+        self.streamer = WeightStreamer(self.model, self.config, memory=self.memory, weights=weights,
                                        trainable=self.optimizer.chunk_elements(), device=self.device,
                                        init_weights=self.init_weights)
         self.streamer.install()
@@ -378,8 +387,9 @@ class FuyouEngine:
         # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
         room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
         want = max(0, min(plan.state_in_ram, room))
-        held = self.optimizer.hold_state_in_ram(want) if want or self.optimizer.store.bytes_in_memory else 0
-        self.config = self.config.replace(host_state=held)
+        held = self.optimizer.hold_state_in_ram(want) if want or self.memory.store.bytes_in_memory else 0
+        self.memory.state_in_ram = held  # the budget's split from now on (the streamer's and the swapper's)
+        self.config = self.config.replace(host_state=held)  # the settings as applied, as the summary reports them
         self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} leaves "
                                  "beside the plan's activations and weights), the rest on the SSD")
 
@@ -391,8 +401,7 @@ class FuyouEngine:
 
     def _install_swapper(self, activations: str | dict) -> None:
         # The swapper applies only the activation policies (the engine applies the plan's weight tiers).
-        config = self.config.replace(activations=activations, plan=None, weights="device")
-        self.swapper = ActivationSwapper(self.model, config, store=self.optimizer.store)
+        self.swapper = ActivationSwapper(self.model, self.config, memory=self.memory, policies=activations)
         self.swapper.install()
 
     # -- the loop's events -------------------------------------------------------------------------
@@ -598,7 +607,8 @@ class FuyouEngine:
 
         Every part is closed even when an earlier one raises (e.g. a weight that cannot come back because
         its update failed: the workers still stop and the files still go); the first error is raised."""
-        close_all(self._remove_hooks, self.end_trace, self._close_swapper, self._close_streamer, self.optimizer.close)
+        close_all(self._remove_hooks, self.end_trace, self._close_swapper, self._close_streamer, self._close_optimizer,
+                  self._close_memory)
 
     def _remove_hooks(self) -> None:
         for hook in (self._step_hook, self._step_pre_hook):
@@ -617,3 +627,11 @@ class FuyouEngine:
     def _close_streamer(self) -> None:
         if self.streamer is not None:
             self.streamer.close()  # every weight resident again before the store goes
+
+    def _close_optimizer(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.close()  # its updates landed, its worker stopped
+
+    def _close_memory(self) -> None:
+        if self.memory is not None:
+            self.memory.close()  # last: the swap files and the host pool

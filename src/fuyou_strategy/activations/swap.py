@@ -54,9 +54,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import trace
 from ..cleanup import undo_after
-from ..config import ConfigError, FuyouConfig, HostShares, host_budget_split
+from ..config import ConfigError, FuyouConfig, settled
 from ..device import Upload, transfer
-from ..storage import HostBudgetError, HostBuffer, TensorStore, gather
+from ..storage import HostBudgetError, HostBuffer, HostShares, MemoryTiers, TensorStore, gather, host_budget_split
 from .blocks import Policy, discover_blocks, resolve_policies
 
 __all__ = ["ActivationSwapper", "SwapStats", "swappable", "first_tensor"]
@@ -320,27 +320,32 @@ class ActivationSwapper:
             ``config.blocks``).
         config: ``activations`` (a policy for all blocks or ``{index: policy}``),
             ``activation_min_bytes``, ``activation_prefetch_blocks``, and the storage knobs.
-        store: a tensor store to share (e.g. with the optimizer); by default the swapper
-            makes its own and closes it in `close()`.
+        memory: the run's memory tiers (`storage.MemoryTiers`: the tensor store, its pool and the
+            budget's split) to borrow, e.g. the engine's; by default the swapper builds its own when a
+            policy needs them and closes them in `close()`.
+        policies: the activation policies (a policy for all blocks or ``{index: policy}``), in place of
+            ``config.activations`` (`FuyouEngine` applies a plan's).
 
     ``config.io_timeout`` bounds every wait for a host pool buffer (raising `HostBudgetError`):
     by `host_budget_split`'s reservations such a wait only lasts until transfers in flight
     finish, so running into it means something holds the pool that should not.
     """
 
-    def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None) -> None:
-        self.config = config = config if config is not None else FuyouConfig()
+    def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, memory: MemoryTiers | None = None,
+                 policies: str | dict | None = None) -> None:
+        self.config = config = settled(config)
         self.model = model
-        if config.activations == "auto" or config.plan is not None:
+        if policies is None and (config.activations == "auto" or config.plan is not None):
             raise ConfigError("activations='auto' and plan= are applied by FuyouEngine (the Lightning strategy and the "
                               "HF callback use it); give ActivationSwapper explicit policies")
         self.blocks = discover_blocks(model, config.blocks)
-        self.policies = resolve_policies(config.activations or "keep", len(self.blocks))  # unset: kept
+        self.policies = resolve_policies(policies or config.activations or "keep", len(self.blocks))  # unset: kept
         needs_store = any(p in (Policy.HOST, Policy.SSD) for p in self.policies)
-        self._own_store = store is None and needs_store
-        self.store = TensorStore(config) if self._own_store else store
+        self._own_memory = memory is None and needs_store
+        self.memory = MemoryTiers(config) if self._own_memory else memory
+        self.store = self.memory.store if self.memory is not None else None
         self.stats = SwapStats()
-        self._shares = host_budget_split(config)
+        self._shares = self.memory.shares if self.memory is not None else host_budget_split(config)
         self._readback = _ReadBack(self.store, self._shares)
         self._names = itertools.count()
         self._active = False
@@ -544,7 +549,7 @@ class ActivationSwapper:
         return sum(not s.released for s in self._live)
 
     def close(self) -> None:
-        """Release everything and close the store if the swapper made it."""
+        """Release everything and close the memory tiers if the swapper built them."""
         self.release()
-        if self._own_store and self.store is not None:
-            self.store.close()
+        if self._own_memory:
+            self.memory.close()

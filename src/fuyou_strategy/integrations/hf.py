@@ -275,7 +275,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
 
     def __init__(self, config: FuyouConfig | dict | str | None = None, *, resume_from: str | None = None,
                  log_metrics: bool = True, **config_fields: Any) -> None:
-        self.config = FuyouConfig.resolve(config, **config_fields)
+        self.config = FuyouConfig.merge(config, **config_fields)
         self.resume_from = resume_from
         self.log_metrics = log_metrics
         self._metrics_in_logs = False  # the fuyou/ metrics join the logs the integrations see once placed before them

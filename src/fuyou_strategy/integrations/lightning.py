@@ -71,7 +71,7 @@ from .lightning_internals import (_default_backend, _init_dist_connection, _Mult
                                   _SubprocessScriptLauncher, _sync_ddp_if_available)
 
 from ..cleanup import undo_after
-from ..config import ConfigError, FuyouConfig, auto_host_budget, available_memory, format_bytes, read_mapping
+from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine, ignore_streamed_in_ddp
 from ..optim.checkpoint import discard, find, remove_versions
 from ..progress import share_display
@@ -127,9 +127,9 @@ class _EngineOwner:
 
     def _init_fuyou(self, config: Any, config_fields: dict, device: Any,
                     parallel_devices: list[torch.device] | None) -> list[torch.device] | None:
-        """Resolve the config; returns the strategy's ``parallel_devices`` (``device=`` is one of them)."""
-        self.fuyou_config = FuyouConfig.resolve(config, **config_fields)
-        self._auto_budget = _asks_auto_budget(config, config_fields)
+        """Merge the config (a value: each rank's engine resolves it, `config.resolve`); returns the strategy's
+        ``parallel_devices`` (``device=`` is one of them)."""
+        self.fuyou_config = FuyouConfig.merge(config, **config_fields)
         self.engine = None
         if device is None:
             return parallel_devices
@@ -148,19 +148,12 @@ class _EngineOwner:
         return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
 
     def _parallel_engine_arguments(self) -> dict[str, Any]:
-        """The `FuyouEngine` arguments of data parallelism (none in one process); DDP averaged the gradients."""
-        return {"process_group": dist.group.WORLD, "gradients_averaged": True} if self.data_parallel else {}
-
-    def share_auto_budget(self) -> None:
-        """``host_memory_budget="auto"``: this machine's ranks share the RAM. The config was resolved in the
-        process that made the strategy, for one process; each rank takes its share instead (`auto_host_budget`
-        with ``ranks`` = the processes on this node), once."""
-        if not self._auto_budget or self.num_processes <= 1:
-            return
-        self._auto_budget = False
-        budget, why = auto_host_budget(available_memory(), self.num_processes)
-        self.fuyou_config = self.fuyou_config.replace(host_memory_budget=budget)
-        log.debug("fuyou: host_memory_budget='auto' took %s per rank: %s", format_bytes(budget), why)
+        """The `FuyouEngine` arguments of the layout: this node's processes share its RAM (``host_memory_budget=
+        "auto"``); data parallelism's process group (none in one process), whose gradients DDP averaged."""
+        layout = {"local_ranks": max(1, self.num_processes)}
+        if self.data_parallel:
+            layout.update(process_group=dist.group.WORLD, gradients_averaged=True)
+        return layout
 
     def _ddp_wrap(self, module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
         ignore_streamed_in_ddp(module, self.fuyou_config)  # DDP leaves the streamed weights to FuyouAdamW
@@ -445,7 +438,6 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
-        self.share_auto_budget()
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ConfigError(
@@ -614,20 +606,6 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
 FuyouDDPStrategy = FuyouStrategy  # the name of the data-parallel strategy before "fuyou" took any device count
 
 
-def _asks_auto_budget(config: Any, fields: dict) -> bool:
-    """Whether the strategy's config leaves ``host_memory_budget`` at ``"auto"`` (a `FuyouConfig` object has
-    resolved it to a number already: that number stands)."""
-    if "host_memory_budget" in fields:
-        return fields["host_memory_budget"] == "auto"
-    if config is None:
-        return FuyouConfig.__dataclass_fields__["host_memory_budget"].default == "auto"
-    if isinstance(config, dict):
-        return config.get("host_memory_budget", "auto") == "auto"
-    if isinstance(config, (str, os.PathLike)):
-        return read_mapping(config).get("host_memory_budget", "auto") == "auto"
-    return False
-
-
 class _FuyouSyncControl:
     """``fabric.no_backward_sync(model, enabled=True)`` with the fuyou strategy: the micro-batch only
     accumulates, so the optimizer does not update (`FuyouAdamW.no_update`) and, with several processes,
@@ -667,7 +645,6 @@ class _FabricEngine(_EngineOwner):
             raise ConfigError(f"fabric.setup: got {len(optimizers)} optimizers; the fuyou strategy trains with one AdamW")
         self._close_engine()  # a second setup replaces the first one's engine and hook
         wrapped = self.setup_module(module)
-        self.share_auto_budget()
         # Fabric's loop is the user's own and may read the weights anywhere after optimizer.step(), as
         # torch.optim promises: step() lands every update itself (next_forward then saves the redo, not the wait).
         self.engine = FuyouEngine(module, optimizers[0], config=self.fuyou_config, max_grad_norm=self.max_grad_norm,

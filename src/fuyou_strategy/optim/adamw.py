@@ -44,7 +44,6 @@ gradients after ``clip_grad_norm_``: ``fused=True`` (the default here) to ``Adam
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -57,9 +56,9 @@ import torch
 import torch.distributed as dist
 
 from ..cleanup import undo_after
-from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, auto_optimizer_threads, host_budget_split
+from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, auto_optimizer_threads, settled
 from ..device import computes_on_host, usable_cores
-from ..storage import TensorStore
+from ..storage import MemoryTiers, TensorStore, state_chunk_bytes
 from . import checkpoint
 from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
@@ -94,7 +93,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the global L2 gradient norm to this value, exactly (see the
             module docstring); ``None`` disables clipping.
         config: `FuyouConfig` (swap directories, host budget, chunk size, I/O threads,
-            read-ahead); ``None`` means defaults with a temporary swap directory.
+            read-ahead); ``None`` means defaults with a temporary swap directory. An unresolved config
+            (``"auto"`` fields) is resolved here (`config.resolve`).
+        memory: the run's memory tiers (`storage.MemoryTiers`) to borrow (`FuyouEngine` lends its own);
+            ``None``: the optimizer builds its own and closes them in `close`.
         release_grads: drop each ``.grad`` as its update is queued (the update holds the tensor until
             it is written) when no redo can need it (``max_grad_norm is None``); saves a model's worth
             of gradient memory.
@@ -131,7 +133,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
                  config: FuyouConfig | None = None, release_grads: bool = True, fused: bool = True,
                  loss_scaling: "bool | dict | LossScaler | None" = None, process_group: Any = None,
-                 gradients_averaged: bool = False, **unsupported: Any) -> None:
+                 gradients_averaged: bool = False, memory: MemoryTiers | None = None, **unsupported: Any) -> None:
         _check_arguments(lr, betas, max_grad_norm, unsupported)
         super().__init__(_trainable(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.max_grad_norm, self.fused = max_grad_norm, bool(fused)
@@ -140,9 +142,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         # Called, on the training thread, after a checkpoint was loaded (`load_folder`, `load_state_dict`):
         # the run's reporting takes the restored counts as its new starting point.
         self.on_loaded: list[Callable[[], None]] = []
-        self.config = config = config if config is not None else FuyouConfig()
-        shares = host_budget_split(config)
-        elems = shares.state_chunk // ELEMENT_BYTES
+        self.config = config = settled(config if config is not None else memory.config if memory is not None else None)
+        # The memory tiers: borrowed from the engine, or built here (below) and closed by `close`.
+        self.memory: MemoryTiers | None = memory
+        elems = state_chunk_bytes(config) // ELEMENT_BYTES
         self.state_format = StateFormat(config.state_format)
         self._params: list[ParamState] = []
         for group in self.param_groups:
@@ -166,18 +169,24 @@ class FuyouAdamW(torch.optim.Optimizer):
         owned = [ps for ps in self._params if shards is None or shards.owns(ps)]
         # the worker's intra-op threads asked for (None: torch's default) and why; `FuyouEngine` announces them
         self.threads_asked, self.threads_reason = _worker_threads(config, [ps.param for ps in self._params])
-        # releases itself if it fails; its read-ahead leaves the transfers' reserved share of the pool free
-        self.adam_state = OptimizerState(owned, config, shares.optimizer_depth, spare_from=shares.reserved,
-                                         threads=self.threads_asked)
-        # Everything that outlives a forgotten optimizer (the worker thread, the swap files, the hooks on
-        # the parameters) is released by one finalizer: on close(), or when the optimizer is collected.
-        # The hooks hold the optimizer only weakly, so a model that outlives its optimizer does not keep
-        # the swap files alive.
+        owns = memory is None
+        if owns:
+            memory = self.memory = MemoryTiers(config)
+        shares = memory.shares
+        try:  # stops its worker if it fails; its read-ahead leaves the transfers' reserved share of the pool free
+            self.adam_state = OptimizerState(owned, config, memory.store, shares.optimizer_depth,
+                                             spare_from=shares.reserved, threads=self.threads_asked)
+        except BaseException as exc:
+            if owns:
+                undo_after(exc, memory.close)
+            raise
+        # Everything that outlives a forgotten optimizer (the worker thread, the hooks on the parameters, the
+        # tiers it built) is released by one finalizer: on close(), or when the optimizer is collected. The
+        # hooks hold the optimizer only weakly, so a model that outlives its optimizer does not keep the swap
+        # files alive.
         self._hooks: list[Any] = []
         self._workers: list[Any] = [self.adam_state.pipeline]  # closed by the finalizer, in this order
-        self._uninstall: list[weakref.WeakMethod] = []  # a streamer's: its weights come back before the store goes
-        self._finalizer = weakref.finalize(self, _release, self._hooks, self._workers, self._uninstall,
-                                           self.adam_state.store)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self._workers, memory if owns else None)
         try:
             self.landing = PendingUpdates(self.adam_state.pipeline)
             self.sharding: Solo | Sharding = Solo(self.landing) if shards is None else Sharding(
@@ -215,9 +224,9 @@ class FuyouAdamW(torch.optim.Optimizer):
             raise
 
     @property
-    def store(self) -> Any:
-        """The tensor store holding the state (and streamed weights' and gradients' entries)."""
-        return self.adam_state.store
+    def store(self) -> TensorStore:
+        """The tensor store holding the state (and streamed weights' and gradients' entries): the tiers'."""
+        return self.memory.store
 
     @property
     def shards(self) -> Shards | None:
@@ -447,9 +456,6 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._summed_at_step("weights streamed under data parallelism")
         self.updates.weights = streamer
         streamer.updates = self.sharding.updates_gate()  # it reads a tier copy only once its update landed
-        # The tier copies live in this store: a model that outlives the optimizer gets its weights back
-        # first. Weakly: the model's hooks keep the streamer alive exactly as long as it matters.
-        self._uninstall.append(weakref.WeakMethod(streamer.uninstall))
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.adam_state.initialise([ps for ps in self.sharding.owned(self._params)
                                     if ps.param in changed and ps not in self._pending], self._weight)
@@ -639,32 +645,20 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.close()
 
 
-def _release(hooks: list[Any], workers: list[Any], uninstall: list["weakref.WeakMethod"], store: Any) -> None:
+def _release(hooks: list[Any], workers: list[Any], memory: MemoryTiers | None) -> None:
     """`FuyouAdamW`'s finalizer: hooks off the parameters, workers stopped (the chunk pipeline, the weight
-    sender), streamed weights made resident again from their tier copies (a model outliving its optimizer
-    keeps its weights), swap files deleted."""
+    sender), then the tiers closed when the optimizer built them (`MemoryTiers.close`: streamed weights made
+    resident again from their tier copies, so a model outliving its optimizer keeps its weights; swap files
+    deleted)."""
     for hook in hooks:
         hook.remove()
     hooks.clear()
     try:
         for worker in workers:
             worker.close()
-        for ref in uninstall:
-            fn = ref()
-            if fn is not None and not _exiting:  # at exit the I/O threads are gone, and so is the model
-                fn()
-        uninstall.clear()
     finally:
-        store.close()
-
-
-_exiting = False
-
-
-@atexit.register
-def _at_exit() -> None:
-    global _exiting
-    _exiting = True
+        if memory is not None:
+            memory.close()
 
 
 def _call_alive(method: "weakref.WeakMethod", *args: Any) -> None:

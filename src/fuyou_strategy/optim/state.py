@@ -193,15 +193,17 @@ class OptimizerState:
 
     Args:
         owned: the parameters whose state this process keeps.
-        config: swap directories, chunk and pool sizes, ``state_slots``, ``io_timeout``.
+        config: ``state_slots``, ``io_timeout`` and ``progress``.
+        store: the run's tensor store (`storage.MemoryTiers`), borrowed: its owner closes it.
         depth: chunks the worker reads ahead (`ChunkPipeline`).
         threads: the worker's intra-op threads (`ChunkPipeline`); ``None``: torch's default.
 
-    A construction that fails part-way releases what it made and raises its own error.
+    A construction that fails part-way stops the worker it started and raises its own error (the entries it
+    made go with the store).
     """
 
-    def __init__(self, owned: list[ParamState], config: FuyouConfig, depth: int, *, spare_from: int = 0,
-                 threads: int | None = None) -> None:
+    def __init__(self, owned: list[ParamState], config: FuyouConfig, store: TensorStore, depth: int, *,
+                 spare_from: int = 0, threads: int | None = None) -> None:
         self.config, self.slots, self.owned = config, config.state_slots, owned
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
@@ -213,20 +215,16 @@ class OptimizerState:
         # training thread between steps each change only the parameters they hold at the time.
         self.param_holds: set[int] = set()
         self._holds_lock = threading.Lock()
-        self.store = TensorStore(config)
+        self.store = store
+        # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
+        self.in_memory = self._host_tier(owned, self.store.memory_limit)
+        self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw", threads=threads)
         try:
-            # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
-            self.in_memory = self._host_tier(owned, self.store.memory_limit)
-            self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw", threads=threads)
-            try:
-                for ps in owned:
-                    self.store.create(ps.entry, (ps.nbytes,), torch.uint8, chunk_bytes=ps.stride, slots=self.slots,
-                                      in_memory=ps.index in self.in_memory)
-            except BaseException:
-                self.pipeline.close()
-                raise
+            for ps in owned:
+                self.store.create(ps.entry, (ps.nbytes,), torch.uint8, chunk_bytes=ps.stride, slots=self.slots,
+                                  in_memory=ps.index in self.in_memory)
         except BaseException:
-            self.store.close()
+            self.pipeline.close()
             raise
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 ::
 
-    streamer = WeightStreamer(model, FuyouConfig(weights="ssd"), store=store)
+    streamer = WeightStreamer(model, FuyouConfig(weights="ssd"), memory=memory)
     streamer.install()          # copies the blocks' weights to their tier, frees their device memory
     ...                         # train / evaluate as usual
     streamer.close()            # every weight resident again, equal to its tier copy
@@ -76,9 +76,9 @@ from ..activations.blocks import discover_blocks, resolve_per_block
 from ..activations.swap import first_tensor, in_backward, storage_id
 from .. import trace
 from ..cleanup import undo_after
-from ..config import ConfigError, FuyouConfig, format_bytes, host_budget_split
+from ..config import ConfigError, FuyouConfig, format_bytes, settled
 from ..device import claim_for_current_stream, resize_for_copies, transfer
-from ..storage import HostBuffer, TensorStore, round_up
+from ..storage import HostBuffer, HostShares, MemoryTiers, host_budget_split, round_up
 from .materialize import Init, has_meta, materialize, model_device
 
 __all__ = ["Tier", "WeightStreamer", "StreamStats", "DeviceMeter", "streamed_parameter_names"]
@@ -226,8 +226,11 @@ class WeightStreamer:
         config: ``weights`` (a tier for all blocks or ``{index: tier}``), ``weight_prefetch_blocks``,
             ``device_memory_budget`` (checked at install: resident bytes, the window and the largest
             streamed gradient must fit) and the storage knobs.
-        store: the tensor store (and its host pool) to use, e.g. the optimizer's; by default the
-            streamer makes its own and closes it in `close()`.
+        memory: the run's memory tiers (`storage.MemoryTiers`: the tensor store, its pool and the
+            budget's split) to borrow, e.g. the engine's; by default the streamer builds its own when a
+            block is streamed and closes them in `close()`. A borrowed one calls `uninstall` before it
+            closes (`MemoryTiers.on_close`): a model that outlives the run keeps its weights.
+        weights: the weight tiers, in place of ``config.weights`` (`FuyouEngine` applies a plan's).
         blocks: the blocks, in forward order, instead of discovering them.
         trainable: the trainable parameters to stream, each with the optimizer's chunk length
             (elements); the optimizer must then publish their updates (`publish`). Trainable
@@ -242,23 +245,27 @@ class WeightStreamer:
     host copies cannot fit ``host_memory_budget``, or the window cannot fit ``device_memory_budget``.
     """
 
-    def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, store: TensorStore | None = None,
-                 blocks: list[torch.nn.Module] | None = None,
+    def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, memory: MemoryTiers | None = None,
+                 weights: str | dict | None = None, blocks: list[torch.nn.Module] | None = None,
                  trainable: Mapping[torch.nn.Parameter, int] | None = None, device: torch.device | None = None,
                  init_weights: Init | None = None) -> None:
-        self.config = config = config if config is not None else FuyouConfig()
+        self.config = config = settled(config)
         self.model = model
         self.blocks = list(blocks) if blocks is not None else discover_blocks(model, config.blocks)
-        self.tiers = resolve_per_block("weights", config.weights or "device", len(self.blocks), Tier, Tier.DEVICE)
+        self.weights = weights or config.weights or "device"  # the tiers as given: one for all, or {block: tier}
+        self.tiers = resolve_per_block("weights", self.weights, len(self.blocks), Tier, Tier.DEVICE)
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
         self.trainable = dict(trainable or {})
         self.device = device if device is not None else model_device(model)
         self.init_weights = init_weights
-        self._own_store = store is None and any(t is not Tier.DEVICE for t in self.tiers)
-        self.store = TensorStore(config) if self._own_store else store
+        self._own_memory = memory is None and any(t is not Tier.DEVICE for t in self.tiers)
+        self.memory = MemoryTiers(config) if self._own_memory else memory
+        self.store = self.memory.store if self.memory is not None else None
+        if memory is not None:
+            memory.on_close(self.uninstall)
         # SSD prefetches never take the optimizer's read-ahead share: its worker must always move.
-        self._keep_free = host_budget_split(config).optimizer_readahead if self.trainable else 0
+        self._keep_free = self._shares().optimizer_readahead if self.trainable else 0
         self.stats = StreamStats()
         self.meter = DeviceMeter()
         self._units: dict[int, _Block] = {}
@@ -349,7 +356,7 @@ class WeightStreamer:
         # Weights draw on the share host-policy activations would otherwise use: the optimizer's
         # read-ahead and the activation staging keep theirs (`host_budget_split`). A streamed
         # gradient's host copy waits for room (the optimizer frees them as it goes): one must fit.
-        free = min(host_budget_split(self.config).host_activations, pool.budget - pool.lent)
+        free = min(self._shares().host_activations, pool.budget - pool.lent)
         if host + staging + round_up(grad) > free:
             raise ConfigError(
                 f"host_memory_budget: the host tier needs {format_bytes(host)}, SSD reads a staging buffer of "
@@ -749,11 +756,15 @@ class WeightStreamer:
                 self._uploader.shutdown(wait=True)  # every upload was waited for above
                 self._uploader = None
 
+    def _shares(self) -> HostShares:
+        """The host budget's split now (the memory tiers', which a plan may have changed)."""
+        return self.memory.shares if self.memory is not None else host_budget_split(self.config)
+
     def close(self) -> None:
-        """`uninstall`, and close the store if the streamer made it."""
+        """`uninstall`, and close the memory tiers if the streamer built them."""
         self.uninstall()
-        if self._own_store and self.store is not None:
-            self.store.close()
+        if self._own_memory:
+            self.memory.close()
 
 
 def _release_read(fut: Future) -> None:

@@ -35,7 +35,8 @@ from .. import drives
 from ..activations.blocks import resolve_per_block
 from ..activations.swap import first_tensor, storage_id, swappable
 from ..cleanup import undo_after
-from ..config import PAGE, FuyouConfig, host_budget_split
+from ..config import PAGE, FuyouConfig
+from ..storage import MemoryTiers
 from ..device import device_memory_bytes, synchronize
 from ..optim.formats import Layout
 from ..optim.state import apply_update
@@ -54,8 +55,9 @@ class WarmupProfiler:
     """Hooks on the blocks that record one `Profile` over the first ``steps`` optimizer steps."""
 
     def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], config: FuyouConfig,
-                 optimizer: Any, steps: int) -> None:
+                 optimizer: Any, steps: int, memory: MemoryTiers | None = None) -> None:
         self.model, self.blocks, self.config, self.optimizer = model, blocks, config, optimizer
+        self.memory = memory  # the run's memory tiers: their store's drives and pool, the budget's split
         self.steps = steps
         self.device = next(model.parameters()).device
         self._param_storages = {storage_id(p) for p in model.parameters()}
@@ -185,7 +187,7 @@ class WarmupProfiler:
         tiers = ["device"] * n if self.config.weights == "auto" else \
             [t.value for t in resolve_per_block("weights", self.config.weights, n, Tier, Tier.DEVICE)]
         micro_batches = max(1, round(sum(1 for r in self._micro if r["step"] >= 1) / max(1, self._steps_seen - 1)))
-        store = self.optimizer.store
+        store = self.memory.store
         config = self.config
         device_budget = config.device_memory_budget or device_memory_bytes(self.device)
         weights = sum(_nbytes(p) for p in self.model.parameters())
@@ -204,7 +206,7 @@ class WarmupProfiler:
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=outside,  # the blocks' weights and gradients count per tier (`cost.predict`)
             # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
-            optimizer_host_bytes=host_budget_split(config).reserved,
+            optimizer_host_bytes=self.memory.shares.reserved,
             micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks,
             weight_prefetch_blocks=config.weight_prefetch_blocks, redo_fraction=redo_fraction,
             # The schedules the optimizer may use (one slot, or data parallel: next_forward only).

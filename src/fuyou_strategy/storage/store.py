@@ -20,7 +20,7 @@ update instead borrows its shadow slot's own memory: `LentChunk`), and the slots
 alike, so whoever reads and writes chunks cannot tell the tiers apart (and the bytes
 are the same). Its memory is lent by the pool for the entry's life, so it counts in
 ``host_memory_budget`` like every other host buffer; all in-memory entries together stay within
-`memory_limit` (``host_state_bytes(config)``, raised by `allow_in_memory`).
+`memory_limit` (set by the tiers' owner, `MemoryTiers`; raised by `allow_in_memory`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from ..config import PAGE, FuyouConfig, format_bytes, host_state_bytes
+from ..config import PAGE, FuyouConfig, format_bytes, settled
 from ..device import transfer
 from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
@@ -187,13 +187,16 @@ class TensorStore:
             ``None`` means a default `FuyouConfig` (a fresh temporary swap directory).
         pool: host buffer pool to stage transfers through; by default the store makes one
             of ``config.host_memory_budget`` bytes.
+        memory_limit: bytes in-memory entries may hold in all (`MemoryTiers` gives the optimizer state's
+            share); default: ``config.host_state`` when it is a number, else 0.
 
     The store's files live in a 0700 run directory per swap directory and are removed by
     `close()`, by leaving a ``with`` block, at interpreter exit, or on SIGTERM (see `rundir`).
     """
 
-    def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None) -> None:
-        self.config = config = config if config is not None else FuyouConfig()
+    def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None,
+                 memory_limit: int | None = None) -> None:
+        self.config = config = settled(config)
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.release)
         try:
@@ -223,7 +226,8 @@ class TensorStore:
         self._next_dir = 0
         # Bytes of in-memory entries, at most memory_limit (both change under the lock).
         self._in_memory = 0
-        self.memory_limit = host_state_bytes(config)
+        self.memory_limit = memory_limit if memory_limit is not None else (
+            config.host_state if isinstance(config.host_state, int) else 0)
         self._lock = threading.Lock()
         # Notified (under the lock) when a chunk committed behind its write lands: readers of it wait on it.
         self._landed = threading.Condition(self._lock)
