@@ -40,13 +40,16 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future, wait
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
 from .gradients import grad_norm
+
+if TYPE_CHECKING:
+    from .weights import StreamedWeights, UpdatesGate
 
 __all__ = ["RankError", "Sender", "Sharding", "Shards", "Solo", "sync_module_states"]
 
@@ -226,7 +229,7 @@ class Shards:
         its `Sender.close` waits up to ``timeout`` seconds for the sends already submitted."""
         return Sender(dist.new_group(self.ranks, backend="gloo"), timeout)
 
-    def send_streamed(self, sender: "Sender", params: list, streamer: Any, landed: Callable[[Any], None],
+    def send_streamed(self, sender: "Sender", params: list, streamer: StreamedWeights, landed: Callable[[Any], None],
                       finish: Callable[[Any, BaseException | None], None]) -> None:
         """On ``sender``'s thread: each streamed weight of ``params``, in order, from its owner's tier copy
         into the others' (`WeightStreamer.assign`), every rank in lockstep on the sender's own group (so
@@ -273,7 +276,7 @@ class Shards:
             return exc
         return None
 
-    def sync_streamed(self, streamer: Any) -> list[Any]:
+    def sync_streamed(self, streamer: StreamedWeights) -> list[torch.nn.Parameter]:
         """Every streamed weight's tier copy made rank 0's (as ``DistributedDataParallel``'s construction
         makes the resident weights rank 0's; it leaves the streamed ones alone). Returns the parameters
         whose value changed on this rank."""
@@ -369,11 +372,11 @@ class Solo:
     def same_choice(self, choice: list) -> list:
         return choice
 
-    def updates_gate(self) -> Any:
+    def updates_gate(self) -> UpdatesGate:
         """What a `WeightStreamer` waits on before it reads a block's tier copies: the pending updates."""
         return self.landing
 
-    def attach_weights(self, streamer: Any) -> list:
+    def attach_weights(self, streamer: StreamedWeights) -> list[torch.nn.Parameter]:
         """Nothing to make alike: returns the parameters whose value changed (none)."""
         return []
 
@@ -418,7 +421,7 @@ class Sharding:
         self.unsent: list = []  # updated resident weights not yet broadcast from their owners
         self.sent: dict[torch.nn.Parameter, Future] = {}  # streamed weights on their way, until waited for
         self.sender: Sender | None = None  # moves streamed weights from their owners (`attach_weights`)
-        self.streamer: Any = None
+        self.streamer: StreamedWeights | None = None
 
     def owns(self, ps: Any) -> bool:
         return self.shards.owns(ps)
@@ -546,10 +549,10 @@ class Sharding:
         self.shards.broadcast_object(choice)
         return choice
 
-    def updates_gate(self) -> Any:
+    def updates_gate(self) -> UpdatesGate:
         return _SentWeights(self)
 
-    def attach_weights(self, streamer: Any) -> list:
+    def attach_weights(self, streamer: StreamedWeights) -> list[torch.nn.Parameter]:
         """Each rank streams every streamed weight from its own tier copy, made rank 0's here (a collective);
         new values reach the other ranks on a sender thread of its own group. Returns the parameters whose
         value changed on this rank."""

@@ -29,7 +29,7 @@ the state's worker. What it records for the window (``Window.partial``, ``Window
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -39,6 +39,7 @@ from .pipeline import ChunkJob
 
 if TYPE_CHECKING:
     from .state import OptimizerState, ParamState
+    from .weights import StreamedWeights
     from .window import Window
 
 __all__ = ["Grad", "Gradients", "StreamedGradients", "grad_norm", "unscaled"]
@@ -132,9 +133,9 @@ class StreamedGradients:
         self.state, self.window = state, window
         self.keep_free = keep_free  # a gradient's host copy leaves the worker room to read ahead
         self.timeout = timeout
-        self.streamer: Any = None  # the WeightStreamer whose meter counts the device bytes (`attach`)
+        self.streamer: StreamedWeights | None = None  # the WeightStreamer whose meter counts the device bytes (`attach`)
 
-    def attach(self, streamer: Any, params: list["ParamState"]) -> None:
+    def attach(self, streamer: StreamedWeights, params: list["ParamState"]) -> None:
         """Make a gradient entry (its dtype, chunked like the state) for each parameter ``streamer`` streams."""
         self.streamer = streamer
         for ps in params:

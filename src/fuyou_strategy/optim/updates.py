@@ -14,7 +14,7 @@ optimizer, so that a forgotten optimizer is collected and its finalizer deletes 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -24,6 +24,7 @@ from .state import OptimizerState, ParamState
 if TYPE_CHECKING:
     from .gradients import Grad, StreamedGradients
     from .scaler import LossScaler
+    from .weights import StreamedWeights
     from .window import Window
 
 __all__ = ["Updater"]
@@ -48,7 +49,7 @@ class Updater:
                  scaler: "LossScaler | None") -> None:
         self.state, self.steps, self.window, self.streamed = state, steps, window, streamed
         self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
-        self.weights: Any = None  # the WeightStreamer whose tier copies take streamed parameters' weights
+        self.weights: StreamedWeights | None = None  # the WeightStreamer whose tier copies take streamed parameters' weights
 
     def inv_scale(self) -> torch.Tensor | None:
         """``1 / scale`` of this window under loss scaling (the scale is fixed for a window), else None."""
@@ -78,7 +79,7 @@ class Updater:
             param.grad = None
         return self.state.run(job)
 
-    def publisher(self) -> Any:
+    def publisher(self) -> Callable[[ParamState, int, torch.Tensor], Future | None]:
         """Where new weights go (a function of ``(ps, chunk, master)``), held by jobs instead of the updater."""
         weights = self.weights
 
