@@ -87,8 +87,8 @@ class Updater:
                 return weights.publish(ps.param, k, master)
             start, n = ps.span(k)
             # Backward is done with this weight. On an accelerator a synchronous copy: an asynchronous one (a cast
-            # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone but
-            # slower in the pipeline (benchmarks/update_phases_bench.py --device cuda).
+            # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone
+            # (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline.
             ps.param.detach().view(-1)[start : start + n].copy_(master)
             return None
 
