@@ -133,9 +133,10 @@ class ScheduleChooser:
     ``W_b``, ``W_n`` each schedule's window wall time (one ``step()`` to the next, a rollback taken out; the
     median of the last ``samples`` windows that followed one of the same schedule), ``backward`` costs
     ``W_b + r * R`` and ``next_forward`` ``W_n``: the cheaper one runs. Until both are known: ``backward``;
-    then ``next_forward`` for two windows (the first is a transition), at once after a rollback, else after
-    ``probe_after`` windows; and every ``probe_every`` windows the schedule not in use again. The schedule in
-    use is measured all along, so a probe that flattered the other is corrected after a window or two.
+    then ``next_forward`` until a window of it is measured (two windows: the first is a transition), at once
+    after a rollback, else after ``probe_after`` windows; and every ``probe_every`` windows the schedule not in
+    use again. The schedule in use is measured all along, so a probe that flattered the other is corrected
+    after a window or two.
 
     ``next_forward`` waits ``probe_every`` windows instead of ``probe_after`` (while nothing rolls back) when
     the planner's cost model (`expect`) predicts its step at least `PREDICTED_SLOWER` times ``backward``'s, or
