@@ -12,7 +12,18 @@ Prints, and writes as JSON (``--json``):
   and does not count a class reading its own private fields of another instance;
 - the import cycles among the package's modules (strongly connected components of the graph of
   ``from . import`` / ``from ..x import`` / ``import fuyou_strategy.x`` edges, at module level or in
-  functions alike; imports under ``if TYPE_CHECKING:`` never run and do not count).
+  functions alike; imports under ``if TYPE_CHECKING:`` never run and do not count);
+- docstring lines: the lines that module, class and function docstrings span (from the string's first
+  line to its last), their total and share of all lines of ``src/``, and the five longest;
+- reach chains, one object reached through another's parts (``opt.adam_state.pipeline.threads``;
+  STYLE.md, "Ask, don't reach"). Stated precisely, by syntax alone: take each ``ast.Attribute`` that
+  is not itself the ``.value`` of an ``ast.Attribute`` (so a nested chain counts once, whole) and
+  follow ``.value`` down to its root. The chain counts when the root is an ``ast.Name`` (a chain from
+  a call or a subscript, ``f().a.b.c``, does not) that is not bound by an import in that file
+  (``torch.nn.functional.relu``, ``os.path.join`` are qualified names, not reaches), and the hops
+  after the root object number 3 or more. The root object is ``self.<attr>`` (``cls.<attr>``) when the
+  root is ``self`` (``cls``), else the name itself: ``opt.a.b.c`` and ``self.opt.a.b.c`` have 3 hops,
+  ``self.a.b.c`` has 2. Method calls count like fields (``self.opt.state.store.close()``: 3 hops).
 
 Run: ``python benchmarks/code_metrics.py [--json out.json]``.
 """
@@ -176,6 +187,69 @@ def private_accesses(mods: dict[str, Path] | None = None) -> list[tuple[str, int
     return found
 
 
+def docstrings(mods: dict[str, Path] | None = None) -> list[tuple[str, str, int]]:
+    """``(module, where, lines)`` for each module, class and function docstring (``where``: ``""`` for the
+    module's, else the dotted name of its class or function inside the module)."""
+    mods = modules() if mods is None else mods
+    found = []
+
+    def visit(node: ast.AST, module: str, prefix: str) -> None:
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            found.append((module, prefix, body[0].end_lineno - body[0].lineno + 1))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, module, f"{prefix}.{child.name}" if prefix else child.name)
+            elif not isinstance(child, ast.expr):
+                visit_nested(child, module, prefix)
+
+    def visit_nested(node: ast.AST, module: str, prefix: str) -> None:  # a def under if/try/with: no docstring of its own
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, module, f"{prefix}.{child.name}" if prefix else child.name)
+            elif isinstance(child, ast.stmt):
+                visit_nested(child, module, prefix)
+
+    for name, path in mods.items():
+        visit(ast.parse(path.read_text()), name, "")
+    return found
+
+
+def reach_chains(source: str) -> list[tuple[int, str, int]]:
+    """``(line, chain, hops)`` for each reach chain of 3 hops or more in ``source`` (defined in the module
+    docstring: rooted at a name no import binds; ``self.x``/``cls.x`` is the root object when rooted at
+    ``self``/``cls``; the longest chain of a nested expression, once)."""
+    tree = ast.parse(source)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {a.asname or a.name for a in node.names}
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        hops, root = 0, node
+        while isinstance(root, ast.Attribute):
+            hops, root = hops + 1, root.value
+        if not isinstance(root, ast.Name) or root.id in imported:
+            continue
+        if root.id in ("self", "cls"):
+            hops -= 1  # self.<attr> is the root object
+        if hops >= 3:
+            found.append((node.lineno, ast.unparse(node), hops))
+    return sorted(found)
+
+
+def chains(mods: dict[str, Path] | None = None) -> list[tuple[str, int, str]]:
+    """``(module, line, chain)`` for each reach chain of 3 hops or more in the package (`reach_chains`)."""
+    mods = modules() if mods is None else mods
+    return [(name, line, chain) for name, path in mods.items() for line, chain, _hops in reach_chains(path.read_text())]
+
+
 def sizes(paths: list[Path]) -> dict[str, dict]:
     """Lines of each file and of each top-level class in it."""
     out = {}
@@ -192,7 +266,7 @@ def sizes(paths: list[Path]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--list", action="store_true", help="list every private-attribute access")
+    parser.add_argument("--list", action="store_true", help="list every private-attribute access and reach chain")
     args = parser.parse_args(argv)
     mods = modules()
     files = sorted((PACKAGE / "optim").glob("*.py")) + [PACKAGE / "engine.py"]
@@ -216,9 +290,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nimport cycles: {len(found)}")
     for comp in found:
         print(f"  {len(comp)} modules: {', '.join(comp)}")
+    docs = docstrings(mods)
+    total = sum(len(path.read_text().splitlines()) for path in mods.values())
+    doc_lines = sum(n for _m, _w, n in docs)
+    longest = sorted(docs, key=lambda d: -d[2])[:5]
+    print(f"\ndocstring lines: {doc_lines} of {total} ({doc_lines / total:.1%}) in {len(docs)} docstrings; longest:")
+    for module, where, n in longest:
+        print(f"  {module + (':' + where if where else ''):60} {n}")
+    reaches = chains(mods)
+    by_module = defaultdict(int)
+    for module, _line, _chain in reaches:
+        by_module[module] += 1
+    print(f"\nreach chains (3+ hops beyond the root object, ast): {len(reaches)}")
+    for module, n in sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {module:44} {n}")
+    if args.list:
+        for module, line, chain in reaches:
+            print(f"    {module}:{line}  {chain}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"sizes": table, "private_accesses": accesses, "cycles": found}, indent=1))
+        Path(args.json).write_text(json.dumps({
+            "sizes": table, "private_accesses": accesses, "cycles": found,
+            "docstrings": {"lines": doc_lines, "total_lines": total, "share": round(doc_lines / total, 4),
+                           "count": len(docs), "longest": [list(d) for d in longest]},
+            "reach_chains": {"total": len(reaches), "per_module": dict(sorted(by_module.items())),
+                             "chains": [list(c) for c in reaches]}}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

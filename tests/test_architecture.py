@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from code_metrics import _runtime_nodes, cycles, import_graph, modules, private_accesses  # noqa: E402
+from code_metrics import _runtime_nodes, chains, cycles, import_graph, modules, private_accesses, reach_chains  # noqa: E402
 
 from fuyou_strategy import _extras, planfile  # noqa: E402
 from fuyou_strategy.activations import Policy  # noqa: E402
@@ -59,6 +59,35 @@ def test_only_the_device_module_touches_cuda_and_starts_asynchronous_copies():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if any(word in line for word in ("torch.cuda", "non_blocking", "record_stream", "pin_memory"))]
     assert found == [], f"accelerator calls outside device.py: {found}"
+
+
+# Reach chains (`code_metrics.reach_chains`: ``opt.adam_state.pipeline.threads``) in the package when this check came
+# in (issue 52). A ceiling: it may only go down. Lower it when a refactor removes chains; never raise it.
+REACH_CHAINS_CEILING = 12
+
+
+def test_reach_chains_do_not_grow():
+    found = chains()
+    assert len(found) <= REACH_CHAINS_CEILING, (
+        f"{len(found)} reach chains (ceiling {REACH_CHAINS_CEILING}): ask the owner (a method or a snapshot) "
+        f"instead of reaching through its parts: {found}")
+
+
+def test_the_chain_counter_counts_reaches_and_nothing_else():
+    source = ("import os\nimport torch.nn\nfrom a import b\n"
+              "x = opt.adam_state.pipeline.threads\n"          # 3 hops from a name: counted
+              "y = self.optimizer.store.engine.bytes_written\n"  # 3 hops beyond self.optimizer: counted
+              "self.opt.state.store.close()\n"                  # a method reached 3 hops away: counted
+              "z = self.a.b.c\n"                                # 2 hops beyond self.a: not counted
+              "w = opt.a.b\n"                                   # 2 hops: not counted
+              "p = os.path.join.x\n"                            # rooted at an imported module: not counted
+              "q = torch.nn.functional.relu\n"
+              "r = b.c.d.e\n"                                   # rooted at an imported name: not counted
+              "s = f().a.b.c\n")                                # rooted at a call: not counted
+    assert reach_chains(source) == [(4, "opt.adam_state.pipeline.threads", 3),
+                                    (5, "self.optimizer.store.engine.bytes_written", 3),
+                                    (6, "self.opt.state.store.close", 3)]
+    assert reach_chains("v = a.b.c.d.e.f\n") == [(1, "a.b.c.d.e.f", 5)]  # a nested chain counts once, whole
 
 
 def test_the_plan_file_vocabulary_is_the_packages_one():

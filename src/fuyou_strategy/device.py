@@ -91,7 +91,7 @@ def computes_on_host(params: list[torch.Tensor]) -> bool:
 # stops spinning at its barriers and sleeps on a futex at once (its "throttled" spin), in every team: each
 # parallel region then starts and ends through the scheduler. On the CPU the training thread's team already
 # holds every core, so a second team (the optimizer's worker) costs the training thread that spinning for the
-# whole run (docs/host-state-log.md, "The idle cores").
+# whole run.
 
 
 def usable_cores() -> int:

@@ -31,20 +31,17 @@ zeros, which quantise to zero and change no other value.
 **Why torchao for 8-bit.** The format and the arithmetic are torchao's (``torchao.optim``: its
 dynamic-tree maps, ``scale_tensor``, ``dequant_with_qmap``, and ``single_param_adam``'s update, line for
 line), run eagerly on the worker over views of the chunk in the host buffer (`Moment8bit`: no second
-copy). torchao is pure PyTorch on the CPU and installs without touching torch (``pip install torchao``;
-the ``[compact]`` extra); bitsandbytes' CPU back end also quantises block-wise, but its 8-bit optimizer
-kernels target CUDA. Two pieces are ours. torchao's quantiser searches the map with eight ``torch.where``
-passes; `Quantiser` gets the same codes from thresholds derived from torchao's own rounding test, looked up
-by each value's top 16 bits (bitwise: tested, and checked over all 2**32 fp32 patterns), and its look-ups use
-``index_select``. And `update_compact` runs torchao's arithmetic into per-thread buffers (`scratch`) instead
-of fresh temporaries, over cache-sized tiles of the chunk (`tiles`). The first version (one ``torch.bucketize``)
-was 2-3x faster than torchao's eager code; the look-ups and the buffers made the update another 6-10x faster,
-the tiles another 1.4-1.9x (``docs/state-formats.md``).
-The update equals torchao's ``AdamW8bit`` on the same gradients, bitwise when torchao runs eagerly (its
-optimizer wraps the same function in ``torch.compile``, which fuses and can differ in the last bit).
-**Its cost is CPU time:** even so, the 8-bit update takes ~11-16x the time of torch's fused fp32 kernel
-(measured in ``docs/state-formats.md``); choose it for the bytes (disk space, drive wear, host RAM), not
-for speed on few cores.
+copy). torchao is pure PyTorch on the CPU and installs without touching torch (the ``[compact]`` extra);
+bitsandbytes' 8-bit optimizer kernels target CUDA. Two pieces are ours, for speed on the CPU: `Quantiser`
+gets torchao's codes by table look-ups instead of eight ``torch.where`` passes (bitwise; checked over all
+2**32 fp32 patterns), and `update_compact` writes into per-thread buffers (`scratch`) over cache-sized tiles
+(`tiles`) instead of fresh temporaries over the whole chunk. The update equals torchao's ``AdamW8bit`` on the
+same gradients, bitwise when torchao runs eagerly (its optimizer wraps the same function in
+``torch.compile``, which fuses and can differ in the last bit).
+
+**Its cost is CPU time:** the 8-bit update still takes many times the CPU time of torch's fused fp32
+kernel (``benchmarks/state_format_bench.py --update`` measures it); choose it for the bytes (disk space,
+drive wear, host RAM), not for speed on few cores.
 
 A checkpoint records its format (``optimizer.json``'s ``state_format``) and its files are the pieces
 above, each in element order (``exp_avg.scale.bin``, ``exp_avg_sq.scale.bin`` for ``8bit``). Loading a
@@ -280,9 +277,7 @@ def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str,
     """A chunk's ``state`` (`Layout.views`) and gradient in tiles of `TILE` elements: ``(state, grad)`` of
     views, in order. A compact update makes a dozen passes or more over its elements (casts, look-ups, the
     quantiser's); over a chunk of millions each pass reads memory, over a tile of 256K elements the next pass
-    finds it in the CPU's caches. On this project's CPU the 8-bit update runs 1.7-1.9x faster over a
-    4M-element chunk and 1.4-1.6x over the default 1.4M, the bf16 one ~1.4x (``docs/state-formats.md``;
-    128K-512K elements did as well, 1M and 16K-64K worse).
+    finds it in the CPU's caches (``benchmarks/state_format_bench.py --update`` measures the update).
     Every operation is elementwise or within a block, so each element gets the same bits (tested)."""
     n = state["exp_avg"].numel()  # an 8-bit moment's whole blocks: past the master's end if padded
     for start in range(0, n, TILE):
@@ -352,8 +347,8 @@ _SCRATCH = threading.local()  # per thread (the worker; a planner's measurement)
 def scratch(n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
     """One tensor of ``n`` elements per entry of ``dtypes``, kept per thread (and per ``dtypes``) and grown as
     needed: an update's temporaries. Fresh ones each chunk cost a page fault per 4 KiB where the allocator
-    returns freed memory to the system (jemalloc's default decay): that made the bf16 update ~3x slower and the
-    8-bit one ~5x. They live outside the host pool, as the temporaries they replace did (the 8-bit update's
+    returns freed memory to the system (jemalloc's default decay), which slows a compact update severalfold.
+    They live outside the host pool, as the temporaries they replace did (the 8-bit update's
     take 25 bytes per element of a `TILE`: 6.25 MiB per thread). A caller must be done with one call's
     tensors before the next call with the same ``dtypes`` on its thread: they are the same memory."""
     kept = getattr(_SCRATCH, "buffers", None)

@@ -18,8 +18,8 @@ A resident or bucket gradient on an accelerator is read by the host's update, so
 into a host pool buffer (`Gradients.staged`): the copy starts where the gradient is handed over (autograd's
 thread, DDP's hook, or ``step()``), ordered after the kernels that computed it, and the job waits for it
 before its first read. The norm is then taken on the host, as ``clip_grad_norm_`` takes it of host
-gradients, and the chunks are slices of the host copy. (Before the first GPU run the worker sliced the
-device tensor and multiplied it by a host coefficient; that failed on the first clipped step.)
+gradients, and the chunks are slices of the host copy (slicing the device tensor and multiplying it by the
+host's clip coefficient fails on the first clipped step).
 
 Threads: `StreamedGradients.take` runs on the autograd thread, during backward; the jobs it queues run on
 the state's worker. What it records for the window (``Window.partial``, ``Window.norms``) follows the

@@ -116,52 +116,38 @@ class ScheduleChooser:
         history: how many recent windows the rollback rate is taken over.
         samples: how many recent window times of each schedule its cost is the median of.
         probe_after: windows under ``backward`` before ``next_forward`` is first measured (nothing rolling
-            back); `forget_costs` starts the count again. Three: ``backward``'s cost is known after two (the
-            first window has no window before it), and a short run, or a benchmark's few steps after the
-            plan, then still settles (with 8, a 9-step run never measured ``next_forward``, which in host
-            RAM on this project's CPU was 0.93x ``backward``'s step at 350M).
+            back); `forget_costs` starts the count again. Small, so that a short run still tries both:
+            ``backward``'s cost is known after two windows (the first has no window before it).
         probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
         backward_first: called at each choice; a reason (one sentence) not to measure ``next_forward`` before
-            ``probe_every`` windows, or ``None``. `FuyouAdamW` gives one that holds while every chunk of the state
-            is on the SSD (see below).
+            ``probe_every`` windows, or ``None``. `FuyouAdamW` gives one that holds while every chunk of the
+            state is on the SSD (see below).
         exact_first: called at each choice; a reason (one sentence) to take ``next_forward`` without measuring
             ``backward``, or ``None``. `FuyouAdamW` gives one that holds while the model computes on the CPU
-            and every chunk of the state is in host RAM: there ``backward``'s speculation is more work for the
-            same cores (each chunk copied into the shadow slot first) with no SSD transfer to hide, and its
-            shadow slot is RAM that ``next_forward`` never touches. Measured at 350M on this project's CPU:
-            ``next_forward`` 0.93x ``backward``'s step, and 0.92-0.95x ``auto``'s with 0.65x its peak RSS
-            (7.65 against 11.78 GiB; docs/host-state-log.md). Short of that, window times on 2 cores vary by
-            more than the schedules differ, and ``auto`` went back to ``backward`` on one noisy window.
+            and every chunk of the state is in host RAM: speculation is then more work for the same cores
+            (each chunk copied into the shadow slot first) with no SSD transfer to hide, its shadow slot is RAM
+            that ``next_forward`` never touches, and window times on a few busy cores are too noisy to show it.
 
-    Two things rule ``next_forward`` out early, so that it is first measured after ``probe_every`` windows
-    instead of ``probe_after`` (while nothing rolls back): the planner's cost model (`expect`, from the plan
-    the engine applies) predicting its step at least `PREDICTED_SLOWER` times ``backward``'s, or
-    ``backward_first``. With every chunk of the state on the SSD, ``next_forward`` cannot win without
-    rollbacks: both schedules move the same bytes (one slot read, the other written), but ``next_forward``
-    hides them under forward only (F), ``backward`` under backward (B, about 2F) as well. With U the updates'
-    time, ``next_forward``'s step is about max(F, U) + B and ``backward``'s F + max(B, U), never shorter.
-    The measurements behind this are in docs/host-state-log.md (the schedules with the state on the SSD).
-    A rollback brings the early measurement back: the model's prediction
-    assumes the warm-up's rate of them, and the argument above assumes none.
+    The choice (``"auto"``): with ``r`` the share of the last ``history`` windows in which clipping bit or a
+    gradient was not finite (``backward`` rolled back, or would have), ``R`` the seconds of a rollback, and
+    ``W_b``, ``W_n`` each schedule's window wall time (one ``step()`` to the next, a rollback taken out; the
+    median of the last ``samples`` windows that followed one of the same schedule), ``backward`` costs
+    ``W_b + r * R`` and ``next_forward`` ``W_n``: the cheaper one runs. Until both are known: ``backward``;
+    then ``next_forward`` until a window of it is measured (two windows: the first is a transition), at once
+    after a rollback, else after ``probe_after`` windows; and every ``probe_every`` windows the schedule not in
+    use again. The schedule in use is measured all along, so a probe that flattered the other is corrected
+    after a window or two.
 
-    For ``"auto"``, with ``r`` the share of the last ``history`` windows in which clipping bit or a
-    gradient was not finite (``backward`` would have rolled back), ``R`` the measured seconds of a
-    rollback, and ``W_b``, ``W_n`` the measured wall seconds of a window under each schedule (from one
-    ``step()`` to the next, a rollback's seconds taken out; the median of the last ``samples`` windows
-    that followed one of the same schedule): ``backward`` is expected to cost ``W_b + r * R`` and
-    ``next_forward`` ``W_n``, and the cheaper one is chosen. Until both are known: ``backward``; then
-    ``next_forward`` until a window of it is measured (two windows: the first is a transition), at once
-    when a rollback has been seen, else after ``probe_after`` windows; and every ``probe_every`` windows
-    the schedule not in use again. One window is a noisy measure, but the schedule in use is measured all
-    along (the median of its last windows), so a probe that flattered the other schedule is corrected
-    after a window or two of it.
+    ``next_forward`` waits ``probe_every`` windows instead of ``probe_after`` (while nothing rolls back) when
+    the planner's cost model (`expect`) predicts its step at least `PREDICTED_SLOWER` times ``backward``'s, or
+    ``backward_first`` gives a reason. With every chunk on the SSD it cannot win without rollbacks: both move
+    the same bytes, but ``next_forward`` hides them under forward only (F), ``backward`` under backward too
+    (B, about 2F); with U the updates' time, its step is about max(F, U) + B against F + max(B, U).
 
-    Why wall time and not the compute thread's waits (what it measured before): the two schedules
-    differ in work as well as in overlap. A speculative update copies its state chunk into the shadow
-    slot first, which with the state in host RAM was 36-44% of an update's time (the H200 host and this
-    project's CPU, ``benchmarks/update_phases_bench.py``); on a CPU that work slows backward itself, and
-    on a GPU the overlap with backward may or may not pay for it. Only the window's length sees both.
-    Both schedules give bitwise the same weights, so measuring either costs no exactness.
+    Wall time, not the compute thread's waits: the schedules differ in work as well as in overlap (a
+    speculative update first copies its chunk into the shadow slot; ``benchmarks/update_phases_bench.py``
+    measures that share), and only the window's length sees both. Both give bitwise the same weights, so
+    measuring either costs no exactness.
     """
 
     def __init__(self, setting: str, *, can_speculate: bool, history: int = 8, samples: int = 5,
@@ -284,7 +270,7 @@ class ScheduleChooser:
         self.rolled.clear()
         self.rolled.extend(bool(r) for r in state.get("rolled", ()))
         self.rollback_s = state.get("rollback_s")
-        for schedule, times in state.get("window_s", {}).items():  # a checkpoint before 2026-11-26 has wait_s
+        for schedule, times in state.get("window_s", {}).items():  # an older checkpoint's wait_s is not read
             self.window_s[schedule].clear()
             self.window_s[schedule].extend(times)
         self.measured.update(state.get("measured", {}))

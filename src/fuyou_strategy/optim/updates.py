@@ -87,10 +87,9 @@ class Updater:
             if ps.grads is not None:  # streamed: its tier copy
                 return weights.publish(ps.param, k, master)
             start, n = ps.span(k)
-            # Backward is done with this weight. On an accelerator a synchronous copy: the third GPU run measured
-            # a cast into a pinned pool buffer, copied on the side stream and landed by a helper thread, slower in
-            # the pipeline (0.78 -> 1.00 ms a chunk, 0.73 -> 0.99 s a step at 350M) though faster alone
-            # (benchmarks/update_phases_bench.py); docs/gpu.md, the third GPU run.
+            # Backward is done with this weight. On an accelerator a synchronous copy: an asynchronous one (a cast
+            # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone
+            # (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline.
             ps.param.detach().view(-1)[start : start + n].copy_(master)
             return None
 

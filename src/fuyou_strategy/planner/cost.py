@@ -466,8 +466,8 @@ def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) 
     else:
         room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
     # Room for all of it holds every parameter: ``total // per_param`` can come out one short in floating point
-    # (a padded, non-integral ``per_param``), and the engine then left a last parameter's state on the SSD, whose
-    # file kept the size of the whole state (the third GPU run: 24 KiB of state on the SSD, an 8.5 GB file).
+    # (a padded, non-integral ``per_param``), which would leave a last parameter's state on the SSD in a swap
+    # file sized for the whole state.
     params = profile.params if room >= total else int(room // per_param)
     ram: dict = {}
     for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:

@@ -54,9 +54,8 @@ FP32 accumulation; memory from the vendors' data sheets):
 ``efficiency`` for the presets other than ``rtx4090`` is an assumption (0.5), not a measurement.
 
 SSDs: per drive 6.5 GB/s read and 3.4 GB/s write by default — Intel SSD D7-P5510 3.84 TB,
-sequential (Intel's product specification on ark.intel.com, as recalled: the page could not
-be re-checked when this was written), the drive of Fuyou's machine; its capacity is assumed
-(the 7.68 TB model is rated 7.0/4.2). ``--ssds N`` drives are striped, so bandwidth scales with
+sequential (Intel's product specification on ark.intel.com, not re-checked), the drive of
+Fuyou's machine; its capacity is assumed (the 7.68 TB model is rated 7.0/4.2). ``--ssds N`` drives are striped, so bandwidth scales with
 N; reads and writes share the drives.
 
 CPU AdamW throughput defaults to 1e9 parameters/s: an assumption (a multi-core server with a
@@ -69,9 +68,9 @@ The five rows stay within ±20% for 0.75e9 to 1.5e9 parameters/s.
 **Weights.** Fuyou keeps 16-bit compute weights and gradients on the device when they fit.
 When they do not (GPT-3 13B's 26 GB on a 24 GB card), every block's weights get the ``host``
 tier (or ``ssd`` when the host cannot hold them) and the cost model streams them per block
-as the runtime will (`cost.predict`: read ahead in forward and again in backward, gradients
-out per block, updated weights back to their tier); the embeddings and head stay resident.
-**The runtime does not stream weights yet** (issue 11); the planner shows what it will cost.
+as the runtime does (`cost.predict`, `params.WeightStreamer`: read ahead in forward and again in
+backward, gradients out per block, updated weights back to their tier); the embeddings and head
+stay resident.
 """
 
 from __future__ import annotations

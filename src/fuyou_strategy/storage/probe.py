@@ -91,7 +91,7 @@ def measure_bandwidth(
             return size / elapsed
 
         # Swap files are rewritten every step; the first write into a preallocated file also converts
-        # its unwritten extents (ext4: ~1.6x slower here), so it is a warm-up, not the rate to plan with.
+        # its unwritten extents (markedly slower on ext4), so it is a warm-up, not the rate to plan with.
         run(write=True)
         write_bps = run(write=True)
         read_bps = run(write=False)
