@@ -8,8 +8,8 @@ then old, new, torch) so that the machine's drift falls on both sides. Every run
 (medians, × torch, peak RSS, the last loss of each run) and give each round's ratios, new/old included.
 
     .venv/bin/python -m benchmarks.ab --old-src /work/old-wt/src --system fuyou-state-ssd --rounds 3 \\
-        --out docs/results/writes_behind_350M
-    .venv/bin/python -m benchmarks.ab --summarise docs/results/tail_read_ahead_350M   # the table again
+        --out docs/history/results/writes_behind_350M
+    .venv/bin/python -m benchmarks.ab --summarise docs/history/results/tail_read_ahead_350M   # the table again
 """
 
 from __future__ import annotations

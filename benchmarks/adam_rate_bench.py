@@ -10,7 +10,7 @@ which stays in the cache, measured ``--repeats`` times. The table gives both and
 
 Measured 2026-11-26 on this project's 2-core CPU (300 MiB L3), GPT-2 124M fp32, ``next_forward``, three
 times: the warm-up's updates ran at 372, 421 and 417 M parameters/s, the micro-benchmark said 1,213, 2,404
-and 2,169 (3.3x, 5.7x and 5.2x too fast; ``docs/results/adam_rate_bench.json`` is the third, dropout off).
+and 2,169 (3.3x, 5.7x and 5.2x too fast; ``docs/history/results/adam_rate_bench.json`` is the third, dropout off).
 On the second GPU run the plan's AdamW took 0.07-0.14 s a step where the worker was busy 0.5 s.
 """
 

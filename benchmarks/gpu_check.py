@@ -21,7 +21,7 @@ past its share is stopped and the next one starts, and whatever was measured is 
    models: GPT-2 1.5B and the largest Llama-shaped model whose SSD footprint fits the free disk;
 5. **report**: ``gpu_check.json`` (everything), ``gpu_check.png`` and a Markdown table on stdout.
 
-Where each part's time goes on one H100 box is in docs/gpu-check.md.
+Each step's share of the time budget, and what to run when a GPU is lent: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "docs" / "history").glob("*.md"))]
 
 
 def _prose(path):
@@ -88,3 +89,14 @@ def test_contributing_lists_every_module():
         listed.add("".join(stack))
     modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src" / "fuyou_strategy").rglob("*.py"))
     assert [m for m in modules if m not in listed] == []
+
+
+def test_the_history_index_links_every_log_and_every_results_folder():
+    history = ROOT / "docs" / "history"
+    index = (history / "README.md").read_text()
+    logs = [p.name for p in sorted(history.glob("*.md")) if p.name != "README.md"]
+    results = [p.name + "/" if p.is_dir() else p.name for p in sorted((history / "results").iterdir())]
+    unlisted = [n for n in logs if f"]({n})" not in index] + [n for n in results if f"](results/{n})" not in index]
+    assert unlisted == []
+    assert "(docs/history/README.md)" in (ROOT / "README.md").read_text()
+    assert "(history/README.md)" in (ROOT / "docs" / "benchmarks.md").read_text()

@@ -13,7 +13,7 @@ systems), and for every system at every size prints:
 
 It writes the same as JSON with ``--out``. Nothing is re-measured::
 
-    python -m benchmarks.peers.pool docs/results/peers_350M_b2_*/peers-gpt2-fp32.json --out pooled.json
+    python -m benchmarks.peers.pool docs/history/results/peers_350M_b2_*/peers-gpt2-fp32.json --out pooled.json
 """
 
 from __future__ import annotations

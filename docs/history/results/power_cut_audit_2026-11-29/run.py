@@ -3,7 +3,7 @@ ModelCheckpoint(every_n_train_steps=3, save_last=True), 9 steps. Run under strac
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "tests"))
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from fuyou_strategy import FuyouStrategy  # noqa: E402

@@ -1,4 +1,4 @@
-"""Run as `python docs/results/fuyou_ssd_located_2026-11-28/prior/profile_350m.py [SWAP_DIR]`.
+"""Run as `python docs/history/results/fuyou_ssd_located_2026-11-28/prior/profile_350m.py [SWAP_DIR]`.
 
 Capture the planner's warm-up profile at GPT-2 350M fp32 b2x256 with the state on the SSD (plain loop +
 FuyouEngine, as the peers harness's fuyou-engine@host_state=0), then print what the cost model predicts under
@@ -6,7 +6,7 @@ each schedule: for the plan, and for the same profile with every block's activat
 (fuyou-ssd's configuration)."""
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root: benchmarks.peers
+sys.path.insert(0, str(Path(__file__).resolve().parents[5]))  # the repository root: benchmarks.peers
 import torch
 from benchmarks.peers.systems import Job, _fuyou_fields, LR, BETAS, EPS
 from fuyou_strategy import FuyouConfig, FuyouEngine
