@@ -100,8 +100,6 @@ def _any_typed_streamers(tree: ast.AST) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(reason="optim/adamw.py's attach_weights(streamer: Any) waits for its restructuring (issue 52)",
-                   strict=True)
 def test_no_streamer_in_optim_is_typed_any():
     found = [f"{path.name}:{hit}" for path in sorted(OPTIM.glob("*.py")) for hit in _any_typed_streamers(
         ast.parse(path.read_text()))]

@@ -1,8 +1,12 @@
-"""`FuyouConfig`: every knob of the system, validated once.
+"""`FuyouConfig`: every knob of the system, a validated value; `resolve`: that value and the machine.
 
-Each field has one home here. Validation happens in ``__post_init__`` so that a bad value
-fails where it is written, with an error that names the field, the value and the fix.
-Byte sizes accept ints or strings such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``.
+Each field has one home here. ``__post_init__`` checks each field where it is written, with an
+error that names the field, the value and the fix, and reads nothing of the machine: ``"auto"``
+stays ``"auto"``. `resolve` turns a config, once, at the start of a run (`FuyouEngine`), into the
+`Settings` the run uses: every machine-dependent ``"auto"`` replaced by its number with the reason
+(`Machine`: available RAM, cores, ranks on the machine, measured drives), the unset placement decided
+for the device, the plan file read. Byte sizes accept ints or strings such as ``"8GiB"``, ``"512MiB"``,
+``"1.5GB"``.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def auto_prefetch_chunks(drives: int, chunk_size: int = 16 * 2**20, slowest_bps:
     (`AUTO_PREFETCH_COVER_S`), at least 2: a fast drive gets a deeper read-ahead than a slow one. Without
     a measurement, by their number: two chunks per drive beyond the double buffer keep a request queued on
     every drive while the optimizer computes. At most `AUTO_PREFETCH_MAX` either way; the host budget may
-    lower it (`host_budget_split`). One unmeasured drive takes 4, the value before ``"auto"``. ``temporary``: the
+    lower it (`host_budget_split`). One unmeasured drive takes 4. ``temporary``: the
     swap directory is a temporary folder (``swap_dirs=None``), new every run and so never measured."""
     drives = max(1, drives)
     if slowest_bps is not None:
@@ -223,7 +227,7 @@ class FuyouConfig:
             for the optimizer's read-ahead, the staging of SSD activations both ways,
             host-policy activations, host-tier weights and the optimizer state's host tier
             (``host_state``), divided by `host_budget_split`. Default ``"auto"``: half of the RAM
-            available when the config is made, leaving at least 4 GiB to the process itself, the
+            available when the run starts (`resolve`), leaving at least 4 GiB to the process itself, the
             data loader and the machine (`auto_host_budget`; logged on the ``fuyou_strategy``
             logger with its reason), at least 512 MiB. A number is a hard cap.
         device_memory_budget: bytes of device memory the planner may plan for; ``None`` means
@@ -251,9 +255,9 @@ class FuyouConfig:
             copies), set for that thread alone (`device.use_intra_op_threads`). Default ``"auto"``
             (`auto_optimizer_threads`): where the model computes on the CPU, the cores the training
             thread's ops leave free, at least one: with the CPU's cores all in the training thread's
-            OpenMP team, a second team makes libgomp sleep at every barrier in both, which left the
-            cores 16% idle in forward and 6% in backward (GPT-2 124M); with an accelerator, torch's own
-            count (every core). Resolved by the optimizer, reported in ``summary()["optimizer_threads"]``.
+            OpenMP team, a second team makes libgomp sleep at every barrier in both, idling cores in
+            forward and backward; with an accelerator, torch's own count (every core). Resolved by the
+            optimizer, reported in ``summary()["optimizer_threads"]``.
         io_timeout: seconds any one wait on the drives or the host pool may last (the
             optimizer's reads, buffers and last writes, activation read-back, weight reads, the
             bandwidth probes) before it raises an error (a hung drive, a leaked buffer) instead
@@ -323,9 +327,9 @@ class FuyouConfig:
             256 elements (Dettmers et al.), ~6.03 bytes, bitwise torchao's ``AdamW8bit`` (needs
             ``pip install torchao``). The master stays fp32 in every format; the compact ones are
             approximate and cut the state's SSD bytes, its traffic per step and its host-RAM share
-            by 1.5x and 2x, for more CPU time per update (bf16 ~2x fp32's, 8-bit ~90x on the
-            machines measured: ``docs/state-formats.md``). A checkpoint records its format and
-            loads only into the same one.
+            by 1.5x and 2x, for more CPU time per update (bf16 somewhat more than fp32, 8-bit many
+            times more: ``benchmarks/state_format_bench.py --update``). A checkpoint records its format
+            and loads only into the same one.
         optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
             way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
             at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update

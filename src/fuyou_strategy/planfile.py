@@ -1,8 +1,8 @@
 """The plan file format (``Plan.save``, ``fuyou plan --save``): read and checked, below everything else.
 
 A plan file is JSON: an object of the fields of `planner.Plan`. Reading one is a leaf concern — the
-configuration checks a pinned plan where it is written (``FuyouConfig(plan=...)``, so that a bad file
-fails before any run starts) and the engine loads it where it is used (`planner.Plan.load`); both go
+configuration checks a pinned plan when it is resolved (`config.resolve`, at the engine's start, so that a
+bad file fails before anything is made) and the engine loads it where it is used (`planner.Plan.load`); both go
 through `read`, and neither has to import the other. This module imports nothing of the package: it
 also owns the vocabulary both use, the activation policies and the weight tiers.
 """

@@ -14,8 +14,7 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   Trainer's is set to 0 for the run (`hf_internals.set_trainer_max_grad_norm`). Gradients are
   consumed during backward, and the optimizer reads the kept ``.grad`` again at ``step()`` (a
   clipping redo, the ``next_forward`` schedule): the Trainer's in-place clipping before that
-  would clip twice or commit updates made from unclipped gradients (measured on a tiny GPT-2 in 6
-  steps: weights 0.33 relative from the Trainer's own run, 1.07 with fp16). The Trainer still
+  would clip twice or commit updates made from unclipped gradients. The Trainer still
   measures and logs ``grad_norm`` from the gradients, which are kept until ``zero_grad`` for that
   (fp16 and data parallel: the optimizer's own norm is logged, `on_log`).
 - fp16: FuyouAdamW scales the loss (a forward hook makes the backward of ``outputs.loss`` run
@@ -50,12 +49,10 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   anything is made): ``TrainingArguments(torch_compile=True)`` (also implied by
   ``torch_compile_backend``/``torch_compile_mode``), ``accelerate launch --dynamo_backend``, or a
   model compiled before it reached the Trainer (``torch.compile(model)``, ``module.compile()``), each
-  a `ConfigError` naming the setting and the fix. Tried on a 2-block GPT-2 (activations and weights
-  on SSD): TorchDynamo traces into fuyou's hooks and breaks its graphs inside fuyou's own code (the
-  I/O queue, the host buffer pool, the weight streamer, the run report: 17 breaks, not at block
-  boundaries); with ``aot_eager`` the weights were bitwise those of the uncompiled run, with
-  ``inductor`` (the default) 1.2e-4 relative from the Trainer's own compiled run, and fewer
-  activation bytes were swapped. Supporting it needs fuyou's hooks kept out of the graphs
+  a `ConfigError` naming the setting and the fix. TorchDynamo traces into fuyou's hooks and breaks
+  its graphs inside fuyou's own code (the I/O queue, the host buffer pool, the weight streamer, the
+  run report), not at block boundaries, and with ``inductor`` the weights are not bitwise those of
+  the uncompiled run. Supporting it needs fuyou's hooks kept out of the graphs
   (``torch.compiler.disable``) in the engine's modules, shared with Lightning.
 - a ``train()`` that raises: the Trainer has no exception event, so no callback hears of it. The
   run's changes stay until the next ``on_train_begin`` on the same model or arguments, of any

@@ -588,8 +588,8 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
                 self.engine.swapper.uninstall()
             if self.engine.streamer is not None and self.root_device.type != "cpu":
                 # Lightning's teardown moves the module to the CPU: streamed weights (released on the device,
-                # their values in their tier copies) go there empty instead of being copied (first GPU run:
-                # module.cpu() failed with "CUDA error: invalid argument" on a released storage)
+                # their values in their tier copies) go there empty instead of being copied (``module.cpu()`` on
+                # a released storage fails with "CUDA error: invalid argument")
                 self.engine.streamer.move_to(torch.device("cpu"))
         share_display(None)
         self._trainer = None

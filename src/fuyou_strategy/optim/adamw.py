@@ -67,6 +67,7 @@ from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleCho
 from .formats import StateFormat
 from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel, balanced_chunk
 from .updates import Updater
+from .weights import StreamedWeights
 from .window import Window
 
 log = logging.getLogger(__name__)
@@ -443,7 +444,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.adam_state.initialise(ready, self._weight)
         self._pending[:] = [ps for ps in self._pending if ps not in ready]
 
-    def attach_weights(self, streamer: Any) -> None:
+    def attach_weights(self, streamer: StreamedWeights) -> None:
         """Publish the parameters ``streamer`` streams (``streamer.streams(p)``) into their tier copies:
         each gradient leaves the device as soon as it is final (`StreamedGradients`) and every new weight
         goes to the tier copy (``streamer.publish``). Call it between steps. Data parallel (a collective):

@@ -59,10 +59,8 @@ def balanced_chunk(numel: int, most: int) -> int:
     """Elements per state chunk of a parameter of ``numel`` elements, chunks of at most ``most`` (a multiple
     of `STATE_CHUNK_ELEMENTS`): as many chunks as ``most`` needs, all of one length in whole groups of
     `STATE_CHUNK_ELEMENTS` but the last, which is shorter by less than one group per chunk. Every chunk takes
-    a whole stride on the SSD and in RAM, so chunks of ``most`` would pad the last one to a full stride: 26%
-    of the state of GPT-2 350M at the default 16 MiB (measured on the first GPU run, where it kept a fifth of
-    the state on the SSD with room for all of it in RAM). Chunk boundaries change no result: the update is
-    elementwise."""
+    a whole stride on the SSD and in RAM, so chunks of ``most`` would pad the last one to a full stride, up to
+    nearly a chunk of padding per parameter. Chunk boundaries change no result: the update is elementwise."""
     chunks = -(-numel // most)
     return min(most, round_up(-(-numel // chunks), STATE_CHUNK_ELEMENTS))
 
@@ -168,13 +166,10 @@ class GradChunks(Protocol):
 class UpdateMeter:
     """The worker's CPU time in the updates: each chunk's upcast, unscale, clip, AdamW kernel and publish
     (the copy into the parameter, or a streamed one's tier copy) and, for state in host RAM updated
-    speculatively, the copy of the active chunk into the shadow slot (36% of a chunk on the third GPU run's
-    host, which the planner's model lacked until then); not its SSD reads or writes (the planner models the
-    SSD apart). The planner takes its CPU rate from it: the run's own chunks, coming from memory
-    rather than the cache, beside the run's own compute. Its micro-benchmark on one 16 MiB buffer, run three
-    times from the cache, had the plan's AdamW take 0.07–0.14 s a step on the second GPU run, where the
-    worker was busy 0.5 s; the third GPU run showed the publish, which the meter left out until then, at 32%
-    of a chunk's time (``benchmarks/update_phases_bench.py``).
+    speculatively, the copy of the active chunk into the shadow slot; not its SSD reads or writes (the planner
+    models the SSD apart). The planner takes its CPU rate from it: the run's own chunks, read from memory
+    rather than the cache, beside the run's own compute, which a micro-benchmark on one cached buffer
+    overstates (``benchmarks/update_phases_bench.py`` times each phase).
 
     Threads: only the worker calls `add`; any thread may read ``total`` at any time (under ``next_forward``
     the worker may still be updating when the planner reads). ``total`` is rebound whole, once per chunk, so
