@@ -215,161 +215,62 @@ def _per_block(name: str, value: Any, choices: tuple[str, ...], *, auto: bool) -
 
 @dataclass
 class FuyouConfig:
-    """Every knob of fuyou-strategy.
+    """Every knob of fuyou-strategy: a validated value. Constructing, copying (`replace`) or merging (`merge`)
+    one checks each field and reads nothing of the machine; ``"auto"`` stays ``"auto"`` until `resolve` (at the
+    engine's start). Sizes are bytes (an int, or a string such as ``"8GiB"``); times are seconds. The reference,
+    with each default's reason: ``docs/configuration.md``.
 
     Attributes:
-        swap_dirs: directories of the SSD tier, one per drive; chunks are striped across
-            them. ``None`` (default) makes a fresh temporary directory, removed on close. With
-            several ranks, ``{rank}`` and ``{local_rank}`` in a path give each rank (or GPU) its
-            own directory, e.g. ``"/nvme{local_rank}/fuyou"``; ranks sharing a directory are safe
-            too (each process works in its own run folder inside it).
-        host_memory_budget: hard cap, in bytes, on every host buffer fuyou holds: one pool
-            for the optimizer's read-ahead, the staging of SSD activations both ways,
-            host-policy activations, host-tier weights and the optimizer state's host tier
-            (``host_state``), divided by `host_budget_split`. Default ``"auto"``: half of the RAM
-            available when the run starts (`resolve`), leaving at least 4 GiB to the process itself, the
-            data loader and the machine (`auto_host_budget`; logged on the ``fuyou_strategy``
-            logger with its reason), at least 512 MiB. A number is a hard cap.
-        device_memory_budget: bytes of device memory the planner may plan for; ``None`` means
-            the accelerator's total memory, and no limit on the CPU (where the device tier is
-            host RAM).
-        io_threads: I/O threads per swap directory. ``os.preadv``/``os.pwritev`` release the
-            GIL, so a handful per NVMe drive reaches its bandwidth. Default ``"auto"``: one per
-            core, at most 4 (`auto_io_threads`), announced when the engine starts; a number is kept.
-        io_block_size: the largest single read/write request handed to the kernel; bigger
-            transfers are split into blocks of this size and spread over the threads.
-            A multiple of 4 KiB. Default ``"1MiB"``.
-        chunk_size: the unit in which tensor-store entries are striped, read and written
-            (bytes, a multiple of 4 KiB). Default ``"16MiB"``.
-        direct_io: ``"auto"`` uses ``O_DIRECT`` where the filesystem accepts it and falls
-            back to buffered I/O (announced once) where it does not; ``"on"`` makes a refusal
-            an error; ``"off"`` always uses buffered I/O.
-        preallocate: reserve swap-file space with ``posix_fallocate`` when entries are
-            created, so a full disk is reported at allocation instead of mid-step.
-        optimizer_prefetch_chunks: optimizer state chunks read ahead of the one being
-            updated (capped by the optimizer's share of the host budget, see
-            `host_budget_split`). Default ``"auto"``: two per swap directory beyond a double
-            buffer, at most 8 (`auto_prefetch_chunks`; 4 with one directory), announced when the
-            engine starts; a number is kept.
-        optimizer_threads: intra-op threads of the optimizer's worker (its AdamW kernels, norms and
-            copies), set for that thread alone (`device.use_intra_op_threads`). Default ``"auto"``
-            (`auto_optimizer_threads`): where the model computes on the CPU, the cores the training
-            thread's ops leave free, at least one: with the CPU's cores all in the training thread's
-            OpenMP team, a second team makes libgomp sleep at every barrier in both, idling cores in
-            forward and backward; with an accelerator, torch's own count (every core). Resolved by the
-            optimizer, reported in ``summary()["optimizer_threads"]``.
-        io_timeout: seconds any one wait on the drives or the host pool may last (the
-            optimizer's reads, buffers and last writes, activation read-back, weight reads, the
-            bandwidth probes) before it raises an error (a hung drive, a leaked buffer) instead
-            of hanging training. Default 600.
-        activations: what happens to each block's saved activations: one of ``"keep"``,
-            ``"host"``, ``"ssd"``, ``"recompute"`` for every block, or a mapping from block
-            index to policy (unlisted blocks keep), or ``"auto"``: the planner profiles the first
-            ``planner_warmup_steps`` steps (activations kept) and applies the policies that
-            minimise predicted step time within the budgets (``device_memory_budget`` bounds
-            the device tier). Default ``None``: decided when the engine starts (`placement_defaults`,
-            announced with its reason): ``"auto"`` where the device's memory is bounded (an
-            accelerator, or a ``device_memory_budget``) and the weights are not placed by hand,
-            ``"keep"`` otherwise (the CPU without a budget: there is nothing to plan against).
-        plan: a plan JSON (``Plan.save``, ``fuyou plan --save``) to apply from the first step
-            instead of planning: a pinned plan, its activation policies and its weight tiers (a plan
-            that streams weights needs ``weights`` left at ``"device"`` or ``"auto"``).
-        planner_warmup_steps: optimizer steps profiled before ``"auto"`` plans (the first
-            is discarded as warm-up). Default 3.
-        blocks: the model's repeated blocks, as a dotted path to a ``ModuleList`` or a list of
-            module paths; ``None`` finds them (the largest ``ModuleList`` of one class).
-        activation_min_bytes: saved tensors smaller than this stay where they are (swapping
-            them costs more than it saves). Default ``"64KiB"``.
-        activation_prefetch_blocks: when backward reaches block ``i``, activations of blocks
-            ``i-1 ... i-k`` are already being read back. Default 2.
-        weights: where each block's weights live between uses: ``"device"`` (resident),
-            ``"host"`` (the host buffer pool) or ``"ssd"`` (the tensor store) for every
-            block, or a mapping from block index to tier (unlisted blocks: device). Streamed
-            weights are on the device only while their block runs (see
-            `fuyou_strategy.params.WeightStreamer`): frozen ones (a LoRA base) are read-only,
-            trainable ones are published into their tier copy by the optimizer, and their
-            gradients leave the device as they become final. Parameters outside the blocks
-            (embeddings, final norm, head) and tied weights stay resident. ``"auto"``: the planner
-            chooses each block's tier with its activation policy (the cheapest that fits: device,
-            then host, then ssd), which needs ``activations="auto"`` (the warm-up runs with every
-            weight resident, then the plan's tiers are installed) or a pinned ``plan`` (its tiers);
-            anything else is a `ConfigError`. Default ``None``: ``"auto"`` when the activations go
-            to the planner (left unset where it runs, or ``"auto"``) in one process, ``"device"``
-            otherwise: with several ranks a streamed weight leaves DDP's averaging overlapped with
-            backward, so set ``"auto"`` to let the planner stream them anyway (`placement_defaults`).
-        weight_prefetch_blocks: streamed weights are read ``k`` blocks ahead (forward and
-            backward), and the last ``k`` blocks stay on the device from forward into backward.
-            The device holds at most ``k + 1`` blocks' streamed weights. Default 2.
-        state_slots: copies of the optimizer state on SSD. ``2`` (default): updates run during
-            backward into a shadow slot, committed at ``step()`` or redone there with the clip
-            coefficient (24 bytes per parameter). ``1``: backward only moves gradients out of
-            the way (resident ones stay on the parameters, streamed ones go to the store) and
-            ``step()`` updates in place once the gradient norm is known (12 bytes per parameter
-            plus the streamed gradients): half the state footprint, no redo, but the update no
-            longer overlaps backward. A failure inside that in-place pass leaves the state
-            half-updated: resume from a checkpoint. One slot implies
-            ``optimizer_schedule="next_forward"``.
-        host_state: bytes of ``host_memory_budget`` that hold optimizer state (masters and moments,
-            every slot) in host RAM instead of on the SSD: parameters take it whole, in the optimizer's
-            order (the embedding of an HF model first: its update comes last in backward, where its
-            I/O is hardest to hide), while it lasts. Exact: the results are bitwise those of the state
-            on the SSD, and checkpoints do not depend on the split. The rest of the budget stays the
-            transfer pool (`host_budget_split`). ``0``: all of the state on the SSD. Default
-            ``"auto"``: what the budget leaves once the transfers and the other host users are served
-            (`host_state_bytes`); with the planner (``activations="auto"``, or a pinned plan), what the
-            plan leaves beside its host activations and weights (with ``activations="auto"`` the state
-            starts in RAM for the warm-up and what the plan cannot leave it moves to the SSD then);
-            nothing when ``host_memory_budget="auto"`` finds less than 2 GiB of RAM available (a
-            warning says so).
-        state_format: how the optimizer state is stored (`optim.formats`). ``"fp32"`` (default):
-            fp32 master and moments, 12 bytes per parameter and slot, bitwise ``torch.optim.AdamW``.
-            ``"bf16"``: bf16 moments, 8 bytes. ``"8bit"``: block-wise 8-bit moments with a scale per
-            256 elements (Dettmers et al.), ~6.03 bytes, bitwise torchao's ``AdamW8bit`` (needs
-            ``pip install torchao``). The master stays fp32 in every format; the compact ones are
-            approximate and cut the state's SSD bytes, its traffic per step and its host-RAM share
-            by 1.5x and 2x, for more CPU time per update (bf16 somewhat more than fp32, 8-bit many
-            times more: ``benchmarks/state_format_bench.py --update``). A checkpoint records its format
-            and loads only into the same one.
-        optimizer_schedule: when each step's AdamW updates run (bitwise the same weights either
-            way). ``"backward"``: speculatively during backward, into the shadow slot, then commit
-            at ``step()`` — or, when clipping bites or a gradient is not finite, redo every update
-            with the clip coefficient (a second, unoverlapped pass over the state) or skip.
-            ``"next_forward"``: backward only moves gradients out of the way; ``step()`` knows the
-            global norm, so each update is exact at once and runs in forward order ahead of the
-            next forward, which waits per module only for the weights it is about to use (no redo,
-            no shadow slot; the gradients wait until their update). ``"auto"`` (default): chooses
-            per step from the measured cost of a redo, how often clipping or a non-finite gradient
-            forced one recently, and each schedule's measured window time (`ScheduleChooser`:
-            ``next_forward`` is measured after the first rollback or 3 windows, the other schedule
-            again every 64; with the whole state on the SSD, or a plan that predicts ``next_forward``
-            at least 1.2x slower, after 64, since it hides the state's traffic under forward only);
-            where the model computes on the CPU with the whole state in host RAM, ``next_forward``
-            throughout (speculation there only adds copies and RAM).
-        gradient_reduction: data parallelism with a ``DistributedDataParallel`` model: how its
-            gradient buckets are reduced. ``"owner"`` (default): each gradient is summed onto the
-            rank that owns the parameter's optimizer state only (one ``reduce`` per run of
-            parameters with the same owner in a bucket): each rank receives about 1/N of the
-            gradients, against all of them under an all-reduce. Between backward and ``step()`` a
-            rank's ``.grad`` then holds the average only for the parameters it owns (as under ZeRO-2);
-            ``step()`` drops the others. ``"all"``: DDP's all-reduce, every rank gets every average
-            (for code that reads gradients between backward and ``step()``).
-        trace: a path: record a timeline of ``trace_steps`` optimizer steps (each block's compute,
-            every SSD request, the optimizer's chunks, the training thread's waits) and write it there
-            as Chrome / Perfetto trace JSON, with the planner's predicted step beside it when there is
-            a plan (`fuyou_strategy.trace`; ``fuyou report PATH --png`` draws it). Recording starts
-            after the first step (after the planner's first planned step with ``"auto"``). Its
-            folder must exist. Default ``None``: no trace.
-        trace_steps: optimizer steps in the trace. Default 2.
-        ssd_endurance_tbw: the rated endurance of each swap drive, in terabytes written (1e12 bytes;
-            the datasheet's TBW). Default 300: a conservative figure for a 500 GB consumer drive
-            (data-centre drives are rated for several PB). Used to report how much of it a run spends.
-        ssd_wear_warning: warn (once, after the first steps) when the configured run is projected
-            to spend more than this share of the drives' rated endurance. Default 0.05 (5%).
-        ssd_write_tolerance: with ``activations="auto"``, the share of predicted step time the
-            planner may give up for a plan that writes fewer bytes to the SSD per step (it says so
-            in the plan's table). Default 0.02 (2%); 0 plans for speed alone.
-        progress: show a progress bar (tqdm, on a terminal only) for long work: checkpoint state
-            streamed to or from disk, the planner's SSD bandwidth probe. Default ``True``.
+        swap_dirs: SSD-tier directories, one per drive, striped; ``None``: a temporary one, removed on close.
+            ``{rank}``/``{local_rank}`` in a path give each rank its own.
+        host_memory_budget: hard cap on every host buffer fuyou holds (one pool, divided by
+            `storage.host_budget_split`). ``"auto"``: half the RAM available at start, at least 4 GiB left to the
+            rest, at least 512 MiB, shared by the machine's ranks (`auto_host_budget`).
+        device_memory_budget: device bytes the planner may plan for; ``None``: the accelerator's memory, no limit
+            on the CPU.
+        io_threads: I/O threads per swap directory; ``"auto"``: one per core, at most 4 (`auto_io_threads`).
+        io_block_size: largest single read/write request (a multiple of 4 KiB). Default 1 MiB.
+        chunk_size: unit of striping and of chunked transfers (a multiple of 4 KiB). Default 16 MiB.
+        direct_io: ``"auto"`` (``O_DIRECT`` where accepted, buffered otherwise, said once), ``"on"``, ``"off"``.
+        preallocate: reserve swap space with ``posix_fallocate`` when entries are created (a full disk shows up
+            front).
+        optimizer_prefetch_chunks: state chunks read ahead of the one updated (the budget may lower it);
+            ``"auto"``: from the drives' cached speed, else two per directory beyond a double buffer, 2 to 8
+            (`auto_prefetch_chunks`).
+        optimizer_threads: intra-op threads of the optimizer's worker; ``"auto"``: the cores the training thread
+            leaves when the model computes on the CPU (two OpenMP teams on the same cores sleep at every barrier),
+            torch's own count with an accelerator (`auto_optimizer_threads`; resolved by the optimizer).
+        io_timeout: the longest any one wait on the drives or the host pool may last before it raises. Default 600.
+        activations: per block ``"keep"``, ``"host"``, ``"ssd"`` or ``"recompute"`` (one for all, or
+            ``{block: policy}``), or ``"auto"`` (the planner profiles ``planner_warmup_steps`` steps, then places
+            them). Unset (``None``): decided for the device (`placement_defaults`).
+        plan: a plan JSON (``Plan.save``, ``fuyou plan --save``) applied from the first step; read by `resolve`.
+        planner_warmup_steps: steps profiled before ``"auto"`` plans (the first is discarded). Default 3.
+        blocks: the repeated blocks (a dotted path to a ``ModuleList``, or module paths); ``None``: discovered.
+        activation_min_bytes: saved tensors smaller than this stay where they are. Default 64 KiB.
+        activation_prefetch_blocks: blocks whose activations are read back ahead of backward. Default 2.
+        weights: per block ``"device"``, ``"host"`` or ``"ssd"`` (`params.WeightStreamer`), or ``"auto"`` (the
+            planner, with ``activations="auto"`` or a ``plan``). Unset: decided for the device and ranks.
+        weight_prefetch_blocks: streamed blocks read ahead and kept from forward into backward. Default 2.
+        state_slots: 2 (speculative updates with a rollback slot, 24 B per parameter) or 1 (12 B; updates in
+            ``step()``, ``next_forward`` only).
+        host_state: bytes of ``host_memory_budget`` holding optimizer state in RAM instead of on the SSD (exact);
+            ``"auto"``: what the transfers and the plan leave (`storage.host_state_bytes`); 0: all on the SSD.
+        state_format: ``"fp32"`` (exact, 12 B per parameter and slot), ``"bf16"`` moments (8 B) or ``"8bit"``
+            moments (~6.03 B, torchao); approximate formats cost CPU time per update; a checkpoint loads only
+            into its own format.
+        optimizer_schedule: ``"backward"`` (speculative, during backward), ``"next_forward"`` (exact, ahead of
+            the next forward) or ``"auto"`` (per step, from measured costs: `optim.schedule.ScheduleChooser`);
+            bitwise the same weights.
+        gradient_reduction: data parallel with DDP: ``"owner"`` (each bucket summed onto the owners only) or
+            ``"all"`` (DDP's all-reduce).
+        trace: a path: record ``trace_steps`` steps as Perfetto trace JSON there (its folder must exist).
+        trace_steps: steps in the trace. Default 2.
+        ssd_endurance_tbw: each swap drive's rated endurance in TB written (1e12 bytes). Default 300.
+        ssd_wear_warning: warn when the run is projected to spend more than this share of it. Default 0.05.
+        ssd_write_tolerance: share of predicted step time the planner may give up for fewer SSD writes.
+            Default 0.02.
+        progress: progress bars (on a terminal) for long work. Default ``True``.
     """
 
     swap_dirs: list[str] | None = None
