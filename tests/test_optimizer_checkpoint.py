@@ -321,11 +321,12 @@ def test_a_killed_saves_temporary_folder_is_removed_by_the_next_save_or_load(tmp
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
+@pytest.mark.parametrize("fmt", [2, 3, 4])
 def test_a_checkpoint_written_by_an_earlier_version_still_loads(tmp_path, fmt):
     """Committed saves of a small model after 3 steps, written by the version that landed before issue 23
-    (format 2) and by the one before the optimizer's redesign (format 3), with the weights, masters,
-    moments and step counts they held: all of it comes back bitwise."""
+    (format 2), by the one before the optimizer's redesign (format 3) and by the one before the seam's
+    redesign (format 4, commit 3cc5786), with the weights, masters, moments and step counts they held: all of
+    it comes back bitwise."""
     fixture = FIXTURES / f"checkpoint-format{fmt}"
     shutil.copytree(fixture / "ckpt", tmp_path / "ckpt")  # a load tidies its folder: never the committed one
     expected = torch.load(fixture / "expected.pt")
