@@ -12,9 +12,9 @@
 4. only then the Trainer's rotation removes older checkpoints.
 
 The Trainer fsyncs none of its files. `commit.make_durable` fsyncs them (and the folder's entry in the
-output directory) at 2, and `commit.commit` again at ``on_save``, after 3 and 4. One window is left that
-no callback hook reaches: from ``trainer_state.json`` being written until ``on_save``, the rotation removes the
-oldest checkpoints while that file may not yet be on disk. A power cut there can leave
+output directory) at 2, and `commit.commit` again at ``on_save``, after 3 and 4. One window is left
+that no callback hook reaches: from ``trainer_state.json`` being written until ``on_save``, the rotation
+removes the oldest checkpoints while that file may not yet be on disk. A power cut there can leave
 ``checkpoint-<step>`` without a readable ``trainer_state.json`` (set aside as incomplete, below) and
 the removed checkpoints gone: the run resumes from the newest older checkpoint that survives, which
 every earlier ``on_save`` made durable; with ``save_total_limit=1`` there may be none, and the
