@@ -20,7 +20,7 @@ LAYERS = [
     ("storage",),
     ("optim", "activations", "params"),
     ("planner",),
-    ("run_report", "engine", "doctor", "report"),
+    ("run_report", "engine", "commit", "doctor", "report"),
     ("integrations", "cli", "fuyou_strategy"),
 ]
 

@@ -33,12 +33,12 @@ The callback translates the Trainer's events into `FuyouEngine` calls:
   ``<checkpoint-N>/fuyou_optimizer/<token>/`` *inside* the Trainer's save, after its model files and
   before its ``trainer_state.json``, which records the token (`state`: the callback is an
   ``ExportableState``); under data parallelism every rank writes its part at ``on_step_end``, just
-  before the Trainer's save. A checkpoint is complete only when both halves are, decided from the
-  files (`hf_checkpoints`); ``on_init_end`` sets incomplete ones aside, so that
-  ``resume_from_checkpoint=True`` picks the newest complete one. Rotation removes the state with
-  its folder, after the new checkpoint is complete. The Trainer fsyncs nothing: the callback makes the
-  checkpoint durable in ``state`` and again at ``on_save`` (`hf_checkpoints.make_durable`; the window
-  a power cut can still hit is in that module's docstring).
+  before the Trainer's save. The order is the commit protocol's (`..commit`): the Trainer fsyncs
+  nothing, so the callback makes the checkpoint durable in ``state`` and again at ``on_save``, where it
+  commits. A checkpoint is complete only when both halves are, decided from the files
+  (`hf_checkpoints`, with the window a power cut can still hit); ``on_init_end`` sets incomplete ones
+  aside, so that ``resume_from_checkpoint=True`` picks the newest complete one. Rotation removes the
+  state with its folder, after the new checkpoint is complete.
 - resume (``trainer.train(resume_from_checkpoint=...)``): ``on_train_begin`` streams the save that
   the checkpoint's ``trainer_state.json`` records back from
   ``<output_dir>/checkpoint-<global_step>/fuyou_optimizer`` (or ``resume_from=``), and refuses
@@ -92,7 +92,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig, read_mapping
 from ..engine import FuyouEngine, compiled_modules, ignore_streamed_in_ddp
-from ..optim import checkpoint as saves
+from .. import commit
 from . import hf_checkpoints, hf_internals
 from .hf_checkpoints import STATE_FOLDER, TRAINER_STATE
 
@@ -280,6 +280,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         self.plan = None  # the planner's Plan after training with activations="auto"
         self._run: _Run | None = None
         self.fuyou_save: dict[str, Any] | None = None  # the last save made for a checkpoint (token, steps, global_step)
+        self._pending: commit.Pending | None = None  # that save, until on_save commits it
         self._at: tuple[Any, Any] | None = None  # the Trainer's (args, state) of the run in progress
         self._save_due = False  # a step ended that the Trainer may save now (until on_save or the next step)
 
@@ -340,7 +341,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
         # A run that raised never reached on_train_end: end it before this one reads what it changed.
         for run in [r for r in _unended if r is self._run or r.model is model or r.args is args]:
             run.end()
-        self._run, self._at, self._save_due = None, None, False
+        self._run, self._at, self._save_due, self._pending = None, None, False, None
         _refuse_compiled(args, model)
         if args.fp16 and getattr(args, "label_smoothing_factor", 0):
             raise ConfigError(f"fp16: got True with label_smoothing_factor={args.label_smoothing_factor}; FuyouCallback "
@@ -401,18 +402,9 @@ class FuyouCallback(TrainerCallback, ExportableState):
         fix = ("resume from a checkpoint whose fuyou_optimizer/ was written with it, or pass FuyouCallback(resume_from="
                "<checkpoint folder>) when the Trainer resumed from another folder than <output_dir>/checkpoint-<step>")
         saved = hf_checkpoints.recorded_save(state.stateful_callbacks)
-        if isinstance(saved, dict) and saved.get("token"):
-            return saves.find(folder, saved["token"], saved.get("steps"), named_by=trainer_state, fix=fix).name
-        save = saves.newest(folder)  # a save that follows the Trainer's files, or one from an earlier version
-        meta = saves.read_meta(save)
-        step = (meta.get("record") or {}).get("trainer_global_step")
-        if step is None:  # an earlier version's save: every Trainer step was one optimizer step, applied or skipped
-            step = meta.get("steps", 0) + (meta.get("stats") or {}).get("skips", 0)
-        if step != state.global_step:
-            raise saves.CheckpointError(
-                f"{save / saves.META} holds the optimizer state of the Trainer's step {step}, but {trainer_state} "
-                f"resumes at step {state.global_step}: the two come from different checkpoints; {fix}")
-        return save.name
+        saved = saved if isinstance(saved, dict) else {}  # without a token: a save that followed the Trainer's files
+        return commit.resolve_for_load(folder, saved.get("token") or None, saved.get("steps"), named_by=trainer_state,
+                                       fix=fix, framework_step=state.global_step).name
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         """Add the last optimizer step's `FuyouEngine.metrics` (``fuyou/...``) to the entry the Trainer just
@@ -462,8 +454,8 @@ class FuyouCallback(TrainerCallback, ExportableState):
     def _save_state(self, args: Any, state: Any) -> None:
         """Stream fuyou's state into ``checkpoint-<step>/fuyou_optimizer/<token>/``, recording the step."""
         folder = os.path.join(self._checkpoint_dir(args, state), STATE_FOLDER)
-        saved = self.engine.save(folder, record={"trainer_global_step": state.global_step})["fuyou"]
-        self.fuyou_save = {"token": saved["token"], "steps": saved["steps"], "global_step": state.global_step}
+        self._pending = commit.begin(self.engine, folder, framework_step=state.global_step)
+        self.fuyou_save = {"token": self._pending.token, "steps": self._pending.steps, "global_step": state.global_step}
 
     def _saved_for(self, state: Any) -> bool:
         return self.fuyou_save is not None and self.fuyou_save.get("global_step") == state.global_step \
@@ -488,7 +480,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
                 self.fuyou_save = {"pending": True, "global_step": state.global_step}
         files = {}
         if self.engine is not None and self._at is not None and os.path.isdir(self._checkpoint_dir(*self._at)):
-            hf_checkpoints.make_durable(self._checkpoint_dir(*self._at))  # the Trainer's files so far, before rotation
+            commit.make_durable(self._checkpoint_dir(*self._at))  # the Trainer's files so far, before rotation
             if isinstance(self.fuyou_save, dict):  # a removal cut short is told by a file missing (`hf_checkpoints`)
                 files = hf_checkpoints.checkpoint_files(self._checkpoint_dir(*self._at))
         return {"args": {"config": self.config.to_dict(), "resume_from": self.resume_from,
@@ -498,10 +490,12 @@ class FuyouCallback(TrainerCallback, ExportableState):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Normally written inside the Trainer's save (`state`) or just before it (`_step_done`); else now.
         self._save_due = False
-        if self.engine is not None and not self._saved_for(state) and os.path.isdir(self._checkpoint_dir(args, state)):
-            self._save_state(args, state)
-        if self.engine is not None and args.should_save and os.path.isdir(self._checkpoint_dir(args, state)):
-            hf_checkpoints.make_durable(self._checkpoint_dir(args, state))  # trainer_state.json and the rotation
+        if self.engine is not None and os.path.isdir(self._checkpoint_dir(args, state)):
+            if not self._saved_for(state):
+                self._save_state(args, state)
+            # trainer_state.json and the rotation made durable; then the earlier saves in fuyou_optimizer/ go
+            pending, self._pending = self._pending, None
+            commit.commit(pending, [self._checkpoint_dir(args, state)], writer=args.should_save)
 
     # -- end -------------------------------------------------------------------------------------------------
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

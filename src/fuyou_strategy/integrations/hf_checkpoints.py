@@ -1,19 +1,20 @@
 """A Hugging Face Trainer's ``checkpoint-<step>`` folders: which are complete, decided from the files.
 
-`FuyouCallback` writes fuyou's half of a checkpoint *inside* the Trainer's save, in this order:
+`FuyouCallback` writes fuyou's half of a checkpoint *inside* the Trainer's save, by the commit protocol
+(`..commit`), in this order:
 
 1. the Trainer's files (model, optimizer, scheduler, RNG states) into ``checkpoint-<step>/``;
-2. fuyou's state into ``checkpoint-<step>/fuyou_optimizer/<token>/`` (checksummed, fsynced, renamed
-   into place: it appears complete or not at all; `FuyouCallback.state`, which the Trainer calls
-   for the ``stateful_callbacks`` of ``trainer_state.json``). Under data parallelism every rank
-   writes its part just before the Trainer's save (`FuyouCallback.on_step_end`);
+2. fuyou's state into ``checkpoint-<step>/fuyou_optimizer/<token>/`` (`commit.begin`: it appears
+   complete or not at all; `FuyouCallback.state`, which the Trainer calls for the
+   ``stateful_callbacks`` of ``trainer_state.json``). Under data parallelism every rank writes its
+   part just before the Trainer's save (`FuyouCallback.on_step_end`);
 3. ``trainer_state.json``, the Trainer's last file, recording that save's token and step;
 4. only then the Trainer's rotation removes older checkpoints.
 
-The Trainer fsyncs none of its files. `make_durable` fsyncs them (and the folder's entry in the
-output directory) at 2, and again at ``on_save``, after 3 and 4. One window is left that no callback
-hook reaches: from ``trainer_state.json`` being written until ``on_save``, the rotation removes the
-oldest checkpoints while that file may not yet be on disk. A power cut there can leave
+The Trainer fsyncs none of its files. `commit.make_durable` fsyncs them (and the folder's entry in the
+output directory) at 2, and `commit.commit` again at ``on_save``, after 3 and 4. One window is left
+that no callback hook reaches: from ``trainer_state.json`` being written until ``on_save``, the rotation
+removes the oldest checkpoints while that file may not yet be on disk. A power cut there can leave
 ``checkpoint-<step>`` without a readable ``trainer_state.json`` (set aside as incomplete, below) and
 the removed checkpoints gone: the run resumes from the newest older checkpoint that survives, which
 every earlier ``on_save`` made durable; with ``save_total_limit=1`` there may be none, and the
@@ -56,8 +57,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..optim.checkpoint import META, remove_stale_temps, save_dirs
-from ..storage.durable import fsync_dir
+from .. import commit
 from ..storage.rundir import StaleRun, dir_bytes, owner_gone, owner_pid, write_owner
 
 __all__ = ["STATE_FOLDER", "TRAINER_STATE", "WRITER_FILE", "SET_ASIDE_PREFIX", "recorded_save", "recorded_files", "why_incomplete",
@@ -133,30 +133,11 @@ def why_incomplete(checkpoint: str | os.PathLike) -> str | None:
             return f"{name} holds {found} bytes, {TRAINER_STATE} records {size}"
     if not is_recorded(saved) and not folder.is_dir():
         return None  # not written with FuyouCallback: not ours to judge
-    if any((save / META).is_file() for save in save_dirs(folder)):
+    if commit.holds_save(folder):
         return None  # whether it is the save trainer_state.json names is checked, with both names, on resume
     if isinstance(saved, dict) and saved.get("token"):
         return f"{TRAINER_STATE} records fuyou save {str(saved['token'])[:8]}, but {folder} holds no save"
     return f"{folder} holds no complete save"
-
-
-def make_durable(checkpoint: str | os.PathLike) -> None:
-    """Fsync every file and folder the Trainer wrote in ``checkpoint`` so far, and the folder's entry in
-    the output directory (module docstring). fuyou's saves in ``fuyou_optimizer/`` are durable already."""
-    for parent, dirs, files in os.walk(checkpoint):
-        if os.path.basename(parent) == STATE_FOLDER:
-            dirs.clear()  # its saves fsynced themselves, and this folder after each rename
-        for name in files:
-            path = os.path.join(parent, name)
-            if os.path.islink(path):
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(parent)
-    fsync_dir(os.path.dirname(os.path.abspath(checkpoint)))
 
 
 def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, int]:
@@ -228,7 +209,7 @@ def set_aside_incomplete(output_dir: str | os.PathLike) -> list[tuple[Path, Path
         return []
     moved = []
     for checkpoint in checkpoints(output_dir):
-        remove_stale_temps(checkpoint / STATE_FOLDER)  # a killed save's copy of the state: of no use to anyone
+        commit.clean(checkpoint / STATE_FOLDER)  # a killed save's copy of the state: of no use to anyone
         why = why_incomplete(checkpoint)
         if why is None:
             continue

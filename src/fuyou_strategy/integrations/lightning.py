@@ -22,14 +22,11 @@ hands the training loop's events to a `FuyouEngine`:
   ``GradScaler``'s rules (`FuyouAdamW`'s ``loss_scaling``): ``backward`` scales the loss, and
   `FuyouMixedPrecision` has no ``GradScaler`` of its own;
 - checkpoints: the optimizer's SSD state (fp32 masters and moments) is streamed next to the
-  ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/`` (checksummed); the ``.ckpt`` records the
-  token, and the earlier saves there are removed only once the ``.ckpt`` is written and durable
-  (`DurableCheckpointIO` writes it beside the old one, fsyncs it, renames it over it and fsyncs the
-  folder), so the ``.ckpt`` on disk always names a complete save, whenever the process dies or the
-  power goes (`..storage.durable`). ``ckpt_path=``
-  streams it back and refuses a ``.ckpt`` whose save is not there (a mismatched pair), and
-  ``remove_checkpoint`` (top-k pruning) removes it. Weights kept in bf16 are saved as their
-  fp32 masters.
+  ``.ckpt`` into a new save ``<ckpt>.fuyou/<token>/``, which the ``.ckpt`` names, by the commit
+  protocol (`..commit`): the earlier saves go only once the ``.ckpt`` is durable
+  (`DurableCheckpointIO` writes it so), ``ckpt_path=`` refuses a ``.ckpt`` whose save is not there,
+  and ``remove_checkpoint`` (top-k pruning) removes the save after the ``.ckpt``. Weights kept in
+  bf16 are saved as their fp32 masters.
 
 After ``fit`` the optimizer and its state stay available (e.g. for ``trainer.save_checkpoint``)
 until the strategy is set up again or the process ends; the activation hooks are removed.
@@ -41,7 +38,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 from typing import Any, Callable, Iterator
 
 import torch
@@ -73,9 +69,8 @@ from .lightning_internals import (_default_backend, _init_dist_connection, _Mult
 from ..cleanup import undo_after
 from ..config import ConfigError, FuyouConfig
 from ..engine import FuyouEngine, ignore_streamed_in_ddp
-from ..optim.checkpoint import discard, find, remove_versions
+from .. import commit
 from ..progress import share_display
-from ..storage.durable import fsync_dir, make_durable, write_durably
 
 __all__ = ["DurableCheckpointIO", "FuyouStrategy", "FuyouDDPStrategy", "FuyouFabricStrategy", "FuyouFabricDDPStrategy", "SIDECAR_SUFFIX", "register"]
 
@@ -101,8 +96,8 @@ def _is_local(path: Any) -> bool:
 
 class DurableCheckpointIO(TorchCheckpointIO):
     """Lightning's `TorchCheckpointIO`, writing a local ``.ckpt`` so that it survives a power cut:
-    beside the old file, fsynced, renamed over it, the folder fsynced (`write_durably`). A power cut at
-    any instant leaves the old ``.ckpt`` or the new one, whole. The fuyou strategies' default; a remote
+    beside the old file, fsynced, renamed over it, the folder fsynced (`commit.write_durably`). A power cut
+    at any instant leaves the old ``.ckpt`` or the new one, whole. The fuyou strategies' default; a remote
     path is written as Lightning writes it."""
 
     @override
@@ -110,7 +105,7 @@ class DurableCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not _is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)  # refuses storage_options, as Lightning
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_durably(path, lambda f: torch.save(checkpoint, f))
+        commit.write_durably(path, lambda f: torch.save(checkpoint, f))
 
 
 class _EngineOwner:
@@ -501,23 +496,20 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.engine is None or not checkpoint.get("optimizer_states"):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        folder = sidecar(filepath)
-        state = self.engine.save(folder, keep_previous=True)  # the earlier saves still belong to the .ckpt on disk
-        state["fuyou"]["folder"] = os.path.basename(folder)  # relative: the pair can be moved together
+        pending = commit.begin(self.engine, sidecar(filepath))  # the earlier saves still belong to the .ckpt on disk
+        state = pending.state
+        state["fuyou"]["folder"] = os.path.basename(pending.folder)  # relative: the pair can be moved together
         checkpoint["optimizer_states"] = [state]
         self._masters_into(checkpoint)
-        token = state["fuyou"]["token"]
         try:
             super().save_checkpoint(checkpoint, filepath, storage_options)  # atomic: the old .ckpt or the new one
-            if self.is_global_zero and not isinstance(self.checkpoint_io, DurableCheckpointIO):
-                make_durable(filepath)  # a CheckpointIO of the user's: at least durable before the old state goes
         except BaseException:
-            discard(os.path.join(folder, token))
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # if empty: made by this save
+            commit.abandon(pending)
             raise
-        if self.is_global_zero:  # data parallel: the ranks share the folder; only rank 0 wrote the .ckpt
-            remove_versions(folder, keep=token)  # the .ckpt naming them is durably replaced: a power cut keeps the new
+        # A CheckpointIO of the user's: the .ckpt is made durable before the old state goes. Data parallel: only
+        # rank 0 wrote the .ckpt.
+        fsynced = isinstance(self.checkpoint_io, DurableCheckpointIO)
+        commit.commit(pending, [] if fsynced else [filepath], writer=self.is_global_zero)
 
     def _masters_into(self, checkpoint: dict[str, Any]) -> None:
         """Weights kept in bf16 go into the checkpoint as their fp32 masters."""
@@ -539,15 +531,14 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
                 continue
             record["folder"] = os.path.join(os.path.dirname(path), record["folder"])  # unchanged if absolute
             # Refuse a mismatched pair before anything is restored, naming the .ckpt.
-            find(record["folder"], record.get("token"), record.get("steps"), named_by=path, fix=_other_checkpoints(path))
+            commit.resolve_for_load(record["folder"], record.get("token"), record.get("steps"), named_by=path,
+                                    fix=_other_checkpoints(path))
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
-        if self.is_global_zero and _is_local(filepath):
-            fsync_dir(os.path.dirname(os.path.abspath(filepath)))  # a power cut keeps no .ckpt whose state is gone
-        shutil.rmtree(sidecar(filepath), ignore_errors=True)
+        commit.remove(sidecar(filepath), removed=[filepath] if self.is_global_zero and _is_local(filepath) else [])
 
     # -- pending updates: landed before anything reads the weights outside a training forward ---------------
     def _flush(self) -> None:

@@ -20,7 +20,7 @@ from typing import IO, Callable, Iterable
 
 from .rundir import RUN_PREFIX, StaleRun, pid_running
 
-__all__ = ["fsync_dir", "make_durable", "write_durably", "find_stale_temp_files"]
+__all__ = ["fsync_dir", "fsync_file", "make_durable", "write_durably", "find_stale_temp_files"]
 
 _TEMP_FILE = re.compile(r".+\.tmp-(\d+)")  # `write_durably`'s <name>.tmp-<pid>
 
@@ -34,15 +34,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def make_durable(path: str | os.PathLike) -> None:
-    """Make the file ``path`` durable where it is: its data, and its entry in its folder. For a file
-    someone else wrote and renamed into place; its old contents may already be gone (`write_durably`
-    never lets that happen)."""
+def fsync_file(path: str | os.PathLike) -> None:
+    """Make the data of the file ``path`` durable (not its entry in its folder: `make_durable`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_durable(path: str | os.PathLike) -> None:
+    """Make the file ``path`` durable where it is: its data, and its entry in its folder. For a file
+    someone else wrote and renamed into place; its old contents may already be gone (`write_durably`
+    never lets that happen)."""
+    fsync_file(path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
