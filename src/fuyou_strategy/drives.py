@@ -88,9 +88,8 @@ def slowest(rates: Iterable[dict[str, Any]]) -> float:
 
 
 def io_cpu_cost(directories: Iterable[str | os.PathLike]) -> dict[str, Any] | None:
-    """The costliest I/O CPU measurement remembered for the filesystems ``directories`` live on
-    (``{"io_cpu_s_per_gb", "io_cpu_steal_share", "io_cpu_measured_at"}``): measured in the directory itself
-    or in another of its filesystem (what a byte costs the CPUs is the device's and the machine's, not the
+    """The costliest I/O CPU measurement (``{"io_cpu_s_per_gb", "io_cpu_steal_share", "io_cpu_measured_at"}``)
+    remembered for any directory on the filesystems ``directories`` live on (the cost is the device's, not the
     folder's); ``None`` if none was."""
     try:
         devices = {cache_key(d).split(":", 1)[0] for d in directories}

@@ -26,10 +26,7 @@ blocks are on the device (``window_bytes``), counted from the start of their upl
 
 Exactness: the optimizer publishes a parameter only after its gradient is final; a block whose updates are
 still running (``updates``) is not uploaded ahead and its forward waits for them (futures, not timing).
-
-`meter` counts device bytes of weights and gradients (resident ones always, streamed weights while on the
-device, streamed gradients until copied off; not activations); its high-water mark is what
-``device_memory_budget`` is checked against."""
+`meter` counts device bytes of weights and gradients (not activations) against ``device_memory_budget``."""
 
 from __future__ import annotations
 
