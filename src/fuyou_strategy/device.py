@@ -1,29 +1,20 @@
 """The one module that touches the accelerator: device detection, host buffers, host ↔ device copies.
 
-Everything above this module is written once against these small functions. With an
-accelerator (CUDA, through ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` where
-those serve, so that another backend with the same API is a small step away), host buffers
-are page-locked so device copies can be asynchronous, and copies run on a side stream and are
-waited for through events; on the CPU (every machine of this project's CI) the compute device
-is the CPU, the "device" and "host" tiers share RAM, and the same code runs and is tested.
+With an accelerator (CUDA, through ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event``), host buffers
+are page-locked and copies run asynchronously on a side stream, waited for through events; on the CPU the
+"device" and "host" tiers share RAM and the same code runs.
 
-**Copies.** `start_copy` starts one host ↔ device copy and returns a `Copy` whose `wait` says it
-landed; `transfer` is the two together. A caller may reuse the source, or read the
-destination, only after the wait. On the CPU a copy has landed when `start_copy` returns, so a
-missing wait can never show; the **late-copy test mode** makes it show: with
-``FUYOU_ASYNC_DEVICE=<ms>`` in the environment (or inside `late_copies`), every copy runs later
-on a copy-engine thread after a random delay of up to ``<ms>`` milliseconds, its destination
-is poisoned (all bits set: NaN for floats) until it lands, its source is read only when it
-runs (so a source reused too early corrupts it), and `Upload.result` and
-`claim_for_current_stream` — where device tensors are handed to compute — raise if a copy into
-the tensor has not landed yet.
+Copies: `start_copy` returns a `Copy` whose `wait` says it landed (`transfer` does both); reuse the source or
+read the destination only after the wait. On the CPU a copy lands before `start_copy` returns, so a missing
+wait cannot show; the late-copy test mode (``FUYOU_ASYNC_DEVICE=<ms>``, or `late_copies`) makes it show: each
+copy runs on a copy-engine thread after a random delay of up to ``<ms>`` ms, its destination poisoned (all
+bits set) until it lands and its source read only then, and `Upload.result` and `claim_for_current_stream`
+raise if a copy into the tensor has not landed.
 
-**Host buffers.** Every host buffer fuyou allocates comes from `alloc_host_buffer`, which
-counts the bytes alive in the process and their high-water mark (`host_buffer_usage`): the
-figure that ``host_memory_budget`` caps, measured where nothing can bypass it. With CUDA a
-buffer is pinned at its exact (page-rounded) size with ``cudaHostRegister``: torch's caching
-host allocator (``pin_memory=True``) rounds every request up to a power of two, so a 16 MiB +
-4 KiB request would pin 32 MiB and the hard budget would be exceeded twice over.
+Host buffers: all come from `alloc_host_buffer`, which counts the bytes alive and their high-water mark
+(`host_buffer_usage`), the figure ``host_memory_budget`` caps. With CUDA each is pinned at its exact
+page-rounded size (``cudaHostRegister``): torch's caching host allocator rounds up to a power of two, which
+could exceed the budget twice over.
 """
 
 from __future__ import annotations
@@ -86,12 +77,10 @@ def computes_on_host(params: list[torch.Tensor]) -> bool:
 
 
 # -- intra-op threads -----------------------------------------------------------------------------------------
-# torch's CPU ops run on OpenMP (libgomp on Linux): each thread that runs a parallel op gets a team of its own,
-# kept for the process's life. Once the teams together hold more threads than the process has cores, libgomp
-# stops spinning at its barriers and sleeps on a futex at once (its "throttled" spin), in every team: each
-# parallel region then starts and ends through the scheduler. On the CPU the training thread's team already
-# holds every core, so a second team (the optimizer's worker) costs the training thread that spinning for the
-# whole run.
+# torch's CPU ops run on OpenMP (libgomp): each thread running a parallel op gets a team of its own, kept for
+# the process's life. Once the teams hold more threads than the process has cores, libgomp sleeps at its
+# barriers instead of spinning, in every team; on the CPU the training thread's team holds every core, so a
+# second team (the optimizer worker's) costs the training thread that spinning for the whole run.
 
 
 def usable_cores() -> int:
@@ -110,13 +99,9 @@ def _omp_set_num_threads() -> "ctypes._CFuncPtr | None":
 
 
 def use_intra_op_threads(n: int) -> int:
-    """Give the calling thread's own ops ``n`` intra-op threads, leaving every other thread's count (and the
-    default of threads started later) as it is; returns the count the thread has now.
-
-    ``torch.set_num_threads`` would also change the process-wide default that torch gives each thread on its
-    first parallel op (the data loader's, a user's). Here torch sets this thread's count from that default
-    first, then OpenMP's own ``omp_set_num_threads`` changes this thread's alone. Where torch runs on another
-    thread pool (no OpenMP symbol in the process), nothing changes, and the count it has is returned."""
+    """Give the calling thread's own ops ``n`` intra-op threads (OpenMP's ``omp_set_num_threads``), leaving other
+    threads' counts and the default for new ones alone, as ``torch.set_num_threads`` would not; returns the
+    thread's count now. Under a thread pool other than OpenMP nothing changes."""
     have = torch.get_num_threads()  # torch's lazy per-thread set-up, which would otherwise undo what follows
     setter = _omp_set_num_threads()
     if setter is not None and n != have:
@@ -159,15 +144,10 @@ def _pinning() -> _CudaRegistrar | None:
 
 
 def alloc_host_buffer(nbytes: int) -> torch.Tensor:
-    """A ``uint8`` host tensor of ``nbytes`` whose first byte is page-aligned.
-
-    Page alignment is what ``O_DIRECT`` needs; the CPU allocator only promises 64 bytes, so we
-    over-allocate one page and slice. With CUDA the pages are then pinned in place, exactly the
-    page-rounded size (see the module's docstring), so copies to and from the device can be
-    asynchronous; with another accelerator they come from its pinned allocator. The bytes
-    counted (``nbytes``, or the pinned page-rounded size) count towards `host_buffer_usage`
-    until the memory is freed (the last view of it is gone).
-    """
+    """A ``uint8`` host tensor of ``nbytes`` whose first byte is page-aligned (for ``O_DIRECT``; the CPU allocator
+    promises 64 bytes, so one page more is allocated and sliced). With CUDA it is pinned in place at the
+    page-rounded size; another accelerator's comes from its pinned allocator. Counted in `host_buffer_usage`
+    (``nbytes``, or the pinned size) until its last view is gone."""
     global _live, _high_water
     if nbytes <= 0:
         raise ValueError(f"nbytes: got {nbytes}; a host buffer needs at least one byte")
@@ -248,15 +228,11 @@ def _wait_event(event: torch.Event, timeout: float) -> None:
 
 
 def start_copy(dst: torch.Tensor, src: torch.Tensor, *, after_compute: bool = False) -> Copy:
-    """Start copying ``src`` into ``dst`` (same shape and dtype; one on the host, the other on the
-    device, or both on the CPU) from any thread; `Copy.wait` before reusing ``src`` or reading ``dst``.
-
-    With an accelerator the copy runs on the device's side stream, ``non_blocking`` where the host
-    side is pinned (a blocking copy otherwise, never an unsafe one). A device → host copy first
-    waits on the calling thread's current stream, so it copies what compute queued before it; so
-    does a host → device copy with ``after_compute``, for a destination that kernels already queued
-    may still read (without it the copy may overtake them: side streams do not order with others).
-    """
+    """Start copying ``src`` into ``dst`` (same shape and dtype; host ↔ device, or both on the CPU) from any
+    thread; `Copy.wait` before reusing ``src`` or reading ``dst``. With an accelerator it runs on the side
+    stream, ``non_blocking`` where the host side is pinned. A device → host copy first waits for the caller's
+    current stream; so does host → device with ``after_compute``, for a destination that queued kernels may
+    still read (side streams do not order with others)."""
     if _late is not None:
         return _late.start(dst, src)
     device_side = dst if _on_accelerator(dst) else src if _on_accelerator(src) else None
@@ -286,14 +262,9 @@ def transfer(dst: torch.Tensor, src: torch.Tensor, timeout: float = COPY_TIMEOUT
 
 
 class Upload:
-    """A device tensor of ``nbytes`` bytes filled from host buffers, chunk by chunk, from any thread.
-
-    `copy` may run on any thread (I/O threads do) and returns only once the host bytes were
-    copied, so the host buffer may be reused at once; `result`, called where the tensor is
-    used once every `copy` returned, gives the tensor. With an accelerator the tensor is
-    allocated on the side stream and `result` tells the caching allocator that the caller's
-    stream uses it, so its memory is not reused before that stream is done with it.
-    """
+    """A device tensor of ``nbytes`` bytes filled from host buffers chunk by chunk. `copy` runs on any thread and
+    returns once the host bytes were copied (the buffer may be reused); `result`, once every `copy` returned,
+    gives the tensor, allocated on the side stream and claimed for the caller's stream."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self._stream = _side_stream(device) if _accelerated(device) else None
@@ -310,13 +281,9 @@ class Upload:
 
 
 def resize_for_copies(t: torch.Tensor, nbytes: int) -> None:
-    """Give ``t``'s (released) storage ``nbytes`` again, allocated for copies on the side stream.
-
-    With an accelerator the memory comes from the side stream's pool of the caching allocator, as FSDP
-    allocates unsharded parameters on its unshard stream. Memory that the compute stream freed can be
-    handed out again at once on the compute stream, while kernels queued there may still read it; a
-    side-stream copy into it would overtake them. `claim_for_current_stream` then marks compute's use.
-    """
+    """Give ``t``'s released storage ``nbytes`` again from the side stream's allocator pool, as FSDP allocates on
+    its unshard stream: memory compute freed may be handed out at once on compute while queued kernels still
+    read it, and a side-stream copy into it would overtake them. `claim_for_current_stream` marks compute's use."""
     storage = t.untyped_storage()
     with _side_stream(t.device) if _on_accelerator(t) else contextlib.nullcontext():
         storage.resize_(nbytes)

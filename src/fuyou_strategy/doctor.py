@@ -1,13 +1,10 @@
 """``fuyou doctor``: check a machine's swap directories and memory, and recommend a `FuyouConfig`.
 
-Each swap directory is checked as the engine will use it: that a run directory can be made and
-written there, its filesystem, whether it takes ``O_DIRECT``, its free space, and its sequential
-write and read bandwidth (measured with the engine's own I/O path, `storage.probe`). Beside them:
-host memory, CPU cores for the I/O threads, the accelerator and, with CUDA, the locked-memory limit; and what the
-swap I/O costs the compute beside it (`storage.probe.measure_io_cpu_cost`: on a virtual machine the
-hypervisor's disk emulation can take a second of busy cores' compute per GB moved, which the optimizer
-state on the SSD then pays every step). The recommended configuration carries the reason for each
-value, as YAML comments or in JSON.
+Each swap directory is checked as the engine will use it (a run directory made and written, filesystem,
+``O_DIRECT``, free space, bandwidth through `storage.probe`); beside them host memory, CPU cores, the
+accelerator (with CUDA, the locked-memory limit) and what swap I/O costs the compute beside it
+(`storage.probe.measure_io_cpu_cost`; a VM's disk emulation can take a second of compute per GB). Each
+recommended value carries its reason, as a YAML comment or in JSON.
 """
 
 from __future__ import annotations

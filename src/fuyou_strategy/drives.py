@@ -1,13 +1,10 @@
 """What this machine's swap directories measured: the bandwidth cache.
 
-The planner's SSD probe (`planner.profile.ssd_bandwidth`) and `fuyou doctor` time each swap directory's
-reads and writes with the engine's own I/O path and remember the rates in
-``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set; ``bandwidth.json`` in
-``$FUYOU_CACHE_DIR`` if that is set, as the test suite does), keyed by the directory and its filesystem.
-``optimizer_prefetch_chunks="auto"`` reads them back (`measured`) to size the optimizer's read-ahead from the
-drives' speed instead of their number. ``fuyou doctor`` also remembers what a GB of swap I/O there cost the busy
-cores' compute (`remember_io_cpu`; on a virtual machine the hypervisor serves the disk on the same CPUs), and a
-run reads it back (`io_cpu_cost`) to say what its own I/O costs.
+The planner's SSD probe (`planner.profile.ssd_bandwidth`) and `fuyou doctor` remember each swap directory's
+read and write rates in ``~/.cache/fuyou-strategy/bandwidth.json`` (``$XDG_CACHE_HOME`` if set;
+``$FUYOU_CACHE_DIR/bandwidth.json`` if that is set), keyed by the directory and its filesystem;
+``optimizer_prefetch_chunks="auto"`` reads them back (`measured`). ``fuyou doctor`` also remembers what a GB of
+swap I/O cost the compute (`remember_io_cpu`), which a run reads back (`io_cpu_cost`).
 
 This module imports nothing of fuyou's, so that `fuyou_strategy.config` can use it.
 """
@@ -50,7 +47,7 @@ def remember(key: str, rates: dict[str, Any]) -> None:
 
 def remember_io_cpu(key: str, s_per_gb: float, steal_share: float | None) -> None:
     """Add what a GB of swap I/O in ``key``'s directory cost the compute beside it (`storage.probe.IOCpuCost`),
-    with the share of CPU time the hypervisor stole meanwhile, and when it was measured."""
+    the hypervisor's steal share meanwhile, and when."""
     _update(key, {"io_cpu_s_per_gb": max(0.0, float(s_per_gb)), "io_cpu_steal_share": steal_share,
                   "io_cpu_measured_at": time.strftime("%Y-%m-%d %H:%M", time.localtime())})
 
@@ -91,9 +88,8 @@ def slowest(rates: Iterable[dict[str, Any]]) -> float:
 
 
 def io_cpu_cost(directories: Iterable[str | os.PathLike]) -> dict[str, Any] | None:
-    """The costliest I/O CPU measurement remembered for the filesystems ``directories`` live on
-    (``{"io_cpu_s_per_gb", "io_cpu_steal_share", "io_cpu_measured_at"}``): measured in the directory itself
-    or in another of its filesystem (what a byte costs the CPUs is the device's and the machine's, not the
+    """The costliest I/O CPU measurement (``{"io_cpu_s_per_gb", "io_cpu_steal_share", "io_cpu_measured_at"}``)
+    remembered for any directory on the filesystems ``directories`` live on (the cost is the device's, not the
     folder's); ``None`` if none was."""
     try:
         devices = {cache_key(d).split(":", 1)[0] for d in directories}

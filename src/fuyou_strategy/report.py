@@ -1,9 +1,7 @@
 """``fuyou report TRACE``: where a traced step's time went, measured against the planner's prediction.
 
-Reads a trace written with ``FuyouConfig(trace=...)`` (`fuyou_strategy.trace`), prints per lane how
-long it was busy in each step (the I/O threads' requests merged into "ssd read" and "ssd write":
-the time at least one request was on the drive), and with ``png`` draws the lanes with matplotlib:
-the measured steps on top, the planner's simulated step for the same plan below, on one time axis.
+Prints each lane's busy share per step of a ``FuyouConfig(trace=...)`` trace (I/O threads merged into "ssd
+read" and "ssd write"); ``png`` draws the measured steps above the planner's simulated step, on one time axis.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#c44e52",
 
 
 def _colour(name: str) -> str:
-    """A span's colour by its kind: the first word of its name ("wait: ..." and "wait for read" are waits,
-    optimizer chunks are named by their store entry, "adamw....", as are the planner's "adamw block i")."""
+    """A span's colour by the first word of its name ("wait: ..." is a wait, "adamw..." an update)."""
     kind = name.split()[0].rstrip(":") if name.split() else ""
     if kind.startswith("adamw"):
         kind = "adamw"

@@ -1,24 +1,13 @@
 """A timeline of a few training steps, written as Chrome / Perfetto trace JSON.
 
-``FuyouConfig(trace="trace.json")`` makes the engine record ``trace_steps`` optimizer steps (see
-`FuyouEngine`) and write them in the Trace Event Format that ``torch.profiler`` exports, so
-https://ui.perfetto.dev (or ``chrome://tracing``) shows them, and ``fuyou report trace.json --png``
-draws them with the planner's prediction for the same step beside them.
+``FuyouConfig(trace="trace.json")`` makes the engine record ``trace_steps`` optimizer steps in the Trace Event
+Format that ``torch.profiler`` exports (https://ui.perfetto.dev shows it; ``fuyou report trace.json --png``
+draws it beside the planner's prediction). The lanes (`LANES`, then one per I/O thread) are described in
+docs/observability.md.
 
-Lanes (one "thread" each in the viewer):
-
-- ``steps``: each optimizer step, from the micro-batch that starts it to the end of ``step()``;
-- ``compute``: each block's forward, backward and recomputation, and ``optimizer.step()``;
-- ``waits``: where the training thread waited: for a read-back activation, a streamed block's
-  weights, an optimizer update, a host buffer;
-- ``optimizer``: the optimizer worker's AdamW on each chunk (and its waits for the chunk's reads);
-- ``ssd fuyou-ioN_M``: every read and write request on each I/O thread (``io_block_size`` each).
-
-Recording costs a clock read and a list append per span; when no trace is recording, `span` is a
-global lookup and a no-op context manager. The blocks' compute spans come from hooks the engine
-puts on the blocks while it records (`activations.spans.BlockSpans`). Spans are only taken where the code runs anyway:
-tracing never adds a synchronisation (on CUDA the compute lane shows when the host issued the
-work, as a CPU-side profiler does).
+A span costs a clock read and a list append; with no trace recording, `span` is a no-op. Spans are taken only
+where the code runs anyway: tracing never adds a synchronisation (on CUDA the compute lane shows when the host
+issued the work).
 """
 
 from __future__ import annotations
@@ -53,11 +42,8 @@ def span(lane: str, name: str, **args: Any) -> contextlib.AbstractContextManager
 
 
 class Tracer:
-    """Spans on named lanes, in seconds from the tracer's creation; thread-safe.
-
-    ``start()`` makes it the process's recording tracer (one at a time: a second is refused),
-    ``stop()`` ends that; `chrome` is the Trace Event Format dict, `save` writes it atomically.
-    """
+    """Spans on named lanes, in seconds from the tracer's creation; thread-safe. ``start()`` makes it the
+    process's one recording tracer (a second is refused), ``stop()`` ends that; `save` writes `chrome` atomically."""
 
     def __init__(self) -> None:
         self.origin = time.perf_counter()
@@ -110,10 +96,9 @@ class Tracer:
 
     def chrome(self, *, metadata: dict | None = None, predicted: list[tuple[str, str, float, float]] | None = None,
                predicted_offset: float = 0.0) -> dict:
-        """The Trace Event Format: process 1 is the measured run (a thread per lane, complete
-        ``"X"`` events in microseconds), process 2 the planner's ``predicted`` tasks
-        (``(resource, name, start, end)`` in seconds from the predicted step's start), shifted to
-        start at ``predicted_offset`` on this tracer's clock so the viewer shows both side by side."""
+        """The Trace Event Format: process 1 the measured run (a thread per lane, ``"X"`` events in microseconds),
+        process 2 the planner's ``predicted`` tasks (``(resource, name, start, end)``, seconds from the predicted
+        step's start) shifted to ``predicted_offset`` on this tracer's clock."""
         with self._lock:
             events, marks = list(self.events), list(self.marks)
         lanes = self.lanes()

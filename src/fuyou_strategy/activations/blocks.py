@@ -23,13 +23,9 @@ class Policy(str, enum.Enum):
 
 
 def discover_blocks(model: torch.nn.Module, names: Sequence[str] | str | None = None) -> list[torch.nn.Module]:
-    """The model's repeated blocks, in forward order.
-
-    ``names`` picks them explicitly: a dotted path to a ``ModuleList`` (``"transformer.h"``)
-    or a list of dotted paths to modules. Otherwise the largest ``ModuleList`` whose children
-    all have the same class is used — ``transformer.h`` in GPT-2, ``model.layers`` in
-    Llama/Mistral/Qwen — found the same way through PEFT wrappers.
-    """
+    """The model's repeated blocks, in forward order: ``names`` (a dotted path to a ``ModuleList``, or a list of
+    dotted paths to modules), else the largest ``ModuleList`` of one class (GPT-2's ``transformer.h``, Llama's
+    ``model.layers``; also through PEFT wrappers)."""
     if names is not None:
         paths = [names] if isinstance(names, str) else list(names)
         modules = []

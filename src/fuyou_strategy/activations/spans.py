@@ -13,14 +13,9 @@ __all__ = ["BlockSpans"]
 
 
 class BlockSpans:
-    """Hooks that put each block's forward, backward and recomputation on the ``compute`` lane of the
-    recording tracer (they do nothing while none records).
-
-    Forward: the block's forward pre- and post-hooks. Backward: from the moment the gradient of the
-    block's output arrives to the moment the gradient of its input is computed (tensor hooks; the
-    input of block ``i`` is the output of block ``i - 1``, so the spans tile backward). A forward
-    that runs inside backward (activation checkpointing) is a recomputation.
-    """
+    """Hooks that put each block's forward, backward and recomputation on the ``compute`` lane of the recording
+    tracer (no-ops while none records). Backward spans run from the gradient of the block's output to that of its
+    input (tensor hooks), so they tile backward; a forward inside backward is a recomputation."""
 
     def __init__(self, blocks: list) -> None:
         self._handles = []

@@ -1,4 +1,4 @@
-"""`ActivationSwapper`: saved-tensor hooks that move activations device → host → SSD.
+"""`ActivationSwapper`: saved-tensor hooks that move activations device → host → SSD (docs/activations.md).
 
 Wrap forward *and* backward::
 
@@ -8,35 +8,21 @@ Wrap forward *and* backward::
             loss = model(**batch).loss
             loss.backward()
 
-On entering, each repeated block (see `discover_blocks`) gets a forward wrapper chosen by its
-policy: ``recompute`` runs the block under non-reentrant activation checkpointing; ``host``
-and ``ssd`` run it under ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook moves
-each saved tensor out and whose unpack hook brings it back; ``keep`` is left alone.
+Each repeated block gets a forward wrapper by its policy: ``recompute`` runs it under non-reentrant
+checkpointing; ``host`` and ``ssd`` under ``saved_tensors_hooks`` whose pack moves each saved tensor out and
+whose unpack brings it back; ``keep`` is left alone. Never swapped: parameters and their views, autocast's
+copy of a trainable weight (cached for the step), tensors under ``activation_min_bytes``, non-dense
+tensors. A tensor saved twice in one forward is swapped once.
 
-What is never swapped: parameters and views of them; the low-precision copy of a trainable
-weight that autocast saves (it is cached per step, so it is kept once); tensors smaller than
-``activation_min_bytes``; tensors that are not dense (they would lose their layout). A
-tensor saved twice by one forward (e.g. the input of the q, k and v projections) is
-swapped once.
+Host buffers come from the store's pool, within `host_budget_split`'s shares. Swap-out is asynchronous (the
+pack copies into pool buffers; I/O threads write them and hand them back). When backward reaches block
+``i``, the SSD chunks of blocks ``i … i-k`` (``activation_prefetch_blocks``) are read into buffers free now
+and copied into each tensor's `Upload` as they land; an unpack waits only for its own tensor. SSD space is
+freed once a tensor is used.
 
-Every host buffer involved comes from the store's host pool, within ``host_memory_budget``
-as `host_budget_split` divides it. Swap-out is asynchronous: the pack hook copies the bytes
-into pool buffers, chunk by chunk, and returns; I/O threads write them to the tensor store
-and hand the buffers back as soon as they are on disk. Read-back is the mirror image: when
-backward reaches block ``i``, the chunks of blocks ``i … i-k`` (``activation_prefetch_blocks``)
-are read into pool buffers that are free now, and as each lands an I/O thread copies it into
-the activation's device-tier tensor (`Upload`; on the CPU a fresh tensor) and returns the
-buffer. An unpack waits only for its own tensor, reading any chunk the prefetch could not
-place itself. SSD space is released as soon as a tensor is used.
-
-Outside a ``with`` block, `install` / `uninstall` keep the wrappers in place for a whole
-training run and `begin_pass` marks the start of each forward (what `FuyouEngine` does for
-Lightning and Hugging Face); each forward and its backward form one *pass* with its own
-bookkeeping, so gradient accumulation and a second forward before a backward both work.
-
-Swapped activations serve one backward per forward: a second backward through the same graph
-(``retain_graph=True``) raises a clear error instead of reading released memory. Leaving the
-``with`` block — normally or by an exception — releases everything still held.
+Outside ``with``, `install` / `uninstall` keep the wrappers for a run and `begin_pass` marks each forward
+(as `FuyouEngine` does); a forward and its backward form a *pass* with its own bookkeeping. Swapped
+activations serve one backward (``retain_graph=True`` raises). Leaving ``with`` releases everything held.
 """
 
 from __future__ import annotations
@@ -114,15 +100,10 @@ class _Saved:
 
 
 class _ReadBack:
-    """Reads SSD activations back, chunk by chunk, through host pool buffers.
-
-    `start` queues a tensor's chunks (backward order: nearest block first); `pump` reads queued
-    chunks with at most the read-back share of buffers in flight, each only into a buffer free
-    now (it never waits), and every landed chunk hands its buffer back and pumps again, so the
-    drives stay busy. `need` is the unpack that needs a tensor now: it reads whatever of it is
-    still queued at once, waiting for buffers. An I/O thread copies each landed chunk into the
-    tensor's `Upload`.
-    """
+    """Reads SSD activations back, chunk by chunk, through host pool buffers. `start` queues a tensor's chunks
+    (nearest block first); `pump` reads queued chunks within the read-back share, only into buffers free now
+    (never waits), and each landing pumps again; `need` reads what an unpack needs now, waiting for buffers.
+    An I/O thread copies each landed chunk into the tensor's `Upload`."""
 
     def __init__(self, store: TensorStore | None, shares: HostShares) -> None:
         self._store = store
@@ -166,16 +147,12 @@ class _ReadBack:
             self._issue(saved, k, buf, queued=False)
 
     def _acquire(self, nbytes: int, block: int, timeout: float) -> HostBuffer:
-        """Wait for a pool buffer, at most ``timeout`` seconds.
+        """Wait up to ``timeout`` seconds for a pool buffer.
 
-        Why this cannot deadlock: host-policy activations, the only buffers held until backward
-        frees them, are admitted only while `HostShares.reserved` stays free (`_pack`). Every
-        other buffer goes back by itself: swap-out and read-back staging once their transfer
-        and copy are done, the optimizer's once its worker — which never waits on backward —
-        has updated the chunk; its read-ahead (``optimizer_depth``) fits its share, so even
-        while it waits for the pool it leaves the staging shares free. So the wait lasts only
-        until transfers in flight finish; the timeout is the way out if something else holds
-        the pool.
+        No deadlock: host-policy activations, the only buffers held until backward, are admitted only while
+        `HostShares.reserved` stays free (`_pack`); every other buffer comes back by itself (staging once its
+        transfer lands, the optimizer's once its worker, which never waits on backward, updated the chunk), so
+        the wait lasts until transfers in flight finish. The timeout catches something else holding the pool.
         """
         try:
             return self._store.pool.acquire(nbytes, timeout=timeout)
@@ -287,11 +264,8 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 def _is_autocast_weight(t: torch.Tensor) -> bool:
-    """The low-precision copy autocast makes of a trainable weight, or a view of it (``w.t()``).
-
-    Autocast caches that copy for the whole autocast region, so it is one tensor per step:
-    keeping it costs its size once, swapping it would move weights for every use.
-    """
+    """The low-precision copy autocast makes of a trainable weight, or a view of it (``w.t()``): cached for the
+    autocast region, so keeping it costs its size once."""
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     return (fn is not None and fn.name() == "ToCopyBackward0"
@@ -313,22 +287,15 @@ def swappable(t: torch.Tensor, param_storages: set[int], min_bytes: int) -> bool
 
 
 class ActivationSwapper:
-    """Per-block activation policies applied through saved-tensor hooks; see the module docstring.
+    """Per-block activation policies applied through saved-tensor hooks (module docstring).
 
     Args:
-        model: the model; its repeated blocks are found by `discover_blocks` (or named by
-            ``config.blocks``).
-        config: ``activations`` (a policy for all blocks or ``{index: policy}``),
-            ``activation_min_bytes``, ``activation_prefetch_blocks``, and the storage knobs.
-        memory: the run's memory tiers (`storage.MemoryTiers`: the tensor store, its pool and the
-            budget's split) to borrow, e.g. the engine's; by default the swapper builds its own when a
-            policy needs them and closes them in `close()`.
-        policies: the activation policies (a policy for all blocks or ``{index: policy}``), in place of
-            ``config.activations`` (`FuyouEngine` applies a plan's).
-
-    ``config.io_timeout`` bounds every wait for a host pool buffer (raising `HostBudgetError`):
-    by `host_budget_split`'s reservations such a wait only lasts until transfers in flight
-    finish, so running into it means something holds the pool that should not.
+        model: the model; its repeated blocks come from `discover_blocks` (or ``config.blocks``).
+        config: ``activations``, ``activation_min_bytes``, ``activation_prefetch_blocks``, the storage knobs;
+            ``io_timeout`` bounds every wait for a pool buffer (then `HostBudgetError`).
+        memory: the run's `MemoryTiers` to borrow (e.g. the engine's); default: built when a policy needs it,
+            closed by `close()`.
+        policies: a policy for all blocks or ``{index: policy}``, in place of ``config.activations``.
     """
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, memory: MemoryTiers | None = None,
@@ -451,9 +418,8 @@ class ActivationSwapper:
             return seen
         saved = _Saved(pass_, block, policy, t)
         if policy is Policy.HOST:
-            # Never wait for the pool here: only backward frees host-held activations, so waiting
-            # could wait forever. Leave the reserved shares free: the optimizer and SSD transfers
-            # always find room, so nothing ever waits on a host-policy activation (see _ReadBack._acquire).
+            # Never wait: only backward frees host-held activations. Leave the reserved shares free, so nothing
+            # else ever waits on one (_ReadBack._acquire).
             buf = self.store.pool.try_acquire(nbytes, keep_free=self._shares.reserved)
             if buf is None:
                 self.stats.host_pool_full += 1

@@ -1,50 +1,30 @@
 """The checkpoint file format of the optimizer state: writing, reading, verifying, tokens, atomic replace.
 
-This module knows files, not optimizers: what a save holds comes from its caller (`FuyouAdamW`, which
-streams its state through `SaveWriter` and back through `SaveReader`, and describes its own fields).
+This module knows files, not optimizers: `FuyouAdamW` streams its state through `SaveWriter` and back through
+`SaveReader`, chunk by chunk through the host pool, and describes its own fields.
 
-A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
-``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw bytes: fp32 in
-the exact ``state_format``, the moments in bf16 or 8-bit codes in a compact one, whose 8-bit saves add
-``exp_avg.scale.bin`` and ``exp_avg_sq.scale.bin`` — `formats`; parameters one after another, each in
-its natural element order, independent of the chunk size) and ``optimizer.json`` (the token, the state format and its files, the optimizer step count,
-hyper-parameters, shapes, each parameter's byte offset and size per file, a SHA-256 per parameter
-and file, what the caller asked to record — the HF Trainer's step — and a SHA-256 of
-``optimizer.json``'s own contents). State moves chunk by chunk through the
-host pool; nothing holds a whole parameter's state, let alone the model's, in RAM.
+Layout: one ``<folder>/<token>/`` (32 hex digits) per save, holding a raw file per piece of the state format
+(``master.bin``, ``exp_avg.bin``, ``exp_avg_sq.bin``; for ``8bit`` also ``exp_avg.scale.bin`` and
+``exp_avg_sq.scale.bin``: `formats`), parameters one after another in element order, independent of the chunk
+size; and ``optimizer.json``: token, format and files, step count, hyper-parameters, shapes, each parameter's
+offset, size and SHA-256 per file, the caller's ``record`` (the HF Trainer's step) and a SHA-256 of its own
+contents. Saves of formats 2 and 3 still load.
 
-Nothing damaged loads: a changed value in ``optimizer.json`` (an ``lr``, a ``step``) fails its own
-checksum, a state file of another size than the one recorded is refused before a byte is read,
-and a flipped, missing or truncated byte in one fails that file's checksum; each error names the
-file. Saves written by the previous formats (3: every file fp32 at one offset per parameter; 2: also
-without the metadata checksum) still load.
+Nothing damaged loads: an edited ``optimizer.json`` fails its own checksum, a state file of another size is
+refused before a byte is read, a changed byte fails its file's checksum; each error names the file. The
+optimizer commits what it read only once every checksum matched.
 
-A save never touches an earlier one before it is complete: it writes ``<token>.tmp-<pid>/``
-(with an ``owner.json`` first, so that ``fuyou clean`` can tell whether its writer still runs),
-fsyncs every file (``owner.json`` too) and the folder, renames it to ``<token>/`` and fsyncs ``<folder>``; only
-then does `save` remove the earlier saves (each renamed to a ``.tmp-<pid>`` name first, so a
-half-removed save never looks complete). Every save and load first removes the temporary folders
-in its checkpoint folder whose writer is gone (`remove_stale_temps`: a save killed earlier, which
-would otherwise hold a full copy of the state for good). A caller that records the token elsewhere — the
-Lightning strategy's ``.ckpt`` — writes with `save_version` and removes the earlier saves with
-`remove_versions` only after that record is written. A process killed at any instant thus
-leaves at least one complete save, and every record names a save that exists; so does a power cut,
-as long as the record is durable before `remove_versions` runs (the Lightning strategy fsyncs its
-``.ckpt`` and that folder first; `..storage.durable`).
+Atomic replace: a save writes ``<token>.tmp-<pid>/`` (``owner.json`` first, so ``fuyou clean`` can tell whether
+its writer runs), fsyncs every file and the folder, renames it to ``<token>/`` and fsyncs ``<folder>``; only then
+does `save` remove the earlier saves (each renamed to a ``.tmp-<pid>`` name first). A caller that records the
+token elsewhere (Lightning's ``.ckpt``) calls `save_version`, makes its record durable, then `remove_versions`:
+a kill or a power cut at any instant leaves a complete save, and every record names one that exists. Every save
+and load first removes the temporary folders whose writer is gone (`remove_stale_temps`).
 
-Loading takes the save a state dict names (`find`: its token must be in the folder, or the
-error says which side is stale) or the newest one (`newest`); the optimizer stages what
-`SaveReader` reads and commits it only once every checksum matched, so a bad checkpoint changes
-nothing.
-
-**Data parallel** (a `Group` of N ranks): every rank writes the parameters it owns into
-``<token>.tmp-<pid>/part-<rank>/`` (the same files, its parameters only, with their global
-indices); when every rank reports success, rank 0 writes the top ``optimizer.json`` (every
-parameter, with the part that holds it) and renames the folder into place; if any rank failed,
-the save fails on every rank and nothing is left. A save stores parameters, not rank shards: any
-number of ranks (one included) loads it, each reading the parameters it owns from whichever part
-holds them, and an unsharded save loads into N ranks. The folder must be shared by the ranks (one
-machine, or a shared filesystem).
+Data parallel (a `Group` of N ranks): each rank writes the parameters it owns, with their global indices, into
+``<token>.tmp-<pid>/part-<rank>/``; once all succeeded, rank 0 writes the top ``optimizer.json`` (every
+parameter, with its part) and renames the folder in, else the save fails on every rank. A save stores
+parameters, not shards: any number of ranks loads it. The ranks must share the folder.
 """
 
 from __future__ import annotations
@@ -171,14 +151,10 @@ def save_version(folder: str | os.PathLike, write_state: Callable[[SaveWriter], 
                  record: dict | None = None, kinds: tuple[str, ...] = KINDS) -> dict:
     """Write a new save ``folder/<token>/`` and return its metadata; no other save in ``folder`` changes.
 
-    ``write_state(writer)`` streams this process's state into a `SaveWriter` (its parameters only, with
-    their global indices); ``describe()`` gives the optimizer's own fields (hyper-parameters, counters).
-    ``record`` (plain JSON values) is kept as ``meta["record"]``: what the caller ties the save to.
-    ``kinds`` names the state files (``meta["kinds"]``; the state format's pieces).
-    The subfolder appears complete and fsynced, or not at all (an interrupted save leaves a
-    ``<token>.tmp-<pid>/``, which the next save or load in ``folder`` removes, as does ``fuyou clean``).
-    ``group`` of more than one rank: a collective, every rank writing its ``part-<rank>/`` (module
-    docstring); the save exists, complete, on every rank's return, or fails on all."""
+    ``write_state(writer)`` streams this process's parameters into a `SaveWriter`, with global indices;
+    ``describe()`` gives the optimizer's own fields; ``record`` (plain JSON) is kept as ``meta["record"]``;
+    ``kinds`` names the state files. The folder appears complete and fsynced, or not at all. With a ``group``
+    of several ranks, a collective: the save exists on every rank's return, or fails on all."""
     folder = Path(folder)
     name = [f"{uuid.uuid4().hex}.tmp-{os.getpid()}" if group.rank == 0 else None]
     group.broadcast_object(name)  # rank 0 names the save (its pid: `fuyou clean` knows whether it runs)
@@ -305,11 +281,9 @@ def save_dirs(folder: str | os.PathLike) -> list[Path]:
 
 
 def read_meta(save: str | os.PathLike) -> dict:
-    """The verified ``optimizer.json`` of the save folder ``save`` (``<folder>/<token>/``).
-
-    Raises `CheckpointError`, naming the file, when it is missing, is not JSON, was written by a
-    format this version does not read, does not match its own checksum (a value changed after the
-    save: an edited ``lr`` or ``step``, bit rot) or names another save than its folder's."""
+    """The verified ``optimizer.json`` of save folder ``save`` (``<folder>/<token>/``). Raises `CheckpointError`,
+    naming the file, when it is missing, not JSON, of a format not read, fails its own checksum (an edited
+    ``lr``, bit rot) or names another save than its folder's."""
     save = Path(save)
     file = save / META
     try:
@@ -352,9 +326,8 @@ _unprotected_warned: set[Path] = set()  # format-2 files warned about (once each
 
 
 def _saves(folder: Path) -> tuple[dict[str, dict], dict[str, CheckpointError]]:
-    """Token -> metadata of each complete save in ``folder``, and token -> what is wrong with each
-    save whose ``optimizer.json`` fails `read_meta` (a save folder appears only complete, by a rename:
-    one that fails is damaged, never half-written)."""
+    """Token -> metadata of each complete save in ``folder``, and token -> the `read_meta` error of each damaged
+    one (a save folder appears only complete, by a rename)."""
     saves, damaged = {}, {}
     for path in save_dirs(folder):
         try:
@@ -415,10 +388,9 @@ def find(folder: str | os.PathLike, token: str | None, steps: int | None, *, nam
 
 
 class SaveReader:
-    """One save, read back for loading: its ``optimizer.json`` (verified, `read_meta`), its state files'
-    sizes (checked against it before a byte is read), and each parameter's bytes chunk by chunk, hashed
-    as they are read (`read`, then `finish` per parameter, then `check`). Opening it removes the temporary
-    folders a dead writer left beside the save (on ``group``'s first rank: the ranks share the folder)."""
+    """One save, read back for loading: ``optimizer.json`` verified, the files' sizes checked before a byte is
+    read, each parameter's bytes hashed chunk by chunk (`read`, `finish` per parameter, then `check`). Opening
+    it removes stale temporary folders beside the save (on ``group``'s first rank)."""
 
     def __init__(self, save: str | os.PathLike, group: Group) -> None:
         self.path = Path(save)

@@ -1,6 +1,6 @@
 """State formats: how one chunk of a parameter's optimizer state is laid out in bytes, and its update.
 
-``FuyouConfig.state_format`` picks one for the whole optimizer:
+``FuyouConfig.state_format`` picks one for the whole optimizer (docs/state-formats.md):
 
 ==========  ==============================================================  ===========  =============================
 format      a chunk of ``n`` elements                                       bytes/param  update
@@ -14,39 +14,18 @@ format      a chunk of ``n`` elements                                       byte
             `` exp_avg scales | exp_avg_sq scales]``                                      update, bitwise
 ==========  ==============================================================  ===========  =============================
 
-The master stays fp32 in every format; only the moments shrink.
+The master stays fp32 in every format; ``bf16`` rounds the moments to nearest even after every step.
 
-``bf16``: the update is exactly ``torch.optim.AdamW``'s (the same kernel, fused or for-loop as
-``FuyouAdamW(fused=...)`` says) with its moments rounded to bf16 (nearest even) after every step — the
-tests check it bitwise against that. It is as fast as fp32 but for two casts each way.
+``8bit`` is torchao's block-wise dynamic-tree quantisation (``OptimState8bit``: a ``uint8`` code per element,
+an fp32 scale per `BLOCK` of 256). A parameter under `MIN_8BIT` elements keeps fp32 moments, as torchao and
+bitsandbytes do; a last block short of 256 is zero-padded (zeros quantise to zero). The arithmetic is
+torchao's (pure PyTorch on the CPU; bitsandbytes' kernels target CUDA), run eagerly over views of the chunk
+(`Moment8bit`), bitwise torchao's eager update; `Quantiser` (table look-ups) and `update_compact` (per-thread
+`scratch`, cache-sized `tiles`) are ours, for CPU speed. It costs many times fp32's CPU time
+(``benchmarks/state_format_bench.py --update``): choose it for the bytes.
 
-``8bit`` is block-wise dynamic-tree quantisation (Dettmers et al., arXiv 2110.02861) as torchao
-implements it (``OptimState8bit``: one ``uint8`` code per element through a 256-entry map, one fp32
-scale per block of `BLOCK` = 256 elements). As torchao and bitsandbytes do, a parameter of fewer than
-`MIN_8BIT` = 4096 elements keeps fp32 moments (biases and norms: a few KiB, and the most sensitive to
-quantisation), updated by the same torchao function. Chunks hold whole blocks (`STATE_CHUNK_ELEMENTS`
-is a multiple of 256); a parameter whose size is not a multiple of 256 has its last block padded with
-zeros, which quantise to zero and change no other value.
-
-**Why torchao for 8-bit.** The format and the arithmetic are torchao's (``torchao.optim``: its
-dynamic-tree maps, ``scale_tensor``, ``dequant_with_qmap``, and ``single_param_adam``'s update, line for
-line), run eagerly on the worker over views of the chunk in the host buffer (`Moment8bit`: no second
-copy). torchao is pure PyTorch on the CPU and installs without touching torch (the ``[compact]`` extra);
-bitsandbytes' 8-bit optimizer kernels target CUDA. Two pieces are ours, for speed on the CPU: `Quantiser`
-gets torchao's codes by table look-ups instead of eight ``torch.where`` passes (bitwise; checked over all
-2**32 fp32 patterns), and `update_compact` writes into per-thread buffers (`scratch`) over cache-sized tiles
-(`tiles`) instead of fresh temporaries over the whole chunk. The update equals torchao's ``AdamW8bit`` on the
-same gradients, bitwise when torchao runs eagerly (its optimizer wraps the same function in
-``torch.compile``, which fuses and can differ in the last bit).
-
-**Its cost is CPU time:** the 8-bit update still takes many times the CPU time of torch's fused fp32
-kernel (``benchmarks/state_format_bench.py --update`` measures it); choose it for the bytes (disk space,
-drive wear, host RAM), not for speed on few cores.
-
-A checkpoint records its format (``optimizer.json``'s ``state_format``) and its files are the pieces
-above, each in element order (``exp_avg.scale.bin``, ``exp_avg_sq.scale.bin`` for ``8bit``). Loading a
-save of one format into an optimizer of another is refused, naming both (converting would quietly change
-the training).
+A checkpoint records its format and stores each piece in element order; loading a save of one format into an
+optimizer of another is refused, naming both (converting would quietly change the training).
 """
 
 from __future__ import annotations
@@ -133,10 +112,8 @@ def bytes_per_param(state_format: str) -> float:
 
 
 class Moment8bit:
-    """An 8-bit moment in a chunk: ``codes`` (``uint8``, whole blocks) and one fp32 ``scale`` per block of
-    `BLOCK`, views of the chunk's buffer. torchao's ``OptimState8bit`` without the tensor subclass: its block
-    scaling is torchao's function; its quantiser and dequantiser are `Quantiser`, torchao's codes and values
-    bitwise."""
+    """An 8-bit moment in a chunk: ``codes`` (``uint8``, whole blocks) and an fp32 ``scale`` per `BLOCK`, views
+    of the chunk's buffer; torchao's ``OptimState8bit`` without the tensor subclass, bitwise."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> None:
         self.codes, self.scale, self.signed = codes, scale, signed
@@ -177,27 +154,18 @@ class Moment8bit:
 
 class Quantiser:
     """torchao's 8-bit quantiser (``quantize_8bit_with_qmap``) and dequantiser (``dequant_with_qmap``), bitwise,
-    in a few table look-ups instead of searches.
+    by table look-ups instead of searches.
 
-    **Codes.** torchao finds, for a value ``x`` scaled into [-1, 1], the code ``c`` with
-    ``qmap[c] <= x < qmap[c+1]`` and rounds up when ``x - qmap[c] >= (qmap[c+1] - qmap[c]) * 0.5``: eight
-    ``torch.where`` passes and a rounding pass over the chunk. Within each interval that test is monotone in
-    ``x``, so it is decided by one threshold: ``thresholds[c]``, the least fp32 value that rounds up past ``c``,
-    found here once by bisection over the fp32 values of the interval with torchao's own expression. The code of
-    ``x`` is then the number of thresholds ``<= x`` (``torch.bucketize(x, thresholds, right=True)``; a test checks
-    it against torchao on random values, every threshold and both its neighbours, for both maps).
+    Codes: torchao gives ``x`` (scaled into [-1, 1]) the code ``c`` with ``qmap[c] <= x < qmap[c+1]``, rounded
+    up when ``x - qmap[c] >= (qmap[c+1] - qmap[c]) * 0.5``. That test is monotone in ``x`` within an interval,
+    so one threshold per interval decides it (``thresholds``, found by bisection with torchao's expression)
+    and the code is the number of thresholds ``<= x``. The fp32 values sharing their top 16 bits form one
+    interval of the reals, so a 65,536-entry table (``base``) gives each one's least code and at most `steps`
+    comparisons (1 for torchao's maps), ``code += x >= ahead[code]``, finish it. Equal to ``torch.bucketize``
+    for every fp32 value but NaN (whose block scale is NaN anyway; ``state_format_bench.py --quantiser``
+    checks all 2**32 patterns). Look-ups use ``index_select``: tensor indexing is several times slower.
 
-    A binary search branches eight times per element, unpredictably; instead, the fp32 values that share their
-    top 16 bits form one interval of the reals, so a table of 65,536 entries (``base``, read with
-    ``index_select``: indexing with a tensor is several times slower on the CPU) holds the code of each
-    interval's least value, and only the thresholds inside the interval remain: at most `steps` (1 for torchao's
-    maps), each one a look-up and a comparison, ``code += x >= ahead[code]`` (``ahead`` is the thresholds and a
-    NaN, so a code past the last threshold stays). This equals ``bucketize`` for every fp32 value but NaN (a
-    NaN gets its interval's code; a NaN input has a NaN block scale, so it dequantises to NaN either way), which
-    ``benchmarks/state_format_bench.py --quantiser`` checks over all 2**32 bit patterns, and a test on a sample.
-
-    **Values.** ``qmap[codes] * scale`` per block, as torchao computes it, with the look-up made by
-    ``index_select``: the same values."""
+    Values: ``qmap[codes] * scale`` per block, as torchao computes it."""
 
     def __init__(self, qmap: torch.Tensor) -> None:
         low, high = qmap[:-1], qmap[1:]
@@ -274,11 +242,9 @@ def _from_ordered(key: torch.Tensor) -> torch.Tensor:
 
 
 def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
-    """A chunk's ``state`` (`Layout.views`) and gradient in tiles of `TILE` elements: ``(state, grad)`` of
-    views, in order. A compact update makes a dozen passes or more over its elements (casts, look-ups, the
-    quantiser's); over a chunk of millions each pass reads memory, over a tile of 256K elements the next pass
-    finds it in the CPU's caches (``benchmarks/state_format_bench.py --update`` measures the update).
-    Every operation is elementwise or within a block, so each element gets the same bits (tested)."""
+    """A chunk's ``state`` (`Layout.views`) and gradient in tiles of `TILE` elements, ``(state, grad)`` views in
+    order, so a compact update's dozen passes find their data in the CPU's caches. Every operation is
+    elementwise or within a block, so each element gets the same bits (tested)."""
     n = state["exp_avg"].numel()  # an 8-bit moment's whole blocks: past the master's end if padded
     for start in range(0, n, TILE):
         stop = start + TILE
@@ -288,12 +254,10 @@ def tiles(state: dict[str, Any], grad: torch.Tensor) -> Iterator[tuple[dict[str,
 
 def update_compact(state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, lr: Any, beta1: float,
                    beta2: float, weight_decay: float, eps: float) -> None:
-    """One AdamW update of a chunk, or of a tile of one (`tiles`), in place (``state`` from `Layout.views`,
-    ``step`` the count before it): torchao's ``single_param_adam`` line for line, over `Moment8bit` moments
-    or plain fp32 ones (an 8-bit state's small parameters) — bitwise torchao's ``AdamW8bit`` run eagerly
-    (tests), several times faster for its quantiser (`Quantiser`). A tile whose master is shorter than its
-    whole blocks (a chunk's padded end) runs on zero-padded copies of its master and gradient (the padding
-    stays zero, as if torchao had the padded tensor)."""
+    """One AdamW update of a chunk or a tile (`tiles`), in place (``state`` from `Layout.views`, ``step`` the
+    count before it): torchao's ``single_param_adam`` line for line over `Moment8bit` or fp32 moments, bitwise
+    torchao's ``AdamW8bit`` run eagerly. A tile whose master ends before its whole blocks runs on zero-padded
+    copies of master and gradient."""
     master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
     n, padded = master.numel(), exp_avg.numel()
     p, g = master, grad
@@ -345,12 +309,10 @@ _SCRATCH = threading.local()  # per thread (the worker; a planner's measurement)
 
 
 def scratch(n: int, *dtypes: torch.dtype) -> list[torch.Tensor]:
-    """One tensor of ``n`` elements per entry of ``dtypes``, kept per thread (and per ``dtypes``) and grown as
-    needed: an update's temporaries. Fresh ones each chunk cost a page fault per 4 KiB where the allocator
-    returns freed memory to the system (jemalloc's default decay), which slows a compact update severalfold.
-    They live outside the host pool, as the temporaries they replace did (the 8-bit update's
-    take 25 bytes per element of a `TILE`: 6.25 MiB per thread). A caller must be done with one call's
-    tensors before the next call with the same ``dtypes`` on its thread: they are the same memory."""
+    """One tensor of ``n`` elements per entry of ``dtypes``, kept per thread (and ``dtypes``) and grown as needed:
+    an update's temporaries (fresh ones fault a page per 4 KiB under jemalloc's decay). Outside the host pool;
+    the 8-bit update's take 25 bytes per `TILE` element. Finish with one call's tensors before the next call
+    with the same ``dtypes`` on the thread: they are the same memory."""
     kept = getattr(_SCRATCH, "buffers", None)
     if kept is None:
         kept = _SCRATCH.buffers = {}

@@ -1,36 +1,23 @@
 """`ChunkPipeline`: one worker thread that streams tensor-store chunks through a function.
 
-Jobs name a store entry and a function ``fn(k, buf)`` called for each of its chunks, in
-order, with the chunk's bytes already read into a pool buffer (``fn(k, buf, *extra)`` when the
-job also names ``extra`` entries chunked alike, read alongside; ``fn(k)`` when it names no
-entry at all: a job that only writes). Reads run ahead of the
-function by up to ``depth`` chunks (across jobs), so the drive is busy while the CPU
-computes. ``fn`` either hands the buffer on (e.g. to `TensorStore.write_chunk`, which
-returns a future and releases it when written) or releases it; returned futures are kept
-so `drain()` can wait for them.
+A job names a store entry and ``fn(k, buf)``, called for each chunk in order with its bytes read into a pool
+buffer (``fn(k, buf, *extra)`` with ``extra`` entries chunked alike; ``fn(k)`` with no entry: a write-only
+job). Reads run up to ``depth`` chunks ahead (across jobs), so the drive works while the CPU computes. ``fn``
+hands the buffer on (`TensorStore.write_chunk` releases it when written) or releases it; the futures it
+returns are kept for `drain()`, and a returned `Later(now, later)` lets ``later`` (a shadow-slot write that
+`TensorStore.commit` can commit in flight) outlast a `drain(writes=False)`.
 
-Every wait has a way out. The worker's own waits (a pool buffer, a read) and `drain()`'s
-wait for the returned futures give up after ``config.io_timeout`` seconds with an error. If
-the worker stops — an unexpected error in its own bookkeeping, or `close()` — every waiter,
-present and later, gets a `PipelineError` naming the worker and the cause; `drain()` also
-checks that the thread is alive while it waits.
+Every wait has a way out: the worker's waits and `drain()`'s give up after ``io_timeout`` seconds; if the
+worker stops (`close()`, or an error in its own bookkeeping) every waiter, present and later, gets a
+`PipelineError` naming the cause, and `drain()` checks that the thread is alive while it waits.
 
-`read_ahead` names chunks that jobs will probably ask for later (the state of the parameters whose
-gradients come last in backward): while the worker has nothing else to do, it reads them into buffers
-the pool can spare, at most two at a time, and a job that asks for one of them takes the buffer instead
-of reading it again. Such a read stands only while nothing writes the slot it was read from
-(`TensorStore.slot_version`, checked when it is taken); the ones no job took are given back at the next
-`drain()`, so none outlives the accumulation window it was made for.
+`read_ahead` names chunks jobs will probably read later (the state of the last gradients' parameters): while
+idle, the worker reads at most two at a time into buffers the pool spares, and a job takes such a buffer
+instead of reading again if nothing wrote the slot since (`TensorStore.slot_version`). The next `drain()`
+gives back the ones no job took.
 
-A job function may return `Later(now, later)` instead of a future: ``later`` is a write that
-`drain(writes=False)` need not wait for (the optimizer's shadow-slot writes, which `TensorStore.commit`
-can commit while they land); the next `drain` of either kind waits for it and raises its error.
-
-The worker's own ops run on ``threads`` intra-op threads when given (`device.use_intra_op_threads`; the
-optimizer passes `FuyouConfig.optimizer_threads`), on torch's default otherwise.
-
-The optimizer uses it for the AdamW update (read state → update → write shadow slot), for
-restoring weights after a skipped step, and for streaming checkpoints.
+The worker's ops run on ``threads`` intra-op threads when given (`device.use_intra_op_threads`). The optimizer
+uses it for the AdamW update, restoring weights after a skipped step, and streaming checkpoints.
 """
 
 from __future__ import annotations
@@ -64,16 +51,11 @@ class PipelineError(RuntimeError):
 
 @dataclass
 class ChunkJob:
-    """Stream every chunk of store entry ``entry`` (slot ``slot``) through ``fn(k, buf)``.
-
-    ``extra`` entries (same chunking, active slot) are read alongside and passed after ``buf``;
-    with ``entry=None`` nothing is read for the entry itself. ``fence=True``: nothing of this job
-    is read before every earlier job ran and the futures they returned (writes) completed — for a
-    job that reads what an earlier one writes (read-ahead would otherwise read the old bytes).
-    ``done``: completed (result ``None``) once every chunk ran and every future returned for it
-    completed, or with the error that stopped the job (its own, or an earlier job's failure that
-    made the worker skip it, or the worker stopping).
-    """
+    """Stream every chunk of store entry ``entry`` (slot ``slot``) through ``fn(k, buf)``. ``extra`` entries
+    (same chunking, active slot) are read alongside and passed after ``buf``; ``entry=None`` reads nothing for
+    the entry. ``fence=True``: nothing of this job is read before every earlier job ran and its writes
+    completed (a job reading what they write). ``done``: completed once every chunk ran and its futures
+    completed, or with the error that stopped the job (its own, an earlier job's, or the worker stopping)."""
 
     entry: str | None
     nchunks: int
@@ -107,13 +89,12 @@ class ReadAhead:
 
 
 class ChunkPipeline:
-    """A worker thread with read-ahead; see the module docstring.
+    """A worker thread with read-ahead (module docstring).
 
     Args:
         store: where the chunks live; ``store.config.io_timeout`` bounds every wait.
-        depth: chunks read ahead of the one being processed. It must leave room in the
-            host pool for one more buffer, or the worker would wait on itself; the caller
-            sizes it (`FuyouAdamW` does from the pool budget and the chunk size).
+        depth: chunks read ahead of the one being processed; the pool must hold one more buffer, or the worker
+            waits on itself (`FuyouAdamW` sizes it from the budget and the chunk size).
         name: the worker thread's name, used in errors.
         threads: the intra-op threads of the worker's own ops; ``None``: torch's default.
     """
@@ -162,21 +143,15 @@ class ChunkPipeline:
             job.done.set_result(None)
 
     def read_ahead(self, chunks: list[tuple[str, int] | tuple[str, int, int]], *, keep_free: int) -> None:
-        """Read these chunks ``(entry, k)`` of the active slot ahead while the worker is idle (module docstring),
-        or ``(entry, k, skip)``: without its first ``skip`` bytes (which only a job that fills them itself takes,
-        `ChunkJob.skip`), replacing any earlier list; ``keep_free``: the pool bytes the read-ahead never takes.
-        Raises `PipelineError` if the worker stopped."""
+        """Read these chunks ``(entry, k)`` or ``(entry, k, skip)`` (without the first ``skip`` bytes: `ChunkJob.skip`)
+        of the active slot ahead while the worker is idle, replacing any earlier list; ``keep_free``: pool bytes
+        the read-ahead never takes. Raises `PipelineError` if the worker stopped."""
         self._put(ReadAhead([(name, k, *skip) if skip else (name, k, 0) for name, k, *skip in chunks], keep_free))
 
     def wait_job(self, job: ChunkJob, what: str) -> None:
-        """Wait for ``job.done`` while later jobs go on; raises the job's error.
-
-        The way out: `PipelineError` if the worker stops, `TimeoutError` if the worker made no
-        progress (no chunk processed) for ``io_timeout`` seconds while the job is not done.
-        ``what`` names the job in the errors (e.g. "the update of parameter 3"), including a
-        `TimeoutError` the worker's own wait raised first (it times out after the same
-        ``io_timeout``, so which of the two notices a hung drive first is a race).
-        """
+        """Wait for ``job.done`` while later jobs go on; raises the job's error, `PipelineError` if the worker
+        stops, `TimeoutError` if it processed no chunk for ``io_timeout`` seconds. ``what`` names the job in the
+        errors (e.g. "the update of parameter 3")."""
         if job.done is None:
             raise ValueError(f"{self.name}: wait_job needs a job submitted with done=Future(); got {job!r}")
         since = time.monotonic()
@@ -197,17 +172,10 @@ class ChunkPipeline:
                                    "FuyouConfig.io_timeout")
 
     def drain(self, *, writes: bool = True) -> None:
-        """Wait until every submitted job ran and every future it returned completed.
-
-        Raises the first error of any read, function call or returned future, and forgets
-        it, so the pipeline can be used again (e.g. to restore weights after a failure).
-        Raises `TimeoutError` if a returned future is not done ``io_timeout`` seconds after
-        the jobs ran, and `PipelineError` if the worker stopped (closed or died).
-
-        ``writes=False``: the `Later` writes still in flight are not waited for (unless something failed:
-        then everything is, as in a full drain, before the error is raised); the next drain waits for them.
-        Only one thread drains (the training loop's).
-        """
+        """Wait until every submitted job ran and every future it returned completed. Raises (and forgets, so the
+        pipeline stays usable) the first error of a read, call or future; `TimeoutError` if a future is not done
+        ``io_timeout`` after the jobs ran; `PipelineError` if the worker stopped. ``writes=False``: `Later` writes
+        in flight are left to the next drain, unless something failed. Only one thread drains."""
         barrier: Future = Future()
         self._put(barrier)
         while not wait([barrier], timeout=_LIVENESS_POLL).done:
@@ -245,10 +213,8 @@ class ChunkPipeline:
         return error
 
     def close(self) -> None:
-        """Stop the worker: queued jobs are dropped and waiters get a `PipelineError`.
-
-        Waits up to ``io_timeout`` seconds for the job function running now to return.
-        """
+        """Stop the worker (queued jobs dropped, waiters get `PipelineError`), waiting up to ``io_timeout`` for the
+        job function running now."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(self.timeout)

@@ -7,11 +7,9 @@
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(weights="ssd"),
                          init_weights=model._init_weights)
 
-The engine materialises the parameters outside the streamed blocks (embeddings, final norm, head)
-on the device; the `WeightStreamer` materialises each streamed block in turn, initialises it,
-writes it to its tier and releases it before the next, so peak memory holds one block, never the
-model. `materialize` keeps every ``Parameter`` object (``torch.utils.swap_tensors``): the optimizer
-built on the meta model and tied weights (GPT-2's ``wte``/``lm_head``) keep referring to them.
+The engine materialises what lies outside the streamed blocks on the device; the `WeightStreamer`
+materialises, initialises, writes to its tier and releases one streamed block at a time. `materialize` keeps
+every ``Parameter`` object (``torch.utils.swap_tensors``), so the optimizer and tied weights keep them.
 """
 
 from __future__ import annotations
@@ -37,13 +35,9 @@ def has_meta(module: torch.nn.Module, recurse: bool = True) -> bool:
 
 
 def materialize(module: torch.nn.Module, device: torch.device, init: Init | None, *, recurse: bool = True) -> int:
-    """Give ``module``'s meta parameters and buffers memory on ``device``, in place, and initialise them.
-
-    ``init`` is called on ``module`` and (with ``recurse``) each submodule, like ``module.apply(init)``
-    (e.g. a Hugging Face model's ``_init_weights``); ``None`` calls ``reset_parameters()`` where a
-    module has one. Modules without meta tensors are left alone. Returns the bytes materialised.
-    Raises `ValueError` when a materialised module has neither ``init`` nor ``reset_parameters``.
-    """
+    """Give ``module``'s meta parameters and buffers (``recurse=False``: its own only) memory on ``device``, in
+    place, and call ``init`` on each module materialised, like ``module.apply(init)`` (``None``: its
+    ``reset_parameters()``); returns the bytes materialised. `ValueError` for a module with neither."""
     nbytes = 0
     for mod in module.modules() if recurse else [module]:
         metas = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.is_meta]

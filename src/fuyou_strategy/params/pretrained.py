@@ -7,15 +7,8 @@
     engine = FuyouEngine(model, torch.optim.AdamW(model.parameters()), config=FuyouConfig(weights="ssd"),
                          init_weights=SafetensorsInit(model, folder))
 
-Used as ``init_weights``, it is called by `materialize` on each module as that module gets memory
-(each streamed block in turn, straight into its tier), and copies the module's own parameters and
-persistent buffers from the checkpoint's safetensors shards, so the checkpoint is never whole in
-memory either. Everything that can be checked without reading a tensor (that each file exists,
-every key the model needs is there with the model's shape) is checked when it is built.
-
-A shard is opened (``safe_open``, memory-mapped) for one module's tensors and closed again: the
-pages of a mapping count in the process's RSS until it is closed, so a shard kept open while the
-model loads would bring the whole shard into RSS (and ``save_pretrained`` writes up to 50 GB per shard).
+A shard is memory-mapped (``safe_open``) for one module's tensors and closed again: a mapping's pages count
+in RSS until it is closed, and ``save_pretrained`` writes up to 50 GB per shard.
 """
 
 from __future__ import annotations
@@ -47,33 +40,24 @@ def _listed(names: list[str]) -> str:
 class SafetensorsInit:
     """Initialise the modules of a model built on the meta device from a local safetensors checkpoint.
 
-    Pass it as ``init_weights`` (`FuyouEngine`, `WeightStreamer`, `materialize`): called on a module,
-    it copies the module's own parameters and persistent buffers from the checkpoint, cast to their
-    dtype (a model built in bf16 loads an fp32 checkpoint). Each tensor is read when its module asks
-    for it; no file stays open between two calls.
+    As ``init_weights`` (`FuyouEngine`, `WeightStreamer`, `materialize`), called on a module as it gets memory,
+    it copies the module's own parameters and persistent buffers from the checkpoint, cast to their dtype; no
+    file stays open between calls. Files, keys and shapes are checked at construction.
 
     Args:
-        model: the model, built on the meta device, before any wrapper renames its modules (build this
-            before ``peft.get_peft_model``: modules added afterwards are ``fallback``'s). Its qualified
-            names are the checkpoint's keys, with or without the model's ``base_model_prefix`` (a
-            Hugging Face base-model checkpoint loads into a ``*ForCausalLM`` and the other way round).
-            Tied parameters (GPT-2's ``lm_head.weight``, saved once as ``transformer.wte.weight``) are
-            read under whichever name the checkpoint has.
-        folder: what ``save_pretrained`` wrote: ``model.safetensors``, or ``model.safetensors.index.json``
-            and the shards its ``weight_map`` names.
-        fallback: initialises what the checkpoint does not hold, called on the module before its
-            checkpoint tensors are copied in: parameters missing from it and modules added after this
-            was built (fresh LoRA adapters). ``None``: a missing parameter is an error.
+        model: the model on the meta device, before any wrapper renames its modules (build this before
+            ``peft.get_peft_model``). Its names are the checkpoint's keys, with or without its
+            ``base_model_prefix``; tied parameters are read under whichever name the checkpoint has.
+        folder: what ``save_pretrained`` wrote: ``model.safetensors``, or the index and its shards.
+        fallback: called on the module first, for what the checkpoint lacks (missing parameters, modules added
+            later such as LoRA adapters); ``None``: a missing parameter is an error.
 
-    Non-persistent buffers (never saved, e.g. a rotary embedding's ``inv_freq``) are recomputed by
-    the model's ``_init_weights`` (Hugging Face models compute them there), else by ``fallback``.
+    Non-persistent buffers (a rotary ``inv_freq``) are recomputed by the model's ``_init_weights``, else by
+    ``fallback``. ``missing_keys`` (with a ``fallback``) and ``unexpected_keys`` (less the model's
+    ``_keys_to_ignore_on_load_unexpected``) are logged as warnings when not empty.
 
-    After construction ``missing_keys`` lists the model's names the checkpoint lacks (only with a
-    ``fallback``) and ``unexpected_keys`` the checkpoint's keys the model never asks for (except the
-    model's ``_keys_to_ignore_on_load_unexpected``); both are logged as warnings when not empty.
-
-    Raises `FileNotFoundError` when the folder, its checkpoint or a shard is not there, and
-    `ValueError` when a key is missing (without ``fallback``) or a tensor's shape differs from the model's.
+    Raises `FileNotFoundError` when the folder, its checkpoint or a shard is missing, and `ValueError` when a
+    key is missing (without ``fallback``) or a shape differs from the model's.
     """
 
     def __init__(self, model: torch.nn.Module, folder: str | Path, *, fallback: Init | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`WeightStreamer`: a block's weights are on the device only while the block runs.
+"""`WeightStreamer`: a block's weights are on the device only while the block runs (docs/weight-streaming.md).
 
 ::
 
@@ -7,57 +7,26 @@
     ...                         # train / evaluate as usual
     streamer.close()            # every weight resident again, equal to its tier copy
 
-Each repeated block's parameters are streamed from their tier (``"host"``: a host pool buffer,
-``"ssd"``: a tensor-store entry, one per parameter):
+Each repeated block's parameters live in a tier copy (``"host"``: a pool buffer, ``"ssd"``: a store entry,
+one per parameter). Frozen ones are written once, at install. Trainable ones (``trainable``) take the
+optimizer's updates through `publish`, or, fp32 on the SSD, are read from the head of the optimizer's state
+chunks (`use_master`). Parameters outside the blocks, shared (tied) ones and unlisted trainable ones stay
+resident.
 
-- *frozen* ones (``requires_grad=False``, e.g. a LoRA base model) are read-only: their tier copy
-  is written once at install and never written back;
-- *trainable* ones are streamed when the optimizer that owns them is given (``trainable``: each
-  parameter's optimizer chunk length, e.g. `FuyouAdamW.chunk_elements`); the optimizer then
-  publishes every new value into the tier copy (`publish`, chunk by chunk, aligned with its own
-  state chunks) and moves each gradient off the device as it becomes final
-  (`FuyouAdamW.attach_weights`). Other trainable parameters stay resident. An fp32 one on the SSD
-  tier keeps no copy at all (one process): its copy *is* the optimizer's fp32 master, the head of
-  each of its state chunks, which the streamer reads (`use_master`) and the update writes.
+Release (FSDP's mechanism): ``p.untyped_storage().resize_(0)`` frees a weight; ``resize_(nbytes)`` and a copy
+through ``p.data`` refill it. The storage object stays the same, so tensors autograd saved see the bytes
+again, and a ``.data`` copy leaves the version counter alone. Reading a released weight outside the hooks is
+undefined (on the CPU it can crash): `state_dict` is served from the tier copies, `load_state_dict` writes them.
 
-Parameters outside the blocks (embeddings, final norm, head) and parameters shared by two places
-(tied weights) stay resident.
+Schedule, ``k = weight_prefetch_blocks``: the forward of block ``i`` waits for it, uploads ``i+1 … i+k`` ahead
+(SSD reads into staging buffers, then the copy on the upload thread) and afterwards releases it unless it is
+one of the last ``k`` (backward needs those first). Backward entering ``i`` releases ``i+1``, waits for ``i``
+and uploads ``i-1 … i-k``; its end, or an exception in a forward, releases the rest. So at most ``k + 1``
+blocks are on the device (``window_bytes``), counted from the start of their upload.
 
-Mechanism (FSDP's): a weight is released with ``p.untyped_storage().resize_(0)`` and
-rematerialised with ``resize_(nbytes)`` and a copy through ``p.data``. The storage object stays
-the same, so every tensor autograd saved for backward (the weight, ``w.t()``) sees the bytes
-again; a ``.data`` copy does not bump the parameter's version counter, so autograd does not
-refuse them. Reading a released weight outside the hooks is undefined (on the CPU it can crash):
-`state_dict` is served from the tier copies, and `load_state_dict` into a streamed block
-materialises it, loads, and writes the loaded values to the tier copies.
-
-Schedule with ``k = config.weight_prefetch_blocks``:
-
-- forward of block ``i``: wait for its weights, put blocks ``i+1 … i+k`` on the device ahead (SSD
-  reads into pool staging buffers, then the copy into their device storage on the streamer's
-  upload thread — a side stream on CUDA — so the compute thread only waits); after the
-  block, release its weights unless it is one of the last ``k`` blocks (backward needs them first,
-  when grad is enabled). The first block's forward releases whatever an earlier pass left.
-- backward entering block ``i`` (the gradient of its output is ready): release block ``i+1``,
-  wait for block ``i``, put ``i-1 … i-k`` on the device ahead; the end of backward releases the rest.
-- an exception inside a block's forward releases everything.
-
-Exactness: a block is read at its forward and at its backward; the optimizer publishes a
-parameter only after its gradient is final (after the block's backward). Under the ``backward``
-schedule ``step()`` waits for every publish before it returns; under ``next_forward`` the updates
-run after ``step()``, and the streamer reads a block's tier copies only once their updates landed
-(``updates``, the optimizer's `PendingUpdates`: a block whose updates are still running is not
-put on the device ahead, and its forward waits for them). Either way the next forward reads the
-new weights, never a stale or half-written one (futures, not timing).
-
-So the device holds at most ``k + 1`` blocks' streamed weights (``window_bytes``); a block put on
-the device ahead counts from the moment its upload starts. `meter` counts
-the device bytes of weights and gradients: resident parameters, buffers and resident gradients
-(counted as always present), the streamed weights materialised now, and streamed gradients until
-the optimizer has copied them off the device; its high-water mark is what ``device_memory_budget``
-is checked against. Activations are not counted. Host copies ("host" tier), the staging buffers of
-SSD reads and the gradients' host copies come from the store's host buffer pool.
-"""
+Exactness: the optimizer publishes a parameter only after its gradient is final; a block whose updates are
+still running (``updates``) is not uploaded ahead and its forward waits for them (futures, not timing).
+`meter` counts device bytes of weights and gradients (not activations) against ``device_memory_budget``."""
 
 from __future__ import annotations
 
@@ -176,10 +145,8 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _streamable(model: torch.nn.Module, blocks: list[torch.nn.Module], tiers: list[Tier],
                 trainable: Any) -> list[tuple[int, str, torch.nn.Parameter]]:
-    """``(block index, name in the block, parameter)`` of every parameter a streamer with these tiers
-    releases: in a block not on the device tier, used by that block only, owning its whole storage,
-    and frozen or ``trainable(p)`` (the optimizer publishes its updates). Shared (tied) parameters
-    and those outside the blocks stay resident."""
+    """``(block index, name in the block, parameter)`` of every parameter a streamer with these tiers releases:
+    in a block not on the device tier, used by that block only, owning its whole storage, frozen or ``trainable(p)``."""
     prefixes: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for i, block in enumerate(blocks):
@@ -207,10 +174,9 @@ def _streamable(model: torch.nn.Module, blocks: list[torch.nn.Module], tiers: li
 
 
 def streamed_parameter_names(model: torch.nn.Module, config: FuyouConfig, weights: Any = None) -> list[str]:
-    """The names (as ``model.named_parameters()`` gives them) of the trainable parameters a
-    `WeightStreamer` on ``model`` with ``weights`` (default ``config.weights``) streams, when every
-    parameter that requires grad is the optimizer's. Data parallelism needs them before the model is
-    wrapped in ``DistributedDataParallel``, which must leave them alone (`FuyouAdamW` sums them itself)."""
+    """Names (as ``model.named_parameters()``) of the trainable parameters a `WeightStreamer` with ``weights``
+    (default ``config.weights``) streams when the optimizer owns every parameter that requires grad: what
+    ``DistributedDataParallel`` must leave alone (`FuyouAdamW` sums them itself)."""
     weights = (config.weights or "device") if weights is None else weights  # unset: resident (`placement_defaults`)
     blocks = discover_blocks(model, config.blocks)
     tiers = resolve_per_block("weights", weights, len(blocks), Tier, Tier.DEVICE)
@@ -219,30 +185,24 @@ def streamed_parameter_names(model: torch.nn.Module, config: FuyouConfig, weight
 
 
 class WeightStreamer:
-    """Streams the repeated blocks' weights from host memory or SSD; see the module docstring.
+    """Streams the repeated blocks' weights from host memory or SSD (module docstring).
 
     Args:
-        model: the model; its repeated blocks are found by `discover_blocks` (or ``config.blocks``).
-        config: ``weights`` (a tier for all blocks or ``{index: tier}``), ``weight_prefetch_blocks``,
-            ``device_memory_budget`` (checked at install: resident bytes, the window and the largest
-            streamed gradient must fit) and the storage knobs.
-        memory: the run's memory tiers (`storage.MemoryTiers`: the tensor store, its pool and the
-            budget's split) to borrow, e.g. the engine's; by default the streamer builds its own when a
-            block is streamed and closes them in `close()`. A borrowed one calls `uninstall` before it
-            closes (`MemoryTiers.on_close`): a model that outlives the run keeps its weights.
-        weights: the weight tiers, in place of ``config.weights`` (`FuyouEngine` applies a plan's).
-        blocks: the blocks, in forward order, instead of discovering them.
-        trainable: the trainable parameters to stream, each with the optimizer's chunk length
-            (elements); the optimizer must then publish their updates (`publish`). Trainable
-            parameters not listed stay resident.
-        device: where materialised weights live (default: the device of the model's first
-            parameter not on the meta device, else the CPU).
-        init_weights: for a model built on the meta device (see `materialize`): each streamed
-            block is materialised on ``device``, initialised with this, written to its tier and
-            released before the next one, so the model is never whole in memory.
+        model: the model; its repeated blocks come from `discover_blocks` (or ``config.blocks``).
+        config: ``weights``, ``weight_prefetch_blocks``, ``device_memory_budget`` and the storage knobs.
+        memory: the run's `MemoryTiers` to borrow (e.g. the engine's), which calls `uninstall` before it
+            closes; default: the streamer builds its own when a block is streamed, closed by `close()`.
+        weights: the tiers (one for all, or ``{index: tier}``), in place of ``config.weights``.
+        blocks: the blocks in forward order, instead of discovering them.
+        trainable: trainable parameters to stream -> the optimizer's chunk length (elements); the optimizer
+            must `publish` their updates.
+        device: where materialised weights live (default: the model's first non-meta parameter's, else CPU).
+        init_weights: for a model on the meta device (`materialize`): each streamed block is materialised,
+            initialised with this, written to its tier and released before the next.
 
-    Raises `ConfigError` at `install` when the host tier, the staging buffers and the gradients'
-    host copies cannot fit ``host_memory_budget``, or the window cannot fit ``device_memory_budget``.
+    Raises `ConfigError` at `install` when the host tier, the staging buffers and the largest gradient's host
+    copy do not fit ``host_memory_budget``, or resident bytes, the window and the largest streamed gradient
+    do not fit ``device_memory_budget``.
     """
 
     def __init__(self, model: torch.nn.Module, config: FuyouConfig | None = None, *, memory: MemoryTiers | None = None,
@@ -353,9 +313,8 @@ class WeightStreamer:
         pool = self.store.pool
         host = sum(round_up(w.nbytes) for u in units.values() if u.tier is Tier.HOST for w in u.weights)
         staging = max((u.staging for u in units.values() if u.tier is Tier.SSD), default=0)
-        # Weights draw on the share host-policy activations would otherwise use: the optimizer's
-        # read-ahead and the activation staging keep theirs (`host_budget_split`). A streamed
-        # gradient's host copy waits for room (the optimizer frees them as it goes): one must fit.
+        # Weights draw on the host activations' share (`host_budget_split`); a streamed gradient's host
+        # copy waits for room (the optimizer frees them as it goes), so one must fit.
         free = min(self._shares().host_activations, pool.budget - pool.lent)
         if host + staging + round_up(grad) > free:
             raise ConfigError(
@@ -432,10 +391,8 @@ class WeightStreamer:
         return [(w, k, w.span(k)[1] * w.param.element_size()) for w in unit.weights for k in range(w.nchunks)]
 
     def _prefetch(self, i: int) -> bool:
-        """Start putting block ``i``'s weights on the device ahead of its use: SSD reads into staging
-        buffers (if the pool has room now; never waits), then, on the upload thread, the copy into
-        the weights' device storage (`device.transfer`: a side stream on CUDA). Returns False
-        when there was no room for the staging buffers."""
+        """Start putting block ``i`` on the device ahead: SSD reads into staging buffers (only if the pool has
+        room now; never waits), then the copy on the upload thread. False: no room, or its updates pending."""
         unit = self._units.get(i)
         if unit is None or unit.resident:
             return True
@@ -588,11 +545,9 @@ class WeightStreamer:
                 self._release(unit)
 
     def move_to(self, device: torch.device) -> None:
-        """Make ``device`` where the streamed weights live, every block released: each weight becomes an
-        empty tensor there (its values stay in their tier copies, served by ``state_dict``), so that a
-        framework moving the whole module (Lightning's teardown: ``module.cpu()``) never copies a
-        released storage, which on an accelerator is a copy from a null pointer. Later forwards fill
-        them on ``device``. Between steps, with no update in flight."""
+        """Make ``device`` the streamed weights' home, every block released to an empty tensor there, so a
+        framework moving the module (Lightning's ``module.cpu()``) never copies a released storage (on an
+        accelerator, from a null pointer). Between steps, with no update in flight."""
         with self._lock:
             for unit in self._units.values():
                 self._release(unit)  # waits for an upload in flight
@@ -609,12 +564,8 @@ class WeightStreamer:
         return param in self._weights
 
     def publish(self, param: torch.nn.Parameter, k: int, values: torch.Tensor) -> Future | None:
-        """Make ``values`` chunk ``k`` of trainable ``param``'s tier copy (cast to its dtype).
-
-        The host tier copies at once (returns ``None``); the SSD tier writes through a pool
-        buffer and returns the write's future. Called by the optimizer once ``param``'s gradient
-        is final; the next materialisation of the block reads the new value.
-        """
+        """Make ``values`` chunk ``k`` of trainable ``param``'s tier copy (cast to its dtype), once its gradient
+        is final. Returns the SSD write's future, or ``None`` (host tier: copied at once)."""
         w = self._weights[param]
         start, n = w.span(k)
         if w.master:  # the update writes ``values`` into the state chunk this copy is the head of
@@ -627,11 +578,10 @@ class WeightStreamer:
         return self.store.write_chunk(w.entry, k, buf)
 
     def use_master(self, param: torch.nn.Parameter, entry: str, chunk_elems: int) -> bool:
-        """Let trainable ``param``'s SSD tier copy be the fp32 master at the head of each chunk of the optimizer's
-        state entry ``entry`` (its value already: call it once the master is written) and delete the copy of its
-        own: 4 bytes per parameter less on the SSD and per step over it. Only an fp32 weight on the SSD tier
-        chunked like the state (``chunk_elems`` per chunk) qualifies; returns whether ``param`` now streams from
-        the master. Between steps."""
+        """Let trainable ``param``'s SSD copy be the fp32 master at the head of each chunk of state entry ``entry``
+        (call once the master is written) and delete its own: 4 bytes per parameter less on the SSD and per
+        step. Only an fp32 SSD weight chunked like the state (``chunk_elems``) qualifies; returns whether it
+        did. Between steps."""
         w = self._weights.get(param)
         if (w is None or w.master or w.entry is None or w.dtype != torch.float32
                 or w.chunk_elems != min(chunk_elems, w.numel)):
@@ -654,9 +604,9 @@ class WeightStreamer:
         return list(self._all)
 
     def assign(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
-        """Make ``value`` streamed ``param``'s tier copy: data parallelism's non-owners take their owner's
-        new weights so. Any thread, without the streamer's lock (the training thread may hold it while it
-        waits for this weight): the block's reads wait for it (``updates``), so none is in flight."""
+        """Make ``value`` streamed ``param``'s tier copy (data parallelism's non-owners take their owner's weights).
+        Any thread, without the streamer's lock (the training thread may hold it waiting for this weight); the
+        block's reads wait for it through ``updates``."""
         w = self._all[param]
         self._write_tier(w, value.reshape(-1))
         if self._units[w.block].resident:  # e.g. kept from a forward that had no backward: its bytes too
@@ -714,9 +664,8 @@ class WeightStreamer:
 
     # -- removing --------------------------------------------------------------------------------------
     def uninstall(self, *, force: bool = False) -> None:
-        """Remove the hooks and make every streamed weight resident again (bitwise its tier copy): on its device,
-        or, for the blocks that no longer fit there (a model streamed because it is larger than the device), on
-        the CPU, with a warning. Nothing is lost either way: the tier copies are read before they go."""
+        """Remove the hooks and make every streamed weight resident again, bitwise its tier copy: on its device,
+        or, with a warning, on the CPU for blocks that no longer fit there."""
         if not self._active and not force:
             return
         with self._lock:

@@ -1,66 +1,36 @@
 """The cost model: predicted step time and per-tier peak memory for any per-block policy.
 
-A `Profile` describes one training step of one model on one machine: per block its forward
-and backward time, saved-activation bytes, parameters and compute-weight bytes with the tier
-those weights live in (``device``, ``host`` or ``ssd``); the rest of the model; the
-device↔host and SSD bandwidths; the CPU AdamW throughput; and the budgets of each tier. It
-comes from a warm-up measurement (`profile.WarmupProfiler.profile`) or from a model and hardware
-description (`spec.analytic_profile`, for ``fuyou plan``) — the model below is the same.
+A `Profile` describes one step of one model on one machine: per block its forward and backward time,
+activation bytes, parameters and weight bytes with their tier; the rest of the model; link and SSD
+bandwidths; CPU AdamW throughput; the tiers' budgets. It comes from a warm-up
+(`profile.WarmupProfiler.profile`) or from a model and hardware description (`spec.analytic_profile`).
 
-`predict` simulates a step as tasks on four resources, each serving its tasks in the order
-the runtime issues them:
+`predict` simulates a step as tasks on four in-order resources:
 
 - ``compute`` (the device): block forwards, recomputation, block backwards, the rest of the model;
-- ``link`` (device↔host copies, both directions on one in-order resource): activations out in
-  forward and back in backward; streamed weights in, and their gradients out;
-- ``ssd`` (all swap directories, reads and writes sharing the drives): activation writes and
-  prefetch reads, weights streamed from the ``ssd`` tier, and the optimizer's state traffic —
-  so they compete, as they do;
-- ``cpu`` (the optimizer worker): AdamW on each parameter's chunks.
+- ``link`` (device↔host, both directions): activations out and back, streamed weights in, their gradients out;
+- ``ssd`` (every swap directory, reads and writes): activation swaps, ``ssd``-tier weights and the
+  optimizer's state traffic, competing as they do;
+- ``cpu`` (the optimizer worker): AdamW on each parameter set.
 
-A task starts when its inputs are ready and its resource is free, so compute and data
-movement overlap exactly as far as the dependencies allow (with ``blocking_swap_out``, as the
-runtime does today, the copy out of a swapped activation runs on the compute resource; the
-SSD write after it is asynchronous): an activation is prefetched when
-backward enters the block ``prefetch_blocks`` later, a block's backward waits for its
-activations (or its recomputation), and the optimizer update of a block's parameters starts
-when its backward has produced their gradients (Fuyou's overlap). What cannot overlap — the
-updates of the blocks that receive their gradients last, and of the rest of the model — ends
-the step.
+A task starts when its inputs are ready and its resource is free, so overlap is what the dependencies
+allow: activations come back ``prefetch_blocks`` ahead in backward, a block's backward waits for them (or
+its recomputation), a block's update starts once its gradients exist, and the last updates end the step.
+``blocking_swap_out`` and ``blocking_weight_copy`` put device↔host copies on ``compute``, as the runtime does.
 
-Weights of a block whose ``weight_tier`` is ``host`` or ``ssd`` are streamed as the runtime
-(`params.WeightStreamer`) streams them, with ``k = weight_prefetch_blocks``: entering a block in
-forward issues the reads of the weights of that block and the next ``k`` (from SSD, then over the
-link; the block's forward waits for them); the last ``k`` blocks' weights are still on the device
-when backward starts, and backward reads the others again, ``k`` ahead in reverse order; each
-streamed block's gradients (of its trainable weights) leave over the link as soon as its backward
-ends (every micro-batch), and its update starts from them. The updated weight goes back to its
-tier (written to SSD for ``ssd``; nothing moves for ``host``) instead of being uploaded to the
-device; frozen weights are never written back, and with ``weights_from_master`` (fp32 weights, one
-process) the SSD tier's trainable weights are the masters in the state: neither stored nor written
-apart from it; with ``masters_in_weights`` (fp32 compute on the CPU) a resident weight is its master, and its
-update reads only the moments from the SSD. With ``blocking_weight_copy``, as the runtime does
-today, the copy onto the device runs on the compute resource as the block starts (only the SSD
-read ahead is asynchronous), and so does the copy of the gradients off it. Device-resident
-weights are not touched by any of this.
+Streamed weights (``weight_tier`` ``host`` or ``ssd``) follow `params.WeightStreamer`, ``k =
+weight_prefetch_blocks``: read ``k`` blocks ahead in forward and, in reverse, in backward (the last ``k``
+blocks stay); gradients leave over the link after each block's backward; the update writes the weight back
+to the SSD tier instead of uploading it. ``weights_from_master``: SSD-tier trainable weights are the
+state's masters, not stored or written apart; ``masters_in_weights``: a resident weight is its master and
+its update reads only the moments.
 
-Under the ``backward`` schedule the model follows two things the runtime's speculative updates do
-(`optim.schedule.Speculative`). **The tail's state is read ahead:** the updates whose gradients
-arrive in the last `TAIL_SHARE` of backward (the rest of the model, whose embeddings come last, then
-the first blocks) have their state read from the SSD from the first gradient of backward on, in the
-drive's idle time, last arrival first, into what the host budget leaves spare; such an update then waits
-only for its gradients and the CPU. Which updates form the tail is learnt from a first pass without it,
-as the runtime learns it from the window before. **The state writes land behind the step:** ``step()``
-waits for every update's computation and publication but not for its write to the shadow slot, so the
-step ends when the last update is computed; the writes still on the drive then hold up the next step's
-SSD traffic (forward's weight reads and activation writes), which a second pass models by starting
-with the drive busy for as long as the first left it busy after the step. Under ``next_forward`` an
-update lands (and the forward that waits for it starts) only once its state is written.
-
-When gradient clipping bites (``redo_fraction`` of the steps), FuyouAdamW makes a second,
-unoverlapped pass over every parameter; that is added in proportion. With
-``overlap_optimizer=False`` every update waits for the end of backward (the ZeRO-Infinity
-schedule, for comparison).
+Under the ``backward`` schedule (`optim.schedule.Speculative`) the state of the updates whose gradients
+arrive in the last `TAIL_SHARE` of backward is read ahead from the first gradient on, into spare host
+memory (a first pass learns the tail), and ``step()`` does not wait for state writes, which hold up the
+next step's drive (a second pass starts with it busy). Under ``next_forward`` an update lands once its
+state is written. A clipping redo (``redo_fraction``) adds an unoverlapped pass in proportion;
+``overlap_optimizer=False`` runs every update after backward (ZeRO-Infinity's schedule).
 """
 
 from __future__ import annotations
@@ -82,13 +52,9 @@ OPTIMIZER_SSD_SLOTS = 2  # active + shadow (`Profile.state_slots`' default)
 
 @dataclass
 class BlockProfile:
-    """One repeated block (a transformer layer) for one micro-batch.
-
-    ``weight_bytes`` are the block's compute weights, ``frozen_weight_bytes`` the part of them
-    that is frozen (no gradients, never written back; the rest has gradients as large), and
-    ``weight_tier`` where they live between uses: ``"device"`` (resident, with the gradients),
-    ``"host"`` or ``"ssd"`` (streamed per block, see `predict`).
-    """
+    """One repeated block (a transformer layer) for one micro-batch. ``weight_bytes``: its compute weights,
+    of which ``frozen_weight_bytes`` are frozen (no gradients, never written back); ``weight_tier``: where they
+    live between uses (``"device"``, with their gradients; ``"host"`` or ``"ssd"``: streamed)."""
 
     fwd_s: float
     bwd_s: float
@@ -133,34 +99,26 @@ class Profile:
     ssd_write_bytes_per_s: float = 2e9
     adam_params_per_s: float = 1e9  # CPU AdamW throughput (parameters per second)
     weight_upload_bytes_per_param: float = 0.0  # copying an updated resident weight to the device (0: device is host)
-    # What stays on the device regardless of policies and weight tiers: the weights outside the blocks and
-    # their gradients, the runtime. Not the blocks' weights: `predict` adds those of device-tier blocks
-    # (with their gradients) and the window of streamed ones in flight.
+    # What stays on the device whatever the policies: weights outside the blocks, their gradients, the runtime
+    # (`predict` adds the blocks' weights).
     device_base_bytes: int = 0
     optimizer_host_bytes: int = 0  # host pool bytes host-policy activations leave free (HostShares.reserved)
     micro_batches: int = 1
-    # Ranks (GPUs) of data parallelism on this machine: each runs these micro-batches; each block's
-    # gradients are all-reduced over the link in the last backward (ring: 2(N-1)/N of their bytes per
-    # GPU), and the optimizer - the machine's CPU and SSDs, shared - updates the whole model once.
+    # Data-parallel ranks on this machine: each runs these micro-batches, gradients are all-reduced over the
+    # link in the last backward (ring), and the machine's shared CPU and SSDs update the model once.
     data_parallel: int = 1
     prefetch_blocks: int = 2  # activations read back ahead in backward
     weight_prefetch_blocks: int | None = None  # streamed weights read ahead; None: prefetch_blocks
     redo_fraction: float = 0.0  # share of steps where clipping bites: the optimizer makes a second pass
-    # When the updates run (`FuyouConfig.optimizer_schedule`): "backward" (overlapped with backward, a
-    # redo when clipping bites), "next_forward" (exact, ahead of the next forward, which waits for each
-    # block's update; no redo), or "auto": whichever `predict` finds faster, as the runtime's chooser does.
+    # When the updates run (`FuyouConfig.optimizer_schedule`): "backward", "next_forward" (each block's forward
+    # waits for its update; no redo) or "auto" (the faster, by `predict`).
     schedule: str = "backward"
-    # The runtime copies a swapped tensor out inside the forward (the pack hook), on the compute
-    # thread or stream; only the SSD write is asynchronous. False models a side-stream copy.
+    # The runtime copies a swapped tensor out on the compute thread (the pack hook); False: a side stream.
     blocking_swap_out: bool = True
-    # Likewise the streamer copies a block's weights onto the device as the block starts, and the optimizer
-    # its gradients off it, on the compute thread; only the SSD reads ahead are asynchronous. False models
-    # side-stream copies over the link.
+    # Likewise streamed weights in and their gradients out; False: side-stream copies over the link.
     blocking_weight_copy: bool = True
-    # Under the backward schedule the runtime reads the state of the updates whose gradients come last ahead,
-    # while the drive idles in backward, and step() leaves the state writes to land behind it (see `predict`).
-    # False models a runtime without them: the schedule of Fuyou's paper, whose figures `fuyou plan
-    # --paper-runtime` reproduces.
+    # The backward schedule's tail read-ahead and state writes behind step() (module docstring); False models
+    # Fuyou's paper (`fuyou plan --paper-runtime`).
     tail_read_ahead: bool = True
     writes_behind: bool = True
     state_slots: int = OPTIMIZER_SSD_SLOTS  # FuyouConfig.state_slots: copies of the state kept per parameter
@@ -169,12 +127,11 @@ class Profile:
     # Optimizer state held in host RAM (FuyouConfig.host_state): bytes (every slot), or None: whatever the
     # host budget leaves (all of it without a host budget); 0: all of the state on the SSD.
     host_state: int | None = 0
-    # The SSD tier's trainable weights are the fp32 masters at the head of their state chunks (fp32 compute, one
-    # process: `WeightStreamer.use_master`): the update writes them with the state, no copy of their own on the
-    # SSD and no write-back; frozen weights keep their copies.
+    # The SSD tier's trainable weights are the fp32 masters in their state chunks (`WeightStreamer.use_master`):
+    # no copy of their own, no write-back; frozen weights keep their copies.
     weights_from_master: bool = False
-    # A resident trainable weight holds its fp32 master (fp32 compute on the CPU: `OptimizerState.param_holds`):
-    # its update reads only the moments from the SSD, the master comes from the weight (4 bytes less per parameter).
+    # A resident trainable weight holds its fp32 master (`OptimizerState.param_holds`): its update reads only
+    # the moments from the SSD.
     masters_in_weights: bool = False
     device_budget: int | None = None
     host_budget: int | None = None
@@ -265,18 +222,13 @@ class _Schedule:
 
 def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Sequence[str] | None = None,
             overlap_optimizer: bool = True, timeline: bool = False, schedule: str | None = None) -> Prediction:
-    """Predicted step time and peaks for one policy per block (see the module docstring), with the
-    profile's weight tiers or ``weight_tiers`` (one per block); with ``timeline``, every simulated
-    task in `Prediction.timeline` (the picture ``fuyou report`` draws beside a measured trace).
+    """Predicted step time and peaks for one policy per block (module docstring), with the profile's weight
+    tiers or ``weight_tiers``; ``timeline``: every task in `Prediction.timeline` (``fuyou report`` draws it).
 
-    ``schedule`` (default: the profile's) is when the updates run. Under ``"backward"`` they follow
-    each block's gradients, the tail's state read ahead and the state writes landing behind the step
-    (two passes: the first learns the tail and how long the writes outlast the step). Under
-    ``"next_forward"`` the steady-state step starts with the previous step's updates, in forward order
-    (the rest of the model - embeddings - first, then block 0, 1, ...); each block's forward waits for its
-    own update, written (and a streamed block's read for the weight written back), and backward queues
-    nothing: the step ends with backward, and there is no redo. ``"auto"`` predicts both and returns the
-    faster."""
+    ``schedule`` (default: the profile's): ``"backward"`` (two passes: the first learns the tail and how long
+    the writes outlast the step); ``"next_forward"`` (the step starts with the previous step's updates in
+    forward order, each block's forward waiting for its own, and ends with backward; no redo); ``"auto"``:
+    the faster of the two."""
     schedule = schedule or profile.schedule
     if schedule == "auto" and overlap_optimizer:
         both = [predict(profile, policies, weight_tiers=weight_tiers, timeline=timeline, schedule=name)
@@ -295,9 +247,8 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
 
 
 def _tail(arrivals: dict) -> list:
-    """The updates (``"rest"`` or block index) whose gradients arrived in the last `TAIL_SHARE` of the time from
-    the first arrival to the last, the last one first: whose state the runtime reads ahead
-    (`optim.schedule.Speculative._end_window`)."""
+    """The updates (``"rest"`` or block index) whose gradients arrived in the last `TAIL_SHARE` of the arrivals'
+    span, last first: whose state the runtime reads ahead (`optim.schedule.Speculative._end_window`)."""
     if len(arrivals) < 2:
         return []
     first, last = min(arrivals.values()), max(arrivals.values())
@@ -309,11 +260,10 @@ def _tail(arrivals: dict) -> list:
 def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy], *,
               overlap_optimizer: bool = True, ahead: bool = False, timeline: bool = False, tail: Sequence = (),
               behind: float = 0.0) -> tuple[Prediction, dict, float]:
-    """One simulated step (`predict`). ``ahead``: the ``next_forward`` schedule; else, with
-    ``overlap_optimizer``, the ``backward`` one, whose ``tail`` updates have their state read ahead and
-    whose drive is busy for the first ``behind`` seconds with the writes of the step before. Returns the
+    """One simulated step. ``ahead``: the ``next_forward`` schedule; else, with ``overlap_optimizer``, the
+    ``backward`` one, ``tail`` read ahead and the drive busy for the first ``behind`` seconds. Returns the
     prediction, when each update's gradients were ready (``"rest"`` or block index -> seconds; ``backward``
-    only) and how long the drive stayed busy after the step (the writes landing behind it)."""
+    only) and how long the drive stayed busy after the step."""
     n = len(blocks)
     speculative = overlap_optimizer and not ahead
     # when an update of the step is finished for step(): computed and published, its state written unless the
@@ -466,8 +416,7 @@ def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) 
     else:
         room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
     # Room for all of it holds every parameter: ``total // per_param`` can come out one short in floating point
-    # (a padded, non-integral ``per_param``), which would leave a last parameter's state on the SSD in a swap
-    # file sized for the whole state.
+    # (a non-integral ``per_param``).
     params = profile.params if room >= total else int(room // per_param)
     ram: dict = {}
     for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:
@@ -524,11 +473,10 @@ def _state_read_bytes(profile: Profile, block: BlockProfile | None) -> float:
 
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
             ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None) -> tuple[float, float]:
-    """One parameter set's AdamW: read state, update on the CPU, write state, then publish the new
-    weight: uploaded to the device when resident (``block`` None or on the device), written back to
-    SSD for the ``ssd`` tier, left in place for ``host``. The state of ``ram`` of the ``params`` is
-    in host RAM: it moves nothing over the SSD; ``ahead``: (bytes, when) of the rest read ahead
-    (`_read_ahead`). Returns when the new weight is published and when the state is written."""
+    """One parameter set's AdamW: read state, update on the CPU, write state, publish the weight (uploaded
+    when resident, written back for ``ssd``, in place for ``host``). ``ram`` of the ``params`` have their
+    state in host RAM; ``ahead``: (bytes, when) read ahead (`_read_ahead`). Returns when the weight is
+    published and when the state is written."""
     if params == 0:
         return grads_ready, grads_ready
     on_ssd, to_read = (params - ram) * profile.state_bytes, (params - ram) * _state_read_bytes(profile, block)
@@ -550,20 +498,11 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
 
 
 def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy]) -> tuple[int, int, int]:
-    """Peak bytes per tier. The device's is the largest of the moments of the step:
-
-    - forward at block ``i``: kept activations of blocks ``<= i`` plus block ``i``'s own
-      (present while it runs, whatever its policy);
-    - backward at block ``i``: kept activations of blocks ``<= i`` (later ones are freed), the
-      activations of swapped blocks ``i-k .. i`` already read back, and block ``i``'s own
-      (recomputed, if so);
-
-    plus the device-tier blocks' weights and gradients and, with streamed weights, a window of the
-    ``k + 1`` largest streamed blocks' weights in flight and the largest one's gradients on their way
-    out. Host-tier weights count in the host's peak, with one staging buffer for the reads of
-    SSD-tier weights and one for streamed gradients on their way to the optimizer (each the
-    largest block's); SSD-tier weights count in the SSD's.
-    """
+    """Peak bytes (device, host, ssd). The device's is the largest of forward at block ``i`` (kept activations
+    of blocks ``<= i`` plus block ``i``'s own) and backward at block ``i`` (kept of ``<= i``, swapped ``i-k ..
+    i`` read back, block ``i``'s own if recomputed), plus device-tier weights and gradients and the streamed
+    window (``k + 1`` largest blocks' weights, the largest one's gradients). The host's adds host-tier weights
+    and one staging buffer each for SSD-tier weight reads and streamed gradients."""
     k = profile.prefetch_blocks
     acts = [b.act_bytes for b in blocks]
     kept_upto, total = [], 0
@@ -592,8 +531,8 @@ def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Poli
 
 
 def _own_copies(profile: Profile, blocks: list[BlockProfile], size: Callable[[BlockProfile], int]) -> int:
-    """``size`` summed over the SSD tier's blocks, less their trainable weights' bytes where those are the
-    masters in the state (`Profile.weights_from_master`): what the weights' own copies take on the SSD
-    (``weight_bytes``), or are written there per step (``grad_bytes``: the trainable part)."""
+    """``size`` summed over SSD-tier blocks, less trainable bytes where those are the state's masters
+    (`Profile.weights_from_master`): the weights' own copies on the SSD (``weight_bytes``) or written per step
+    (``grad_bytes``)."""
     return sum(size(b) - (b.grad_bytes if profile.weights_from_master else 0)
                for b in blocks if b.weight_tier == "ssd")

@@ -1,27 +1,18 @@
-"""The solver: per-block policies (and weight tiers) that minimise predicted step time within the
-budgets, as a `Plan`.
+"""The solver: per-block policies (and weight tiers) that minimise predicted step time within the budgets,
+as a `Plan`.
 
-Search, on the cost model of `cost.predict`, over each block's activation policy and, when asked
-(``weight_tiers``), the tier of its weights too:
+A search on `cost.predict` over each block's activation policy and, with ``weight_tiers``, its weight tier:
 
-1. **Fit.** Start with every block kept and its weights on the device. While a tier is over
-   budget, apply the single-block change (of a policy or of a weight tier) that frees the most
-   over-budget bytes per second of predicted step time it adds.
-2. **Improve.** Apply the single-block change that lowers the predicted step time the most
-   and keeps every tier within budget; repeat until none does. Between plans of the same
-   predicted time, the one with weights on cheaper tiers (device, then host, then ssd) wins.
-3. **Spare the drives** (``write_tolerance`` > 0): apply the change that writes the fewest bytes
-   to the SSD per step while the predicted step stays within ``1 + write_tolerance`` of the
-   fastest; repeat. The plan's ``note`` says what that saved and cost.
+1. **Fit.** From every block kept with its weights on the device, while a tier is over budget apply the
+   single-block change that frees the most over-budget bytes per second of step time it adds.
+2. **Improve.** Apply the change that lowers the predicted step most within budget, until none does; ties go
+   to weights on cheaper tiers (device, then host, then ssd).
+3. **Spare the drives** (``write_tolerance`` > 0): apply the change that writes the fewest SSD bytes per step
+   while the step stays within ``1 + write_tolerance`` of the fastest; the plan's ``note`` says the trade.
 
-Blocks with the same activation (or weight) size are interchangeable except for their position,
-so each round tries, per (current value, new value), the earliest and the latest such block —
-early blocks' activations are needed last in backward, so they are the cheapest to send to SSD —
-and the whole group at once (the device peak can sit on a plateau, such as the prefetch
-window, that no single change lowers: streaming one block's weights adds the window of ``k + 1``
-blocks before it frees anything). That keeps a 96-layer search to seconds.
-
-If no assignment fits, `PlanError` says which tier is short and by how much at best.
+Blocks of equal size differ only by position, so each round tries, per (current, new) value, the earliest and
+the latest such block (early blocks' activations are needed last in backward) and the whole group at once (a
+plateau such as the prefetch window yields to no single change). That keeps a 96-layer search to seconds.
 """
 
 from __future__ import annotations
@@ -44,10 +35,7 @@ _TOLERANCE = 1e-9
 @dataclass
 class Plan:
     """Per-block activation policies and weight tiers, why, and what the cost model predicts for them.
-
-    ``weight_tiers`` holds one of `cost.WEIGHT_TIERS` per block; a plan file without it (written
-    before weight tiers were planned) means every block's weights on the device.
-    """
+    ``weight_tiers``: one of `cost.WEIGHT_TIERS` per block; absent from a plan file, all on the device."""
 
     policies: list[str]
     act_bytes: list[int]
@@ -154,14 +142,10 @@ def fixed_plan(profile: Profile, policies: Sequence[Policy | str], *, weight_tie
 def solve(profile: Profile, *, allowed: Iterable[Policy | str] = tuple(Policy),
           weight_tiers: Iterable[str] | None = None, overlap_optimizer: bool = True,
           write_tolerance: float = 0.0) -> Plan:
-    """The policies that minimise predicted step time within the budgets (see the module docstring).
-
-    ``allowed``: the activation policies to choose from. ``weight_tiers``: the tiers (of
-    `cost.WEIGHT_TIERS`) to choose each block's weights from, jointly with the policies; ``None``
-    keeps each block's `BlockProfile.weight_tier`. ``write_tolerance``: the share of predicted step
-    time worth giving up for fewer SSD writes per step (0: the fastest plan). Raises `PlanError` when
-    nothing fits, naming the tier that is short and by how much at best.
-    """
+    """The policies that minimise predicted step time within the budgets (module docstring). ``allowed``: the
+    activation policies to choose from; ``weight_tiers``: the tiers to choose each block's weights from (``None``
+    keeps each block's); ``write_tolerance``: the share of step time worth giving up for fewer SSD writes (0:
+    the fastest). Raises `PlanError` when nothing fits, naming the tier that is short and by how much."""
     allowed = [Policy(p) for p in allowed]
     tiers = None if weight_tiers is None else list(weight_tiers)
     if tiers is not None and (not tiers or any(t not in WEIGHT_TIERS for t in tiers)):

@@ -1,76 +1,46 @@
 """Model and hardware descriptions for ``fuyou plan``: a `Profile` without instantiating anything.
 
-**Models.** `ModelSpec` holds a decoder-only transformer's shape. Presets:
+**Models** (`ModelSpec`; a Hugging Face ``config.json`` with GPT-2 or Llama-style keys reads the same way):
 
-- ``gpt3-13b``, ``gpt3-175b``: Brown et al. 2020 ("Language Models are Few-Shot Learners"),
-  Table 2.1: 40 layers × 5120 (40 heads) and 96 layers × 12288 (96 heads), context 2048,
-  vocabulary 50257, FFN 4× hidden, GeLU.
-- ``llama-70b``: Touvron et al. 2023 ("Llama 2"), and its ``config.json``: 80 layers × 8192,
-  64 heads with 8 key-value heads, FFN 28672 (SwiGLU), vocabulary 32000, context 4096.
+- ``gpt3-13b``, ``gpt3-175b``: Brown et al. 2020 ("Language Models are Few-Shot Learners"), Table 2.1:
+  40 layers × 5120 (40 heads) and 96 × 12288 (96 heads), context 2048, vocabulary 50257, FFN 4× hidden, GeLU.
+- ``llama-70b``: Touvron et al. 2023 ("Llama 2") and its ``config.json``: 80 layers × 8192, 64 heads with 8
+  key-value heads, FFN 28672 (SwiGLU), vocabulary 32000, context 4096.
 
-A Hugging Face ``config.json`` (GPT-2 or Llama-style keys) is read the same way.
+**Per-block costs** (a micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``):
 
-**Per-block costs** (per micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``):
+- FLOPs: forward ``2·b·s·P_block + 4·b·s²·h``, backward twice that; time = FLOPs ÷ (peak × ``efficiency``).
+- Saved activations, 16-bit, no s×s scores kept: ``b·s·h·(15 + 19·ffn/(4h))`` bytes (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation": GPT's 34·sbh is 15 attention + 19 MLP at ffn = 4h; the MLP part scaled).
+- Weights: 16-bit, ``2·P_block`` bytes per block, gradients as many.
 
-- FLOPs: forward ``2·b·s·P_block + 4·b·s²·h`` (matmuls plus attention scores and context),
-  backward twice that; time = FLOPs ÷ (peak × ``efficiency``).
-- Saved activations in 16-bit, FlashAttention-style (no s×s score matrix kept):
-  ``b·s·h·(15 + 19·ffn/(4h))`` bytes, Korthikanti et al. 2022 ("Reducing Activation
-  Recomputation in Large Transformer Models"), whose 34·sbh for GPT splits into 15 (attention)
-  and 19 (MLP with ffn = 4h); the MLP part is scaled to the actual FFN width.
-- Weights: 16-bit, ``2·P_block`` bytes per block (its gradients as many).
+**TFLOPS** (`step_flops`), printed twice: *model FLOPs*, forward + backward, ``3 × (2·P·tokens +
+4·b·s²·h·layers)`` plus the LM head, recomputation not counted; and *Fuyou's paper's count*, every block's
+forward twice (Megatron-LM's ``96·B·s·l·h²·(1 + s/6h + V/16lh)``, Narayanan et al. 2021), about 4/3 of the
+model FLOPs. The paper's count is inferred from its numbers: its 156 TFLOPS for GPT-3 13B on an RTX 4090 is
+71% of peak in this count but 94% in model FLOPs, above what the matmuls alone reach; it also reproduces the
+paper's SSD sweep (``tests/test_planner.py``).
 
-**How TFLOPS are counted** (`step_flops`). ``fuyou plan`` prints two numbers per plan:
+**Hardware** (`Hardware`: peak dense 16-bit tensor TFLOPS with FP32 accumulation; memory from data sheets):
 
-- *model FLOPs*: forward + backward, ``3 × (2·P·tokens + 4·b·s²·h·layers)`` plus the LM head
-  — "6·P·tokens + attention"; recomputation, when a plan recomputes, is not counted;
-- *Fuyou's paper's count*: every block's forward counted twice, as if all activations were
-  recomputed, whether or not any are — Megatron-LM's ``96·B·s·l·h²·(1 + s/6h + V/16lh)``
-  (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters"),
-  i.e. 8·P·tokens + attention, about 4/3 of the model FLOPs. The paper's text was not
-  available to check; this is inferred from its numbers: GPT-3 13B at 156 TFLOPS on an RTX
-  4090 (abstract) would be 94% of the card's 165 TFLOPS tensor peak in model FLOPs, which no
-  whole training step reaches (the matmuls alone measure 96%, below), but 71% in this count.
-  The same count reproduces the paper's SSD sweep (``tests/test_planner.py``).
-
-**Hardware.** `Hardware` presets (peak dense 16-bit tensor TFLOPS as PyTorch runs it, with
-FP32 accumulation; memory from the vendors' data sheets):
-
-- ``rtx4090``: 24 GB; 165.2 TFLOPS — NVIDIA Ada architecture whitepaper, appendix table for
-  the GeForce RTX 4090: FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.4 sparse);
-  330.3 with FP16 accumulate, which PyTorch's cuBLAS calls never use (both rates and that fact:
-  pytorch/pytorch#123157); 82.6 is the non-tensor FP32 rate. ``efficiency`` 0.96: measured
-  ``torch.matmul`` fp16 at n=8192 on an RTX 4090, 158.6 TFLOPS (mli/transformers-benchmarks#4;
-  a second card measured 162.6 at 8192³ stock, JustAResearcher/gpu-unlock-ada, evidence
-  rtx4090-595.91.07). It is the matmuls' rate, applied to every FLOP of the step;
-  elementwise kernels are not modelled. Link: PCIe 4.0 x16 is 31.5 GB/s raw each way
-  (16 GT/s × 16 lanes × 128/130); copies measure 24–27 GB/s on RTX 4090 hosts, and share
-  about that when both directions run (NVIDIA/nvbandwidth#15) → 25 GB/s, one resource for
-  both directions (see `cost`);
+- ``rtx4090``: 24 GB; 165.2 TFLOPS (NVIDIA Ada whitepaper, FP16/BF16 with FP32 accumulate, dense; the 330.3
+  FP16-accumulate rate is never used by PyTorch's cuBLAS calls, pytorch/pytorch#123157). ``efficiency`` 0.96:
+  ``torch.matmul`` fp16 at n=8192 measures 158.6 TFLOPS (mli/transformers-benchmarks#4; 162.6 on a second card,
+  JustAResearcher/gpu-unlock-ada, evidence rtx4090-595.91.07), applied to every FLOP (elementwise kernels not
+  modelled). Link: PCIe 4.0 x16, 31.5 GB/s raw each way; copies measure 24–27 GB/s and share about that both
+  ways (NVIDIA/nvbandwidth#15) → 25 GB/s, one resource for both directions;
 - ``a100-80g``: 80 GB, 312 TFLOPS, PCIe 4.0 → 25 GB/s;
 - ``h100``: 80 GB, 989 TFLOPS (SXM), PCIe 5.0 → 50 GB/s;
-- ``cpu``: no accelerator (device = host RAM), 1 TFLOPS, memcpy-speed "link" of 10 GB/s.
+- ``cpu``: device = host RAM, 1 TFLOPS, a memcpy-speed "link" of 10 GB/s.
 
-``efficiency`` for the presets other than ``rtx4090`` is an assumption (0.5), not a measurement.
+``efficiency`` for presets other than ``rtx4090`` is assumed (0.5). SSDs: per drive 6.5 GB/s read and 3.4 GB/s
+write, the Intel D7-P5510 3.84 TB of Fuyou's machine, sequential (Intel's specification; capacity assumed);
+``--ssds N`` drives are striped, reads and writes sharing them. CPU AdamW: 1e9 parameters/s, assumed (the paper
+gives none); the paper's SSD sweep stays within ±20% of the model for 0.75e9 to 1.5e9.
 
-SSDs: per drive 6.5 GB/s read and 3.4 GB/s write by default — Intel SSD D7-P5510 3.84 TB,
-sequential (Intel's product specification on ark.intel.com, not re-checked), the drive of
-Fuyou's machine; its capacity is assumed (the 7.68 TB model is rated 7.0/4.2). ``--ssds N`` drives are striped, so bandwidth scales with
-N; reads and writes share the drives.
-
-CPU AdamW throughput defaults to 1e9 parameters/s: an assumption (a multi-core server with a
-vectorised kernel); the paper's figure for its machine could not be found. The paper's SSD
-sweep, in its count, fits T(n) = 17.1 s + 74.9 s / n, close to forward (5.4 s) + AdamW over
-12.9B parameters at 1e9/s (12.9 s) + the state traffic at the rates above (69 s / n): the cost
-model runs each block's update as read, AdamW, write in turn, so AdamW time adds to SSD time.
-The five rows stay within ±20% for 0.75e9 to 1.5e9 parameters/s.
-
-**Weights.** Fuyou keeps 16-bit compute weights and gradients on the device when they fit.
-When they do not (GPT-3 13B's 26 GB on a 24 GB card), every block's weights get the ``host``
-tier (or ``ssd`` when the host cannot hold them) and the cost model streams them per block
-as the runtime does (`cost.predict`, `params.WeightStreamer`: read ahead in forward and again in
-backward, gradients out per block, updated weights back to their tier); the embeddings and head
-stay resident.
+**Weights.** 16-bit weights and gradients stay on the device when they fit; else every block's weights get the
+``host`` tier (``ssd`` when the host cannot hold them), streamed per block as the runtime does (`cost.predict`);
+the embeddings and head stay resident.
 """
 
 from __future__ import annotations
@@ -184,11 +154,9 @@ def step_flops(model: ModelSpec, batch: int, seq: int, *, recompute: bool = Fals
 
 def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, micro_batches: int = 1,
                      prefetch_blocks: int = 2, host_reserve: int | str = "8GiB", gpus: int = 1) -> Profile:
-    """A `Profile` from shapes and data-sheet numbers (see the module docstring); with ``gpus`` > 1,
-    data parallel on one machine: each GPU runs the batch, its gradients are all-reduced over its
-    link, and the machine's CPU and SSDs update the whole model once (`Profile.data_parallel`);
-    each GPU's rank has 1/N of the host memory beyond the optimizer's share for its host-tier
-    weights and activations (every rank keeps its own). The FLOPs in the notes are all GPUs'."""
+    """A `Profile` from shapes and data-sheet numbers (module docstring). ``gpus`` > 1: data parallel on one
+    machine (`Profile.data_parallel`), each rank planning its host-tier weights and activations within 1/N of
+    the host memory beyond the optimizer's share; the FLOPs in the notes are all GPUs'."""
     rate = hw.tflops * 1e12 * hw.efficiency
     tokens = batch * seq
     fwd = (2 * tokens * model.block_params + 4 * batch * seq * seq * model.hidden) / rate
@@ -197,10 +165,8 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
     ssd_rd, ssd_wr = hw.ssds * hw.ssd_read_gbps * GB, hw.ssds * hw.ssd_write_gbps * GB
     host_reserve = parse_bytes(host_reserve, name="host_reserve")
     device_memory = None if hw.device_is_host else hw.device_memory
-    # 16-bit weights and gradients stay on the device when they fit beside one block's activations;
-    # otherwise every block's weights stream, from host memory if it holds them, else from SSD.
-    # Data parallel: every GPU's rank keeps its own host-tier weights and host activations; the
-    # optimizer's share (``host_reserve``) is the machine's, once.
+    # Weights stream (from host if it holds them, else SSD) unless they and their gradients fit beside one
+    # block's activations. Each rank keeps its own host-tier weights; ``host_reserve`` is the machine's, once.
     host_share = host_reserve + (hw.host_memory - host_reserve) // gpus
     tier = "device"
     if device_memory is not None and 4 * model.params + act > device_memory:

@@ -1,18 +1,11 @@
 """`IOEngine`: asynchronous reads and writes of byte ranges, threads per swap directory.
 
-No C extension and no libaio: worker threads call ``os.preadv``/``os.pwritev``, which
-release the GIL, so a handful of threads per directory keep an NVMe drive's queue full.
-Each swap directory (one per drive) has its own thread pool, so striping over several
-directories drives them in parallel.
-
-Files are opened with ``O_DIRECT`` where the filesystem accepts it: the page cache must
-not quietly become a second, unbudgeted host tier. Where it is refused, the directory falls
-back to buffered I/O (announced once), and the engine bounds page-cache growth with
-``fdatasync`` + ``posix_fadvise(DONTNEED)``.
-
-Every error reaches the caller that waits on the future as a `StorageIOError` naming the
-file, the offset and the byte count; short transfers are retried, and a transfer that makes
-no progress is an error, never a silent truncation.
+Worker threads call ``os.preadv``/``os.pwritev`` (no C extension, no libaio; they release the GIL), a pool per
+swap directory, so a few threads keep a drive's queue full and striped directories run in parallel. Files are
+opened ``O_DIRECT`` where the filesystem accepts it, so the page cache does not become an unbudgeted host tier;
+elsewhere the directory falls back to buffered I/O (announced once), bounding the cache with ``fdatasync`` +
+``posix_fadvise(DONTNEED)``. Every error reaches the future's waiter as a `StorageIOError` naming the file, the
+offset and the byte count; short transfers are retried, and one that makes no progress is an error.
 """
 
 from __future__ import annotations
@@ -94,11 +87,8 @@ class SwapFile:
 
 
 def gather(futures: Sequence[Future], result: object = None) -> Future:
-    """One future that completes when all ``futures`` have, with the first error if any.
-
-    It never completes early on an error: a buffer must not be reused while a sibling
-    transfer may still be reading or writing it.
-    """
+    """One future that completes when all ``futures`` have, with the first error if any; never early on an
+    error, since a sibling transfer may still use its buffer."""
     out: Future = Future()
     if not futures:
         out.set_result(result)
@@ -125,12 +115,9 @@ def gather(futures: Sequence[Future], result: object = None) -> Future:
 
 
 def then(fut: Future, fn: Callable[[Future], object]) -> Future:
-    """A future for ``fn(fut)``, called once ``fut`` completes: its return value, or what it raises.
-
-    Use it for bookkeeping that must be done before anyone sees the work as finished: CPython
-    wakes a future's waiters *before* it runs the future's callbacks, and it logs and drops an
-    exception raised in a callback. Here waiters wake only after ``fn`` ran, and get its error.
-    """
+    """A future for ``fn(fut)``, called once ``fut`` completes: its return value, or what it raises. For
+    bookkeeping that must precede any waiter: CPython wakes waiters *before* running callbacks, and drops a
+    callback's exception."""
     out: Future = Future()
 
     def done(f: Future) -> None:
@@ -223,9 +210,8 @@ class IOEngine:
 
     @property
     def bytes_written(self) -> int:
-        """Bytes written to the swap files so far, for metrics: each transfer counted when it is submitted, so
-        that a step's figure holds the writes it began, also those that land after it (the optimizer's writes
-        behind ``step()``, `TensorStore.commit`); a transfer that fails counts too."""
+        """Bytes written to the swap files so far (for metrics), counted at submission, so a step's figure holds
+        the writes it began even if they land after it; failed transfers count too."""
         return self._bytes[1]
 
     def is_direct(self, index: int) -> bool:

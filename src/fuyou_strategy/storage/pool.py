@@ -26,12 +26,10 @@ def round_up(nbytes: int, multiple: int = PAGE) -> int:
 class HostBuffer:
     """A buffer lent by a `HostBufferPool`; return it with `release()` or a ``with`` block.
 
-    ``data`` is a page-aligned ``uint8`` tensor of ``capacity`` bytes (``nbytes`` rounded up
-    to 4 KiB, so it can take an ``O_DIRECT`` transfer of padded length); ``view(dtype)``
-    gives the first ``nbytes`` bytes as another dtype. After `release()` ``data`` is ``None``:
-    a holder that keeps the `HostBuffer` object (a finished future's callback, say) does not
-    keep the memory alive once the pool drops it, and a use after release fails loudly. Views
-    taken from ``data`` must not outlive the release either.
+    ``data`` is a page-aligned ``uint8`` tensor of ``capacity`` bytes (``nbytes`` rounded up to 4 KiB, for
+    ``O_DIRECT``); ``view(dtype)`` gives the first ``nbytes`` as another dtype. After `release()` ``data`` is
+    ``None``, so a kept `HostBuffer` holds no memory and a use after release fails loudly; views of ``data``
+    must not outlive the release either.
     """
 
     __slots__ = ("data", "nbytes", "capacity", "_pool")
@@ -60,12 +58,9 @@ class HostBuffer:
 class HostBufferPool:
     """Page-aligned host buffers drawn from a hard byte budget.
 
-    Buffers are cached by capacity and reused, because pinned allocation is slow on CUDA.
-    The bytes held by the pool (lent out plus cached) never exceed ``budget``: when a new
-    buffer would not fit, cached buffers are dropped first, then ``acquire`` waits for a
-    release. A request larger than the whole budget fails at once with `HostBudgetError`.
-    The pool enforces only the total; how its users share it (who may wait, who must leave
-    room) is `fuyou_strategy.config.host_budget_split`'s.
+    Buffers are cached by capacity and reused (pinned allocation is slow on CUDA). Lent plus cached bytes never
+    exceed ``budget``: cached buffers are dropped first, then ``acquire`` waits for a release; a request larger
+    than the budget fails at once with `HostBudgetError`. How users share the total is `host_budget_split`'s.
 
     Args:
         budget: the cap in bytes.
@@ -101,12 +96,9 @@ class HostBufferPool:
 
     # -- lending ----------------------------------------------------------------------------------
     def acquire(self, nbytes: int, timeout: float | None = None, keep_free: int = 0) -> HostBuffer:
-        """Lend a buffer of at least ``nbytes`` (capacity rounded up to 4 KiB).
-
-        Blocks while the budget is in use by other buffers (or while lending it would leave less
-        than ``keep_free`` bytes of the budget for others); raises `HostBudgetError` at once if
-        ``nbytes`` plus ``keep_free`` exceeds the whole budget, or after ``timeout`` seconds of waiting.
-        """
+        """Lend a buffer of at least ``nbytes`` (capacity rounded up to 4 KiB), blocking while it would not fit
+        with ``keep_free`` bytes of the budget left for others. Raises `HostBudgetError` at once if ``nbytes``
+        plus ``keep_free`` exceeds the budget, or after ``timeout`` seconds of waiting."""
         capacity = self._capacity(nbytes)
         if capacity + keep_free > self.budget:
             raise HostBudgetError(

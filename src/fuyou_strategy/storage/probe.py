@@ -1,11 +1,9 @@
 """Sequential read/write bandwidth of a swap directory, and what its I/O costs the compute beside it,
 measured with the engine itself.
 
-``fuyou io-bench`` prints the bandwidth; the planner reuses `measure_bandwidth` to learn how fast the
-SSD tier is instead of trusting hand-set constants. `measure_io_cpu_cost` (``fuyou doctor``) times CPU
-matmuls alone and beside a stream of swap I/O: a drive moves bytes without the CPU, but the kernel,
-and in a virtual machine the hypervisor that emulates the disk, spend CPU per byte, and where every core
-computes that CPU comes out of the compute (``steal`` in ``/proc/stat`` on a VM).
+`measure_bandwidth` serves ``fuyou io-bench`` and the planner. `measure_io_cpu_cost` (``fuyou doctor``) times
+CPU matmuls alone and beside swap I/O: the kernel, and on a VM the hypervisor (``steal`` in ``/proc/stat``),
+spend CPU per byte, which comes out of the compute when every core computes.
 """
 
 from __future__ import annotations
@@ -57,15 +55,10 @@ def measure_bandwidth(
     buffer: torch.Tensor | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Bandwidth:
-    """Write then read a ``size``-byte file in ``directory`` and time both passes (the write pass is a
-    rewrite: the first, untimed write fills the preallocated file, as swap files are rewritten each step).
-
-    The write pass ends with ``fdatasync``, so it counts bytes that reached the drive; the
-    file lives in a fresh run directory that is removed afterwards. Every transfer goes
-    through one page-aligned ``uint8`` buffer: ``buffer`` (e.g. a host pool buffer, to stay
-    within a host budget; a whole number of pages) or, by default, one of up to 64 MiB.
-    ``on_bytes`` is told the bytes of each completed transfer (a progress bar: 3 x ``size`` in all).
-    """
+    """Write then read a ``size``-byte file in a fresh run directory of ``directory`` and time both passes. The
+    timed write is a rewrite (swap files are rewritten each step) ending with ``fdatasync``. Transfers go
+    through ``buffer`` (page-aligned ``uint8``, whole pages; e.g. a pool buffer, within a host budget) or one of
+    up to 64 MiB; ``on_bytes`` is told each completed transfer's bytes (3 x ``size`` in all)."""
     size = max(PAGE, size // PAGE * PAGE)
     window = min(size, _MAX_WINDOW if buffer is None else buffer.numel() // PAGE * PAGE)
     with _probe_file(directory, "bench.bin", size, threads=threads, block_size=block_size,
@@ -170,14 +163,10 @@ def measure_io_cpu_cost(
     rate: float | None = None,
     mode: str = "rw",
 ) -> IOCpuCost:
-    """Time fp32 matmuls on every core (``torch.get_num_threads()``) alone, then beside a stream of
-    ``O_DIRECT`` writes and reads (``mode``: ``"rw"``, ``"w"`` or ``"r"``) of ``window``-byte pieces
-    cycling over a ``size``-byte file in ``directory`` (the optimizer's pattern: a chunk written while
-    another is read), then alone again. ``seconds``: about how long each run of matmuls takes alone;
-    ``rate``: bytes per second the stream keeps to at most (``None``: as fast as the drive takes them).
-
-    Each wait has a timeout; a failure of the stream is raised here once the matmuls end. The file
-    lives in a fresh run directory that is removed afterwards."""
+    """Time fp32 matmuls on every core alone, then beside a stream of ``O_DIRECT`` writes and reads (``mode``:
+    ``"rw"``, ``"w"`` or ``"r"``) of ``window``-byte pieces over a ``size``-byte file in a fresh run directory of
+    ``directory``, then alone again. ``seconds``: about one run of matmuls alone; ``rate``: the stream's cap in
+    bytes per second (``None``: none). Waits time out; a stream failure is raised once the matmuls end."""
     if mode not in ("rw", "w", "r"):
         raise ValueError(f"mode: got {mode!r}; expected 'rw', 'w' or 'r'")
     window = max(PAGE, window // PAGE * PAGE)

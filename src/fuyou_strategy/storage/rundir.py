@@ -1,26 +1,17 @@
 """Per-process run directories inside swap directories, and cleaning up after crashes.
 
-Each process that stores tensors makes ``<swap_dir>/fuyou-run-<pid>-<token>/`` (mode 0700)
-with an ``owner.json`` naming the host, the pid and the process start time. The directory
-is removed on close, at interpreter exit, after an uncaught exception and on SIGTERM (see
-below). A run killed hard (SIGKILL, power loss) leaves its directory behind;
-`find_stale_runs` recognises it because its owner process no longer exists, and
-``fuyou clean`` removes it.
+Each process that stores tensors makes ``<swap_dir>/fuyou-run-<pid>-<token>/`` (mode 0700) with an
+``owner.json`` (host, pid, process start time). It is removed on close, at exit, after an uncaught exception
+and on SIGTERM; one a hard kill leaves behind is found by `find_stale_runs` (its owner is gone) and removed by
+``fuyou clean``.
 
-SIGTERM's default action kills the process without running atexit handlers or finalizers,
-and SIGTERM is how schedulers (Slurm, Kubernetes) stop jobs. So while run directories
-exist, a SIGTERM handler removes them and then dies of SIGTERM as the default action would
-(the parent still sees ``-SIGTERM``). It is installed from the main thread only, and only
-in place of the default action — an application's own handler is never replaced — and the
-default comes back when the last run directory is removed from the main thread. If a
-handler installed later calls ours, as Lightning's Trainer does with the handler it finds,
-that handler decides what SIGTERM means and ours does nothing: Lightning stops at the next
-batch and its teardown closes the stores.
+SIGTERM (how Slurm and Kubernetes stop jobs) kills without running atexit handlers, so while run directories
+exist a handler removes them, then dies of SIGTERM as the default would. It is installed from the main thread
+only, in place of the default action (never of an application's handler), and the default returns with the
+last run directory. A later handler that calls ours (Lightning's) decides what SIGTERM means; ours does nothing.
 
-Other folders a process may leave behind when killed (a checkpoint save in progress) record
-their owner the same way with `write_owner`; `owner_gone` tells whether it still runs, and
-`temp_writer_gone` whether anyone still writes or removes a ``*.tmp-<pid>`` folder. A zombie (a
-killed process its parent has not reaped yet, e.g. a dead rank whose launcher lives) counts as gone.
+Other folders a killed process may leave (a checkpoint save) record their owner with `write_owner`;
+`owner_gone` and `temp_writer_gone` tell whether anyone still writes them. A zombie counts as gone.
 """
 
 from __future__ import annotations
@@ -74,13 +65,9 @@ def pid_running(pid: int) -> bool:
 
 
 def make_run_dir(parent: str | None) -> str:
-    """Create this process's 0700 run directory inside ``parent`` and return its path.
-
-    ``parent=None`` makes a fresh temporary directory (``fuyou-swap-*``) to hold it, which
-    `remove_run_dir` removes with it. The run directories in ``parent`` of processes that are gone
-    (killed runs: their swap files would take the space this run needs) are removed first, with a
-    warning naming each.
-    """
+    """Create this process's 0700 run directory inside ``parent`` (``None``: a fresh temporary ``fuyou-swap-*``
+    directory, removed with it) and return its path. Run directories in ``parent`` whose process is gone are
+    removed first, with a warning: their swap files would take the space."""
     if parent is None:
         return _make_run_dir_in_temporary_dir()
     for stale in find_stale_runs([parent]):
@@ -127,10 +114,7 @@ def dir_bytes(path: str) -> int:
 
 
 def find_stale_runs(parents: Iterable[str]) -> list[StaleRun]:
-    """Run directories under ``parents`` whose owning process on this host is gone.
-
-    Directories owned by another host are never reported: we cannot tell whether they live.
-    """
+    """Run directories under ``parents`` whose owning process on this host is gone (never another host's)."""
     stale = []
     for parent in parents:
         try:
@@ -183,12 +167,8 @@ def write_owner(path: str | os.PathLike, name: str = OWNER_FILE) -> None:
 
 
 def owner_gone(path: str | os.PathLike, pid: int | None = None, name: str = OWNER_FILE) -> str | None:
-    """Why the process that owns the folder ``path`` no longer runs, or None while it may.
-
-    The owner is read from ``path/<name>`` (`write_owner`); a folder without one is taken
-    to belong to ``pid`` on this host (None: it is reported gone). A folder owned by another
-    host is never reported: we cannot tell whether its process lives.
-    """
+    """Why the process that owns folder ``path`` (``path/<name>``, `write_owner`) no longer runs, or None while it
+    may. Without an owner file, the owner is ``pid`` on this host (None: gone); another host's is never gone."""
     try:
         owner = json.loads((Path(path) / name).read_text())
     except (OSError, ValueError):
@@ -207,12 +187,9 @@ def owner_gone(path: str | os.PathLike, pid: int | None = None, name: str = OWNE
 
 
 def temp_writer_gone(path: str | os.PathLike, pid: int) -> str | None:
-    """Why no process writes or removes the temporary folder ``path`` any more, or None while one may.
-
-    ``pid`` is the one in its ``*.tmp-<pid>`` name: the process that made it (a save being written,
-    whose ``owner.json`` names the same process) or renamed it aside to remove it (a save being
-    discarded, whose ``owner.json`` still names the process that wrote it long ago). Both must be
-    gone: the owner by `owner_gone` (start time checked), the renaming process by its pid."""
+    """Why no process writes or removes the temporary folder ``path`` any more, or None while one may. ``pid``
+    (from its ``*.tmp-<pid>`` name) made it, or renamed it aside to remove it; both it and the ``owner.json``'s
+    process must be gone."""
     reason = owner_gone(path, pid=pid)
     if reason is None:
         return None

@@ -1,26 +1,18 @@
 """`TensorStore`: named, fixed-size tensor entries on the SSD tier, with two slots each.
 
-An entry is split into chunks (``chunk_size`` bytes, the last one shorter) that are striped
-over the swap directories: chunk ``k`` of an entry lives in directory ``(first + k) % D``.
-In each directory an entry owns one contiguous region, ``[slot 0 chunks][slot 1 chunks]``,
-each chunk padded to 4 KiB so every transfer can be ``O_DIRECT``. A region freed by `delete`
-goes back to its directory's free list, where adjacent free regions merge; a new region takes
-the first free one large enough, else space at the end of the file, so entries whose sizes
-vary (activations of padded batches) reuse the file instead of growing it.
+An entry is split into chunks of ``chunk_size`` bytes (the last shorter), striped over the swap
+directories: chunk ``k`` lives in directory ``(first + k) % D``. In each directory an entry owns one
+contiguous region, ``[slot 0 chunks][slot 1 chunks]``, each chunk padded to 4 KiB for ``O_DIRECT``.
+Freed regions merge on a first-fit free list, so entries of varying size reuse the file.
 
-Two slots make speculative updates safe: the optimizer reads the *active* slot and writes
-the *shadow* slot; `commit` flips them once every chunk reached the disk, `rollback` throws
-the shadow away. A slot is only readable once all its chunks were written successfully, so
-a failed or partial write is never served as good data.
+Two slots make speculative updates safe: the optimizer reads the *active* slot and writes the
+*shadow*; `commit` flips them once every chunk is on disk, `rollback` discards the shadow. A slot is
+readable only once all its chunks were written successfully.
 
-An entry created ``in_memory`` (or moved there by `to_memory`, and back by `to_ssd`) keeps its chunks (both slots) in
-host RAM instead — the host tier of the optimizer state — behind the same interface and
-bookkeeping: reading copies a chunk into a pool buffer, writing copies it back (a speculative
-update instead borrows its shadow slot's own memory: `LentChunk`), and the slots flip and roll back
-alike, so whoever reads and writes chunks cannot tell the tiers apart (and the bytes
-are the same). Its memory is lent by the pool for the entry's life, so it counts in
-``host_memory_budget`` like every other host buffer; all in-memory entries together stay within
-`memory_limit` (set by the tiers' owner, `MemoryTiers`; raised by `allow_in_memory`).
+An ``in_memory`` entry (moved by `to_memory` and `to_ssd`) keeps both slots in host RAM behind the same
+interface and bookkeeping (a speculative update borrows its shadow slot's memory: `LentChunk`). That
+memory is lent by the pool, so it counts in ``host_memory_budget``; all in-memory entries together stay
+within `memory_limit` (set by `MemoryTiers`, raised by `allow_in_memory`).
 """
 
 from __future__ import annotations
@@ -121,11 +113,8 @@ class SlotVersion(NamedTuple):
 
 
 class _FileSpace:
-    """Which byte ranges of one swap file are in use: first fit over a list of free regions.
-
-    Free regions are kept sorted, merged with their neighbours, and below ``tail`` (the end
-    of the last region in use): a region freed at the end lowers ``tail`` instead.
-    """
+    """Byte ranges in use in one swap file: first fit over sorted, merged free regions below ``tail`` (the
+    end of the last region in use); freeing the last region lowers ``tail`` instead."""
 
     def __init__(self) -> None:
         self.tail = 0
@@ -180,18 +169,16 @@ class _Resources:
 
 
 class TensorStore:
-    """Named tensor entries on the SSD tier; see the module docstring for the layout.
+    """Named tensor entries on the SSD tier (layout: module docstring).
 
     Args:
-        config: swap directories, I/O threads, chunk size, direct I/O mode, preallocation.
-            ``None`` means a default `FuyouConfig` (a fresh temporary swap directory).
-        pool: host buffer pool to stage transfers through; by default the store makes one
-            of ``config.host_memory_budget`` bytes.
-        memory_limit: bytes in-memory entries may hold in all (`MemoryTiers` gives the optimizer state's
-            share); default: ``config.host_state`` when it is a number, else 0.
+        config: swap directories, I/O threads, chunk size, direct I/O, preallocation; ``None``: a default
+            `FuyouConfig` (a fresh temporary swap directory).
+        pool: host buffer pool to stage transfers through; default: one of ``config.host_memory_budget`` bytes.
+        memory_limit: bytes all in-memory entries may hold; default ``config.host_state`` if a number, else 0.
 
-    The store's files live in a 0700 run directory per swap directory and are removed by
-    `close()`, by leaving a ``with`` block, at interpreter exit, or on SIGTERM (see `rundir`).
+    Files live in a 0700 run directory per swap directory, removed by `close()`, ``with``, at exit or on
+    SIGTERM (`rundir`).
     """
 
     def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None,
@@ -245,10 +232,8 @@ class TensorStore:
 
     @property
     def bytes_on_disk(self) -> int:
-        """Bytes reserved in the swap files: up to the end of the furthest region any entry has
-        held (every slot, with padding, and free gaps between). Space freed by `delete` stays
-        reserved for later entries; `to_memory` gives the files' freed ends back at once, the
-        rest is given back at `close`."""
+        """Bytes reserved in the swap files, to the end of the furthest region ever held (padding and gaps
+        included); `delete` keeps space reserved, `to_memory` truncates freed file ends."""
         return sum(space.size for space in self._space)
 
     @property
@@ -257,8 +242,7 @@ class TensorStore:
         return self._in_memory
 
     def allow_in_memory(self, nbytes: int) -> None:
-        """Let in-memory entries take up to ``nbytes`` in all (`FuyouEngine`, once a plan says what the host
-        tier leaves the optimizer state); never below what they hold."""
+        """Let in-memory entries hold up to ``nbytes`` in all (never below what they hold)."""
         with self._lock:
             self.memory_limit = max(nbytes, self._in_memory)
 
@@ -284,14 +268,12 @@ class TensorStore:
         slots: int = 2,
         in_memory: bool = False,
     ) -> Entry:
-        """Reserve space for a tensor of ``shape`` and ``dtype``.
+        """Reserve space for a tensor of ``shape`` and ``dtype``; returns its `Entry`.
 
-        ``chunk_bytes`` (a multiple of 4 KiB; default ``config.chunk_size``) sets the unit
-        of striping and of `read_chunk`/`write_chunk`. ``slots=1`` makes an entry without a
-        shadow slot (scratch data such as activations). Space freed by `delete` is reused.
-        Raises `StorageSpaceError` naming the bytes needed and available when a directory is
-        too full. ``in_memory``: the chunks live in host RAM (module docstring), within
-        `memory_limit`; `StorageSpaceError` when that is spent.
+        ``chunk_bytes``: a multiple of 4 KiB (default ``config.chunk_size``), the unit of striping and of
+        `read_chunk`/`write_chunk`. ``slots=1``: no shadow slot (scratch data such as activations).
+        ``in_memory``: chunks in host RAM. Raises `StorageSpaceError` (bytes needed and available) when a
+        directory or `memory_limit` is too full.
         """
         self._check_open()
         shape = tuple(int(s) for s in shape)
@@ -316,9 +298,8 @@ class TensorStore:
         return entry
 
     def _place(self, name: str, nchunks: int, chunk_bytes: int, slots: int) -> tuple[int, dict[int, int], dict[int, int]]:
-        """Reserve the regions of an entry of ``nchunks`` chunks in the swap files, striped from the next
-        directory on: (first directory, base offset and chunk count per directory). Under the lock; a
-        failure gives back what it reserved."""
+        """Reserve an entry's regions, striped from the next directory: (first directory, base offset and
+        chunk count per directory). Under the lock; a failure gives back what it reserved."""
         num_dirs = len(self._files)
         first = self._next_dir
         self._next_dir = (self._next_dir + 1) % num_dirs
@@ -368,11 +349,9 @@ class TensorStore:
         return buffers
 
     def to_memory(self, name: str, *, timeout: float | None = None) -> int:
-        """Move an entry from the SSD into host RAM (every written chunk of both slots, read straight into
-        the entry's new memory), then give its disk space back (to the filesystem where it ends the file,
-        `_shrink`); returns the bytes it now holds in RAM
-        (0 if it was there already). Nothing may be in flight for the entry. On failure the entry stays
-        on the SSD, unchanged."""
+        """Move an entry from the SSD into host RAM (every written chunk, both slots), then free its disk
+        space (`_shrink`); returns the bytes now in RAM (0 if already there). Nothing may be in flight for
+        it; on failure the entry stays on the SSD, unchanged."""
         entry = self.entry(name)
         if entry.memory is not None:
             return 0
@@ -405,11 +384,9 @@ class TensorStore:
         return entry.footprint
 
     def to_ssd(self, name: str, *, timeout: float | None = None) -> int:
-        """Move an entry from host RAM to the SSD (every written chunk of both slots, written straight from
-        its memory into new regions of the swap files), then give its memory back to the pool; returns the
-        bytes it held in RAM (0 if it was on the SSD already). `to_memory`'s inverse: a plan that needs host
-        RAM for its activations or weights takes it from the state that the warm-up held there. Nothing may
-        be in flight or lent for the entry; ``timeout``: the most seconds to wait for the writes (default
+        """`to_memory`'s inverse: write every written chunk of both slots into new regions of the swap files,
+        then give the memory back to the pool; returns the bytes it held in RAM (0 if already on the SSD).
+        Nothing may be in flight or lent for it; ``timeout``: seconds to wait for the writes (default
         ``io_timeout``). On failure the entry stays in RAM, unchanged."""
         entry = self.entry(name)
         if entry.memory is None:
@@ -447,10 +424,8 @@ class TensorStore:
 
     def _copy_slots(self, placed: Entry, memory: list[HostBuffer], written: list[list[int]],
                     submit: Callable[..., Future]) -> tuple[list[Future], BaseException | None]:
-        """Submit ``submit(file, offset, chunk's memory)`` (`IOEngine.read` or ``write``) for every written chunk
-        of every slot, between ``memory`` (an in-memory entry's, one buffer per slot) and ``placed``'s regions
-        in the swap files: (the futures submitted, the error that stopped submitting, if any). `to_memory` and
-        `to_ssd` wait for every future before the memory or the regions may be given back."""
+        """Submit ``submit(file, offset, chunk memory)`` (`IOEngine.read` or ``write``) for every written chunk
+        of every slot between ``memory`` and ``placed``'s regions: (the futures, the error that stopped it)."""
         futures, error = [], None
         try:
             for phys in range(placed.slots):
@@ -464,9 +439,8 @@ class TensorStore:
         return futures, error
 
     def _shrink(self, d: int) -> None:
-        """Give the file's space past its last region in use back to the filesystem (under the lock). Only
-        `to_memory` does, once per entry: the state that a plan moves into RAM then takes no disk, whereas
-        `delete`, which activations call every step, keeps the space for the next entries."""
+        """Under the lock: truncate the file past its last region in use. Only `to_memory` does; `delete`
+        (every step, for activations) keeps the space for the next entries."""
         space = self._space[d]
         if space.tail < space.size:
             os.ftruncate(self._files[d].fd, space.tail)
@@ -526,9 +500,8 @@ class TensorStore:
         raise StorageError(f"slot: got {slot!r}; expected 'active' or 'shadow'")
 
     def slot_version(self, name: str, slot: str = ACTIVE) -> SlotVersion:
-        """A token of what ``slot`` of entry ``name`` holds now: two tokens are equal only if, between them, no
-        write began into that physical slot, ``slot`` named the same one and the entry stayed on the SSD, so
-        that a read made in between still holds its bytes (`ChunkPipeline.read_ahead`)."""
+        """A token of what ``slot`` of ``name`` holds: equal tokens mean no write began into that physical slot,
+        ``slot`` resolved to it and the entry stayed on the SSD in between (`ChunkPipeline.read_ahead`)."""
         with self._lock:
             entry = self.entry(name)
             phys = self._slot(entry, slot)
@@ -597,29 +570,20 @@ class TensorStore:
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
                    into: HostBuffer | None = None, lend: str | None = None, prefix: int | None = None,
                    skip: int = 0) -> Future:
-        """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer`.
+        """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer` (``buf.view(dtype)``).
 
-        ``prefix``: only the chunk's first ``prefix`` bytes (the master weights at the head of an optimizer
-        state chunk, which a `WeightStreamer` streams); the read is that many bytes rounded up to a page.
-
-        ``skip``: leave the chunk's first ``skip`` bytes (rounded down to a page) unread on the SSD, for a
-        caller that fills them itself (an optimizer state chunk's master weights, which a resident fp32
-        parameter holds already); the buffer still spans the whole chunk, those bytes undefined. An entry in
-        host RAM copies or lends the whole chunk as always.
-
-        ``lend=SHADOW`` (the caller will write the chunk back to the shadow slot): an in-memory entry
-        copies the chunk into its own shadow slot's memory and lends that (`LentChunk`: no pool buffer,
-        one copy instead of two); `write_chunk` of it back to the shadow slot then copies nothing. The
-        chunk counts as being written from here on; given back unwritten, the shadow slot is marked
-        failed (a `rollback` clears it). ``lend`` naming the slot read (an exact update, written back
-        where it was read): the chunk's own memory is lent, no copy at all, and given back unwritten the
-        slot is marked failed (an update may have changed part of it). Ignored for an entry on the SSD.
-
-        The buffer is ``into`` when given (one the caller holds already, acquired for
-        ``chunk_len(k)`` bytes, e.g. with `HostBufferPool.try_acquire`), else one acquired
-        here, waiting up to ``timeout`` seconds. The caller owns the buffer once the read
-        succeeded and must `release()` it; a failed read (or call) releases it.
-        ``buf.view(dtype)`` is the chunk.
+        Args:
+            into: a buffer the caller holds, sized for ``chunk_len(k)``; else one is acquired here, waiting up
+                to ``timeout`` seconds. The caller owns it once the read succeeds and must `release()` it; a
+                failed read (or call) releases it.
+            prefix: read only the first ``prefix`` bytes, rounded up to a page (the master weights a
+                `WeightStreamer` streams).
+            skip: on the SSD, leave the first ``skip`` bytes (rounded down to a page) unread and undefined,
+                for a caller that fills them itself (master weights a resident fp32 parameter holds).
+            lend: in-memory entries only: lend the chunk's memory (`LentChunk`) instead of copying it.
+                ``SHADOW`` copies the active chunk into the shadow slot and lends that; the slot read lends it
+                in place. The chunk counts as being written until `write_chunk` takes it back; released
+                unwritten, that slot is marked failed (a `rollback` clears a shadow).
         """
         try:
             entry = self.entry(name)
@@ -685,13 +649,9 @@ class TensorStore:
             self._finish_write(chunk.entry, chunk.slot, chunk.k, _done(None, error))
 
     def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
-        """Write chunk ``k`` from ``buf`` (a pool buffer holding ``chunk_len(k)`` bytes).
-
-        ``slot`` is the active one by default, as for `write`, `read` and `read_chunk`; pass
-        ``slot="shadow"`` for a speculative update that `commit` makes visible. The future
-        completes once the bytes are on disk, the store has recorded the chunk as written (a
-        `commit` right after sees it) and, with ``release=True``, ``buf`` is back in the pool.
-        """
+        """Write chunk ``k`` from ``buf`` (a pool buffer of ``chunk_len(k)`` bytes) into ``slot`` (``"shadow"``:
+        a speculative update that `commit` makes visible). The future completes once the bytes are on disk,
+        the chunk is recorded as written and, with ``release=True``, ``buf`` is back in the pool."""
         entry = self.entry(name)
         phys = self._slot(entry, slot)
         self._check_chunk_buffer(entry, k, buf)
@@ -747,11 +707,8 @@ class TensorStore:
 
     # -- whole entries ------------------------------------------------------------------------------
     def write(self, name: str, tensor: torch.Tensor, *, slot: str = ACTIVE, timeout: float | None = None) -> Future:
-        """Write a whole tensor (any device; copied chunk by chunk through the pool).
-
-        Returns a future that completes when every chunk is on disk. Host memory used is
-        bounded by the pool: the copy of chunk ``k+1`` waits for a buffer if need be.
-        """
+        """Write a whole tensor (any device) chunk by chunk through the pool (chunk ``k+1`` may wait for a
+        buffer); the future completes when every chunk is on disk."""
         entry = self.entry(name)
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise StorageError(
@@ -792,19 +749,14 @@ class TensorStore:
 
     # -- commit / rollback ---------------------------------------------------------------------------
     def commit(self, names: Iterable[str] | None = None, *, writes_behind: bool = False) -> int:
-        """Make the shadow slot active for every named entry (default: all) that has one.
+        """Make the shadow slot active for every named entry (default: all) with shadow writes; returns how
+        many flipped. All-or-nothing: a partial, failed or in-flight shadow write flips nothing and
+        `StorageError` names it.
 
-        All-or-nothing: if any named entry has a partial, failed or in-flight shadow write,
-        nothing flips and `StorageError` says which. Entries with no shadow writes are left
-        alone. Returns the number of entries flipped.
-
-        ``writes_behind=True`` (the caller saw every shadow write begin): an entry on the SSD whose shadow
-        chunks are each written or being written flips too, and its writes land after the commit: a read of
-        such a chunk (`read_chunk`, `read`; `to_memory`, `to_ssd` and `delete` for the whole entry) waits for
-        its write, up to ``io_timeout``. A write that failed, before the commit or after, leaves the active
-        slot failed: every later read of it raises, naming the write's error. The optimizer commits so at
-        ``step()`` once every update ran, so that the last updates' writes overlap the next forward instead
-        of ending the step.
+        ``writes_behind=True`` (the caller saw every shadow write begin): an SSD entry whose shadow chunks are
+        all written or being written flips too, so the last writes of ``step()`` overlap the next forward. A
+        read of a chunk still in flight (`read_chunk`, `read`; `to_memory`, `to_ssd`, `delete`) waits for it,
+        up to ``io_timeout``; a write that fails leaves the active slot failed, and reads raise its error.
         """
         with self._lock:
             entries = [self.entry(n) for n in names] if names is not None else list(self._entries.values())
@@ -870,10 +822,8 @@ class TensorStore:
 
 
 class LentChunk(HostBuffer):
-    """A chunk of an in-memory entry, lent by `TensorStore.read_chunk` (its shadow slot with ``lend=SHADOW``,
-    the slot read otherwise) to be updated in place and handed back to `write_chunk`. Owned by one thread
-    at a time, like any buffer; `release` without that write marks the slot failed (its bytes may no
-    longer be the read ones)."""
+    """A chunk of an in-memory entry lent by `TensorStore.read_chunk` (``lend=``), updated in place and handed
+    back to `write_chunk`; one thread owns it at a time. `release` without that write marks the slot failed."""
 
     __slots__ = ("store", "entry", "slot", "k", "copy_s")
 
@@ -902,9 +852,8 @@ def _done(result: object, error: BaseException | None = None) -> Future:
 
 
 def rank_path(path: str) -> str:
-    """``path`` with ``{rank}`` and ``{local_rank}`` replaced by this process's (``torch.distributed``'s
-    rank, else ``$RANK``; ``$LOCAL_RANK``, else the rank; 0 outside distributed training): a swap
-    directory per GPU, e.g. ``/nvme{local_rank}/fuyou``."""
+    """``path`` with ``{rank}`` and ``{local_rank}`` filled in (``torch.distributed`` rank, else ``$RANK``;
+    ``$LOCAL_RANK``, else the rank; 0 if not distributed): a swap directory per GPU, ``/nvme{local_rank}/fuyou``."""
     if "{" not in path:
         return path
     import torch.distributed as dist

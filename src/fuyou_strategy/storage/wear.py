@@ -1,11 +1,8 @@
 """What a run costs the swap drives' endurance.
 
-An NVMe drive is rated for a number of terabytes written (TBW) or drive writes per day (DWPD)
-over its warranty; Fuyou rewrites the optimizer state every step (12 bytes per trainable
-parameter, 24 when a clipping redo writes it twice), plus activations and weights on the SSD
-tier. `Wear` turns the bytes written per step into the figures a user compares with the
-datasheet. Writes are striped evenly over the swap directories, so each of ``drives`` takes its
-share.
+A drive is rated in terabytes written (TBW) or drive writes per day (DWPD); Fuyou rewrites the optimizer state
+every step, plus SSD-tier activations and weights. `Wear` turns bytes per step into those figures, each of
+``drives`` taking an even share (writes are striped).
 """
 
 from __future__ import annotations
@@ -80,10 +77,9 @@ class Wear:
                 "ssd_endurance_run_fraction": self.run_fraction}
 
     def describe(self, warn_share: float | None = None) -> str:
-        """One line, what matters first: the share of each drive's rated TBW that the run's steps write, against
-        ``warn_share`` (``ssd_wear_warning``, over which the engine warns); then the rate (per step and hour, drive
-        writes per day) and the days of continuous training at that rate that would write the rated TBW, the figure
-        that matters for a run of days. Without the run's length, the rate and the days only."""
+        """One line: the share of each drive's rated TBW the run writes, against ``warn_share``
+        (``ssd_wear_warning``); then the rate (per step, per hour, drive writes per day) and the days of continuous
+        training that would write the rated TBW. Without the run's length, the rate and the days only."""
         drives = f"{self.drives} drive{'s' if self.drives != 1 else ''} of {format_bytes(self.drive_bytes)}"
         rate = (f"{format_bytes(self.bytes_per_step)} per step ({format_bytes(self.bytes_per_hour)}/h, "
                 f"{self.drive_writes_per_day:.2f} drive writes per day over {drives})")
