@@ -306,7 +306,8 @@ class ActivationSwapper:
             raise ConfigError("activations='auto' and plan= are applied by FuyouEngine (the Lightning strategy and the "
                               "HF callback use it); give ActivationSwapper explicit policies")
         self.blocks = discover_blocks(model, config.blocks)
-        self.policies = resolve_policies(policies or config.activations or "keep", len(self.blocks))  # unset: kept
+        given = policies if policies is not None else config.activations
+        self.policies = resolve_policies(given or "keep", len(self.blocks))  # unset: kept
         needs_store = any(p in (Policy.HOST, Policy.SSD) for p in self.policies)
         self._own_memory = memory is None and needs_store
         self.memory = MemoryTiers(config) if self._own_memory else memory

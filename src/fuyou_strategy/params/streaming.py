@@ -212,7 +212,7 @@ class WeightStreamer:
         self.config = config = settled(config)
         self.model = model
         self.blocks = list(blocks) if blocks is not None else discover_blocks(model, config.blocks)
-        self.weights = weights or config.weights or "device"  # the tiers as given: one for all, or {block: tier}
+        self.weights = (weights if weights is not None else config.weights) or "device"  # as given: one, or {block: tier}
         self.tiers = resolve_per_block("weights", self.weights, len(self.blocks), Tier, Tier.DEVICE)
         self.k = config.weight_prefetch_blocks
         self.timeout = config.io_timeout  # a weight read, or a wait for a pool buffer, longer than this is an error
