@@ -1,7 +1,8 @@
 """The checkpoint file format of the optimizer state: writing, reading, verifying, tokens, atomic replace.
 
-This module knows files, not optimizers: what a save holds comes from its caller (`FuyouAdamW`, which
-streams its state through `SaveWriter` and back through `SaveReader`, and describes its own fields).
+This module knows files, not optimizers: what a save holds comes from its caller (`saves.Saves`, for a
+`FuyouAdamW`: it streams the state through `SaveWriter` and back through `SaveReader`, and describes the
+optimizer's own fields).
 
 A checkpoint folder holds one subfolder per save, named by the save's token (32 hex digits):
 ``<folder>/<token>/`` holds ``master.bin``, ``exp_avg.bin`` and ``exp_avg_sq.bin`` (raw bytes: fp32 in
