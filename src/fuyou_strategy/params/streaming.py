@@ -13,10 +13,10 @@ Each repeated block's parameters are streamed from their tier (``"host"``: a hos
 - *frozen* ones (``requires_grad=False``, e.g. a LoRA base model) are read-only: their tier copy
   is written once at install and never written back;
 - *trainable* ones are streamed when the optimizer that owns them is given (``trainable``: each
-  parameter's optimizer chunk length, e.g. `FuyouAdamW.chunk_elements`); the optimizer then
+  parameter's optimizer chunk length, e.g. `OptimizerControl.chunk_elements`); the optimizer then
   publishes every new value into the tier copy (`publish`, chunk by chunk, aligned with its own
   state chunks) and moves each gradient off the device as it becomes final
-  (`FuyouAdamW.attach_weights`). Other trainable parameters stay resident. An fp32 one on the SSD
+  (`OptimizerControl.attach_weights`). Other trainable parameters stay resident. An fp32 one on the SSD
   tier keeps no copy at all (one process): its copy *is* the optimizer's fp32 master, the head of
   each of its state chunks, which the streamer reads (`use_master`) and the update writes.
 
@@ -276,7 +276,7 @@ class WeightStreamer:
         self._callback_queued = False
         self._active = False
         self._uploader: ThreadPoolExecutor | None = None
-        # Updates still to land in the tier copies (`FuyouAdamW.attach_weights` sets its PendingUpdates):
+        # Updates still to land in the tier copies (`OptimizerControl.attach_weights` sets its PendingUpdates):
         # anything with ``pending(params) -> bool`` and ``wait(params)``.
         self.updates: Any = None
 
@@ -648,6 +648,11 @@ class WeightStreamer:
     def value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """Streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
         return self._tier_copy(self._all[param])
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The most bytes of weights and gradients on the device at once so far (`DeviceMeter`)."""
+        return self.meter.high_water
 
     def streamed(self) -> list[torch.nn.Parameter]:
         """Every streamed parameter (frozen and trainable), in block order."""
