@@ -101,7 +101,7 @@ def _run(task: str, fmt: str, steps: int, seed: int) -> dict:
                              progress=False)
         opt = FuyouAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, config=config)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
-        on_ssd, _in_ram = opt.adam_state.footprint()
+        on_ssd = opt.control.figures().state_ssd_bytes
         losses = []
         for step in range(steps):
             batch = train[step * BATCH : (step + 1) * BATCH]
@@ -146,13 +146,13 @@ def _bytes(fmt: str, dtype: str, slots: int) -> dict:
         with FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config) as engine:
             written = []
             for step in range(4):
-                before = engine.optimizer.store.engine.bytes_written
+                before = engine.memory.figures().ssd_write_bytes
                 batch = data[step * 4 : (step + 1) * 4] % vocab
                 engine.begin_micro_batch()
                 model(input_ids=batch, labels=batch).loss.backward()
                 engine.optimizer.step()
                 engine.optimizer.zero_grad()
-                written.append(engine.optimizer.store.engine.bytes_written - before)
+                written.append(engine.memory.figures().ssd_write_bytes - before)
             summary = engine.summary()
     params = summary["trainable_parameters"]
     return {"format": fmt, "dtype": dtype, "state_slots": slots, "parameters": params,

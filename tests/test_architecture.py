@@ -61,9 +61,10 @@ def test_only_the_device_module_touches_cuda_and_starts_asynchronous_copies():
     assert found == [], f"accelerator calls outside device.py: {found}"
 
 
-# Reach chains (`code_metrics.reach_chains`: ``opt.adam_state.pipeline.threads``) in the package when this check came
-# in (issue 52). A ceiling: it may only go down. Lower it when a refactor removes chains; never raise it.
-REACH_CHAINS_CEILING = 12
+# Reach chains (`code_metrics.reach_chains`: ``opt.adam_state.pipeline.threads``) in the package: 12 when this check
+# came in (issue 52), 2 once the run report and the planner read snapshots (`OptimizerControl.figures`,
+# `MemoryTiers.figures`). A ceiling: it may only go down. Lower it when a refactor removes chains; never raise it.
+REACH_CHAINS_CEILING = 2
 
 
 def test_reach_chains_do_not_grow():

@@ -29,6 +29,7 @@ import fuyou_strategy.storage.store as store_module
 from conftest import tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.activations import ActivationSwapper
+from fuyou_strategy.optim.control import OptimizerControl
 from fuyou_strategy.optim.pipeline import ChunkPipeline, PipelineError
 from fuyou_strategy.params import WeightStreamer
 from fuyou_strategy.planner import Plan, PlanError
@@ -222,8 +223,8 @@ ENGINE_STEPS = {
     "weight streamer": failing(engine_module, "WeightStreamer", Injected("the streamer could not be made")),
     "the second block's tier copy": failing(WeightStreamer, "_to_tier", eio("the second block's tier copy"), call=2),
     "a tier copy write gets EIO": (lambda mp, cfg: _drive_fails_once_installing(mp), StorageIOError, EIO_MESSAGE),
-    "the optimizer takes the streamed weights": failing(FuyouAdamW, "attach_weights", Injected("attach_weights failed")),
-    "materialising the masters": failing(FuyouAdamW, "initialise_materialized", Injected("initialise failed")),
+    "the optimizer takes the streamed weights": failing(OptimizerControl, "attach_weights", Injected("attach_weights failed")),
+    "materialising the masters": failing(OptimizerControl, "initialise_materialized", Injected("initialise failed")),
     "activation swapper": failing(engine_module, "ActivationSwapper", Injected("the swapper could not be made")),
     "the second block's activation wrapper": failing(ActivationSwapper, "_wrap", Injected("the second wrapper failed"),
                                                      call=2),
@@ -307,7 +308,7 @@ def test_a_failing_engine_clean_up_is_noted_on_the_original_error(tmp_path, monk
     did): the caller gets the first error, the second is noted on it and logged, and the optimizer is
     closed all the same."""
     def inject(mp, cfg):
-        fail_at(mp, FuyouAdamW, "initialise_materialized", Injected("initialise failed"))
+        fail_at(mp, OptimizerControl, "initialise_materialized", Injected("initialise failed"))
         fail_at(mp, WeightStreamer, "uninstall", Injected("uninstall failed too"), after=True)
 
     excinfo = fail_building_an_engine(tmp_path, monkeypatch, inject, Injected, "^initialise failed")

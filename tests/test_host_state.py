@@ -58,7 +58,7 @@ def test_the_state_on_the_ssd_of_the_last_gradients_is_read_ahead_during_backwar
     worker is idle, and its update takes those reads (clipping that bites, a skipped step, accumulation)."""
     model, ref_model, engine, losses, ref_losses = backward_on_the_ssd(tmp_path)
     opt = engine.optimizer
-    summary, tail = engine.summary(), opt._schedules["backward"].tail
+    summary, tail = engine.summary(), opt.control._schedules["backward"].tail
     engine.close()
     assert losses == ref_losses
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
@@ -333,7 +333,7 @@ def test_a_plan_whose_budget_holds_the_whole_state_moves_all_of_it_into_ram(tmp_
     cfg = engine.config
     opt = engine.optimizer
     whole = sum(state_bytes(opt))
-    padded = opt.state_bytes_per_param() * sum(p.numel() for p in model.parameters()) * cfg.state_slots
+    padded = opt.control.state_bytes_per_param() * sum(p.numel() for p in model.parameters()) * cfg.state_slots
     assert padded == pytest.approx(whole), "the planner's bytes per parameter are the store's"
     train(model, opt, lambda last: engine.begin_micro_batch(update=last))
     summary, plan = engine.summary(), engine.plan
@@ -351,7 +351,7 @@ def test_a_parameter_just_over_one_chunk_takes_two_equal_chunks_not_two_whole_on
         on_ssd, _ = opt.adam_state.footprint()
         exact = 2 * 12 * w.numel()  # two slots of [master | exp_avg | exp_avg_sq]
         assert exact <= on_ssd <= exact + 2 * 2 * 2048 * 12, (on_ssd, exact)
-        assert opt.state_bytes_per_param() * w.numel() * 2 == pytest.approx(on_ssd)
+        assert opt.control.state_bytes_per_param() * w.numel() * 2 == pytest.approx(on_ssd)
 
 
 def test_a_pinned_plan_holds_its_state_in_ram_from_the_first_step(tmp_path):

@@ -130,7 +130,7 @@ def ignore_streamed_in_ddp(model: torch.nn.Module, config: FuyouConfig) -> list[
     every block's, since the planner chooses the tiers after the warm-up. A streamed weight's device
     storage is released between uses and its gradient leaves the device as it is made, so DDP could
     neither broadcast nor average it; `FuyouAdamW` sums these gradients over the ranks at ``step()``
-    (`FuyouAdamW.reduce_itself`) and makes the tier copies rank 0's at the start. Returns their
+    (`OptimizerControl.reduce_itself`) and makes the tier copies rank 0's at the start. Returns their
     names (none: nothing changed)."""
     weights = weight_tiers(config, pinned_plan(config))
     if weights == "auto":  # the planner chooses after the wrap: every block may be streamed
@@ -316,15 +316,15 @@ class FuyouEngine:
                                         process_group=process_group, gradients_averaged=gradients_averaged,
                                         memory=self.memory)
             if config.optimizer_threads == "auto":  # chosen by the optimizer, from where the model computes
-                took = self.optimizer.threads_asked  # what was asked, not what the worker has set yet (a race)
+                took = self.optimizer.control.threads_asked  # what was asked, not what the worker has set yet (a race)
                 took = "torch's default" if took is None else took
-                self._chose("optimizer_threads", took, self.optimizer.threads_reason)
+                self._chose("optimizer_threads", took, self.optimizer.control.threads_reason)
             self._announce_choices()
             self.reporting = RunReport(self)
             self._ddp = gradients_averaged and self.optimizer.shards is not None  # a DistributedDataParallel model
             if self._ddp:  # what DDP was told to leave alone (`ignore_streamed_in_ddp`), the optimizer sums itself
                 ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-                self.optimizer.reduce_itself(p for name, p in model.named_parameters() if name in ignored)
+                self.optimizer.control.reduce_itself(p for name, p in model.named_parameters() if name in ignored)
             if norm_order is not None:
                 self.optimizer.set_norm_order(norm_order)
             if defer_updates and config.optimizer_schedule != "backward":  # updates land as the next forward needs them
@@ -335,9 +335,9 @@ class FuyouEngine:
                 self._install_streamer(weights)
             if has_meta(model):  # the rest of a model built on the meta device: resident
                 materialize(model, self.device, init_weights)
-            self.optimizer.initialise_materialized()
+            self.optimizer.control.initialise_materialized()
             if self.plan is not None:
-                self.optimizer.chooser.expect(self.plan.predicted_by_schedule())
+                self.optimizer.control.expect(self.plan.predicted_by_schedule())
                 self._hold_state_in_ram(self.plan)
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
@@ -372,10 +372,10 @@ class FuyouEngine:
         # forward): the tier copies are made from the weights, whose device storage is then released.
         self.optimizer.flush()
         self.streamer = WeightStreamer(self.model, self.config, memory=self.memory, weights=weights,
-                                       trainable=self.optimizer.chunk_elements(), device=self.device,
+                                       trainable=self.optimizer.control.chunk_elements(), device=self.device,
                                        init_weights=self.init_weights)
         self.streamer.install()
-        self.optimizer.attach_weights(self.streamer)
+        self.optimizer.control.attach_weights(self.streamer)
 
     def _hold_state_in_ram(self, plan: Plan) -> None:
         """With ``host_state="auto"``, hold as much optimizer state in host RAM as ``plan`` leaves it
@@ -387,7 +387,7 @@ class FuyouEngine:
         # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
         room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
         want = max(0, min(plan.state_in_ram, room))
-        held = self.optimizer.hold_state_in_ram(want) if want or self.memory.store.bytes_in_memory else 0
+        held = self.optimizer.control.hold_state_in_ram(want) if want or self.memory.store.bytes_in_memory else 0
         self.memory.state_in_ram = held  # the budget's split from now on (the streamer's and the swapper's)
         self.config = self.config.replace(host_state=held)  # the settings as applied, as the summary reports them
         self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} leaves "
@@ -395,7 +395,8 @@ class FuyouEngine:
 
     def _report_state_split(self, why: str) -> None:
         """Say how much of the optimizer state is in host RAM (``host_state="auto"``), and ``why``."""
-        on_ssd, in_ram = self.optimizer.adam_state.footprint()
+        figures = self.optimizer.control.figures()
+        on_ssd, in_ram = figures.state_ssd_bytes, figures.state_ram_bytes
         self.report(f"fuyou planner: host_state='auto': {format_bytes(in_ram)} of the optimizer state's "
                     f"{format_bytes(on_ssd + in_ram)} in host RAM {why}")
 
@@ -477,8 +478,8 @@ class FuyouEngine:
             self._install_streamer(self.plan.weights)
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
-        self.optimizer.chooser.forget_costs()  # the warm-up's windows cost what the plan no longer does
-        self.optimizer.chooser.expect(self.plan.predicted_by_schedule())
+        # the warm-up's windows cost what the plan no longer does
+        self.optimizer.control.expect(self.plan.predicted_by_schedule(), forget_measured=True)
         self.reporting.plan_applied()
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
@@ -588,8 +589,8 @@ class FuyouEngine:
         return self.optimizer.scale_backward(loss)
 
     def attach_ddp(self, ddp_model: Any) -> None:
-        """Updates as a ``DistributedDataParallel`` model's buckets land (`FuyouAdamW.attach_ddp`)."""
-        self.optimizer.attach_ddp(ddp_model)
+        """Updates as a ``DistributedDataParallel`` model's buckets land (`OptimizerControl.attach_ddp`)."""
+        self.optimizer.control.attach_ddp(ddp_model)
 
     def stop_updates(self) -> None:
         """No backward queues an update from now on (a stray backward after training)."""

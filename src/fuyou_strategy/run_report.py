@@ -2,8 +2,8 @@
 costs the compute, the step trace, and the planner's predicted against measured step time.
 
 The engine owns one and calls it at the loop's events (`begin_window`, `before_step`, `after_step`); it
-reads the engine's parts (optimizer counters, tensor store, swapper, streamer, plan) and never changes
-them. Everything here runs on the training thread.
+reads the engine's parts (snapshots of the optimizer's and the memory tiers' counters, the swapper, the streamer,
+the plan) and never changes them. Everything here runs on the training thread.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from . import drives, trace
 from .activations import discover_blocks
 from .activations.spans import BlockSpans
 from .config import format_bytes
+from .optim.control import OptimizerFigures
 from .optim.schedule import NEXT_FORWARD
 from .storage.probe import cpu_shares, cpu_times
+from .storage.tiers import TierFigures
 from .storage.wear import TB, Wear, drive_capacity
 
 __all__ = ["IO_CPU_WARN_SHARE", "RunReport", "WEAR_SAMPLE_STEPS"]
@@ -40,7 +42,8 @@ class Run(Protocol):
 
     config: Any
     model: Any
-    optimizer: Any
+    memory: Any  # `storage.MemoryTiers`: `figures()`
+    optimizer: Any  # `FuyouAdamW`: ``control.figures()``, ``stats``
     swapper: Any
     streamer: Any
     profiler: Any
@@ -73,7 +76,7 @@ class RunReport:
         self._written_per_step: list[float] = []
         self._moved_per_step: list[float] = []  # read + written
         self._cpu_from: list[int] | None = None  # `cpu_times` at the first step's end: the sample's CPU time starts
-        self._counted = self._counters()  # cumulative counters at the last step's end (`metrics`)
+        self._counted = self._counters(engine.memory.figures())  # cumulative counters at the last step's end
         # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
         # rollback counts) nor the bytes the load wrote into the store.
         self._optimizer.on_loaded.append(self._rebase)
@@ -82,6 +85,10 @@ class RunReport:
     @property
     def _optimizer(self) -> Any:
         return self.engine.optimizer
+
+    def _figures(self) -> OptimizerFigures:
+        """The optimizer's counters now (`OptimizerControl.figures`)."""
+        return self._optimizer.control.figures()
 
     # -- the loop's events -------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:
@@ -192,8 +199,7 @@ class RunReport:
         self.run_steps = int(steps) if steps is not None and steps > 0 else None
         if self.run_steps is None:
             return
-        opt = self._optimizer
-        floor = self._wear(opt.adam_state.slot_bytes(in_memory=False), 0.0)
+        floor = self._wear(self._figures().slot_ssd_bytes, 0.0)
         self._check_wear(floor, "at least (the optimizer state's writes alone)")
 
     def _wear(self, bytes_per_step: float, step_seconds: float) -> Wear:
@@ -258,7 +264,7 @@ class RunReport:
                      f"({share:.0%})")
         log.debug("fuyou: swap I/O: %s", cost_line + (f"; {stolen}" if stolen else ""))  # summary()["io_cpu"]
         if share is not None and share >= IO_CPU_WARN_SHARE:
-            state = self._optimizer.adam_state.slot_bytes(in_memory=False)
+            state = self._figures().slot_ssd_bytes
             warnings.warn(
                 f"fuyou: this run's swap I/O costs its compute: {cost_line}, {IO_CPU_WARN_SHARE:.0%} or more of "
                 "the step. No overlap hides a cost paid in compute; fewer bytes do. The optimizer "
@@ -271,20 +277,21 @@ class RunReport:
         """`FuyouEngine.metrics`."""
         return dict(self._metrics)
 
-    def _counters(self) -> dict[str, float]:
-        stats, io = self._optimizer.stats, self._optimizer.store.engine
+    def _counters(self, tiers: TierFigures) -> dict[str, float]:
+        stats = self._optimizer.stats
         swapper = self.engine.swapper
         swap = swapper.stats if swapper is not None else None
-        return {"ssd_read_bytes": io.bytes_read, "ssd_write_bytes": io.bytes_written,
+        return {"ssd_read_bytes": tiers.ssd_read_bytes, "ssd_write_bytes": tiers.ssd_write_bytes,
                 "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
                 "activation_bytes_to_host": swap.host_bytes if swap else 0,
                 "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
 
     def _rebase(self) -> None:
-        self._counted = self._counters()
+        self._counted = self._counters(self.engine.memory.figures())
 
     def _step_metrics(self, seconds: float) -> dict[str, float]:
-        now = self._counters()
+        tiers = self.engine.memory.figures()
+        now = self._counters(tiers)
         # A swapper installed by the planner starts its own counts: never a negative difference.
         delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
         self._counted = now
@@ -294,12 +301,12 @@ class RunReport:
                "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
-               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": opt.store.pool.high_water,
+               "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": tiers.pool_peak_bytes,
                # cumulative: the share of each drive's rated endurance the run has written so far
                "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(opt.store.run_dirs))
                / (self.config.ssd_endurance_tbw * TB)}
         if self.engine.streamer is not None:
-            out["device_peak_bytes"] = self.engine.streamer.meter.high_water
+            out["device_peak_bytes"] = self.engine.streamer.device_peak_bytes
         if self.engine.plan is not None:
             out["plan_predicted_step_seconds"] = self.engine.plan.predicted_step_s
         return {f"fuyou/{k}": float(v) for k, v in out.items()}
@@ -307,14 +314,12 @@ class RunReport:
     def summary(self) -> dict[str, Any]:
         """`FuyouEngine.summary`."""
         engine, opt = self.engine, self._optimizer
-        store, stats, plan = opt.store, opt.stats, engine.plan
+        stats, plan = opt.stats, engine.plan
+        tiers, figures = engine.memory.figures(), self._figures()
         swap = engine.swapper.stats if engine.swapper is not None else None
         stream = engine.streamer.stats if engine.streamer is not None else None
         times = self.step_times[1:] or self.step_times  # the first step includes warm-up
         trainable = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD, and in
-        # host RAM (FuyouConfig.host_state)
-        state_on_ssd, state_in_ram = opt.adam_state.footprint()
         return {
             "trainable_parameters": trainable,
             "optimizer_steps": stats.steps,
@@ -332,13 +337,15 @@ class RunReport:
             "loss_scale": opt.scaler.get_scale() if opt.scaler is not None else None,  # fp16 loss scaling
             "state_format": opt.state_format.name,  # FuyouConfig.state_format: the bytes per parameter of the state
             # FuyouConfig.optimizer_threads: the worker's intra-op threads as it set them, and why
-            "optimizer_threads": opt.adam_state.pipeline.threads,
-            "optimizer_threads_reason": opt.threads_reason,
+            "optimizer_threads": figures.worker_threads,
+            "optimizer_threads_reason": figures.threads_reason,
             # the fields left to fuyou ("auto", or unset placement) and why each took its value
             "choices": {name: {"value": value, "why": why} for name, (value, why) in engine.choices.items()},
-            "ssd_bytes_optimizer_state": state_on_ssd,
-            "host_bytes_optimizer_state": state_in_ram,
-            "ssd_file_bytes": store.bytes_on_disk,  # also the activations' high-water mark
+            # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD, and in
+            # host RAM (FuyouConfig.host_state)
+            "ssd_bytes_optimizer_state": figures.state_ssd_bytes,
+            "host_bytes_optimizer_state": figures.state_ram_bytes,
+            "ssd_file_bytes": tiers.ssd_reserved_bytes,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,
             "weight_tiers": stream.tiers if stream else {},  # streamed blocks only: {block index: tier}
@@ -346,25 +353,25 @@ class RunReport:
             "weight_device_peak_bytes": stream.high_water_bytes if stream else 0,  # streamed weights on the device
             "weight_bytes_trainable_streamed": stream.trainable_bytes if stream else 0,
             # Weights and gradients on the device at most (activations not counted); None without streaming.
-            "device_peak_bytes": engine.streamer.meter.high_water if stream else None,
-            "ssd_bytes_per_trainable_parameter": store.bytes_on_disk / max(1, trainable),
-            "host_pool_peak_bytes": store.pool.high_water,
+            "device_peak_bytes": engine.streamer.device_peak_bytes if stream else None,
+            "ssd_bytes_per_trainable_parameter": tiers.ssd_reserved_bytes / max(1, trainable),
+            "host_pool_peak_bytes": tiers.pool_peak_bytes,
             # State chunks on the SSD read ahead in backward for the last gradients' updates
             # (`ChunkPipeline.read_ahead`): taken by an update, or given back unused (stale, or not asked for)
-            "state_chunks_read_ahead": opt.adam_state.pipeline.ahead_used,
-            "state_chunks_read_ahead_unused": opt.adam_state.pipeline.ahead_dropped,
+            "state_chunks_read_ahead": figures.read_ahead_used,
+            "state_chunks_read_ahead_unused": figures.read_ahead_dropped,
             # State chunks on the SSD that step() committed while their write was in flight (`TensorStore.commit`'s
             # ``writes_behind``), and the reads that then had to wait for one to land
-            "state_chunks_written_behind": opt.adam_state.store.writes_behind,
-            "state_reads_waited_behind": opt.adam_state.store.waits_behind,
-            "host_pool_budget_bytes": store.pool.budget,
+            "state_chunks_written_behind": tiers.writes_behind,
+            "state_reads_waited_behind": tiers.waits_behind,
+            "host_pool_budget_bytes": tiers.pool_budget_bytes,
             "median_step_seconds": statistics.median(times) if times else float("nan"),
             "plan": plan.policies if plan is not None else None,
             "plan_predicted_step_seconds": plan.predicted_step_s if plan is not None else None,
             "plan_measured_step_seconds": (statistics.median(self.step_times[self._plan_applied_at + 1:])
                                            if self._plan_applied_at is not None
                                            and len(self.step_times) > self._plan_applied_at + 1 else None),
-            "ssd_write_bytes_total": store.engine.bytes_written,
+            "ssd_write_bytes_total": tiers.ssd_write_bytes,
             # measured after WEAR_SAMPLE_STEPS steps: per step and hour, DWPD, the run's share of the rating
             "wear": self.wear.as_dict() if self.wear is not None else None,
             # measured with the wear: swap bytes per step, what fuyou doctor measured a GB to cost the compute here

@@ -251,7 +251,7 @@ class FuyouCallback(TrainerCallback, ExportableState):
     planner's `Plan` with ``activations="auto"``).
 
     Under ``torchrun`` / ``accelerate launch`` each rank owns ~1/N of the optimizer state
-    (`fuyou_strategy.optim.distributed`): `FuyouAdamW.attach_ddp`'s comm hook is registered on
+    (`fuyou_strategy.optim.distributed`): `OptimizerControl.attach_ddp`'s comm hook is registered on
     accelerate's ``DistributedDataParallel`` at its first forward (each bucket summed onto its owners; the
     ``backward`` schedule's updates as buckets land), and the logged ``grad_norm`` is the
     optimizer's global one. With streamed weights (``weights="ssd"``/``"host"``) `on_init_end` has

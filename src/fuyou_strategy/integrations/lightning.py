@@ -262,7 +262,7 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
     (and skips that for micro-batches that only accumulate); at ``step()`` each rank clips on the same
     global norm and updates the parameters whose state it owns, from its own swap directories: under
     the ``backward`` schedule during backward, as each DDP bucket's sum lands on its owners
-    (`FuyouAdamW.ddp_comm_hook`), under ``next_forward`` ahead of the next forward, which broadcasts
+    (`OptimizerControl.ddp_comm_hook`), under ``next_forward`` ahead of the next forward, which broadcasts
     each module's weights from their owners as it reaches them. Checkpoints store parameters, not rank
     shards: one saved with N ranks resumes with M, one included. With streamed weights
     (``weights="ssd"``/``"host"``/``"auto"``) DDP is told to leave them to the optimizer, which sums

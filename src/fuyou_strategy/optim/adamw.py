@@ -35,7 +35,9 @@ The parts, each with one job (this class owns the torch contract — param group
     FuyouAdamW ── Window (one accumulation window) ── Speculative | Exact (schedules, `Parts`)
        │             Gradients (resident / streamed / DDP bucket → Grad) ── Updater (builds an update)
        │             Solo | Sharding (one process / a shard of a process group)
-       └── OptimizerState (layout, slots, worker) ── checkpoint (the file format)
+       ├── OptimizerControl (``opt.control``: what the engine and the planner ask and change; `figures`)
+       ├── Saves (what a save holds, how it is restored) ── checkpoint (the file format)
+       └── OptimizerState (layout, slots, worker)
 
 The result is bitwise equal to ``torch.optim.AdamW`` with the same kernel applied to the same
 gradients after ``clip_grad_norm_``: ``fused=True`` (the default here) to ``AdamW(fused=True)``,
@@ -48,8 +50,6 @@ import contextlib
 import logging
 import os
 import weakref
-from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -59,15 +59,15 @@ from ..cleanup import undo_after
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, auto_optimizer_threads, settled
 from ..device import computes_on_host, usable_cores
 from ..storage import MemoryTiers, TensorStore, state_chunk_bytes
-from . import checkpoint
+from .control import OptimizerControl
 from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
 from .scaler import LossScaler
-from .schedule import BACKWARD, Exact, Order, Parts, PendingUpdates, ScheduleChooser, Speculative, StepStats
+from .schedule import BACKWARD, Order, Parts, PendingUpdates, StepStats
 from .formats import StateFormat
+from .saves import Saves
 from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel, balanced_chunk
 from .updates import Updater
-from .weights import StreamedWeights
 from .window import Window
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,10 @@ class FuyouAdamW(torch.optim.Optimizer):
     `attach_model` lets the next forward wait for them (then `flush` before reading weights
     outside a forward; ``state_dict`` and checkpoints do it themselves).
 
-    Statistics are in ``opt.stats`` (`StepStats`: outcomes, rollback rate, schedule per step);
-    call ``close()`` (or use ``with``) to release the swap files. Attributes are never rebound after
+    Statistics are in ``opt.stats`` (`StepStats`: outcomes, rollback rate, schedule per step), the counters
+    in ``opt.control.figures()``; what the engine and the planner change between steps (the state's host
+    tier, streamed weights, DDP's comm hook) is ``opt.control`` (`OptimizerControl`). Call ``close()`` (or
+    use ``with``) to release the swap files. Attributes are never rebound after
     construction: a wrapper that borrows these methods (Fabric's) changes the same parts.
     """
 
@@ -166,17 +168,16 @@ class FuyouAdamW(torch.optim.Optimizer):
                                   "itself; speculative updates during backward need each gradient's average as it "
                                   "lands (a DistributedDataParallel model, `attach_ddp`): use 'next_forward' or 'auto'")
             shards = Shards(process_group, self._params, config)
-        self._gradients_averaged = gradients_averaged
         owned = [ps for ps in self._params if shards is None or shards.owns(ps)]
-        # the worker's intra-op threads asked for (None: torch's default) and why; `FuyouEngine` announces them
-        self.threads_asked, self.threads_reason = _worker_threads(config, [ps.param for ps in self._params])
+        # the worker's intra-op threads asked for (None: torch's default) and why (`OptimizerControl.threads_asked`)
+        threads = _worker_threads(config, [ps.param for ps in self._params])
         owns = memory is None
         if owns:
             memory = self.memory = MemoryTiers(config)
         shares = memory.shares
         try:  # stops its worker if it fails; its read-ahead leaves the transfers' reserved share of the pool free
             self.adam_state = OptimizerState(owned, config, memory.store, shares.optimizer_depth,
-                                             spare_from=shares.reserved, threads=self.threads_asked)
+                                             spare_from=shares.reserved, threads=threads[0])
         except BaseException as exc:
             if owns:
                 undo_after(exc, memory.close)
@@ -206,16 +207,14 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._order = Order(self._params)
             parts = Parts(self.adam_state, self.updates, self.gradients, self.sharding, self.window, self._order,
                           self.landing, self.stats, self.state, max_grad_norm)
-            self._schedules = {s.name: s for s in (Speculative(parts), Exact(parts))}
-            # Data parallel without DDP's averages: only next_forward (the updates wait for the sum at step()).
-            self.chooser = ScheduleChooser(config.optimizer_schedule, can_speculate=config.state_slots == 2 and (
-                shards is None or gradients_averaged), exact_first=self._exact_first,
-                backward_first=self._backward_first)
-            self.stats.last_reason = self._choose()
-            # Parameters on the meta device (a model built there) get their masters once they have memory,
-            # or a tier copy: `initialise_materialized`.
-            self._pending = [ps for ps in owned if ps.param.is_meta]
-            self.adam_state.initialise([ps for ps in owned if not ps.param.is_meta], self._weight)
+            # The engine's and the planner's handle (`OptimizerControl`): it chooses the first window's schedule
+            # and writes the masters of the parameters that have memory.
+            self.control = OptimizerControl(self._params, parts, config, can_speculate=config.state_slots == 2 and (
+                shards is None or gradients_averaged), gradients_averaged=gradients_averaged,
+                threads=threads, finalizer=self._finalizer)
+            self.chooser = self.control.chooser
+            self._saves = Saves(self._params, parts, self.control, config, state_format=self.state_format,
+                               scaler=self.scaler, on_loaded=self.on_loaded)
             on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
             self._hooks.extend(ps.param.register_post_accumulate_grad_hook(lambda p: _call_alive(on_grad_ready, p))
                                for ps in self._params)
@@ -239,40 +238,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         """The schedule of the accumulation window being accumulated now."""
         return self.window.schedule.name
 
-    def _weight(self, ps: ParamState) -> torch.Tensor:
-        """A parameter's weight as the masters start from (a streamed one's from its tier copy)."""
-        streamer = self.updates.weights
-        return streamer.value(ps.param) if streamer is not None and streamer.streams(ps.param) else ps.param.detach()
-
-    def _choose(self, *, agree: bool = False) -> str:
-        """Set the next window's schedule (``agree``: rank 0's, on every rank); returns why."""
-        name, reason = self.chooser.choose()
-        if agree:
-            name, reason = self.sharding.same_choice([name, reason])
-        self.window.schedule = self._schedules[name]
-        return reason
-
-    def _exact_first(self) -> str | None:
-        """Why ``"auto"`` takes ``next_forward`` without measuring ``backward`` (`ScheduleChooser`), or ``None``:
-        the model computes on the CPU, and every state chunk of this rank is in host RAM with no streamed weight
-        (whose gradients ``next_forward`` would park on the SSD)."""
-        owned, state = self.adam_state.owned, self.adam_state
-        if not owned or not computes_on_host([ps.param for ps in owned]):
-            return None
-        if any(ps.index not in state.in_memory or ps.grads is not None for ps in owned):
-            return None
-        return ("the model computes on the CPU and the whole state is in host RAM: next_forward, without the "
-                "shadow-slot copies and RAM of backward's speculation")
-
-    def _backward_first(self) -> str | None:
-        """Why ``"auto"`` keeps ``backward`` without measuring ``next_forward`` early (`ScheduleChooser`), or
-        ``None``: every state chunk of this rank is on the SSD, where ``next_forward`` hides the same traffic
-        under less of the step."""
-        owned, state = self.adam_state.owned, self.adam_state
-        if not owned or any(ps.index in state.in_memory for ps in owned):
-            return None
-        return "the whole state is on the SSD, whose traffic next_forward hides under forward only"
-
     # -- the hooks: they only queue ----------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         # The last step's updates land before this backward's touch their state (sharded: the same list on
@@ -283,16 +248,6 @@ class FuyouAdamW(torch.optim.Optimizer):
         grad = self.gradients.on_backward(ps, speculating=schedule.speculates, inv_scale=self.updates.inv_scale)
         if grad is not None:
             schedule.on_gradient_final(ps, grad)
-
-    def _on_average(self, ps: ParamState, average: torch.Tensor) -> None:
-        """A DDP bucket's average of one of this rank's parameters (on DDP's collective thread)."""
-        window = self.window
-        if window.updates and window.schedule.speculates and not window.queued(ps):
-            window.schedule.on_gradient_final(ps, self.gradients.staged(ps, average, kind="bucket"))
-
-    def ddp_comm_hook(self, state: Any, bucket: Any) -> Future:
-        """DDP's averaging, the updates as each bucket lands (`Sharding.comm_hook`)."""
-        return self.sharding.comm_hook(bucket, self._on_average)
 
     # -- the step ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -306,10 +261,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._pending:
-            raise RuntimeError(f"FuyouAdamW: {len(self._pending)} parameters are still on the meta device (the first has "
-                               f"shape {tuple(self._pending[0].param.shape)}); materialise them and call "
-                               "initialise_materialized() before training (FuyouEngine does both)")
+        self.control.check_materialized()
         self._land()  # normally the forward waited for all of them already
         window, stats = self.window, self.stats
         if self.scaler is not None and not window.scaled and (window.norms or window.partial or any(
@@ -328,7 +280,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.chooser.end_step(schedule, rolled=outcome.name == "skip" or stats.clipped > clipped,
                               rollback_s=outcome.rollback_s)
         stats.record(schedule, outcome.name)
-        reason = self._choose(agree=True)  # each rank's chooser measured its own windows: rank 0's choice holds
+        reason = self.control.choose(agree=True)  # each rank's chooser measured its own windows: rank 0's choice holds
         if window.schedule.name != schedule or reason != stats.last_reason:
             level = logging.INFO if window.schedule.name != schedule else logging.DEBUG
             log.log(level, "FuyouAdamW: schedule %s for the next step (%s)", window.schedule.name, reason)
@@ -419,104 +371,10 @@ class FuyouAdamW(torch.optim.Optimizer):
         data parallelism: every rank calls it at the same point."""
         self._land()
 
-    def hold_state_in_ram(self, nbytes: int) -> int:
-        """Let the state's host tier hold ``nbytes`` (of ``host_memory_budget``) and move this rank's
-        parameters' state in from the SSD, or out to it when the tier shrinks (`OptimizerState.hold_in_ram`);
-        returns the bytes it holds.
-        Between steps: the updates left for the next forward land first. Bitwise nothing changes."""
-        self.flush()
-        self.adam_state.drain()
-        return self.adam_state.hold_in_ram(self.sharding.owned(self._params), nbytes)
-
     def _land(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         self.sharding.land(params)
 
-    # -- streamed weights and data parallelism -----------------------------------------------------------
-    def chunk_elements(self) -> dict[torch.nn.Parameter, int]:
-        """Each trainable parameter's state chunk length (elements): a `WeightStreamer` chunks the tier
-        copies of the parameters it streams alike, so that `publish` writes whole chunks."""
-        return {ps.param: ps.elems_per_chunk for ps in self._params}
-
-    def initialise_materialized(self) -> None:
-        """Write the masters of parameters that were on the meta device when the optimizer was made and
-        have memory now (`fuyou_strategy.params.materialize`) or a tier copy (`attach_weights`)."""
-        ready = [ps for ps in self._pending if ps.grads is not None or not ps.param.is_meta]
-        self.adam_state.initialise(ready, self._weight)
-        self._pending[:] = [ps for ps in self._pending if ps not in ready]
-
-    def attach_weights(self, streamer: StreamedWeights) -> None:
-        """Publish the parameters ``streamer`` streams (``streamer.streams(p)``) into their tier copies:
-        each gradient leaves the device as soon as it is final (`StreamedGradients`) and every new weight
-        goes to the tier copy (``streamer.publish``). Call it between steps. Data parallel (a collective):
-        each rank keeps a tier copy of every streamed weight, made rank 0's here; a streamed gradient is
-        summed onto its owner at ``step()`` (DDP must ignore these parameters: `ignore_streamed_in_ddp`)
-        and each new weight goes from its owner's copy into the others' on a sender thread; the updates
-        then run under ``next_forward`` only."""
-        self._check_idle("attach_weights")
-        if self.sharding.world > 1 and streamer.streamed():
-            self._summed_at_step("weights streamed under data parallelism")
-        self.updates.weights = streamer
-        streamer.updates = self.sharding.updates_gate()  # it reads a tier copy only once its update landed
-        changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
-        self.adam_state.initialise([ps for ps in self.sharding.owned(self._params)
-                                    if ps.param in changed and ps not in self._pending], self._weight)
-        self._stream_from_masters()
-        # After the copies that masters replace are gone: the gradient entries take their space.
-        self.gradients.streamed.attach(streamer, self._params)
-
-    def _stream_from_masters(self) -> None:
-        """One process: the streamer reads each streamed fp32 weight from its master (`WeightStreamer.use_master`)
-        instead of keeping a copy of its own on the SSD. The masters of a model built on the meta device are
-        written here first, from those copies, which then go. Data parallel keeps the copies: every rank streams
-        every weight, and only the owner has its master."""
-        streamer = self.updates.weights
-        if streamer is None or self.sharding.world > 1:  # `streams_from_master` is false for every weight
-            return
-        ready = [ps for ps in self._pending if streamer.streams(ps.param)]
-        self.adam_state.initialise(ready, self._weight)
-        self._pending[:] = [ps for ps in self._pending if ps not in ready]
-        for ps in self._params:
-            if streamer.streams(ps.param) and ps not in self._pending and self.streams_from_master(ps.param):
-                streamer.use_master(ps.param, ps.entry, ps.elems_per_chunk)
-
-    def state_bytes_per_param(self) -> float:
-        """Bytes of optimizer state per trainable parameter and slot as the store holds them (chunks padded to
-        their stride): what the planner's cost model counts for the state's host tier and the SSD, so that the
-        RAM it plans for the state holds the parameters it planned."""
-        padded = sum(TensorStore.footprint(ps.nbytes, ps.stride, 1) for ps in self._params)
-        return padded / sum(ps.numel for ps in self._params)
-
-    def streams_from_master(self, param: torch.nn.Parameter) -> bool:
-        """Whether trainable ``param``, streamed from the SSD tier, is read from its fp32 master instead of a copy
-        of its own (`_stream_from_masters`; the planner's cost model asks too): in one process, an fp32 weight."""
-        return self.sharding.world == 1 and param.dtype == torch.float32
-
-    def reduce_itself(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """With ``gradients_averaged``: the DistributedDataParallel model leaves these parameters alone, so
-        ``step()`` sums their gradients itself; their updates run under ``next_forward``. Between steps."""
-        if self.sharding.world > 1 and self._gradients_averaged and self.sharding.reduce_itself(
-                [self._by_param[p] for p in params if p in self._by_param]):
-            self._summed_at_step("parameters DistributedDataParallel leaves to the optimizer")
-
-    def _summed_at_step(self, which: str) -> None:
-        """Some gradients are summed over the ranks only at ``step()``: no speculative updates."""
-        if self.config.optimizer_schedule == BACKWARD:
-            raise ConfigError(f"optimizer_schedule: got 'backward' with {which}; their gradients are summed over the "
-                              "ranks at step(), so their updates cannot run during backward: use 'next_forward' or "
-                              "'auto'")
-        self.chooser.can_speculate = False
-        self.chooser.why_not = f"data parallel with {which}: their gradients are summed at step()"
-        self.stats.last_reason = self._choose()
-
-    def attach_ddp(self, ddp_model: Any) -> None:
-        """Register the comm hook on a ``DistributedDataParallel`` model (before its first backward): under
-        the ``backward`` schedule each rank updates its parameters as their averaged gradients land."""
-        if self.sharding.world == 1 or not self._gradients_averaged:
-            raise ConfigError("attach_ddp: needs the optimizer built with a process group and "
-                              "gradients_averaged=True (a DistributedDataParallel model)")
-        self.sharding.attach_ddp(ddp_model, self)
-
-    # -- checkpoints ---------------------------------------------------------------------------------------
+    # -- checkpoints (`Saves`) -----------------------------------------------------------------------------
     def state_dict(self, folder: str | os.PathLike | None = None, *, keep_previous: bool = False,
                    record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Torch's optimizer state dict; with ``folder``, also stream the SSD state there as a new save
@@ -525,89 +383,24 @@ class FuyouAdamW(torch.optim.Optimizer):
         once the new one is complete; ``keep_previous`` leaves them for a caller that records the token
         elsewhere first (the Lightning ``.ckpt``). ``record`` is kept in the save's metadata. Without
         ``folder`` the dict holds hyper-parameters and step counts only."""
-        self._check_idle("state_dict")
+        self.control.check_idle("state_dict")
         sd = super().state_dict()
-        sd["fuyou"] = {"folder": None}
-        if folder is not None:
-            owned = self.sharding.owned(self._params)
-            steps = {ps.index: float(self.state[ps.param]["step"]) for ps in owned}
-            save = checkpoint.save_version if keep_previous else checkpoint.save
-            meta = save(folder, lambda writer: self.adam_state.export(owned, lambda ps, data: writer.chunk(
-                ps.index, list(ps.param.shape), ps.numel, steps[ps.index], data)), self._describe,
-                group=self.sharding, total_bytes=sum(ps.nbytes for ps in owned), progress=self.config.progress,
-                record=record, kinds=self.state_format.kinds)
-            sd["fuyou"] = {"folder": str(folder), "token": meta["token"], "steps": meta["steps"]}
+        sd["fuyou"] = {"folder": None} if folder is None else self._saves.write(
+            folder, self.param_groups, keep_previous=keep_previous, record=record)
         return sd
-
-    def _describe(self) -> dict[str, Any]:
-        """This optimizer's own fields, as a save records them."""
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._by_param[p].index for p in g["params"]]}
-                  for g in self.param_groups]
-        return {"steps": self.stats.steps, "state_format": self.state_format.name, "param_groups": groups,
-                "stats": self.stats.to_dict(), "schedule": self.chooser.state_dict(), "max_grad_norm": self.max_grad_norm,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a dict from `state_dict`, streaming the SSD state back from the save it names (a dict whose
         save is no longer in its folder is refused, saying which side is stale). Checksums are verified
         while streaming and nothing is committed unless every one matches."""
-        self._check_idle("load_state_dict")
-        folder = state_dict.get("fuyou", {}).get("folder")
-        if folder is None and any(float(s.get("step", 0)) for s in state_dict.get("state", {}).values()):
-            raise checkpoint.CheckpointError(
-                "this state dict holds no SSD state (masters and moments): it was made by state_dict() "
-                "without a folder; save with optimizer.state_dict(folder) to resume exactly")
-        if folder is None:
-            return self._restore_groups(state_dict["param_groups"])
-        record = state_dict["fuyou"]
-        fix = ("load the state dict made with that save, or resume from the folder's newest save alone with "
-               "optimizer.load_folder(folder)")
-        self._load(checkpoint.find(folder, record.get("token"), record.get("steps"), named_by="this state dict", fix=fix))
+        self.control.check_idle("load_state_dict")
+        self._saves.load_dict(state_dict, self.param_groups)
 
     def load_folder(self, folder: str | os.PathLike, token: str | None = None) -> dict[str, Any]:
         """Stream the newest save in ``folder`` (or the one with ``token``) back: masters, moments, steps,
         hyper-parameters and weights (checksums verified; a bad save changes nothing); returns its metadata."""
-        self._check_idle("load_folder")
-        return self._load(Path(folder) / token if token is not None else checkpoint.newest(folder))
-
-    def _load(self, path: Path) -> dict[str, Any]:
-        owned = self.sharding.owned(self._params)
-        with checkpoint.SaveReader(path, group=self.sharding) as reader:
-            reader.check_shapes([list(ps.param.shape) for ps in self._params])
-            saved = reader.meta.get("state_format", "fp32")
-            if saved != self.state_format.name:
-                raise checkpoint.CheckpointError(
-                    f"{path}: holds optimizer state in state_format={saved!r}, this optimizer keeps "
-                    f"state_format={self.state_format.name!r}; resume with FuyouConfig(state_format={saved!r}) (a "
-                    "save is not converted between formats: that would change the training); nothing was loaded")
-            self.adam_state.load(owned, lambda ps, start, data: reader.read(ps.index, start, data),
-                                 lambda ps: reader.finish(ps.index), reader.check, what=str(path.parent),
-                                 progress=self.config.progress)
-        meta = reader.meta
-        for ps, step in zip(self._params, reader.steps()):
-            self.state[ps.param]["step"] = torch.tensor(step)
-        self._restore_groups(meta["param_groups"])
-        if "stats" in meta:
-            self.stats.load(meta["stats"])  # commit / redo / skip counts carry on
-        self.chooser.load_state_dict(meta.get("schedule", {}))
-        if self.scaler is not None and meta.get("scaler") is not None:
-            self.scaler.load_state_dict(meta["scaler"])
-        self.stats.last_reason = self._choose()
-        self.adam_state.restore_weights(owned, self.updates.publisher())
-        self.sharding.updated(self._order.update, gated=False)  # data parallel: each weight from its owner, now
-        for listener in self.on_loaded:
-            listener()
-        return meta
-
-    def _restore_groups(self, saved_groups: list[dict]) -> None:
-        """Put saved hyper-parameters (lr, betas, ...) back into the param groups."""
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
-
-    def _check_idle(self, what: str) -> None:
-        self._land()
-        if self.window.norms or self.window.partial:
-            raise RuntimeError(f"{what}() between backward and step(): call step() (or zero_grad()) first")
+        self.control.check_idle("load_folder")
+        return self._saves.load_folder(folder, token, self.param_groups)
 
     # -- reading state back ----------------------------------------------------------------------------
     def read_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:

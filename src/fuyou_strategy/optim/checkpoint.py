@@ -1,7 +1,8 @@
 """The checkpoint file format of the optimizer state: writing, reading, verifying, tokens, atomic replace.
 
-This module knows files, not optimizers: `FuyouAdamW` streams its state through `SaveWriter` and back through
-`SaveReader`, chunk by chunk through the host pool, and describes its own fields.
+This module knows files, not optimizers: what a save holds comes from its caller (`saves.Saves`, for a
+`FuyouAdamW`: it streams the state through `SaveWriter` and back through `SaveReader`, and describes the
+optimizer's own fields).
 
 Layout: one ``<folder>/<token>/`` (32 hex digits) per save, holding a raw file per piece of the state format
 (``master.bin``, ``exp_avg.bin``, ``exp_avg_sq.bin``; for ``8bit`` also ``exp_avg.scale.bin`` and

@@ -9,7 +9,7 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
    (``reduce``, in parameter order; a rank without a gradient sends zeros) and divided by N: the
    gradient of the mean loss over the global batch, when every rank's micro-batches are the same size
    (with a ``DistributedDataParallel`` model, which reduced them during backward —
-   `FuyouAdamW.ddp_comm_hook` sums each bucket onto the owners only — nothing moves). A streamed
+   `OptimizerControl.ddp_comm_hook` sums each bucket onto the owners only — nothing moves). A streamed
    weight's gradient (`WeightStreamer`; DDP leaves those parameters alone) is summed from the
    ranks' host copies, one at a time;
 2. the owners' per-parameter norms are shared (one ``all_reduce`` of a vector holding each norm
@@ -18,7 +18,7 @@ moments on its own swap directories: a rank's SSD holds ~1/N of the state. A dat
    skip, everywhere;
 3. each owner queues the updates of its parameters from its shard of the state: under the
    ``backward`` schedule with a ``DistributedDataParallel`` model, during backward, as each
-   bucket's average lands (`FuyouAdamW.ddp_comm_hook`), then commits, redoes or skips at ``step()``
+   bucket's average lands (`OptimizerControl.ddp_comm_hook`), then commits, redoes or skips at ``step()``
    like every rank; under ``next_forward``, at ``step()``, to run ahead of the next forward;
 4. when the next forward reaches a module (or at `FuyouAdamW.flush`, a checkpoint, the next
    backward), its parameters' owners wait for their updates, the ranks agree that they landed
@@ -581,8 +581,9 @@ class Sharding:
     # -- DistributedDataParallel: updates as its buckets land --------------------------------------------------
     def attach_ddp(self, ddp_model: Any, optimizer: Any) -> None:
         """Register the comm hook on a ``DistributedDataParallel`` model (before its first backward): each
-        bucket's average goes to `comm_hook` of the optimizer that attached last (weakly: DDP takes one hook
-        for its lifetime and a model may outlive its optimizer; with none left it averages as DDP does)."""
+        bucket's average goes to `comm_hook` through the ``ddp_comm_hook`` of the optimizer's control
+        (`OptimizerControl`) that attached last (weakly: DDP takes one hook for its lifetime and a model may
+        outlive its optimizer; with none left, or closed, it averages as DDP does)."""
         target = getattr(ddp_model, "_fuyou_hook_target", None)
         if target is not None:
             target.optimizer = weakref.ref(optimizer)
@@ -670,7 +671,7 @@ class _SentWeights:
 
 
 class _HookTarget:
-    """The state of the comm hook `Sharding.attach_ddp` registers: the optimizer it serves (weakly)."""
+    """The state of the comm hook `Sharding.attach_ddp` registers: the optimizer's control it serves (weakly)."""
 
     def __init__(self, optimizer: "weakref.ref", group: Any, world: int) -> None:
         self.optimizer, self.group, self.world = optimizer, group, world

@@ -120,10 +120,10 @@ class ScheduleChooser:
             ``backward``'s cost is known after two windows (the first has no window before it).
         probe_every: windows between measurements of the schedule not in use, so that its cost stays current.
         backward_first: called at each choice; a reason (one sentence) not to measure ``next_forward`` before
-            ``probe_every`` windows, or ``None``. `FuyouAdamW` gives one that holds while every chunk of the
+            ``probe_every`` windows, or ``None``. `OptimizerControl` gives one that holds while every chunk of the
             state is on the SSD (see below).
         exact_first: called at each choice; a reason (one sentence) to take ``next_forward`` without measuring
-            ``backward``, or ``None``. `FuyouAdamW` gives one that holds while the model computes on the CPU
+            ``backward``, or ``None``. `OptimizerControl` gives one that holds while the model computes on the CPU
             and every chunk of the state is in host RAM: speculation is then more work for the same cores
             (each chunk copied into the shadow slot first) with no SSD transfer to hide, its shadow slot is RAM
             that ``next_forward`` never touches, and window times on a few busy cores are too noisy to show it.

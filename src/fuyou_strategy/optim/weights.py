@@ -2,7 +2,7 @@
 
 `params.streaming.WeightStreamer` is the one implementation, but ``params`` sits above ``optim`` in the
 layers (tests/test_architecture.py), so the optimizer names it through these protocols instead: the
-members it calls (`FuyouAdamW.attach_weights`, `Updater.publisher`, `StreamedGradients`, `Sharding`),
+members it calls (`OptimizerControl.attach_weights`, `Updater.publisher`, `StreamedGradients`, `Sharding`),
 each with who calls it and what it may wait for. The streamer satisfies them structurally
 (tests/test_weights_protocol.py checks each member's parameters on both sides, so neither drifts alone).
 
@@ -44,7 +44,7 @@ class UpdatesGate(Protocol):
 
 @runtime_checkable
 class StreamedWeights(Protocol):
-    """The streamed weights an optimizer updates (`FuyouAdamW.attach_weights`): a trainable streamed
+    """The streamed weights an optimizer updates (`OptimizerControl.attach_weights`): a trainable streamed
     parameter's value lives in a tier copy (host buffer or SSD entry), not in the parameter."""
 
     meter: DeviceBytes
@@ -52,7 +52,7 @@ class StreamedWeights(Protocol):
     from the end of its accumulation until its copy off the device landed (autograd's thread)."""
 
     updates: UpdatesGate | None
-    """Set by `FuyouAdamW.attach_weights` (training thread, between steps); read by the streamer's hooks."""
+    """Set by `OptimizerControl.attach_weights` (training thread, between steps); read by the streamer's hooks."""
 
     def streams(self, param: torch.nn.Parameter) -> bool:
         """Whether trainable ``param``'s value lives in a tier copy (its updates are published there, its

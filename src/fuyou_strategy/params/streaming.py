@@ -236,7 +236,7 @@ class WeightStreamer:
         self._callback_queued = False
         self._active = False
         self._uploader: ThreadPoolExecutor | None = None
-        # Updates still to land in the tier copies (`FuyouAdamW.attach_weights` sets its PendingUpdates):
+        # Updates still to land in the tier copies (`OptimizerControl.attach_weights` sets its PendingUpdates):
         # anything with ``pending(params) -> bool`` and ``wait(params)``.
         self.updates: Any = None
 
@@ -598,6 +598,11 @@ class WeightStreamer:
     def value(self, param: torch.nn.Parameter) -> torch.Tensor:
         """Streamed ``param``'s value, from its tier copy (a new CPU tensor)."""
         return self._tier_copy(self._all[param])
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The most bytes of weights and gradients on the device at once so far (`DeviceMeter`)."""
+        return self.meter.high_water
 
     def streamed(self) -> list[torch.nn.Parameter]:
         """Every streamed parameter (frozen and trainable), in block order."""

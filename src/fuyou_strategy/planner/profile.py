@@ -139,7 +139,7 @@ class WarmupProfiler:
         self._steps_seen += 1
         if self._steps_seen == 1:
             self._first_redos, self._first_steps = self.optimizer.stats.redos, self.optimizer.stats.steps
-            self._first_update = self.optimizer.adam_state.meter.total
+            self._first_update = self.optimizer.control.figures().update_total
 
     @property
     def done(self) -> bool:
@@ -160,7 +160,7 @@ class WarmupProfiler:
         """Parameters/s of the CPU AdamW update, as the warm-up's steps after the first ran it on their own
         chunks (`UpdateMeter`); a micro-benchmark (`adam_throughput`) only when they updated nothing (e.g.
         a data-parallel rank that owns no state)."""
-        (seconds, params), (seconds0, params0) = self.optimizer.adam_state.meter.total, self._first_update
+        (seconds, params), (seconds0, params0) = self.optimizer.control.figures().update_total, self._first_update
         seconds, params = seconds - seconds0, params - params0
         if params > 0 and seconds > 0:
             return params / seconds
@@ -195,6 +195,7 @@ class WarmupProfiler:
         in_blocks = {id(p): p for b in self.blocks for p in b.parameters()}.values()
         outside = weights + grads - sum(_nbytes(p) * (1 + p.requires_grad) for p in in_blocks)
         rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout, progress=config.progress)
+        control = self.optimizer.control  # what the cost model counts of the optimizer
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
         return Profile(
@@ -210,14 +211,14 @@ class WarmupProfiler:
             micro_batches=micro_batches, prefetch_blocks=config.activation_prefetch_blocks,
             weight_prefetch_blocks=config.weight_prefetch_blocks, redo_fraction=redo_fraction,
             # The schedules the optimizer may use (one slot, or data parallel: next_forward only).
-            schedule=config.optimizer_schedule if self.optimizer.chooser.can_speculate else "next_forward",
+            schedule=config.optimizer_schedule if control.can_speculate else "next_forward",
             # The streamer copies prefetched blocks onto the device on its upload thread (a side
             # stream on CUDA), not on the compute thread.
             blocking_weight_copy=False,
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
             state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
-            state_bytes=self.optimizer.state_bytes_per_param(),
-            weights_from_master=all(self.optimizer.streams_from_master(p)
+            state_bytes=control.state_bytes_per_param(),
+            weights_from_master=all(control.streams_from_master(p)
                                     for b in self.blocks for p in b.parameters() if p.requires_grad),
             masters_in_weights=self.device.type == "cpu" and all(
                 p.dtype == torch.float32 for p in self.model.parameters() if p.requires_grad),
