@@ -174,7 +174,7 @@ class StreamedGradients:
         window.partial.add(ps.index)
         if norm:  # next_forward: step() needs the window's norm (the last micro-batch's sum: a later one overwrites it)
             window.norms[ps.index] = None
-        last, store, norms = ps.nchunks - 1, self.state.store, window.norms
+        last, norms = ps.nchunks - 1, window.norms
 
         def keep(k: int) -> Future:
             if k == 0 and norm:
