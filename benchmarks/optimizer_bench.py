@@ -75,7 +75,10 @@ def worker(args: argparse.Namespace) -> dict:
         # The whole Fuyou recipe: activations of every block to SSD too, through the optimizer's store.
         from fuyou_strategy.activations import ActivationSwapper
 
-        swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
+        if hasattr(opt, "memory"):  # the run's memory tiers, borrowed
+            swapper = ActivationSwapper(model, cfg, memory=opt.memory, policies="ssd")
+        else:  # a checkout from before the memory tiers had one owner (versions_bench)
+            swapper = ActivationSwapper(model, cfg.replace(activations="ssd"), store=opt.store)
 
     if args.config in ("fuyou-io", "fuyou-io-ram", "fuyou-io-ram-exact", "torch-io"):
         # Optimizer alone: hand-set gradients, so every update runs inside step().

@@ -286,7 +286,8 @@ def padding_table(out: str) -> int:
     sys.path.insert(0, str(HERE.parent))
     from benchmarks.peers.systems import Job
     from fuyou_strategy import FuyouConfig
-    from fuyou_strategy.config import STATE_BYTES_PER_PARAM, host_budget_split
+    from fuyou_strategy.config import STATE_BYTES_PER_PARAM
+    from fuyou_strategy.storage import host_budget_split
     from fuyou_strategy.optim.state import balanced_chunk
     from fuyou_strategy.storage import TensorStore, round_up
 
