@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -326,6 +327,8 @@ def test_constructing_a_config_reads_no_file_and_no_proc(tmp_path, monkeypatch):
     assert calls == [], calls
     assert (config.host_memory_budget, config.io_threads, config.optimizer_prefetch_chunks) == ("auto",) * 3
     assert copy.io_threads == 2 and merged.host_memory_budget == 2 * 2**30 and merged.io_threads == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a value: a changed field is a new config (`replace`)
+        config.io_threads = 2
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="^plan: "):
         resolve(config)

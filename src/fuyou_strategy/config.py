@@ -213,7 +213,7 @@ def _per_block(name: str, value: Any, choices: tuple[str, ...], *, auto: bool) -
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class FuyouConfig:
     """Every knob of fuyou-strategy: a validated value. Constructing, copying (`replace`) or merging (`merge`)
     one checks each field and reads nothing of the machine; ``"auto"`` stays ``"auto"`` until `resolve` (at the
@@ -324,17 +324,17 @@ class FuyouConfig:
             resolved = [str(Path(d).expanduser()) for d in dirs]
             if len(set(map(_same_path, resolved))) != len(resolved):
                 raise ConfigError(f"swap_dirs: got {resolved}; a directory is listed twice, list each drive once")
-            self.swap_dirs = resolved
+            _set(self, "swap_dirs", resolved)
         raw_budget = self.host_memory_budget
         if raw_budget != "auto":  # "auto" stays until `resolve` reads the machine
-            self.host_memory_budget = parse_bytes(raw_budget, name="host_memory_budget")
+            _set(self, "host_memory_budget", parse_bytes(raw_budget, name="host_memory_budget"))
             if self.host_memory_budget < PAGE:
                 raise ConfigError(
                     f"host_memory_budget: got {raw_budget!r} ({self.host_memory_budget} bytes); it must hold at "
                     f"least one 4 KiB page, and in practice several chunks, e.g. '2GiB'"
                 )
         if self.device_memory_budget is not None:
-            self.device_memory_budget = parse_bytes(self.device_memory_budget, name="device_memory_budget")
+            _set(self, "device_memory_budget", parse_bytes(self.device_memory_budget, name="device_memory_budget"))
         threads = self.io_threads
         if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64):
             raise ConfigError(f"io_threads: got {self.io_threads!r}; expected 'auto' or an int from 1 to 64 (threads per "
@@ -347,7 +347,7 @@ class FuyouConfig:
                     f"{name}: got {getattr(self, name)!r} ({nbytes} bytes); it must be a positive multiple of "
                     f"4 KiB for O_DIRECT, e.g. {suggestion} ({format_bytes(suggestion)})"
                 )
-            setattr(self, name, nbytes)
+            _set(self, name, nbytes)
         if self.host_memory_budget != "auto" and self.chunk_size > self.host_memory_budget:
             raise ConfigError(
                 f"chunk_size: got {format_bytes(self.chunk_size)}, larger than host_memory_budget "
@@ -368,9 +368,9 @@ class FuyouConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ConfigError(f"io_timeout: got {self.io_timeout!r}; expected seconds > 0, e.g. 600")
         if self.activations is not None:  # None: `placement_defaults` decides when the engine knows the device
-            self.activations = _per_block("activations", self.activations, POLICIES, auto=True)
+            _set(self, "activations", _per_block("activations", self.activations, POLICIES, auto=True))
         if self.weights is not None:
-            self.weights = _per_block("weights", self.weights, WEIGHT_TIERS, auto=True)
+            _set(self, "weights", _per_block("weights", self.weights, WEIGHT_TIERS, auto=True))
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
@@ -378,7 +378,8 @@ class FuyouConfig:
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
                               "slot) or 1 (updates in step(), half the SSD state)")
         if self.host_state != "auto":
-            raw_state, self.host_state = self.host_state, parse_bytes(self.host_state, name="host_state")
+            raw_state = self.host_state
+            _set(self, "host_state", parse_bytes(raw_state, name="host_state"))
             if self.host_state and self.host_memory_budget != "auto" \
                     and self.host_memory_budget - self.host_state < 2 * self.chunk_size:
                 raise ConfigError(
@@ -399,7 +400,7 @@ class FuyouConfig:
         if self.optimizer_schedule == "backward" and self.state_slots == 1:
             raise ConfigError("optimizer_schedule: got 'backward' with state_slots=1; speculative updates during "
                               "backward need the shadow slot: use state_slots=2, or optimizer_schedule='next_forward'")
-        self.activation_min_bytes = parse_bytes(self.activation_min_bytes, name="activation_min_bytes")
+        _set(self, "activation_min_bytes", parse_bytes(self.activation_min_bytes, name="activation_min_bytes"))
         if not isinstance(self.activation_prefetch_blocks, int) or self.activation_prefetch_blocks < 0:
             raise ConfigError(f"activation_prefetch_blocks: got {self.activation_prefetch_blocks!r}; expected an int >= 0")
         if not isinstance(self.planner_warmup_steps, int) or self.planner_warmup_steps < 2:
@@ -409,7 +410,7 @@ class FuyouConfig:
             if not isinstance(self.plan, (str, os.PathLike)):
                 raise ConfigError(f"plan: got {self.plan!r}; expected the path of a plan JSON written by `fuyou plan "
                                   "--save` or Plan.save")
-            self.plan = os.fspath(self.plan)  # read, and checked against ``weights``, by `resolve`
+            _set(self, "plan", os.fspath(self.plan))  # read, and checked against ``weights``, by `resolve`
         elif self.weights == "auto" and self.activations not in ("auto", None):
             raise ConfigError(f"weights: got 'auto' with activations={self.activations!r} and no plan; 'auto' lets the "
                               "planner choose each block's tier, so set activations='auto' (it chooses both) or "
@@ -417,7 +418,7 @@ class FuyouConfig:
         if self.trace is not None:
             if not isinstance(self.trace, (str, os.PathLike)):
                 raise ConfigError(f"trace: got {self.trace!r}; expected the path of the trace JSON to write")
-            self.trace = str(Path(self.trace).expanduser())  # its folder is checked by `resolve`
+            _set(self, "trace", str(Path(self.trace).expanduser()))  # its folder is checked by `resolve`
         if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
             raise ConfigError(f"trace_steps: got {self.trace_steps!r}; expected an int >= 1 (steps in the trace)")
         tbw = self.ssd_endurance_tbw
@@ -476,6 +477,9 @@ class FuyouConfig:
     def replace(self, **changes: Any) -> "FuyouConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+_set = object.__setattr__  # `FuyouConfig._validate` normalises its own frozen fields, once, as it is made
 
 
 def _same_path(path: str) -> str:
