@@ -213,3 +213,19 @@ def test_the_before_after_summary_pools_steps_and_gives_each_rounds_ratios(tmp_p
     assert summary["variants"]["old"]["peak_rss_gib"] == 2.0 and summary["variants"]["new"]["last_losses"] == [2.5]
     assert summary["per_round"]["1"]["new/old"] == 11.0 / 13.0 and summary["per_round"]["2"]["old"] == 1.5
     assert "round 2: new 1.10, old 1.50, new/old 0.73" in proc.stdout
+
+
+def test_update_rate_bench_times_each_system_and_writes_its_table(tmp_path):
+    """benchmarks/update_rate_bench.py end to end on a small state: each system in its own process, a rate
+    for each, the bandwidth measured in the same run, and the table with the ratio to the bare kernel."""
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
+                           "--rounds", "1", "--steps", "1", "--systems", "bandwidth,torch-bare,fuyou-exact",
+                           "--copy-bytes", str(16 * 2**20), "--swap-dir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["bandwidth_bytes_per_s"] > 0
+    assert set(result["summary"]) == {"torch-bare", "fuyou-exact"}
+    assert all(row["params_per_s"] > 0 for row in result["summary"].values())
+    assert "| fuyou-exact |" in proc.stdout and "| torch-bare | " in proc.stdout and "| 1.00 |" in proc.stdout

@@ -1,0 +1,190 @@
+"""The host optimizer update side by side: fuyou's whole update path, torch's bare fused kernel, DeepSpeedCPUAdam.
+
+One run; each system in a fresh process (jemalloc preloaded when installed), rounds interleaved, a warm-up
+step first, the median of the timed steps. Every system updates ``--params`` parameters (default 64M) whose
+state is in RAM, from gradients set by hand (no model, no backward: the update alone):
+
+- ``bandwidth``: the machine's memory bandwidth measured in the same run: the fastest of a read (``sum``), a
+  ``copy_`` and a triad over ``--copy-bytes`` per tensor (bytes read + bytes written per second);
+- ``torch-bare``: ``torch._fused_adamw_`` on fp32 masters, moments and an fp32 gradient, chunk by chunk
+  (``--chunk`` elements, the 350M run's), nothing else: the kernel's own rate on this memory;
+- ``fuyou-exact``: `FuyouAdamW` with the whole state in host RAM (``host_state``), ``optimizer_schedule=
+  "next_forward"`` (what ``"auto"`` takes on a CPU with the state in RAM): ``step()`` + ``flush()``;
+- ``fuyou-speculative``: the same with ``optimizer_schedule="backward"``: the speculative update into the
+  shadow slot and its commit (what a GPU run with the state in RAM does);
+- ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
+  extra; its CPU Adam op is built on first use), fp32 parameters only.
+
+``--dtype bf16`` gives fuyou bf16 compute weights and gradients (the masters stay fp32); the bare kernel and
+DeepSpeed run on fp32 either way. The share of bandwidth counts the bytes one fused pass must move per
+parameter: read the gradient and the three state values, write the three state values and the compute weight
+(fp32 weights are their own master: 28 B; bf16: 2 + 12 + 12 + 2 = 28 B).
+
+    python benchmarks/update_rate_bench.py --dtype fp32 --deepspeed-python /path/to/venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import allocator, fresh_env  # noqa: E402
+
+SYSTEMS = ("bandwidth", "torch-bare", "fuyou-exact", "fuyou-speculative", "deepspeed")
+BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    n, chunk = int(args.params), args.chunk
+    if args.worker == "bandwidth":  # the fastest of three streams: read only, copy (1 read, 1 write), triad (2, 1)
+        a, b, c = (torch.ones(args.copy_bytes // 4) for _ in range(3))
+        streams = {"read": (lambda: a.sum(), 1), "copy": (lambda: b.copy_(a), 2),
+                   "triad": (lambda: torch.add(b, c, alpha=0.5, out=a), 3)}
+        rates, times = {}, []
+        for name, (fn, moved) in streams.items():
+            took = []
+            for i in range(args.warmup + args.steps):
+                t = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    took.append(time.perf_counter() - t)
+            rates[name] = moved * args.copy_bytes / statistics.median(took)
+            times += took
+        return {"step_s": times, "bytes_per_s": max(rates.values()), "streams_bytes_per_s": rates}
+    hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    if args.worker == "torch-bare":
+        m, g, a, s = (torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n))
+        step = torch.tensor(0.0)
+        k = dict(lr=hyper["lr"], beta1=0.9, beta2=0.999, weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+                 amsgrad=False, maximize=False)
+
+        def run() -> None:
+            step.add_(1)
+            for i in range(0, n, chunk):
+                e = min(n, i + chunk)
+                torch._fused_adamw_([m[i:e]], [g[i:e]], [a[i:e]], [s[i:e]], [], [step], **k)
+    elif args.worker.startswith("fuyou"):
+        from fuyou_strategy import FuyouAdamW, FuyouConfig
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        params = [torch.nn.Parameter(torch.randn(min(chunk * 8, n - i), dtype=dtype)) for i in range(0, n, chunk * 8)]
+        grads = [(torch.randn_like(p) * 1e-3) for p in params]
+        state = 2 * 12 * n + 2**30
+        schedule = "next_forward" if args.worker == "fuyou-exact" else "backward"
+        cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=state + 2**30, host_state=state,
+                          optimizer_schedule=schedule)
+        opt = FuyouAdamW(params, **hyper, config=cfg)
+
+        def run() -> None:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            opt.step()
+            opt.flush()
+    elif args.worker == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        params = [torch.nn.Parameter(torch.randn(min(chunk * 8, n - i))) for i in range(0, n, chunk * 8)]
+        grads = [(torch.randn_like(p) * 1e-3) for p in params]
+        opt = DeepSpeedCPUAdam(params, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"], adamw_mode=True)
+
+        def run() -> None:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            opt.step()
+    else:
+        raise SystemExit(f"unknown system {args.worker!r}")
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        run()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    if args.worker.startswith("fuyou"):
+        opt.close()
+    return {"step_s": times, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--params", type=float, default=64e6)
+    p.add_argument("--chunk", type=int, default=680_000, help="elements per kernel call / state chunk")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fuyou's compute weights")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--copy-bytes", type=int, default=2**30)
+    p.add_argument("--swap-dir", default="/tmp")
+    p.add_argument("--deepspeed-python", help="a Python with deepspeed installed (default: this one)")
+    p.add_argument("--no-jemalloc", action="store_true")
+    p.add_argument("--json", default="update_rate_bench.json")
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    systems = args.systems.split(",")
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(args.rounds):
+        for system in systems:
+            python = args.deepspeed_python if system == "deepspeed" and args.deepspeed_python else sys.executable
+            env = fresh_env(not args.no_jemalloc)
+            env["PYTHONPATH"] = src
+            argv = [python, __file__, "--worker", system, f"--params={args.params}", f"--chunk={args.chunk}",
+                    f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                    f"--copy-bytes={args.copy_bytes}", f"--swap-dir={args.swap_dir}"]
+            print(f"round {r + 1}/{args.rounds}: {system} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(f"{system} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+                runs[system].append({"error": proc.stderr[-2000:]})
+                continue
+            runs[system].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    n = int(args.params)
+    ok = {s: [r for r in v if "step_s" in r] for s, v in runs.items()}
+    bandwidth = statistics.median(r["bytes_per_s"] for r in ok.get("bandwidth", [])) if ok.get("bandwidth") else None
+    rows, summary = [], {}
+    bare = None
+    for system in systems:
+        if system == "bandwidth" or not ok[system]:
+            continue
+        step = statistics.median(t for r in ok[system] for t in r["step_s"])
+        rate = n / step
+        if system == "torch-bare":
+            bare = rate
+        summary[system] = {"median_step_s": step, "params_per_s": rate,
+                           "round_medians_s": [statistics.median(r["step_s"]) for r in ok[system]]}
+    lines = [f"{n / 1e6:.0f}M parameters, state in RAM, fuyou's compute weights {args.dtype}; allocator: "
+             f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "
+             f"{args.warmup} warm-up, a fresh process per system and round",
+             f"memory bandwidth (fastest of read, copy, triad; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
+             "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param |",
+             "|---|---|---|---|---|"]
+    for system, row in summary.items():
+        rate = row["params_per_s"]
+        share = f"{rate * BYTES_PER_PARAM / bandwidth:.0%}" if bandwidth else "-"
+        vs = f"{rate / bare:.2f}" if bare else "-"
+        lines.append(f"| {system} | {row['median_step_s']:.3f} | {rate / 1e6:.0f} | {vs} | {share} |")
+    for system in systems:
+        if runs[system] and not ok[system]:
+            lines.append(f"| {system} | failed: see the JSON | | | |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth_bytes_per_s": bandwidth,
+                                           "summary": summary, "runs": runs, "table": table}, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
