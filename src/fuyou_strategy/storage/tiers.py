@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..cleanup import close_all
 from ..config import PAGE, STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig, settled
 from .pool import HostBufferPool
 from .store import TensorStore
@@ -220,13 +221,16 @@ _exiting = threading.Event()  # set at interpreter exit: the I/O threads are gon
 
 
 def _close(before_close: list[Callable[[], Any]], store: TensorStore) -> None:
-    try:
-        while before_close:
-            fn = before_close.pop()()
-            if fn is not None and not _exiting.is_set():
-                fn()
-    finally:
-        store.close()
+    """`MemoryTiers.close`: every borrower's callback, last registered first, even when one raises; then the store."""
+    refs = before_close[::-1]
+    before_close.clear()
+    close_all(*(lambda ref=ref: _call(ref) for ref in refs), store.close)
+
+
+def _call(ref: Callable[[], Any]) -> None:
+    fn = ref()
+    if fn is not None and not _exiting.is_set():
+        fn()
 
 
 atexit.register(_exiting.set)
