@@ -40,6 +40,17 @@ SYSTEMS = ("bandwidth", "torch-bare", "fuyou-exact", "fuyou-speculative", "deeps
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
 
+def timed(fn, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
@@ -51,12 +62,7 @@ def worker(args: argparse.Namespace) -> dict:
                    "triad": (lambda: torch.add(b, c, alpha=0.5, out=a), 3)}
         rates, times = {}, []
         for name, (fn, moved) in streams.items():
-            took = []
-            for i in range(args.warmup + args.steps):
-                t = time.perf_counter()
-                fn()
-                if i >= args.warmup:
-                    took.append(time.perf_counter() - t)
+            took = timed(fn, args.warmup, args.steps)
             rates[name] = moved * args.copy_bytes / statistics.median(took)
             times += took
         return {"step_s": times, "bytes_per_s": max(rates.values()), "streams_bytes_per_s": rates}
@@ -103,12 +109,7 @@ def worker(args: argparse.Namespace) -> dict:
             opt.step()
     else:
         raise SystemExit(f"unknown system {args.worker!r}")
-    times = []
-    for i in range(args.warmup + args.steps):
-        t = time.perf_counter()
-        run()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
+    times = timed(run, args.warmup, args.steps)
     if args.worker.startswith("fuyou"):
         opt.close()
     return {"step_s": times, "threads": torch.get_num_threads()}
@@ -154,7 +155,7 @@ def main() -> None:
     n = int(args.params)
     ok = {s: [r for r in v if "step_s" in r] for s, v in runs.items()}
     bandwidth = statistics.median(r["bytes_per_s"] for r in ok.get("bandwidth", [])) if ok.get("bandwidth") else None
-    rows, summary = [], {}
+    summary = {}
     bare = None
     for system in systems:
         if system == "bandwidth" or not ok[system]:
@@ -168,7 +169,7 @@ def main() -> None:
     lines = [f"{n / 1e6:.0f}M parameters, state in RAM, fuyou's compute weights {args.dtype}; allocator: "
              f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "
              f"{args.warmup} warm-up, a fresh process per system and round",
-             f"memory bandwidth (fastest of read, copy, triad; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
+             "memory bandwidth (fastest of read, copy, triad; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
              "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param |",
              "|---|---|---|---|---|"]
     for system, row in summary.items():
