@@ -37,6 +37,7 @@ STATE_BYTES_PER_PARAM = 12  # the optimizer's state on SSD, per parameter and sl
 SCHEDULES = ("auto", "backward", "next_forward")  # FuyouConfig.optimizer_schedule
 GRADIENT_REDUCTIONS = ("owner", "all")  # FuyouConfig.gradient_reduction
 STATE_FORMATS = ("fp32", "bf16", "8bit")  # FuyouConfig.state_format (optim.formats)
+UPDATE_KERNELS = ("auto", "one_pass", "torch")  # FuyouConfig.update_kernel (optim.onepass)
 STATE_CHUNK_ELEMENTS = 2048  # state chunks hold whole multiples of this many parameters: 2048 bf16 values fill a page
 
 _UNITS = {
@@ -262,6 +263,10 @@ class FuyouConfig:
         optimizer_schedule: ``"backward"`` (speculative, during backward), ``"next_forward"`` (exact, ahead of
             the next forward) or ``"auto"`` (per step, from measured costs: `optim.schedule.ScheduleChooser`);
             bitwise the same weights.
+        update_kernel: the host update of fp32 state with ``fused=True``: ``"one_pass"`` (one pass over each
+            chunk's memory, compiled on first use; `optim.onepass`), ``"torch"`` (torch's fused kernel, in
+            place, with the copies around it) or ``"auto"``: the one pass where it builds and matches torch's
+            kernel bitwise on this machine, else torch's. The same bits either way.
         gradient_reduction: data parallel with DDP: ``"owner"`` (each bucket summed onto the owners only) or
             ``"all"`` (DDP's all-reduce).
         trace: a path: record ``trace_steps`` steps as Perfetto trace JSON there (its folder must exist).
@@ -294,6 +299,7 @@ class FuyouConfig:
     host_state: int | str = "auto"
     state_format: str = "fp32"
     optimizer_schedule: str = "auto"
+    update_kernel: str = "auto"
     gradient_reduction: str = "owner"
     plan: str | None = None
     planner_warmup_steps: int = 3
@@ -391,6 +397,10 @@ class FuyouConfig:
             raise ConfigError(f"state_format: got {self.state_format!r}; expected one of "
                               f"{', '.join(map(repr, STATE_FORMATS))} (fp32 is exact; bf16 and 8bit store the moments "
                               "compactly)")
+        if self.update_kernel not in UPDATE_KERNELS:
+            raise ConfigError(f"update_kernel: got {self.update_kernel!r}; expected one of "
+                              f"{', '.join(map(repr, UPDATE_KERNELS))} ('auto' takes the one-pass update where it "
+                              "builds on this machine)")
         if self.optimizer_schedule not in SCHEDULES:
             raise ConfigError(f"optimizer_schedule: got {self.optimizer_schedule!r}; expected one of "
                               f"{', '.join(map(repr, SCHEDULES))}")

@@ -339,6 +339,9 @@ class RunReport:
             # FuyouConfig.optimizer_threads: the worker's intra-op threads as it set them, and why
             "optimizer_threads": figures.worker_threads,
             "optimizer_threads_reason": figures.threads_reason,
+            # FuyouConfig.update_kernel: the host update's kernel ("one_pass" or "torch"), and why
+            "update_kernel": figures.update_kernel,
+            "update_kernel_reason": figures.kernel_reason,
             # the fields left to fuyou ("auto", or unset placement) and why each took its value
             "choices": {name: {"value": value, "why": why} for name, (value, why) in engine.choices.items()},
             # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD, and in

@@ -59,6 +59,7 @@ from ..cleanup import undo_after
 from ..config import STATE_BYTES_PER_PARAM, ConfigError, FuyouConfig, auto_optimizer_threads, settled
 from ..device import computes_on_host, usable_cores
 from ..storage import MemoryTiers, TensorStore, state_chunk_bytes
+from . import onepass
 from .control import OptimizerControl
 from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
@@ -171,6 +172,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         owned = [ps for ps in self._params if shards is None or shards.owns(ps)]
         # the worker's intra-op threads asked for (None: torch's default) and why (`OptimizerControl.threads_asked`)
         threads = _worker_threads(config, [ps.param for ps in self._params])
+        # the update's kernel: the one pass where it builds here (`onepass`), else torch's; and why
+        kernel = onepass.choose(config.update_kernel, fused=self.fused, state_format=config.state_format)
         owns = memory is None
         if owns:
             memory = self.memory = MemoryTiers(config)
@@ -202,7 +205,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                                          timeout=config.io_timeout)
             self.updates = Updater(self.adam_state, self.state, self.window, streamed, fused=self.fused,
                                    release_grads=release_grads and max_grad_norm is None and shards is None,
-                                   clipping=max_grad_norm is not None, scaler=self.scaler)
+                                   clipping=max_grad_norm is not None, scaler=self.scaler, one_pass=kernel[0])
             self.gradients = Gradients(streamed, self.window, sharded=shards is not None)
             self._order = Order(self._params)
             parts = Parts(self.adam_state, self.updates, self.gradients, self.sharding, self.window, self._order,
@@ -211,7 +214,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             # and writes the masters of the parameters that have memory.
             self.control = OptimizerControl(self._params, parts, config, can_speculate=config.state_slots == 2 and (
                 shards is None or gradients_averaged), gradients_averaged=gradients_averaged,
-                threads=threads, finalizer=self._finalizer)
+                threads=threads, kernel=kernel, finalizer=self._finalizer)
             self.chooser = self.control.chooser
             self._saves = Saves(self._params, parts, self.control, config, state_format=self.state_format,
                                scaler=self.scaler, on_loaded=self.on_loaded)

@@ -34,6 +34,8 @@ class OptimizerFigures:
     Attributes:
         worker_threads: the worker's intra-op threads as it set them (what was asked, until it has).
         threads_reason: why that many (``FuyouConfig.optimizer_threads``), one sentence.
+        update_kernel: ``"one_pass"`` or ``"torch"`` (``FuyouConfig.update_kernel``, `onepass`).
+        kernel_reason: why, one sentence.
         update_total: ``(seconds, parameters)`` of the worker's CPU time in updates, ever (`UpdateMeter`).
         read_ahead_used, read_ahead_dropped: state chunks on the SSD read ahead and taken by an update, or
             given back unused (stale, or not asked for) (`ChunkPipeline.read_ahead`).
@@ -44,6 +46,8 @@ class OptimizerFigures:
 
     worker_threads: int | None
     threads_reason: str
+    update_kernel: str
+    kernel_reason: str
     update_total: tuple[float, int]
     read_ahead_used: int
     read_ahead_dropped: int
@@ -62,6 +66,7 @@ class OptimizerControl:
         can_speculate: a shadow slot, and gradients that land averaged when data parallel.
         gradients_averaged: a DistributedDataParallel model averages the gradients in backward.
         threads: ``(asked, why)``: the worker's intra-op threads asked for (``None``: torch's default).
+        kernel: ``(one pass or None, why)``: the update's kernel (`onepass.choose`).
         finalizer: the front's; `closed` once it ran.
 
     Builds the schedules and their chooser, chooses the first window's schedule, and writes the masters of the
@@ -70,11 +75,14 @@ class OptimizerControl:
     """
 
     def __init__(self, params: list[ParamState], parts: Parts, config: FuyouConfig, *, can_speculate: bool,
-                 gradients_averaged: bool, threads: tuple[int | None, str], finalizer: weakref.finalize) -> None:
+                 gradients_averaged: bool, threads: tuple[int | None, str], kernel: tuple[Any, str],
+                 finalizer: weakref.finalize) -> None:
         self.params, self.config = params, config
         self.state, self.updates, self.gradients = parts.state, parts.updates, parts.gradients
         self.sharding, self.window, self.stats = parts.sharding, parts.window, parts.stats
         self.threads_asked, self.threads_reason = threads  # `FuyouEngine` announces them
+        self.kernel = "one_pass" if kernel[0] is not None else "torch"  # and this, with its reason
+        self.kernel_reason = kernel[1]
         self._gradients_averaged, self._finalizer = gradients_averaged, finalizer
         self._by_param = {ps.param: ps for ps in params}
         self._schedules = {s.name: s for s in (Speculative(parts), Exact(parts))}
@@ -173,7 +181,8 @@ class OptimizerControl:
         """The optimizer's counters now; reading them waits for nothing (the training thread)."""
         pipeline, state = self.state.pipeline, self.state
         on_ssd, in_ram = state.footprint()
-        return OptimizerFigures(pipeline.threads, self.threads_reason, state.meter.total, pipeline.ahead_used,
+        return OptimizerFigures(pipeline.threads, self.threads_reason, self.kernel, self.kernel_reason,
+                                state.meter.total, pipeline.ahead_used,
                                 pipeline.ahead_dropped, on_ssd, in_ram, state.slot_bytes(in_memory=False))
 
     # -- what the planner's cost model counts -----------------------------------------------------------

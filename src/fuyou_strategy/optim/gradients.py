@@ -35,6 +35,7 @@ import torch
 
 from ..device import Copy, read_on_host, start_copy
 from ..storage import HostBuffer
+from .formats import scratch
 from .pipeline import ChunkJob
 
 if TYPE_CHECKING:
@@ -51,9 +52,23 @@ def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor
     return grad if inv_scale is None else grad.to(torch.float32) * inv_scale
 
 
+NORM_UPCAST_MAX = 64 * 2**20  # bytes of fp32: a bf16/fp16 gradient up to this size is upcast for its norm
+
+
 def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
-    """The per-tensor norm ``clip_grad_norm_`` computes on the CPU (of the unscaled gradient)."""
-    return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
+    """The per-tensor norm ``clip_grad_norm_`` computes on the CPU (of the unscaled gradient), in fp32.
+
+    A bf16 or fp16 gradient of up to `NORM_UPCAST_MAX` bytes in fp32 is upcast first, into the thread's scratch
+    (`formats.scratch`: kept, so no page faults): torch's fp32 norm then takes its vectorised path, faster than
+    ``vector_norm(..., dtype=float32)`` on the half-width tensor, with the same bits (``tests/test_onepass.py``
+    checks it over sizes, shapes and dtypes). Larger ones are not, so that the scratch stays bounded."""
+    if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX:
+        return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
+    g = scratch(grad.numel(), torch.float32)[0].view(grad.shape)
+    g.copy_(grad)
+    if inv_scale is not None:
+        g.mul_(inv_scale)  # as `unscaled`'s multiply, in fp32
+    return torch.linalg.vector_norm(g, 2, dtype=torch.float32)
 
 
 class Grad:

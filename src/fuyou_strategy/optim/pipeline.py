@@ -65,6 +65,7 @@ class ChunkJob:
     fence: bool = False
     done: Future | None = None
     lend: str | None = None  # fn writes each chunk back to this slot: `TensorStore.read_chunk`'s ``lend``
+    fill: bool = True  # False: a lent shadow chunk comes unfilled, fn reads the active one (`read_chunk`'s ``fill``)
     skip: Callable[[int], int] | None = None  # bytes at the head of chunk k that fn fills itself (`read_chunk`'s)
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
@@ -389,7 +390,7 @@ class ChunkPipeline:
             if job.entry is not None:
                 ahead = self._take_ahead(job, k)
                 reads.append(ahead if ahead is not None else self.store.read_chunk(
-                    job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend,
+                    job.entry, k, slot=job.slot, timeout=self.timeout, lend=job.lend, fill=job.fill,
                     skip=job.skip(k) if job.skip is not None else 0))
             for name in job.extra:
                 reads.append(self.store.read_chunk(name, k, timeout=self.timeout))

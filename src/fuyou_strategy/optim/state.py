@@ -46,10 +46,11 @@ from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
+from .onepass import OnePass
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
-__all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "UpdateMeter", "adamw_kernel",
-           "apply_update"]
+__all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "Publish", "UpdateMeter",
+           "adamw_kernel", "apply_update"]
 
 ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # fp32: 4 bytes per kind; the chunk size is set in elements at this rate
 FP32 = Layout("fp32")
@@ -150,6 +151,17 @@ def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step
         adamw_kernel(master, g, m, v, step, fused=fused, **hyper)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
+
+
+class Publish(Protocol):
+    """Where a chunk's new weight goes (`updates.Updater.publisher`)."""
+
+    def __call__(self, ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
+        """Copy chunk ``k``'s new ``master`` into the weight; a future if that completes later."""
+
+    def into(self, ps: ParamState, k: int) -> torch.Tensor | None:
+        """The elements chunk ``k``'s weight is copied into, when a one-pass update may write them itself (a
+        resident host parameter's); ``None``: call the publisher."""
 
 
 class GradChunks(Protocol):
@@ -308,11 +320,10 @@ class OptimizerState:
 
     # -- the update -----------------------------------------------------------------------------------
     def update_job(self, ps: ParamState, grad: GradChunks, *, step: torch.Tensor, fused: bool, exact: bool,
-                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None,
-                   publish: Callable[[ParamState, int, torch.Tensor], Future | None],
+                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
                    keep: Callable[[ParamState, int, torch.Tensor], Future] | None = None,
                    norm: Callable[[torch.Tensor], None] | None = None,
-                   finished: Callable[[], None] | None = None) -> ChunkJob:
+                   finished: Callable[[], None] | None = None, one_pass: OnePass | None = None) -> ChunkJob:
         """A job applying ``ps``'s AdamW update chunk by chunk on the worker.
 
         ``grad`` gives each chunk of the gradient (`Grad`); ``step`` is the count before the update.
@@ -322,7 +333,12 @@ class OptimizerState:
         (``coef``, ``clip_grad_norm_``'s in-place multiply) in fp32, the kernel runs, the new master goes
         to ``publish`` and, with ``keep``, the raw gradient chunk to ``keep`` (a redo may need it again).
         ``norm`` gets the gradient as the norm sees it, before the first chunk; ``finished`` runs after
-        the last chunk (it releases what the gradient held)."""
+        the last chunk (it releases what the gradient held).
+
+        ``one_pass`` (`onepass.OnePass`; with ``fused`` and fp32 moments): each chunk is one pass over memory,
+        the same bits: the master and moments read where they are (the active chunk, lent unfilled into the
+        shadow slot, or the parameter holding the master), the gradient in its dtype, and the new weight written
+        straight into a resident host parameter (``publish.into``) in the same pass."""
         group = ps.group
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
@@ -333,6 +349,8 @@ class OptimizerState:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory
         self._hold([ps], exact)
         flat = ps.param.detach().view(-1) if from_param else None
+        if not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
+            one_pass = None  # its arithmetic is the fused kernel's on fp32 moments
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
@@ -341,20 +359,33 @@ class OptimizerState:
             state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
             began = time.perf_counter()
-            if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
-                state["master"].copy_(flat[start : start + n])
-            g = raw.to(torch.float32)  # on the host: a device gradient was staged (`Gradients.staged`)
-            if inv_scale is not None:
-                g = g * inv_scale  # GradScaler.unscale_
-            if coef is not None:
-                g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
-            apply_update(ps.layout, state, g, step, fused=fused, **hyper)
-            futures = [publish(ps, k, state["master"])]
+            source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
+            if one_pass is not None and raw.device.type == "cpu" and raw.is_contiguous():
+                was = ps.layout.views(source, n) if source is not None else state
+                weight = publish.into(ps, k)
+                one_pass.update(flat[start : start + n] if flat is not None else was["master"], was["exp_avg"],
+                                was["exp_avg_sq"], raw, state["master"], state["exp_avg"], state["exp_avg_sq"], weight,
+                                step=step, inv_scale=inv_scale, coef=coef, **hyper)
+                futures = [publish(ps, k, state["master"])] if weight is None else []
+                del was, weight
+            else:
+                if source is not None:  # lent unfilled for a one-pass update that cannot run on this gradient
+                    buf.view().copy_(source)
+                if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
+                    state["master"].copy_(flat[start : start + n])
+                g = raw.to(torch.float32)  # on the host: a device gradient was staged (`Gradients.staged`)
+                if inv_scale is not None:
+                    g = g * inv_scale  # GradScaler.unscale_
+                if coef is not None:
+                    g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
+                apply_update(ps.layout, state, g, step, fused=fused, **hyper)
+                futures = [publish(ps, k, state["master"])]
+                del g
             # With the copy that lent a host-tier chunk's shadow slot (`backward` schedule): CPU work of this update.
             meter.add(time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0), n)
             if keep is not None:
                 futures.append(keep(ps, k, raw))
-            del state, raw, g  # no view may outlive a buffer given back
+            del state, raw, source  # no view may outlive a buffer given back
             if stored:
                 stored[0].release()
             if k == last and finished is not None:
@@ -367,10 +398,11 @@ class OptimizerState:
             # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
             return Later(gather(futures), written)
 
-        # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, a copy in its shadow slot
-        # (one copy, none back); exact, the active chunk itself, updated in place (no copy).
+        # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, its shadow slot, filled with a
+        # copy of the active chunk, or unfilled for a one-pass update that reads the active one; exact, the active
+        # chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=slot, skip=ps.master_nbytes if from_param else None)
+                        lend=slot, fill=one_pass is None, skip=ps.master_nbytes if from_param else None)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
@@ -406,7 +438,7 @@ class OptimizerState:
         self.store.rollback()
 
     def restore_weights(self, params: Iterable[ParamState],
-                        publish: Callable[[ParamState, int, torch.Tensor], Future | None]) -> None:
+                        publish: Publish) -> None:
         """Publish the active masters again (after a skip or a failure, or a checkpoint load)."""
         params = list(params)
         for ps in params:

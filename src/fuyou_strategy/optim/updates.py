@@ -14,7 +14,7 @@ optimizer, so that a forgotten optimizer is collected and its finalizer deletes 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -23,11 +23,12 @@ from .state import OptimizerState, ParamState
 
 if TYPE_CHECKING:
     from .gradients import Grad, StreamedGradients
+    from .onepass import OnePass
     from .scaler import LossScaler
     from .weights import StreamedWeights
     from .window import Window
 
-__all__ = ["Updater"]
+__all__ = ["Publisher", "Updater"]
 
 
 class Updater:
@@ -42,12 +43,14 @@ class Updater:
         release_grads: drop a resident ``.grad`` as its speculative update is queued (the update holds it).
         clipping: a clip norm is set (a redo may read the gradients again).
         scaler: fp16 loss scaling, or None (the gradient is unscaled in the update).
+        one_pass: the one-pass update (`onepass`), used with ``fused`` on fp32 moments; None: torch's kernel.
     """
 
     def __init__(self, state: OptimizerState, steps: Mapping[torch.nn.Parameter, dict], window: "Window",
                  streamed: "StreamedGradients", *, fused: bool, release_grads: bool, clipping: bool,
-                 scaler: "LossScaler | None") -> None:
+                 scaler: "LossScaler | None", one_pass: "OnePass | None" = None) -> None:
         self.state, self.steps, self.window, self.streamed = state, steps, window, streamed
+        self.one_pass = one_pass
         self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
         self.weights: StreamedWeights | None = None  # the WeightStreamer whose tier copies take streamed parameters' weights
 
@@ -71,7 +74,8 @@ class Updater:
         keep = self.streamed.write if grad.host is not None and self.clipping else None
         job = self.state.update_job(ps, grad, step=self.steps[param]["step"].clone(), fused=self.fused, exact=exact,
                                     coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(), keep=keep,
-                                    norm=norm if record else None, finished=grad.release)
+                                    norm=norm if record else None, finished=grad.release,
+                                    one_pass=self.one_pass)
         if self.release_grads and speculative and ps.grads is None:  # no redo can need it
             # Dropped here, on the thread that has the gradient, never by the worker: ``.grad`` belongs to the
             # training side (a worker's write raced step()'s reads of it and crashed the process). The `Grad`
@@ -79,18 +83,33 @@ class Updater:
             param.grad = None
         return self.state.run(job)
 
-    def publisher(self) -> Callable[[ParamState, int, torch.Tensor], Future | None]:
-        """Where new weights go (a function of ``(ps, chunk, master)``), held by jobs instead of the updater."""
-        weights = self.weights
+    def publisher(self) -> "Publisher":
+        """Where new weights go, held by jobs instead of the updater."""
+        return Publisher(self.weights)
 
-        def publish(ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
-            if ps.grads is not None:  # streamed: its tier copy
-                return weights.publish(ps.param, k, master)
-            start, n = ps.span(k)
-            # Backward is done with this weight. On an accelerator a synchronous copy: an asynchronous one (a cast
-            # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone
-            # (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline.
-            ps.param.detach().view(-1)[start : start + n].copy_(master)
+
+class Publisher:
+    """Where a chunk's new weight goes (`state.Publish`): a streamed parameter's tier copy
+    (`WeightStreamer.publish`), else the parameter's own elements."""
+
+    def __init__(self, weights: "StreamedWeights | None") -> None:
+        self.weights = weights
+
+    def __call__(self, ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
+        if ps.grads is not None:  # streamed: its tier copy
+            return self.weights.publish(ps.param, k, master)
+        start, n = ps.span(k)
+        # Backward is done with this weight. On an accelerator a synchronous copy: an asynchronous one (a cast
+        # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone
+        # (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline.
+        ps.param.detach().view(-1)[start : start + n].copy_(master)
+        return None
+
+    def into(self, ps: ParamState, k: int) -> torch.Tensor | None:
+        """A resident parameter's elements of chunk ``k`` when they are in host memory (a one-pass update writes
+        them in its pass); ``None`` for a streamed one or one on an accelerator."""
+        p = ps.param
+        if ps.grads is not None or p.device.type != "cpu" or not p.is_contiguous():
             return None
-
-        return publish
+        start, n = ps.span(k)
+        return p.detach().view(-1)[start : start + n]

@@ -569,7 +569,7 @@ class TensorStore:
     # -- chunk I/O ----------------------------------------------------------------------------------
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
                    into: HostBuffer | None = None, lend: str | None = None, prefix: int | None = None,
-                   skip: int = 0) -> Future:
+                   skip: int = 0, fill: bool = True) -> Future:
         """Read chunk ``k`` into a pool buffer; the future's result is the `HostBuffer` (``buf.view(dtype)``).
 
         Args:
@@ -584,6 +584,9 @@ class TensorStore:
                 ``SHADOW`` copies the active chunk into the shadow slot and lends that; the slot read lends it
                 in place. The chunk counts as being written until `write_chunk` takes it back; released
                 unwritten, that slot is marked failed (a `rollback` clears a shadow).
+            fill: with ``lend=SHADOW``, ``False`` lends the shadow chunk unfilled, the active chunk beside it
+                (`LentChunk.source`): for a caller that writes every value of it from the active one (the
+                one-pass update reads the active slot and writes the shadow, no copy first).
         """
         try:
             entry = self.entry(name)
@@ -597,7 +600,7 @@ class TensorStore:
                 into.release()
             raise
         if lend is not None and entry.memory is not None and into is None and prefix is None:
-            return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend)))
+            return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill))
         buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
         if entry.memory is not None:  # the host tier: a copy, done when this returns
             try:
@@ -624,18 +627,19 @@ class TensorStore:
 
         return then(inner, done)
 
-    def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int) -> "LentChunk":
+    def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int, fill: bool = True) -> "LentChunk":
         self._begin_write(entry, dst, k)
         began = time.perf_counter()
-        if dst != src:  # the shadow slot starts as a copy of the active one
+        if dst != src and fill:  # the shadow slot starts as a copy of the active one
             try:
                 entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
             except BaseException as exc:
                 self._end_write(entry, dst, k, _done(None, exc))
                 raise
-        start = k * entry.stride
-        chunk = LentChunk(entry.memory[dst].data[start : start + round_up(entry.chunk_len(k))], entry.chunk_len(k),
-                          self, entry, dst, k, copy_s=time.perf_counter() - began if dst != src else 0.0)
+        start, length = k * entry.stride, entry.chunk_len(k)
+        chunk = LentChunk(entry.memory[dst].data[start : start + round_up(length)], length, self, entry, dst, k,
+                          copy_s=time.perf_counter() - began if dst != src and fill else 0.0,
+                          source=entry.memory[src].data[start : start + length] if dst != src and not fill else None)
         with self._lock:
             entry.lent[k] = chunk
         return chunk
@@ -823,25 +827,29 @@ class TensorStore:
 
 class LentChunk(HostBuffer):
     """A chunk of an in-memory entry lent by `TensorStore.read_chunk` (``lend=``), updated in place and handed
-    back to `write_chunk`; one thread owns it at a time. `release` without that write marks the slot failed."""
+    back to `write_chunk`; one thread owns it at a time. `release` without that write marks the slot failed.
 
-    __slots__ = ("store", "entry", "slot", "k", "copy_s")
+    ``source``: lent unfilled (``fill=False``), the active chunk's bytes, to be read (never written) while the
+    chunk is lent; ``None`` when the chunk itself holds what the update starts from."""
+
+    __slots__ = ("store", "entry", "slot", "k", "copy_s", "source")
 
     def __init__(self, data: torch.Tensor, nbytes: int, store: "TensorStore", entry: Entry, slot: int, k: int,
-                 copy_s: float = 0.0) -> None:
+                 copy_s: float = 0.0, source: torch.Tensor | None = None) -> None:
         super().__init__(data, nbytes, None)
         self.store, self.entry, self.slot, self.k = store, entry, slot, k
         self.copy_s = copy_s  # seconds spent copying the active chunk into the shadow slot (CPU work of the lend)
+        self.source = source
 
     def written(self) -> None:
         """Back in place: the write that `read_chunk` began is done."""
         self.store._close_lend(self, None)
-        self.data = None
+        self.data = self.source = None
 
     def release(self) -> None:
         self.store._close_lend(self, StorageError(
             f"entry {self.entry.name!r}: chunk {self.k} was lent for an update that did not finish"))
-        self.data = None
+        self.data = self.source = None
 
 
 def _done(result: object, error: BaseException | None = None) -> Future:

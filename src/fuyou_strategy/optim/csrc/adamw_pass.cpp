@@ -1,0 +1,206 @@
+// One pass of AdamW over a chunk of optimizer state, out of place: read the master, the two moments and the
+// gradient once; write the new master, moments and the compute-dtype weight once.
+//
+// The arithmetic is torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, fp32, ADAMW mode,
+// no amsgrad, no maximize) statement for statement, on at::vec::Vectorized<float> of the same CPU capability
+// torch dispatches to, so that each element comes out bit for bit as torch.optim.AdamW(fused=True) computes
+// it. Two differences, neither in the arithmetic: the inputs and outputs are separate pointers (they may be
+// the same: in place), and the gradient is read in its own dtype (fp32, bf16 or fp16; widening is exact),
+// multiplied by the unscale and clip factors first when given, as fuyou's update does in fp32 before the
+// kernel. Only whole blocks of 2 x Vectorized<float>::size() elements are updated here: the caller runs
+// torch's own kernel on the rest (torch's scalar tail), and checks at load that both agree bitwise.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kBlock = 2 * fVec::size();  // elements per step: one Vectorized<BFloat16> widens to two fVec
+constexpr int64_t kGrainBlocks = 2048;        // blocks per parallel task: ~64K elements, ~1 MiB of traffic
+
+struct Hyper {
+  double lr, weight_decay, beta2, exp_avg_grad_coefficient, exp_avg_sq_grad_coefficient, bias_correction2_sqrt,
+      eps, step_size;
+  bool has_inv_scale, has_coef;
+  float inv_scale, coef;
+};
+
+template <typename T>
+inline void load2(const T* p, fVec& a, fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + fVec::size());
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+  }
+}
+
+// A vector's bytes to `p`, with a non-temporal store when `stream` (an output apart from its input, aligned):
+// a store to memory the pass did not read would otherwise first read the line into the cache (a read for
+// ownership), half again the traffic of writing it. The values are the same either way. at::vec has no
+// non-temporal store, so these two lines use the intrinsics of the capability.
+template <typename V>
+inline void put(void* p, const V& v, bool stream) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (stream) {
+    if constexpr (std::is_same_v<V, fVec>) _mm512_stream_ps(static_cast<float*>(p), v);
+    else _mm512_stream_si512(static_cast<__m512i*>(p), v);
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (stream) {
+    if constexpr (std::is_same_v<V, fVec>) _mm256_stream_ps(static_cast<float*>(p), v);
+    else _mm256_stream_si256(static_cast<__m256i*>(p), v);
+    return;
+  }
+#endif
+  v.store(p);
+}
+
+template <typename T>
+inline void store2(T* p, const fVec& a, const fVec& b, bool stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    put(p, a, stream);
+    put(p + fVec::size(), b, stream);
+  } else {
+    put(p, at::vec::convert_from_float<T>(a, b), stream);
+  }
+}
+
+// Whether the pass streams its stores to `out`: it is not `in` (nothing there is in the cache) and it is
+// aligned for the capability's non-temporal stores (a whole vector; every block then stays aligned).
+inline bool streams(const void* out, const void* in) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return out != in && reinterpret_cast<uintptr_t>(out) % sizeof(fVec) == 0;
+#else
+  return false;
+#endif
+}
+
+// torch's fp32 adam_math body (ADAMW, amsgrad=false, maximize=false), one vector.
+inline void adamw_vec(fVec& param_vec, fVec grad_vec, fVec& exp_avg_vec, fVec& exp_avg_sq_vec, const Hyper& h) {
+  if (h.has_inv_scale) grad_vec = grad_vec * fVec(h.inv_scale);  // GradScaler.unscale_, in fp32
+  if (h.has_coef) grad_vec = grad_vec * fVec(h.coef);              // clip_grad_norm_'s multiply, in fp32
+  if (h.weight_decay != 0.f) {
+    param_vec = param_vec * fVec(float(1 - h.lr * h.weight_decay));
+  }
+  // exp_avg.lerp_(grad, 1 - beta1)
+  const fVec lerp_weight = fVec(float(h.exp_avg_grad_coefficient));
+  auto mask = lerp_weight.abs() < fVec(0.5);
+  auto coeff = fVec::blendv(lerp_weight - fVec(1), lerp_weight, mask);
+  auto base = fVec::blendv(grad_vec, exp_avg_vec, mask);
+  exp_avg_vec = at::vec::fmadd(coeff, grad_vec - exp_avg_vec, base);
+
+  exp_avg_sq_vec = exp_avg_sq_vec * fVec(float(h.beta2)) +
+      fVec(float(h.exp_avg_sq_grad_coefficient)) * grad_vec * grad_vec;
+
+  fVec denom_vec = (exp_avg_sq_vec.sqrt() / fVec(float(h.bias_correction2_sqrt))) + fVec(float(h.eps));
+  param_vec = param_vec + fVec(float(-h.step_size)) * exp_avg_vec / denom_vec;
+}
+
+template <typename G, typename W>
+void pass(const float* master_in, const float* exp_avg_in, const float* exp_avg_sq_in, const G* grad,
+          float* master_out, float* exp_avg_out, float* exp_avg_sq_out, W* weight_out, int64_t blocks,
+          const Hyper& h) {
+  const bool sm = streams(master_out, master_in), sa = streams(exp_avg_out, exp_avg_in),
+             ss = streams(exp_avg_sq_out, exp_avg_sq_in), sw = streams(weight_out, master_in);
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t d = b0 * kBlock; d < b1 * kBlock; d += kBlock) {
+      fVec g1, g2;
+      load2(grad + d, g1, g2);
+      fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
+      fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
+      fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
+      adamw_vec(p1, g1, m1, v1, h);
+      adamw_vec(p2, g2, m2, v2, h);
+      store2(master_out + d, p1, p2, sm);
+      store2(exp_avg_out + d, m1, m2, sa);
+      store2(exp_avg_sq_out + d, v1, v2, ss);
+      if constexpr (!std::is_same_v<W, void>) {
+        store2(weight_out + d, p1, p2, sw);
+      }
+    }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    _mm_sfence();  // non-temporal stores are weakly ordered: visible before this task reports done
+#endif
+  });
+}
+
+template <typename G>
+void dispatch_weight(const at::Tensor& mi, const at::Tensor& ai, const at::Tensor& si, const G* g,
+                     const at::Tensor& mo, const at::Tensor& ao, const at::Tensor& so,
+                     const c10::optional<at::Tensor>& w, int64_t blocks, const Hyper& h) {
+  const float *a = mi.data_ptr<float>(), *b = ai.data_ptr<float>(), *c = si.data_ptr<float>();
+  float *x = mo.data_ptr<float>(), *y = ao.data_ptr<float>(), *z = so.data_ptr<float>();
+  if (!w.has_value()) {
+    pass<G, void>(a, b, c, g, x, y, z, nullptr, blocks, h);
+    return;
+  }
+  switch (w->scalar_type()) {
+    case at::kFloat: pass<G, float>(a, b, c, g, x, y, z, w->data_ptr<float>(), blocks, h); break;
+    case at::kBFloat16: pass<G, at::BFloat16>(a, b, c, g, x, y, z, w->data_ptr<at::BFloat16>(), blocks, h); break;
+    case at::kHalf: pass<G, at::Half>(a, b, c, g, x, y, z, w->data_ptr<at::Half>(), blocks, h); break;
+    default: TORCH_CHECK(false, "adamw_pass: weight_out must be float32, bfloat16 or float16, got ", w->scalar_type());
+  }
+}
+
+void check(const at::Tensor& t, const char* name, int64_t n, bool fp32) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() >= n, "adamw_pass: ", name,
+              " must be a contiguous CPU tensor of at least ", n, " elements");
+  TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, "adamw_pass: ", name, " must be float32");
+}
+
+}  // namespace
+
+// Updates the first `blocks * block_elements()` elements; returns that count.
+int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, const at::Tensor& exp_avg_sq_in,
+                   const at::Tensor& grad, const at::Tensor& master_out, const at::Tensor& exp_avg_out,
+                   const at::Tensor& exp_avg_sq_out, const c10::optional<at::Tensor>& weight_out, int64_t n,
+                   double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+                   c10::optional<double> inv_scale, c10::optional<double> coef) {
+  check(master_in, "master_in", n, true);
+  check(exp_avg_in, "exp_avg_in", n, true);
+  check(exp_avg_sq_in, "exp_avg_sq_in", n, true);
+  check(master_out, "master_out", n, true);
+  check(exp_avg_out, "exp_avg_out", n, true);
+  check(exp_avg_sq_out, "exp_avg_sq_out", n, true);
+  check(grad, "grad", n, false);
+  if (weight_out.has_value()) check(*weight_out, "weight_out", n, false);
+  // As torch's kernel: the bias corrections in double, from the step count as a float.
+  double bias_correction1 = 1 - std::pow(beta1, step);
+  double bias_correction2 = 1 - std::pow(beta2, step);
+  Hyper h{lr, weight_decay, beta2, 1 - beta1, 1 - beta2, std::sqrt(bias_correction2), eps, lr / bias_correction1,
+          inv_scale.has_value(), coef.has_value(), float(inv_scale.value_or(1.0)), float(coef.value_or(1.0))};
+  int64_t blocks = n / kBlock;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<float>(), master_out, exp_avg_out,
+                      exp_avg_sq_out, weight_out, blocks, h);
+      break;
+    case at::kBFloat16:
+      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<at::BFloat16>(), master_out,
+                      exp_avg_out, exp_avg_sq_out, weight_out, blocks, h);
+      break;
+    case at::kHalf:
+      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<at::Half>(), master_out, exp_avg_out,
+                      exp_avg_sq_out, weight_out, blocks, h);
+      break;
+    default: TORCH_CHECK(false, "adamw_pass: grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+  }
+  return blocks * kBlock;
+}
+
+int64_t block_elements() { return kBlock; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)");
+  m.def("block_elements", &block_elements, "Elements per block");
+}

@@ -1,0 +1,229 @@
+"""The one-pass AdamW update: torch's fused CPU arithmetic, out of place, over a chunk's memory once.
+
+A chunk's update with torch's own kernel (`state.adamw_kernel`) is several passes over memory: the gradient
+upcast to fp32 (and unscaled, and clipped: one pass each), the shadow slot filled with a copy of the active
+chunk (a speculative update), the in-place kernel, then the new master cast into the parameter. The pass here
+(``csrc/adamw_pass.cpp``) reads the gradient in its own dtype and the master and moments once, from wherever
+they are (the active chunk, the parameter holding the master), and writes the new master and moments once,
+wherever they go (the shadow slot, or in place), and the compute-dtype weight in the same pass: ~28 bytes per
+parameter of traffic, where the passes it replaces move up to ~68.
+
+Why a compiled loop: neither torch's ``_fused_adamw_`` (in place, one dtype) nor ``torch.compile``'s code
+generation of an out-of-place AdamW gives torch's fused kernel's bits (Inductor writes its own formulas for
+``lerp`` and the square root's denominator), and fuyou's updates are bitwise torch's. The loop is a
+transcription of torch's fused CPU kernel (``ATen/native/cpu/FusedAdamKernel.cpp``: same statements, same
+``at::vec::Vectorized<float>`` of the CPU capability torch dispatches to, same compiler contraction), built
+by ``torch.utils.cpp_extension`` with torch's own headers and OpenMP runtime. It is used only after it
+matched ``torch._fused_adamw_`` bit for bit on this machine (`check`): a check over several gradient dtypes,
+hyperparameters, unscale and clip factors and ragged lengths, at load. The last elements of a chunk that do
+not fill a vector block go through torch's own kernel (torch's scalar tail).
+
+``FuyouConfig.update_kernel`` chooses: ``"auto"`` takes the pass when it builds and checks out on this
+machine (else torch's kernel, saying why), ``"one_pass"`` requires it, ``"torch"`` never builds it.
+
+Threads: `load` may be called from any thread; the first call builds (or finds torch's cached build) under a
+lock, later calls return what it found. The pass runs on the caller's intra-op threads (OpenMP, torch's
+runtime): the optimizer's worker, with ``optimizer_threads``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+
+__all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS"]
+
+log = logging.getLogger("fuyou_strategy")
+
+SOURCE = Path(__file__).parent / "csrc" / "adamw_pass.cpp"
+# The compiler flags torch builds each CPU capability's kernels with (its cmake's CPU_CAPABILITY_FLAGS), and the
+# macros that select that capability's `at::vec::Vectorized`. Other capabilities (ARM, DEFAULT) are not built.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_lock = threading.Lock()  # guards _found: one build at a time, one result per capability for the process
+_found: dict[str, "tuple[OnePass | None, str]"] = {}
+
+
+class OnePass:
+    """The compiled pass (`load`), with torch's kernel for the ragged end of a chunk.
+
+    ``update`` writes ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32) and, given, ``weight`` (fp32, bf16 or fp16;
+    rounded to nearest even as ``Tensor.copy_`` casts) from ``master_in``, ``exp_avg_in``, ``exp_avg_sq_in`` and
+    ``grad`` (fp32, bf16 or fp16), all contiguous CPU tensors of at least ``n`` elements; an output may be its
+    input (in place), ``weight`` may be ``master_in``. ``grad`` is multiplied by ``inv_scale`` then ``coef``
+    (fp32, each rounded) when given, as `state.OptimizerState.update_job` does before torch's kernel; ``step``
+    is the count *before* the update (a float tensor, as torch's AdamW keeps it). The result is bitwise that of
+    ``torch._fused_adamw_`` on the fp32 gradient so scaled (`check`)."""
+
+    def __init__(self, module: Any, capability: str) -> None:
+        self.module, self.capability = module, capability
+        self.block = int(module.block_elements())
+
+    def update(self, master_in: torch.Tensor, exp_avg_in: torch.Tensor, exp_avg_sq_in: torch.Tensor,
+               grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               weight: torch.Tensor | None, *, step: torch.Tensor, inv_scale: torch.Tensor | None,
+               coef: torch.Tensor | None, lr: float, beta1: float, beta2: float, weight_decay: float,
+               eps: float) -> None:
+        n = master.numel()
+        count = float((step + 1).item())  # torch's kernel reads its (incremented) step tensor as a float
+        done = self.module.adamw_pass(master_in, exp_avg_in, exp_avg_sq_in, grad, master, exp_avg, exp_avg_sq, weight,
+                                      n, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
+                                      count, None if inv_scale is None else float(inv_scale),
+                                      None if coef is None else float(coef))
+        if done == n:
+            return
+        # The ragged end: torch's kernel, in place on the outputs (its scalar tail, as in torch's own run).
+        tail = slice(done, n)
+        for src, dst in ((master_in, master), (exp_avg_in, exp_avg), (exp_avg_sq_in, exp_avg_sq)):
+            if src.data_ptr() != dst.data_ptr():
+                dst[tail].copy_(src[tail])
+        g = grad[tail].to(torch.float32)
+        if inv_scale is not None:
+            g = g * inv_scale
+        if coef is not None:
+            g = g * coef
+        torch._fused_adamw_([master[tail]], [g], [exp_avg[tail]], [exp_avg_sq[tail]], [], [step + 1], amsgrad=False,
+                            maximize=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+        if weight is not None:
+            weight[tail].copy_(master[tail])
+
+
+def load() -> "tuple[OnePass | None, str]":
+    """The one-pass update for this machine's CPU capability and why (one sentence), or ``None`` and why not:
+    the capability has no build here, the build failed (no compiler, no ninja), or the built pass did not
+    match torch's kernel bit for bit (`check`). Builds once per machine, torch and Python (`cache_dir`), loads
+    once per process; thread-safe."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    with _lock:
+        if capability not in _found:
+            _found[capability] = one, why = _build(capability)
+            if one is None:  # once per process: every update of the run takes the slower kernel
+                log.warning("fuyou: %s", why)
+        return _found[capability]
+
+
+def _build(capability: str) -> "tuple[OnePass | None, str]":
+    flags = CAPABILITY_FLAGS.get(capability)
+    if flags is None:
+        return None, (f"torch dispatches its CPU kernels for {capability}, for which the one-pass update has no "
+                      f"build (it has {', '.join(CAPABILITY_FLAGS)}); torch's kernel runs")
+    cflags = ["-O2", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *flags]
+    try:
+        module = _cached_build(capability, cflags)
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a header torch no longer ships: torch's kernel
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, (f"the one-pass update did not build ({first}); torch's kernel runs. It needs a C++ compiler "
+                      "and ninja (pip install ninja)")
+    one = OnePass(module, capability)
+    wrong = check(one)
+    if wrong is not None:
+        return None, f"the one-pass update built for {capability} but {wrong}; torch's kernel runs"
+    return one, f"built for {capability} and bitwise torch's fused kernel on this machine"
+
+
+def cache_dir() -> Path:
+    """Where built passes are kept: ``$FUYOU_CACHE_DIR/onepass``, else ``~/.cache/fuyou_strategy/onepass``."""
+    root = os.environ.get("FUYOU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fuyou_strategy")
+    return Path(root) / "onepass"
+
+
+def _cached_build(capability: str, cflags: list[str]) -> Any:
+    """The compiled module: loaded from the cache when a build of this source, these flags, this torch and this
+    Python is there; else built by ``torch.utils.cpp_extension.load`` in a folder of this process's own and
+    moved into the cache whole (``os.replace``). No lock: two processes building at once each build, and the
+    last to finish replaces the other's identical file; a process killed mid-build leaves only its own folder,
+    which nothing waits for (torch's shared build folder has a lock file that a killed build leaves behind, and
+    every later build would wait on it for ever)."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cflags, torch.__version__, sys.version,
+                                    capability]).encode()).hexdigest()[:16]
+    name = f"fuyou_adamw_pass_{capability.lower()}_{key}"
+    kept = cache_dir() / f"{name}.so"
+    if not kept.exists():
+        from torch.utils.cpp_extension import load as build
+
+        log.info("fuyou: building the one-pass AdamW update for %s (once per machine, torch and Python; about "
+                 "half a minute)", capability)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"{name}.", dir=kept.parent) as folder:
+            module = build(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                           build_directory=folder, verbose=False)
+            os.replace(os.path.join(folder, f"{name}.so"), kept)
+        return module  # loaded by the build, from the file now in the cache
+    spec = importlib.util.spec_from_file_location(name, kept)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check(one: OnePass, trials: int = 12) -> str | None:
+    """``None`` if ``one`` gives torch's ``_fused_adamw_`` bits on ``trials`` random chunks (every gradient dtype,
+    with and without unscaling, clipping and weight decay, ragged lengths, in and out of place, the compute
+    weight in fp32 and bf16); else what differed."""
+    gen = torch.Generator().manual_seed(1234)
+    for t in range(trials):
+        n = 3 * one.block + 1 + int(torch.randint(0, 4 * one.block, (1,), generator=gen))
+        size = 10.0 ** float(torch.empty(()).uniform_(-6, 1, generator=gen))
+        master = torch.randn(n, generator=gen)
+        exp_avg = torch.randn(n, generator=gen) * size * 0.1
+        exp_avg_sq = torch.rand(n, generator=gen) * size * size
+        grad = (torch.randn(n, generator=gen) * size).to((torch.float32, torch.bfloat16, torch.float16)[t % 3])
+        hyper = dict(lr=(1e-3, 3e-4, 1e-2)[t % 3], beta1=(0.9, 0.5, 0.3, 0.95)[t % 4], beta2=(0.999, 0.95)[t % 2],
+                     weight_decay=(0.01, 0.0, 0.1)[t % 3], eps=(1e-8, 1e-6)[t % 2])
+        step = torch.tensor(float(t % 5))
+        inv_scale = torch.tensor(2.0 ** -10) if t % 2 else None
+        coef = torch.tensor(0.3711, dtype=torch.float32) if t % 3 == 1 else None
+        want = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+        g = grad.to(torch.float32)
+        if inv_scale is not None:
+            g = g * inv_scale
+        if coef is not None:
+            g = g * coef
+        torch._fused_adamw_([want[0]], [g], [want[1]], [want[2]], [], [step + 1], amsgrad=False, maximize=False,
+                            **hyper)
+        weight = torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2])
+        if t % 4 == 3:  # in place
+            got = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+            one.update(*got, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        else:
+            got = [torch.empty(n) for _ in range(3)]
+            one.update(master, exp_avg, exp_avg_sq, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef,
+                       **hyper)
+        for name, a, b in zip(("the master", "exp_avg", "exp_avg_sq"), got, want):
+            if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                return f"{name} differed from torch's kernel in {int((a != b).sum())} of {n} elements"
+        if not torch.equal(weight, want[0].to(weight.dtype)):
+            return f"the {weight.dtype} weight differed from the master's cast"
+    return None
+
+
+def choose(asked: str, *, fused: bool, state_format: str) -> "tuple[OnePass | None, str]":
+    """The update's kernel for ``FuyouConfig.update_kernel=asked`` and why (one sentence): the one pass (`load`)
+    or ``None`` (torch's kernel). ``"one_pass"`` that cannot run raises `ConfigError` naming why."""
+    if asked == "torch":
+        return None, "update_kernel='torch' was given"
+    if not fused:
+        why = "fused=False asks for torch's for-loop kernel's arithmetic, which the one pass does not compute"
+    elif state_format != "fp32":
+        why = f"state_format={state_format!r} updates its compact moments with its own kernel"
+    else:
+        one, why = load()
+        if one is not None:
+            return one, why
+    if asked == "one_pass":
+        raise ConfigError(f"update_kernel: got 'one_pass', but {why}; use update_kernel='auto' (which falls back "
+                          "to torch's kernel) or 'torch'")
+    return None, why

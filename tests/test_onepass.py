@@ -1,0 +1,248 @@
+"""The one-pass update (`optim.onepass`, ``FuyouConfig.update_kernel``): torch's fused AdamW bits from one pass over
+a chunk's memory, in place and out of place, every gradient and weight dtype; the unfilled lend of the shadow slot
+it reads the active chunk through; the choice and its fallbacks; and the gradient norm's upcast."""
+
+import copy
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import decay_groups, tiny_causal_lm
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.config import ConfigError
+from fuyou_strategy.optim import onepass
+from fuyou_strategy.optim.gradients import grad_norm
+from fuyou_strategy.storage import StorageError, TensorStore
+from test_schedule import MAX_NORM, STEPS, config, reference, train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def one_pass():
+    one, why = onepass.load()
+    if one is None:
+        pytest.skip(f"no one-pass update on this machine: {why}")
+    return one
+
+
+def torch_update(master, exp_avg, exp_avg_sq, grad, *, step, inv_scale, coef, **hyper):
+    """fuyou's update with torch's kernel (`state.OptimizerState.update_job`'s other branch), in place."""
+    g = grad.to(torch.float32)
+    if inv_scale is not None:
+        g = g * inv_scale
+    if coef is not None:
+        g = g * coef
+    torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False, maximize=False,
+                        **hyper)
+
+
+def test_the_one_pass_gives_torchs_fused_kernel_bits_over_many_chunks_and_values():
+    """300 chunks: ragged lengths, gradients in every dtype and from tiny to large, every weight dtype, in place and
+    out of place, outputs aligned (streamed stores) and not, with and without unscaling, clipping and decay."""
+    one = one_pass()
+    gen = torch.Generator().manual_seed(0)
+    for t in range(300):
+        n = 1 + int(torch.randint(0, 20 * one.block, (1,), generator=gen))
+        size = 10.0 ** float(torch.empty(()).uniform_(-8, 2, generator=gen))
+        shift = t % 3 == 2  # outputs one element off a vector's alignment: ordinary stores
+        state = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * size * 0.1,
+                 torch.rand(n, generator=gen) * size * size]
+        grad = (torch.randn(n, generator=gen) * size).to(DTYPES[t % 3])
+        hyper = dict(lr=(1e-3, 3e-4, 1e-2, 0.1)[t % 4], beta1=(0.9, 0.5, 0.3, 0.95, 0.0)[t % 5],
+                     beta2=(0.999, 0.95, 0.9)[t % 3], weight_decay=(0.01, 0.0, 0.1, 1.0)[t % 4],
+                     eps=(1e-8, 1e-6, 1e-3)[t % 3])
+        step = torch.tensor(float(t % 9))
+        inv_scale = torch.tensor(2.0 ** -(t % 16)) if t % 2 else None
+        coef = torch.tensor(float(torch.rand((), generator=gen)), dtype=torch.float32) if t % 3 == 1 else None
+        want = [s.clone() for s in state]
+        torch_update(*want, grad, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        weight = torch.empty(n + shift, dtype=DTYPES[(t // 3) % 3])[shift:]
+        if t % 4 == 0:  # in place, the weight where the master was read from
+            got = [s.clone() for s in state]
+            weight = None
+            one.update(*got, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        else:
+            got = [torch.empty(n + shift)[shift:] for _ in range(3)]
+            one.update(*state, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), got, want):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (t, name, n, grad.dtype)
+        if weight is not None:
+            assert torch.equal(weight, want[0].to(weight.dtype)), (t, weight.dtype)
+
+
+def test_the_weight_may_be_the_master_it_reads():
+    """A resident fp32 parameter holding its master (the state on the SSD): read from and written to in the pass."""
+    one = one_pass()
+    n = 5 * one.block + 3
+    param, exp_avg, exp_avg_sq, grad = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)
+    want = [param.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+    torch_update(*want, grad, step=torch.tensor(3.0), inv_scale=None, coef=None, **hyper)
+    master = torch.empty(n)
+    one.update(param, exp_avg, exp_avg_sq, grad, master, exp_avg, exp_avg_sq, param, step=torch.tensor(3.0),
+               inv_scale=None, coef=None, **hyper)
+    assert torch.equal(master, want[0]) and torch.equal(param, want[0]) and torch.equal(exp_avg_sq, want[2])
+
+
+@pytest.mark.parametrize("schedule,split", [("backward", "all"), ("next_forward", "all"), ("backward", "none"),
+                                            ("next_forward", "none"), ("auto", "mixed")])
+def test_training_with_the_one_pass_is_bitwise_torchs_and_the_same_as_torchs_kernel(tmp_path, schedule, split):
+    """test_schedule's run (clipping that bites, a skipped step, accumulation) with the state in RAM (the
+    speculative update reads the active chunk and writes the unfilled shadow; the exact one in place) and on the
+    SSD (the fp32 parameter holds the master): the one pass and torch's kernel give torch's AdamW(fused=True)."""
+    one_pass()
+    host_state = {"all": "768KiB", "none": 0, "mixed": "96KiB"}[split]
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    runs = {}
+    for kernel in ("one_pass", "torch"):
+        (tmp_path / kernel).mkdir()
+        run_model = copy.deepcopy(model)
+        engine = FuyouEngine(run_model, torch.optim.AdamW(decay_groups(run_model), lr=3e-3, fused=True),
+                             max_grad_norm=MAX_NORM, config=config(tmp_path / kernel, schedule, host_state=host_state,
+                                                                   update_kernel=kernel))
+        losses, _ = train(run_model, engine.optimizer, lambda last, e=engine: e.begin_micro_batch(update=last))
+        summary = engine.summary()
+        stats = engine.optimizer.stats
+        engine.close()
+        assert summary["update_kernel"] == kernel, summary["update_kernel_reason"]
+        assert stats.skips == 1 and stats.steps == STEPS - 1 and stats.clipped >= 1
+        runs[kernel] = (losses, run_model)
+    for kernel, (losses, run_model) in runs.items():
+        assert losses == ref_losses, kernel
+        for (name, p), q in zip(run_model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), (kernel, name)
+
+
+def test_bf16_weights_and_gradients_take_the_one_pass_and_match_torch_on_their_upcast(tmp_path):
+    """bf16 compute weights, fp32 masters: each step's bf16 gradient read as it is, the bf16 weight written in the
+    pass; torch's reference: AdamW(fused=True) on fp32 masters with the gradient upcast, the weight cast down."""
+    one_pass()
+    torch.manual_seed(0)
+    shapes = [(300, 7), (1001,), (64, 64)]
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().to(torch.float32)) for p in params]  # the masters start as the weights
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05, fused=True)
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB", host_state="1MiB",
+                      update_kernel="one_pass", optimizer_schedule="next_forward")
+    with FuyouAdamW(params, lr=1e-2, weight_decay=0.05, config=cfg) as opt:
+        assert opt.control.kernel == "one_pass"
+        for _ in range(4):
+            grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+            for p, q, g in zip(params, ref, grads):
+                p.grad, q.grad = g.clone(), g.to(torch.float32)
+            opt.step()
+            ref_opt.step()
+            opt.flush()
+            for p, q in zip(params, ref):
+                assert torch.equal(opt.read_state(p)["master"].view_as(q), q.detach())
+                assert torch.equal(p.detach(), q.detach().to(torch.bfloat16))
+
+
+def test_update_kernel_is_checked_and_one_pass_says_why_it_cannot_run(tmp_path):
+    with pytest.raises(ConfigError, match=r"update_kernel: got 'fastest'; expected one of 'auto', 'one_pass', 'torch'"):
+        FuyouConfig(update_kernel="fastest")
+    params = [torch.nn.Parameter(torch.randn(100))]
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="64MiB", update_kernel="one_pass")
+    with pytest.raises(ConfigError, match=r"update_kernel: got 'one_pass', but fused=False .* use update_kernel='auto'"):
+        FuyouAdamW(params, config=cfg, fused=False)
+    with FuyouAdamW(params, config=cfg.replace(update_kernel="auto"), fused=False) as opt:
+        assert opt.control.kernel == "torch" and "fused=False" in opt.control.kernel_reason
+    with FuyouAdamW(params, config=cfg.replace(update_kernel="torch")) as opt:
+        assert opt.control.kernel == "torch" and opt.control.figures().update_kernel == "torch"
+
+
+def test_a_pass_that_does_not_build_or_differs_from_torch_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
+    """No compiler (the build raises) or a build whose bits differ (`check` fails): ``"auto"`` takes torch's kernel
+    and warns once, naming why; ``"one_pass"`` refuses."""
+    params = [torch.nn.Parameter(torch.randn(100))]
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], host_memory_budget="64MiB")
+
+    def no_compiler(capability, cflags):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    for broken in ("build", "bits"):
+        with monkeypatch.context() as patch:
+            patch.setattr(onepass, "_found", {})
+            if broken == "build":
+                patch.setattr(onepass, "_cached_build", no_compiler)
+            else:
+                patch.setattr(onepass, "check", lambda one: "exp_avg differed from torch's kernel in 3 of 100")
+            with caplog.at_level("WARNING", logger="fuyou_strategy"):
+                with FuyouAdamW(params, config=cfg) as opt:
+                    assert opt.control.kernel == "torch"
+                with FuyouAdamW(params, config=cfg) as opt:  # the same process: found once, said once
+                    assert opt.control.kernel == "torch"
+            said = [r.getMessage() for r in caplog.records if "one-pass" in r.getMessage()]
+            want = "c\\+\\+: command not found" if broken == "build" else "exp_avg differed"
+            assert len(said) == 1 and re.search(want, said[0]), said
+            caplog.clear()
+            with pytest.raises(ConfigError, match="update_kernel: got 'one_pass', but the one-pass update"):
+                FuyouAdamW(params, config=cfg.replace(update_kernel="one_pass"))
+
+
+def test_a_shadow_chunk_lent_unfilled_reads_the_active_one_and_fails_like_any_lend(tmp_path):
+    """read_chunk(lend='shadow', fill=False): the shadow slot's memory, not copied into, the active chunk beside it
+    (``source``, the same bytes); written back it is the shadow's write, given up it fails the slot until a
+    rollback, and the active slot is never touched."""
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
+    with TensorStore(cfg) as store:
+        store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
+        x = torch.randn(4096)
+        store.write("a", x).result()
+        entry = store.entry("a")
+        lent = store.read_chunk("a", 0, lend="shadow", fill=False).result()
+        assert lent.copy_s == 0.0 and lent.data.data_ptr() == entry.chunk_memory(0, 1 - entry.active).data_ptr()
+        assert lent.source.data_ptr() == entry.chunk_memory(0, entry.active).data_ptr()
+        assert torch.equal(lent.source.view(torch.float32), x[:2048])
+        lent.view(torch.float32).copy_(lent.source.view(torch.float32) * 3)  # the update, out of place
+        store.write_chunk("a", 0, lent, slot="shadow").result()
+        assert lent.source is None, "no view of the active chunk outlives the lend"
+        store.write_chunk("a", 1, store.read_chunk("a", 1).result(), slot="shadow").result()
+        assert torch.equal(store.read("a").result(), x), "the active slot is untouched"
+        store.commit(["a"])
+        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
+        given_up = store.read_chunk("a", 1, lend="shadow", fill=False).result()
+        given_up.release()
+        with pytest.raises(StorageError, match="did not finish"):
+            store.read("a", slot="shadow").result()
+        store.rollback(["a"])
+        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gradient_norm_upcast_gives_the_bits_of_torchs_norm_in_fp32(dtype):
+    """`grad_norm` upcasts a half-width gradient into the thread's scratch before torch's fp32 norm: the same bits
+    as ``vector_norm(..., dtype=float32)`` on it, over sizes around every vector width, shapes and scales."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, 4095, 4097, 65535, 65537, 1_000_003]
+    for n in sizes:
+        for scale in (1e-6, 1e-2, 30.0):
+            for inv_scale in (None, torch.tensor(2.0 ** -12)):
+                g = (torch.randn(n, generator=gen) * scale).to(dtype)
+                x = g.to(torch.float32) * inv_scale if inv_scale is not None else g
+                want = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+                assert torch.equal(grad_norm(g, inv_scale), want), (n, scale, inv_scale)
+    g = (torch.randn(768, 3072, generator=gen) * 1e-2).to(dtype)
+    assert torch.equal(grad_norm(g, None), torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_the_avx2_build_gives_torchs_bits_where_torch_dispatches_avx2(tmp_path):
+    """``ATEN_CPU_CAPABILITY=avx2`` makes torch dispatch its AVX2 kernels: the pass is built for AVX2 (its own
+    cache entry) and passes the bitwise check against them. Skipped on a CPU without AVX2."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 on this CPU")
+    code = ("import torch; from fuyou_strategy.optim import onepass; one, why = onepass.load(); "
+            "print(torch.backends.cpu.get_cpu_capability(), one is not None and one.capability, why)")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:2] == ["AVX2", "AVX2"] and "bitwise" in out.stdout, out.stdout
