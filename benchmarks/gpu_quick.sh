@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check that fits one lease of this project's device tool (15 minutes of device time, start included):
 # the environment, the device-dependent suite on CUDA, then the peers harness at one size with a step trace of
-# each fuyou system. Everything lands under $OUT (default ./gpu-quick): env.txt, tests.log, bench.log and
-# results.tgz (the harness's table, JSON and PNG, the traces, each run's stderr log). About 6 minutes on an H200.
+# each fuyou system, after the one-pass update's phases on CUDA (its build and bitwise check included). Everything
+# lands under $OUT (default ./gpu-quick): env.txt, update_phases.{log,json}, tests.log, bench.log and results.tgz
+# (the harness's table, JSON and PNG, the traces, each run's stderr log). About 7 minutes on an H200.
 #   bash benchmarks/gpu_quick.sh                      # on the GPU machine, from the repository root
 #   T_TESTS=150 T_BENCH=270 SIZE=350M SYSTEMS=torch,fuyou-hf bash benchmarks/gpu_quick.sh
 #   BATCH=32 SYSTEMS=torch,fuyou-engine bash benchmarks/gpu_quick.sh  # more tokens per step (GPU memory allows)
@@ -17,8 +18,13 @@ S=$(date +%s)
 { nvidia-smi -L; echo "cores $(nproc)"; free -g | head -2; df -h "$WORK" | tail -1
   echo "avx512_bf16 cores: $(grep -c avx512_bf16 /proc/cpuinfo)"
   $PY -c "import sys, torch, lightning, transformers, peft, accelerate; print(sys.version); print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print('lightning', lightning.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
-  $PY -c "import torchao" 2>&1 | tail -1; ls /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 2>&1; } > "$OUT/env.txt" 2>&1
+  $PY -c "import torchao" 2>&1 | tail -1; ls /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 2>&1
+  echo "c++: $(c++ --version 2>&1 | head -1); ninja: $(ninja --version 2>&1)"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+echo "== the one-pass update: build, check, an update's phases on cuda (at $(( $(date +%s) - S )) s)"
+timeout -k 5 "${T_PASS:-90}" $PY benchmarks/update_phases_bench.py --device cuda --params "${PASS_PARAMS:-355e6}" \
+  --rounds 1 --out "$OUT/update_phases.json" > "$OUT/update_phases.log" 2>&1
+echo "phases exit $?"; tail -14 "$OUT/update_phases.log"
 echo "== tests on cuda (at $(( $(date +%s) - S )) s)"
 FUYOU_TEST_DEVICE=cuda timeout -k 5 "${T_TESTS:-150}" $PY -m pytest -q -p no:cacheprovider -rfs -m "device and not late_copies" --durations=15 > "$OUT/tests.log" 2>&1
 echo "tests exit $?"; tail -25 "$OUT/tests.log"

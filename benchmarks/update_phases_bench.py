@@ -10,7 +10,13 @@ run) rather than from the cache, on the worker's kind of thread (a Python thread
 - ``shadow``: the state chunk (12 B/param) copied to its shadow slot (the ``backward`` schedule's lend);
 - ``kernel``: torch's fused AdamW on the chunk;
 - ``publish``: the new master into the device parameter (``--grad-dtype``): the synchronous ``copy_`` the
-  update does, and a cast into a pinned buffer followed by an asynchronous copy.
+  update does, and a cast into a pinned buffer followed by an asynchronous copy;
+- ``one pass``: the one-pass update (`optim.onepass`, ``update_kernel="one_pass"``) of the chunk, from the state
+  into the shadow (a speculative update, out of place) with the host gradient in its dtype, the compute weight
+  written in the pass (on the CPU into the parameter; on a GPU into a pinned buffer, then copied to the device).
+
+The last rows compare a chunk as torch's kernel runs it (stage + upcast + shadow + kernel + publish) with the
+one pass (stage + one pass).
 
     python benchmarks/update_phases_bench.py --params 355e6 --chunk 680000 --device cuda
     python benchmarks/update_phases_bench.py --params 60e6            # on a CPU: the device tier is RAM
@@ -48,7 +54,11 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from fuyou_strategy.optim import onepass
     from fuyou_strategy.optim.state import adamw_kernel
+
+    one, why = onepass.load()
+    print(f"the one pass: {why}", flush=True)
 
     dev = torch.device(args.device)
     gd = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.grad_dtype]
@@ -94,8 +104,18 @@ def run(args: argparse.Namespace) -> dict:
         params[i].copy_(pinned_out, non_blocking=cuda)
         sync()
 
+    def one_pass(i):  # from the state into the shadow, the weight in the same pass
+        m, a, s = state[i][:n], state[i][n:2 * n], state[i][2 * n:]
+        one.update(m, a, s, host_grads[i], shadow[i][:n], shadow[i][n:2 * n], shadow[i][2 * n:],
+                   pinned_out if cuda else params[i], step=step, inv_scale=None, coef=None, **hyper)
+        if cuda:
+            params[i].copy_(pinned_out, non_blocking=True)
+            sync()
+
     phases = {"stage": stage, "upcast (fresh)": upcast_fresh, "upcast (kept)": upcast_kept, "shadow": shadow_copy,
               "kernel": kernel, "publish (sync copy_)": publish_sync, "publish (pinned, async)": publish_pinned}
+    if one is not None:
+        phases["one pass"] = one_pass
     times: dict[str, list[float]] = {k: [] for k in phases}
     for r in range(args.rounds + 1):  # round 0 warms up (page faults, allocator)
         for name, fn in phases.items():  # interleaved: each phase over every chunk, once per round
@@ -108,11 +128,14 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append((time.perf_counter() - t) / chunks)
     rows = {k: statistics.median(v) for k, v in times.items()}
     base = sum(rows[k] for k in ("stage", "upcast (fresh)", "shadow", "kernel", "publish (sync copy_)"))
-    print(f"\n| phase | ms per chunk | M params/s | share of today's chunk |\n|---|---|---|---|")
+    print(f"\n| phase | ms per chunk | M params/s | share of torch's kernel's chunk |\n|---|---|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v * 1e3:.3f} | {n / v / 1e6:.0f} | {v / base:.0%} |")
-    print(f"| today's chunk (stage + upcast fresh + shadow + kernel + sync publish) | {base * 1e3:.3f} | "
+    print(f"| torch's kernel's chunk (stage + upcast fresh + shadow + kernel + sync publish) | {base * 1e3:.3f} | "
           f"{n / base / 1e6:.0f} | 100% |")
+    if one is not None:
+        whole = rows["stage"] + rows["one pass"]
+        print(f"| the one pass's chunk (stage + one pass) | {whole * 1e3:.3f} | {n / whole / 1e6:.0f} | {whole / base:.0%} |")
     return {"device": str(dev), "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
             "threads": torch.get_num_threads(), "chunk": n, "chunks": chunks, "grad_dtype": args.grad_dtype,
             "seconds_per_chunk": rows, "samples": times}

@@ -2,23 +2,34 @@
 
 One run; each system in a fresh process (jemalloc preloaded when installed), rounds interleaved, a warm-up
 step first, the median of the timed steps. Every system updates ``--params`` parameters (default 64M) whose
-state is in RAM, from gradients set by hand (no model, no backward: the update alone):
+state is in RAM, from gradients set by hand (no model, no backward: the update alone), on the same intra-op
+threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"`` gives with an accelerator):
 
 - ``bandwidth``: the machine's memory bandwidth measured in the same run: the fastest of a read (``sum``), a
   ``copy_`` and a triad over ``--copy-bytes`` per tensor (bytes read + bytes written per second);
 - ``torch-bare``: ``torch._fused_adamw_`` on fp32 masters, moments and an fp32 gradient, chunk by chunk
   (``--chunk`` elements, the 350M run's), nothing else: the kernel's own rate on this memory;
+- ``torch-norm+bare``: the same after every gradient's norm and the global one, as ``clip_grad_norm_`` takes
+  them: what a step that clips (or skips a non-finite step, as fuyou's does) reads on top of the kernel;
 - ``fuyou-exact``: `FuyouAdamW` with the whole state in host RAM (``host_state``), ``optimizer_schedule=
-  "next_forward"`` (what ``"auto"`` takes on a CPU with the state in RAM): ``step()`` + ``flush()``;
+  "next_forward"`` (what ``"auto"`` takes on a CPU with the state in RAM): ``step()`` + ``flush()``, which
+  take every gradient's norm first (the skip of a non-finite step; clipping) and then update;
 - ``fuyou-speculative``: the same with ``optimizer_schedule="backward"``: the speculative update into the
   shadow slot and its commit (what a GPU run with the state in RAM does);
+- ``fuyou-exact-torch``, ``fuyou-speculative-torch``: the same with ``update_kernel="torch"`` (torch's kernel
+  in place, with the copies around it: the path before the one pass);
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
   extra; its CPU Adam op is built on first use), fp32 parameters only.
 
-``--dtype bf16`` gives fuyou bf16 compute weights and gradients (the masters stay fp32); the bare kernel and
-DeepSpeed run on fp32 either way. The share of bandwidth counts the bytes one fused pass must move per
-parameter: read the gradient and the three state values, write the three state values and the compute weight
-(fp32 weights are their own master: 28 B; bf16: 2 + 12 + 12 + 2 = 28 B).
+``--before-src PATH`` adds ``fuyou-exact@before`` and ``fuyou-speculative@before``: the same runs with another
+checkout's ``src`` (an earlier commit), interleaved with the rest.
+
+For fuyou the table gives the whole ``step()`` and, apart, its update alone: the worker's time in the updates
+(`UpdateMeter`: each chunk's pass and publish, not the norms). ``--dtype bf16`` gives fuyou bf16 compute weights
+and gradients (the masters stay fp32); the bare kernel and DeepSpeed run on fp32 either way. The share of
+bandwidth counts the bytes one fused pass must move per parameter: read the gradient and the three state values,
+write the three state values and the compute weight (fp32 weights are their own master: 28 B; bf16: 2 + 12 +
+12 + 2 = 28 B). fuyou's fp32 path writes the new master twice, into the state and into the parameter (32 B).
 
     python benchmarks/update_rate_bench.py --dtype fp32 --deepspeed-python /path/to/venv/bin/python
 """
@@ -36,7 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import allocator, fresh_env  # noqa: E402
 
-SYSTEMS = ("bandwidth", "torch-bare", "fuyou-exact", "fuyou-speculative", "deepspeed")
+SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
+           "fuyou-speculative-torch", "deepspeed")
+BEFORE = ("fuyou-exact@before", "fuyou-speculative@before")  # with --before-src
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
 
@@ -67,14 +80,18 @@ def worker(args: argparse.Namespace) -> dict:
             times += took
         return {"step_s": times, "bytes_per_s": max(rates.values()), "streams_bytes_per_s": rates}
     hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    if args.worker == "torch-bare":
+    if args.worker in ("torch-bare", "torch-norm+bare"):
         m, g, a, s = (torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n))
         step = torch.tensor(0.0)
         k = dict(lr=hyper["lr"], beta1=0.9, beta2=0.999, weight_decay=hyper["weight_decay"], eps=hyper["eps"],
                  amsgrad=False, maximize=False)
+        norms = args.worker == "torch-norm+bare"
 
         def run() -> None:
             step.add_(1)
+            if norms:  # per tensor (fuyou's parameters: 8 chunks each), then the global norm: clip_grad_norm_'s
+                each = [torch.linalg.vector_norm(g[i : i + chunk * 8], 2) for i in range(0, n, chunk * 8)]
+                torch.linalg.vector_norm(torch.stack(each), 2).item()
             for i in range(0, n, chunk):
                 e = min(n, i + chunk)
                 torch._fused_adamw_([m[i:e]], [g[i:e]], [a[i:e]], [s[i:e]], [], [step], **k)
@@ -85,16 +102,21 @@ def worker(args: argparse.Namespace) -> dict:
         params = [torch.nn.Parameter(torch.randn(min(chunk * 8, n - i), dtype=dtype)) for i in range(0, n, chunk * 8)]
         grads = [(torch.randn_like(p) * 1e-3) for p in params]
         state = 2 * 12 * n + 2**30
-        schedule = "next_forward" if args.worker == "fuyou-exact" else "backward"
+        schedule = "next_forward" if args.worker.startswith("fuyou-exact") else "backward"
+        # a checkout from before update_kernel takes none (its kernel is torch's)
+        kernel = {"update_kernel": "torch"} if args.worker.endswith("-torch") else {}
         cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=state + 2**30, host_state=state,
-                          optimizer_schedule=schedule)
+                          optimizer_schedule=schedule, optimizer_threads=torch.get_num_threads(), **kernel)
         opt = FuyouAdamW(params, **hyper, config=cfg)
+        updates: list[float] = []
 
         def run() -> None:
             for p, grad in zip(params, grads):
                 p.grad = grad
+            began = opt.control.figures().update_total[0]
             opt.step()
             opt.flush()
+            updates.append(opt.control.figures().update_total[0] - began)
     elif args.worker == "deepspeed":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -110,9 +132,13 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         raise SystemExit(f"unknown system {args.worker!r}")
     times = timed(run, args.warmup, args.steps)
+    out = {"step_s": times, "threads": torch.get_num_threads()}
     if args.worker.startswith("fuyou"):
+        figures = opt.control.figures()
+        out.update(update_s=updates[args.warmup:], worker_threads=figures.worker_threads,
+                   update_kernel=getattr(figures, "update_kernel", "torch"))
         opt.close()
-    return {"step_s": times, "threads": torch.get_num_threads()}
+    return out
 
 
 def main() -> None:
@@ -128,6 +154,7 @@ def main() -> None:
     p.add_argument("--copy-bytes", type=int, default=2**30)
     p.add_argument("--swap-dir", default="/tmp")
     p.add_argument("--deepspeed-python", help="a Python with deepspeed installed (default: this one)")
+    p.add_argument("--before-src", help="another checkout's src folder: adds fuyou-exact@before, fuyou-speculative@before")
     p.add_argument("--no-jemalloc", action="store_true")
     p.add_argument("--json", default="update_rate_bench.json")
     args = p.parse_args()
@@ -135,14 +162,15 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     src = str(Path(__file__).resolve().parent.parent / "src")
-    systems = args.systems.split(",")
+    systems = args.systems.split(",") + (list(BEFORE) if args.before_src else [])
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems:
             python = args.deepspeed_python if system == "deepspeed" and args.deepspeed_python else sys.executable
             env = fresh_env(not args.no_jemalloc)
-            env["PYTHONPATH"] = src
-            argv = [python, __file__, "--worker", system, f"--params={args.params}", f"--chunk={args.chunk}",
+            env["PYTHONPATH"] = args.before_src if system.endswith("@before") else src
+            argv = [python, __file__, "--worker", system.removesuffix("@before"), f"--params={args.params}",
+                    f"--chunk={args.chunk}",
                     f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                     f"--copy-bytes={args.copy_bytes}", f"--swap-dir={args.swap_dir}"]
             print(f"round {r + 1}/{args.rounds}: {system} ...", file=sys.stderr, flush=True)
@@ -166,17 +194,24 @@ def main() -> None:
             bare = rate
         summary[system] = {"median_step_s": step, "params_per_s": rate,
                            "round_medians_s": [statistics.median(r["step_s"]) for r in ok[system]]}
+        if "update_s" in ok[system][0]:
+            summary[system]["median_update_s"] = statistics.median(t for r in ok[system] for t in r["update_s"])
+            summary[system]["update_kernel"] = ok[system][0]["update_kernel"]
     lines = [f"{n / 1e6:.0f}M parameters, state in RAM, fuyou's compute weights {args.dtype}; allocator: "
              f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "
-             f"{args.warmup} warm-up, a fresh process per system and round",
+             f"{args.warmup} warm-up, a fresh process per system and round; intra-op threads: "
+             f"{next((r[0]['threads'] for r in ok.values() if r and 'threads' in r[0]), '?')}",
              "memory bandwidth (fastest of read, copy, triad; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
-             "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param |",
-             "|---|---|---|---|---|"]
+             "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param "
+             "| fuyou's update alone: s, x torch-bare |",
+             "|---|---|---|---|---|---|"]
     for system, row in summary.items():
         rate = row["params_per_s"]
         share = f"{rate * BYTES_PER_PARAM / bandwidth:.0%}" if bandwidth else "-"
         vs = f"{rate / bare:.2f}" if bare else "-"
-        lines.append(f"| {system} | {row['median_step_s']:.3f} | {rate / 1e6:.0f} | {vs} | {share} |")
+        alone = "" if "median_update_s" not in row else \
+            f"{row['median_update_s']:.3f}, {n / row['median_update_s'] / bare:.2f}" if bare else f"{row['median_update_s']:.3f}"
+        lines.append(f"| {system} | {row['median_step_s']:.3f} | {rate / 1e6:.0f} | {vs} | {share} | {alone} |")
     for system in systems:
         if runs[system] and not ok[system]:
             lines.append(f"| {system} | failed: see the JSON | | | |")

@@ -229,3 +229,21 @@ def test_update_rate_bench_times_each_system_and_writes_its_table(tmp_path):
     assert set(result["summary"]) == {"torch-bare", "fuyou-exact"}
     assert all(row["params_per_s"] > 0 for row in result["summary"].values())
     assert "| fuyou-exact |" in proc.stdout and "| torch-bare | " in proc.stdout and "| 1.00 |" in proc.stdout
+
+
+def test_update_rate_bench_reports_fuyous_update_alone_with_each_kernel_and_torch_with_the_norms(tmp_path):
+    """The bench's rows beside the bare kernel: torch with clip_grad_norm_'s norms, and fuyou with each kernel, whose
+    rows give the update alone (the worker's time) beside the whole step, and which kernel ran."""
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
+                           "--rounds", "1", "--steps", "1", "--copy-bytes", str(16 * 2**20), "--swap-dir", str(tmp_path),
+                           "--systems", "torch-bare,torch-norm+bare,fuyou-speculative,fuyou-speculative-torch",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"torch-bare", "torch-norm+bare", "fuyou-speculative", "fuyou-speculative-torch"}
+    assert summary["fuyou-speculative-torch"]["update_kernel"] == "torch"
+    assert summary["fuyou-speculative"]["update_kernel"] in ("one_pass", "torch")
+    for system in ("fuyou-speculative", "fuyou-speculative-torch"):
+        assert 0 < summary[system]["median_update_s"] < summary[system]["median_step_s"], summary[system]
+    assert "| torch-norm+bare |" in proc.stdout and "update alone" in proc.stdout

@@ -38,6 +38,7 @@ from ..cleanup import undo_after
 from ..config import PAGE, FuyouConfig
 from ..storage import MemoryTiers
 from ..device import device_memory_bytes, synchronize
+from ..optim import onepass
 from ..optim.formats import Layout
 from ..optim.state import apply_update
 from ..params.streaming import Tier
@@ -160,11 +161,13 @@ class WarmupProfiler:
         """Parameters/s of the CPU AdamW update, as the warm-up's steps after the first ran it on their own
         chunks (`UpdateMeter`); a micro-benchmark (`adam_throughput`) only when they updated nothing (e.g.
         a data-parallel rank that owns no state)."""
-        (seconds, params), (seconds0, params0) = self.optimizer.control.figures().update_total, self._first_update
+        figures = self.optimizer.control.figures()
+        (seconds, params), (seconds0, params0) = figures.update_total, self._first_update
         seconds, params = seconds - seconds0, params - params0
         if params > 0 and seconds > 0:
             return params / seconds
-        return adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20))
+        return adam_throughput(self.optimizer.fused, layout=self.optimizer.state_format.layout(2**20),
+                               kernel=figures.update_kernel)
 
     # -- the profile ------------------------------------------------------------------------------
     def profile(self) -> Profile:
@@ -284,17 +287,23 @@ def _probe_buffer(pool: HostBufferPool, nbytes: int, io_timeout: float) -> HostB
     return pool.acquire(max(PAGE, min(nbytes, (pool.budget - pool.lent) // PAGE * PAGE)), timeout=io_timeout)
 
 
-def adam_throughput(fused: bool, n: int = 2**20, layout: Layout = Layout("fp32")) -> float:
+def adam_throughput(fused: bool, n: int = 2**20, layout: Layout = Layout("fp32"), kernel: str = "torch") -> float:
     """Parameters/s of the CPU AdamW update FuyouAdamW runs on a chunk of ``layout`` (its state format's:
-    the compact ones cost more CPU time); best of 3."""
+    the compact ones cost more CPU time) with its ``kernel`` (``OptimizerFigures.update_kernel``: the one pass,
+    in place, or torch's); best of 3."""
     buf = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
     state = layout.views(buf, n)
     state["master"].copy_(torch.rand(n))
     g = torch.rand(n)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    one = onepass.load()[0] if kernel == "one_pass" else None
     best = float("inf")
     for step in range(3):
         start = time.perf_counter()
-        apply_update(layout, state, g, torch.tensor(float(step)), fused=fused, lr=1e-3, beta1=0.9, beta2=0.999,
-                     weight_decay=0.01, eps=1e-8)
+        if one is not None:
+            kinds = (state["master"], state["exp_avg"], state["exp_avg_sq"])
+            one.update(*kinds, g, *kinds, None, step=torch.tensor(float(step)), inv_scale=None, coef=None, **hyper)
+        else:
+            apply_update(layout, state, g, torch.tensor(float(step)), fused=fused, **hyper)
         best = min(best, time.perf_counter() - start)
     return n / best
