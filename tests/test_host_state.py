@@ -2,6 +2,7 @@
 state between host RAM and the SSD trains bitwise like the state all on the SSD, resumes across splits, and
 stays within ``host_memory_budget``."""
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -469,15 +470,22 @@ def test_host_memory_budget_auto_takes_half_the_available_ram_and_falls_back_to_
         assert state_bytes(opt)[1] == 0 and state_bytes(opt)[0] > 0
 
 
-def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_back_like_a_write(tmp_path):
-    """read_chunk(lend='shadow') of an in-memory entry: the shadow slot's own memory holding the active chunk
-    (the speculative update's buffer, no pool buffer); handed back it is a write of the shadow slot, given up
-    it fails the slot until a rollback, and a rollback gives up what is still lent (a worker that died)."""
+@contextlib.contextmanager
+def two_chunks_in_ram(tmp_path):
+    """A store whose entry ``"a"`` holds 4096 random fp32 values in two chunks in host RAM: ``(store, values)``."""
     cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
     with TensorStore(cfg) as store:
         store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
         x = torch.randn(4096)
         store.write("a", x).result()
+        yield store, x
+
+
+def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_back_like_a_write(tmp_path):
+    """read_chunk(lend='shadow') of an in-memory entry: the shadow slot's own memory holding the active chunk
+    (the speculative update's buffer, no pool buffer); handed back it is a write of the shadow slot, given up
+    it fails the slot until a rollback, and a rollback gives up what is still lent (a worker that died)."""
+    with two_chunks_in_ram(tmp_path) as (store, x):
         lent = store.read_chunk("a", 0, lend="shadow").result()
         assert store.pool.lent == store.bytes_in_memory, "no pool buffer beside the state's own"
         assert torch.equal(lent.view(torch.float32), x[:2048])
@@ -501,15 +509,36 @@ def test_a_chunk_lent_for_a_speculative_update_is_written_in_place_and_rolled_ba
         assert torch.equal(store.read("a").result(), torch.cat([2 * x[:2048], x[2048:]]))
 
 
+def test_a_shadow_chunk_lent_unfilled_reads_the_active_one_and_fails_like_any_lend(tmp_path):
+    """read_chunk(lend='shadow', fill=False): the shadow slot's memory, not copied into, the active chunk beside it
+    (``source``, the same bytes); written back it is the shadow's write, given up it fails the slot until a
+    rollback, and the active slot is never touched."""
+    with two_chunks_in_ram(tmp_path) as (store, x):
+        entry = store.entry("a")
+        lent = store.read_chunk("a", 0, lend="shadow", fill=False).result()
+        assert lent.copy_s == 0.0 and lent.data.data_ptr() == entry.chunk_memory(0, 1 - entry.active).data_ptr()
+        assert lent.source.data_ptr() == entry.chunk_memory(0, entry.active).data_ptr()
+        assert torch.equal(lent.source.view(torch.float32), x[:2048])
+        lent.view(torch.float32).copy_(lent.source.view(torch.float32) * 3)  # the update, out of place
+        store.write_chunk("a", 0, lent, slot="shadow").result()
+        assert lent.source is None, "no view of the active chunk outlives the lend"
+        store.write_chunk("a", 1, store.read_chunk("a", 1).result(), slot="shadow").result()
+        assert torch.equal(store.read("a").result(), x), "the active slot is untouched"
+        store.commit(["a"])
+        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
+        given_up = store.read_chunk("a", 1, lend="shadow", fill=False).result()
+        given_up.release()
+        with pytest.raises(StorageError, match="did not finish"):
+            store.read("a", slot="shadow").result()
+        store.rollback(["a"])
+        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
+
+
 def test_a_chunk_lent_for_an_exact_update_is_the_active_chunk_itself_and_a_rollback_leaves_it_alone(tmp_path):
     """read_chunk(lend='active') of an in-memory entry (an exact update, written back where it was read): the
     active chunk's own memory, no copy; handed back it is a write, while lent it is not readable, given up it
     fails the slot (the update may have changed part of it), and a rollback of shadow writes leaves it lent."""
-    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
-    with TensorStore(cfg) as store:
-        store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
-        x = torch.randn(4096)
-        store.write("a", x).result()
+    with two_chunks_in_ram(tmp_path) as (store, x):
         entry = store.entry("a")
         lent = store.read_chunk("a", 0, lend="active").result()
         assert lent.data.data_ptr() == entry.chunk_memory(0, entry.active).data_ptr(), "the chunk itself, no copy"

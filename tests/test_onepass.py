@@ -16,7 +16,6 @@ from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.config import ConfigError
 from fuyou_strategy.optim import onepass
 from fuyou_strategy.optim.gradients import grad_norm
-from fuyou_strategy.storage import StorageError, TensorStore
 from test_schedule import MAX_NORM, STEPS, config, reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -186,35 +185,6 @@ def test_a_pass_that_does_not_build_or_differs_from_torch_falls_back_and_says_so
             caplog.clear()
             with pytest.raises(ConfigError, match="update_kernel: got 'one_pass', but the one-pass update"):
                 FuyouAdamW(params, config=cfg.replace(update_kernel="one_pass"))
-
-
-def test_a_shadow_chunk_lent_unfilled_reads_the_active_one_and_fails_like_any_lend(tmp_path):
-    """read_chunk(lend='shadow', fill=False): the shadow slot's memory, not copied into, the active chunk beside it
-    (``source``, the same bytes); written back it is the shadow's write, given up it fails the slot until a
-    rollback, and the active slot is never touched."""
-    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB")
-    with TensorStore(cfg) as store:
-        store.create("a", (4096,), torch.float32, chunk_bytes=8192, in_memory=True)  # 2 chunks
-        x = torch.randn(4096)
-        store.write("a", x).result()
-        entry = store.entry("a")
-        lent = store.read_chunk("a", 0, lend="shadow", fill=False).result()
-        assert lent.copy_s == 0.0 and lent.data.data_ptr() == entry.chunk_memory(0, 1 - entry.active).data_ptr()
-        assert lent.source.data_ptr() == entry.chunk_memory(0, entry.active).data_ptr()
-        assert torch.equal(lent.source.view(torch.float32), x[:2048])
-        lent.view(torch.float32).copy_(lent.source.view(torch.float32) * 3)  # the update, out of place
-        store.write_chunk("a", 0, lent, slot="shadow").result()
-        assert lent.source is None, "no view of the active chunk outlives the lend"
-        store.write_chunk("a", 1, store.read_chunk("a", 1).result(), slot="shadow").result()
-        assert torch.equal(store.read("a").result(), x), "the active slot is untouched"
-        store.commit(["a"])
-        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
-        given_up = store.read_chunk("a", 1, lend="shadow", fill=False).result()
-        given_up.release()
-        with pytest.raises(StorageError, match="did not finish"):
-            store.read("a", slot="shadow").result()
-        store.rollback(["a"])
-        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
