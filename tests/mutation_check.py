@@ -110,6 +110,15 @@ MUTANTS = [
     Mutant("accumulate", "every micro-batch's backward ends the window (gradient accumulation ignored)",
            "engine.py", "            self.optimizer.updates_enabled = update\n",
            "            self.optimizer.updates_enabled = True\n", ("test_hf.py", "test_lightning.py")),
+    Mutant("onepass-tail", "the one pass leaves the ragged end of a chunk (past its last whole block) un-updated",
+           "optim/onepass.py", "        if done == n:\n            return\n", "        if True:\n            return\n",
+           ("test_onepass.py",)),
+    Mutant("onepass-unscale", "the compiled pass divides by the unscale factor instead of multiplying (rebuilt; "
+           "its bitwise check at load must refuse it)", "optim/csrc/adamw_pass.cpp",
+           "grad_vec = grad_vec * fVec(h.inv_scale);", "grad_vec = grad_vec / fVec(h.inv_scale);", ("test_onepass.py",)),
+    Mutant("unfilled-lend", "a shadow chunk lent unfilled comes without the active chunk to read from",
+           "storage/store.py", "source=entry.memory[src].data[start : start + length] if dst != src and not fill else None",
+           "source=None", ("test_onepass.py", "test_host_state.py")),
 ]
 
 

@@ -243,6 +243,23 @@ def test_fuyou_doctor_reports_only_what_applies_to_the_machine(tmp_path, monkeyp
         assert [c.name for c in device] == ["cuda", "memlock"] and "NVIDIA H200" in device[0].detail
 
 
+def test_fuyou_doctor_says_whether_the_one_pass_update_runs_here(tmp_path, monkeypatch):
+    """The doctor builds (or loads) the one-pass update and says ok with what it checked, or warns naming why not."""
+    from fuyou_strategy.optim import onepass
+
+    checks = diagnose([str(tmp_path)], probe_bytes=8 * 2**20, cpu_probe_seconds=0).checks
+    [check] = [c for c in checks if c.name == "one-pass update"]
+    one, why = onepass.load()
+    if one is not None:
+        assert (check.status, check.detail) == ("ok", why)
+    else:
+        assert check.status == "warn" and why in check.detail
+    monkeypatch.setattr(onepass, "_found", {torch.backends.cpu.get_cpu_capability(): (None, "no C++ compiler here")})
+    [check] = [c for c in diagnose([str(tmp_path)], probe_bytes=8 * 2**20, cpu_probe_seconds=0).checks
+               if c.name == "one-pass update"]
+    assert check.status == "warn" and "no C++ compiler here" in check.detail and "torch's kernel" in check.detail
+
+
 def _cost(lost_s_per_gb: float, steal: float | None) -> probe.IOCpuCost:
     """An I/O-CPU probe's result that lost ``lost_s_per_gb`` compute seconds per GB over 2 GB moved."""
     return probe.IOCpuCost("/x", 2, 2, alone_s=3.0, beside_s=3.0 + 2 * lost_s_per_gb, bytes_moved=2 * 10**9,

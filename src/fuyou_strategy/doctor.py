@@ -92,6 +92,7 @@ def diagnose(directories: list[str], *, probe_bytes: int = 256 * 2**20, cpu_prob
             usable.append(directory)
     mem = _meminfo()
     _check_machine(d, cores, mem)
+    _check_update(d, say)
     if usable and cpu_probe_seconds > 0:
         _check_io_cpu(d, usable[0], cpu_probe_seconds, auto_io_threads(cores)[0], say)
     _recommend(d, usable, cores, mem.get("MemAvailable", 0))
@@ -153,6 +154,17 @@ def _check_machine(d: Diagnosis, cores: int, mem: dict[str, int]) -> None:
           ("unlimited" if unlimited else format_bytes(soft)) + ": locked memory per process; CUDA pins the host "
           "pool's buffers through the driver, but a container's low `ulimit -l` can refuse pinning "
           "(raise it with --ulimit memlock=-1)")
+
+
+def _check_update(d: Diagnosis, say: Callable[[str], None]) -> None:
+    """Whether the one-pass update builds and matches torch's kernel here (`optim.onepass`): the first check on a
+    machine builds it (about half a minute), so that the first run does not."""
+    from .optim import onepass
+
+    say("building or loading the one-pass AdamW update ...")
+    one, why = onepass.load()
+    d.add("cpu", "one-pass update", "ok" if one is not None else "warn",
+          why if one is not None else f"{why} (update_kernel='auto' runs torch's kernel: slower, the same bits)")
 
 
 def _check_io_cpu(d: Diagnosis, directory: str, seconds: float, io_threads: int, say: Callable[[str], None]) -> None:

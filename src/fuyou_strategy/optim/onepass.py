@@ -8,9 +8,9 @@ they are (the active chunk, the parameter holding the master), and writes the ne
 wherever they go (the shadow slot, or in place), and the compute-dtype weight in the same pass: ~28 bytes per
 parameter of traffic, where the passes it replaces move up to ~68.
 
-Why a compiled loop: neither torch's ``_fused_adamw_`` (in place, one dtype) nor ``torch.compile``'s code
-generation of an out-of-place AdamW gives torch's fused kernel's bits (Inductor writes its own formulas for
-``lerp`` and the square root's denominator), and fuyou's updates are bitwise torch's. The loop is a
+Why a compiled loop: torch's ``_fused_adamw_`` works in place on one dtype, and ``torch.compile``'s code
+generation of an out-of-place AdamW in the same formulas did not give its bits (measured: docs/one-pass-update.md),
+while fuyou's updates are bitwise torch's. The loop is a
 transcription of torch's fused CPU kernel (``ATen/native/cpu/FusedAdamKernel.cpp``: same statements, same
 ``at::vec::Vectorized<float>`` of the CPU capability torch dispatches to, same compiler contraction), built
 by ``torch.utils.cpp_extension`` with torch's own headers and OpenMP runtime. It is used only after it
@@ -21,8 +21,8 @@ not fill a vector block go through torch's own kernel (torch's scalar tail).
 ``FuyouConfig.update_kernel`` chooses: ``"auto"`` takes the pass when it builds and checks out on this
 machine (else torch's kernel, saying why), ``"one_pass"`` requires it, ``"torch"`` never builds it.
 
-Threads: `load` may be called from any thread; the first call builds (or finds torch's cached build) under a
-lock, later calls return what it found. The pass runs on the caller's intra-op threads (OpenMP, torch's
+Threads: `load` may be called from any thread; the first call builds or loads the cached build (`cache_dir`)
+under a lock, later calls return what it found. The pass runs on the caller's intra-op threads (OpenMP, torch's
 runtime): the optimizer's worker, with ``optimizer_threads``.
 """
 
@@ -136,9 +136,10 @@ def _build(capability: str) -> "tuple[OnePass | None, str]":
 
 
 def cache_dir() -> Path:
-    """Where built passes are kept: ``$FUYOU_CACHE_DIR/onepass``, else ``~/.cache/fuyou_strategy/onepass``."""
-    root = os.environ.get("FUYOU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fuyou_strategy")
-    return Path(root) / "onepass"
+    """Where built passes are kept: ``~/.cache/fuyou-strategy/onepass`` (``$XDG_CACHE_HOME`` if set). A build is
+    a function of its key alone, so unlike the drives' measurements (`drives`, ``$FUYOU_CACHE_DIR``) it is kept
+    for every run of the machine, a test session's included."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuyou-strategy" / "onepass"
 
 
 def _cached_build(capability: str, cflags: list[str]) -> Any:
