@@ -376,16 +376,19 @@ def test_the_plans_adamw_rate_is_the_warm_ups_own_updates_not_a_micro_benchmark(
     AdamW took 0.07-0.14 s a step, the worker was busy 0.5 s)."""
     import time
 
+    from fuyou_strategy.optim import onepass
     from fuyou_strategy.optim import state as state_module
     from test_lightning import FuyouStrategy, fit
 
-    kernel = state_module.apply_update
+    def slowed(kernel):  # either kernel the update runs (torch's, or the one pass)
+        def slow(*args, **kwargs):
+            time.sleep(0.005)
+            kernel(*args, **kwargs)
 
-    def slow(*args, **kwargs):
-        time.sleep(0.005)
-        kernel(*args, **kwargs)
+        return slow
 
-    monkeypatch.setattr(state_module, "apply_update", slow)
+    monkeypatch.setattr(state_module, "apply_update", slowed(state_module.apply_update))
+    monkeypatch.setattr(onepass.OnePass, "update", slowed(onepass.OnePass.update))
     _, trainer = fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", activation_min_bytes=0,
                                    activations="auto", planner_warmup_steps=2), steps=3)
     # 8 KiB chunks hold under a thousand parameters: 5 ms each caps the rate near 2e5 parameters/s. The

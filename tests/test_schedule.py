@@ -15,7 +15,7 @@ import torch
 
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
-from fuyou_strategy.optim import state
+from fuyou_strategy.optim import onepass, state
 from fuyou_strategy.optim.schedule import BACKWARD, NEXT_FORWARD, ScheduleChooser
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -90,15 +90,19 @@ def train(model, opt, begin=None, steps=range(STEPS), loss_fn=None):
 
 @pytest.fixture
 def slow_updates(monkeypatch):
-    """Every chunk's AdamW takes 3 ms longer: the next forward catches up with the updates, so a forward
-    that did not wait for them would read stale weights (and the losses would differ)."""
-    real = state.adamw_kernel
+    """Every chunk's AdamW takes 3 ms longer, with either kernel (torch's or the one pass): the next forward
+    catches up with the updates, so a forward that did not wait for them would read stale weights (and the
+    losses would differ)."""
+    for owner, name in ((state, "adamw_kernel"), (onepass.OnePass, "update")):
+        monkeypatch.setattr(owner, name, _slowly(getattr(owner, name)))
 
+
+def _slowly(real):
     def slowly(*args, **kwargs):
         time.sleep(0.003)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(state, "adamw_kernel", slowly)
+    return slowly
 
 
 @pytest.mark.slow
