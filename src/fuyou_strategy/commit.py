@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from .optim.checkpoint import META, CheckpointError, discard, find, newest, read_meta, remove_stale_temps, \
     remove_versions, save_dirs
+from .storage import durable
 from .storage.durable import fsync_dir, fsync_file, write_durably
 
 if TYPE_CHECKING:
@@ -105,16 +106,16 @@ def make_durable(*paths: str | os.PathLike) -> None:
     themselves, and their folder after each rename. For files someone else wrote in place; their old
     contents may already be gone (`write_durably` never lets that happen)."""
     for path in map(os.fspath, paths):
-        if os.path.isdir(path):
-            for parent, dirs, files in os.walk(path):
-                saves = {p.name for p in save_dirs(parent)}
-                dirs[:] = [d for d in dirs if d not in saves and ".tmp-" not in d]
-                for name in files:
-                    if not os.path.islink(os.path.join(parent, name)):
-                        fsync_file(os.path.join(parent, name))
-                fsync_dir(parent)
-        else:
-            fsync_file(path)
+        if not os.path.isdir(path):
+            durable.make_durable(path)
+            continue
+        for parent, dirs, files in os.walk(path):
+            saves = {p.name for p in save_dirs(parent)}
+            dirs[:] = [d for d in dirs if d not in saves and ".tmp-" not in d]
+            for name in files:
+                if not os.path.islink(os.path.join(parent, name)):
+                    fsync_file(os.path.join(parent, name))
+            fsync_dir(parent)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

@@ -59,7 +59,7 @@ ALL_KINDS = (*KINDS, *SCALES)  # every checkpoint file name any format writes (w
 @dataclass(frozen=True)
 class Layout:
     """One parameter's chunk layout: the moments in ``fp32``, ``bf16`` or ``8bit`` (the master is fp32),
-    and the update's ``kernel``: ``"torch"`` (exact, `state.adamw_kernel`) or ``"torchao"``
+    and the update's ``kernel``: ``"torch"`` (exact, `kernels.adamw_kernel`) or ``"torchao"``
     (`update_compact`; also the small fp32-moment parameters of an 8-bit state, as torchao updates them)."""
 
     moments: str

@@ -1,6 +1,6 @@
 """The one-pass AdamW update: torch's fused CPU arithmetic, out of place, over a chunk's memory once.
 
-A chunk's update with torch's own kernel (`state.adamw_kernel`) is several passes over memory: the gradient
+A chunk's update with torch's own kernel (`kernels.adamw_kernel`) is several passes over memory: the gradient
 upcast to fp32 (and unscaled, and clipped: one pass each), the shadow slot filled with a copy of the active
 chunk (a speculative update), the in-place kernel, then the new master cast into the parameter. The pass here
 (``csrc/adamw_pass.cpp``) reads the gradient in its own dtype and the master and moments once, from wherever
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .kernels import adamw_kernel, fp32_gradient
 
 __all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS"]
 
@@ -91,13 +92,8 @@ class OnePass:
         for src, dst in ((master_in, master), (exp_avg_in, exp_avg), (exp_avg_sq_in, exp_avg_sq)):
             if src.data_ptr() != dst.data_ptr():
                 dst[tail].copy_(src[tail])
-        g = grad[tail].to(torch.float32)
-        if inv_scale is not None:
-            g = g * inv_scale
-        if coef is not None:
-            g = g * coef
-        torch._fused_adamw_([master[tail]], [g], [exp_avg[tail]], [exp_avg_sq[tail]], [], [step + 1], amsgrad=False,
-                            maximize=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+        adamw_kernel(master[tail], fp32_gradient(grad[tail], inv_scale, coef), exp_avg[tail], exp_avg_sq[tail], step,
+                     fused=True, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
         if weight is not None:
             weight[tail].copy_(master[tail])
 
@@ -188,13 +184,7 @@ def check(one: OnePass, trials: int = 12) -> str | None:
         inv_scale = torch.tensor(2.0 ** -10) if t % 2 else None
         coef = torch.tensor(0.3711, dtype=torch.float32) if t % 3 == 1 else None
         want = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
-        g = grad.to(torch.float32)
-        if inv_scale is not None:
-            g = g * inv_scale
-        if coef is not None:
-            g = g * coef
-        torch._fused_adamw_([want[0]], [g], [want[1]], [want[2]], [], [step + 1], amsgrad=False, maximize=False,
-                            **hyper)
+        adamw_kernel(want[0], fp32_gradient(grad, inv_scale, coef), want[1], want[2], step, fused=True, **hyper)
         weight = torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2])
         if t % 4 == 3:  # in place
             got = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]

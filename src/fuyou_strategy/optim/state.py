@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
-from torch.optim.adamw import adamw as adamw_for_loop
 
 from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
+from .kernels import adamw_kernel, fp32_gradient
 from .onepass import OnePass
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
@@ -118,18 +118,6 @@ class ParamState:
 
     def describe(self) -> str:
         return f"parameter {self.index} {tuple(self.param.shape)}"
-
-
-def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
-    """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
-    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
-    if fused:
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False,
-                            maximize=False, **hyper)
-    else:  # the for-loop kernel increments its step tensor: give it a copy
-        adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
-                       amsgrad=False, maximize=False, **hyper)
 
 
 def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, fused: bool,
@@ -373,11 +361,7 @@ class OptimizerState:
                     buf.view().copy_(source)
                 if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
                     state["master"].copy_(flat[start : start + n])
-                g = raw.to(torch.float32)  # on the host: a device gradient was staged (`Gradients.staged`)
-                if inv_scale is not None:
-                    g = g * inv_scale  # GradScaler.unscale_
-                if coef is not None:
-                    g = g * coef  # as clip_grad_norm_'s in-place g.mul_(clip_coef_clamped)
+                g = fp32_gradient(raw, inv_scale, coef)  # on the host: a device gradient was staged
                 apply_update(ps.layout, state, g, step, fused=fused, **hyper)
                 futures = [publish(ps, k, state["master"])]
                 del g

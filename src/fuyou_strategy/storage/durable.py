@@ -27,16 +27,16 @@ _TEMP_FILE = re.compile(r".+\.tmp-(\d+)")  # `write_durably`'s <name>.tmp-<pid>
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the entries of folder ``path`` (files created, renamed in or removed) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
     """Make the data of the file ``path`` durable (not its entry in its folder: `make_durable`)."""
-    fd = os.open(path, os.O_RDONLY)
+    _fsync(path, os.O_RDONLY)
+
+
+def _fsync(path: str | os.PathLike, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

@@ -1,0 +1,37 @@
+"""torch's AdamW arithmetic as fuyou's update applies it: the gradient in fp32, unscaled and clipped
+(`fp32_gradient`), then torch's kernel in place (`adamw_kernel`). The reference every update path matches
+bitwise: `state.apply_update` runs it on a chunk, and `onepass` on the ragged end of a chunk and in the
+check of its compiled pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw as adamw_for_loop
+
+__all__ = ["adamw_kernel", "fp32_gradient"]
+
+
+def fp32_gradient(raw: torch.Tensor, inv_scale: torch.Tensor | None, coef: torch.Tensor | None) -> torch.Tensor:
+    """The gradient the kernel takes: ``raw`` in fp32 (on the host: a device gradient was staged), times
+    ``inv_scale`` (``GradScaler.unscale_``) then ``coef`` (``clip_grad_norm_``'s in-place multiply), each an
+    fp32 multiply, when given. ``raw`` itself when it is fp32 and neither is given."""
+    g = raw.to(torch.float32)
+    if inv_scale is not None:
+        g = g * inv_scale
+    if coef is not None:
+        g = g * coef
+    return g
+
+
+def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
+    """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
+    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
+    if fused:
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False,
+                            maximize=False, **hyper)
+    else:  # the for-loop kernel increments its step tensor: give it a copy
+        adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
+                       amsgrad=False, maximize=False, **hyper)
