@@ -257,6 +257,11 @@ class FuyouConfig:
             ``step()``, ``next_forward`` only).
         host_state: bytes of ``host_memory_budget`` holding optimizer state in RAM instead of on the SSD (exact);
             ``"auto"``: what the transfers and the plan leave (`storage.host_state_bytes`); 0: all on the SSD.
+        device_state: bytes of the compute device's memory holding optimizer state, updated there by torch's fused
+            AdamW (`optim.state`'s device tier; exact, the device's kernel): the first parameters' state that
+            fits, before the host tier takes any. ``"auto"``: what the plan leaves on the device after the
+            weights, activations and working set (0 during the warm-up, and on the CPU, whose device tier is
+            host RAM, which ``host_state`` already uses); 0: none.
         state_format: ``"fp32"`` (exact, 12 B per parameter and slot), ``"bf16"`` moments (8 B) or ``"8bit"``
             moments (~6.03 B, torchao); approximate formats cost CPU time per update; a checkpoint loads only
             into its own format.
@@ -297,6 +302,7 @@ class FuyouConfig:
     weight_prefetch_blocks: int = 2
     state_slots: int = 2
     host_state: int | str = "auto"
+    device_state: int | str = "auto"
     state_format: str = "fp32"
     optimizer_schedule: str = "auto"
     update_kernel: str = "auto"
@@ -393,6 +399,8 @@ class FuyouConfig:
                     f"{format_bytes(self.host_memory_budget)}; the transfers need at least two chunks "
                     f"({format_bytes(2 * self.chunk_size)}) of what is left: lower host_state or raise "
                     "host_memory_budget")
+        if self.device_state != "auto":
+            _set(self, "device_state", parse_bytes(self.device_state, name="device_state"))
         if self.state_format not in STATE_FORMATS:
             raise ConfigError(f"state_format: got {self.state_format!r}; expected one of "
                               f"{', '.join(map(repr, STATE_FORMATS))} (fp32 is exact; bf16 and 8bit store the moments "
