@@ -1023,3 +1023,20 @@ def test_fabric_strategy_fuyou_ddp_on_two_devices_trains_like_fabrics_ddp(tmp_pa
     assert ddp.keys() == ours.keys() and difference <= TOLERANCE
     torch.manual_seed(0)
     assert max_relative_difference(tiny_causal_lm("gpt2").state_dict(), ours) > 100 * TOLERANCE  # it trained
+
+
+def test_two_ranks_with_part_of_their_shard_on_the_device_tier_train_like_one_process(tmp_path):
+    """``device_state``: each rank's first owned parameters' state on its device (host RAM here), the next in host
+    RAM, the rest on its SSD: bitwise one process summing the ranks' gradients alike."""
+    split = {"optimizer_schedule": "next_forward", "device_state": "64KiB", "host_state": "128KiB"}
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), "gpt2", split), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        s = r["summary"]
+        assert s["device_bytes_optimizer_state"] > 0 and s["host_bytes_optimizer_state"] > 0, s
+        assert s["ssd_bytes_optimizer_state"] > 0
+    same_sum, norms = reference("gpt2", as_ranks=True)
+    for r in ranks:
+        assert r["norm"] == norms[-1]
+        for name, p in same_sum.state_dict().items():
+            assert torch.equal(p, r["weights"][name]), name

@@ -204,3 +204,36 @@ def _nccl_rank(rank, world, tmp):
         torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def test_the_device_tier_updates_on_the_device_bitwise_adamw_fused_there(tmp_path, compute_device):
+    """``device_state``: the first parameters' state on the compute device, updated there by torch's fused AdamW;
+    the rest on the SSD, updated on the host. Each parameter matches ``AdamW(fused=True)`` run where its update
+    runs (the device's kernel, or the host's on the device's gradients), bitwise. No clipping: on an accelerator
+    a device-tier gradient's norm is taken on the device, whose bits ``clip_grad_norm_``'s need not share."""
+    from test_device_state import placement
+
+    model = tiny_causal_lm("llama").to(compute_device)
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, fused=True, release_grads=False,
+                     config=config(tmp_path, optimizer_schedule="backward", device_state="160KiB", host_state=0))
+    try:
+        where = dict(zip((ps.param for ps in opt.adam_state.owned), placement(opt)))
+        assert set(where.values()) == {"device", "ssd"}, where
+        masters = [p.detach().clone() if where[p] == "device" else p.detach().cpu().clone() for p in model.parameters()]
+        refs = [torch.optim.AdamW([m.requires_grad_()], lr=3e-3, fused=True) for m in masters]
+        for step in range(STEPS):
+            x = ids(step, compute_device)
+            (model(input_ids=x, labels=x).loss * LOSS_SCALE[step]).backward()
+            for m, p in zip(masters, model.parameters()):
+                m.grad = p.grad.detach().to(m.device, copy=True)
+            opt.step()
+            opt.zero_grad()
+            for ref in refs:
+                ref.step()
+                ref.zero_grad()
+        for p, m in zip(model.parameters(), masters):
+            assert p.device.type == compute_device.type
+            assert torch.equal(opt.read_state(p)["master"], m.detach().cpu())
+            assert torch.equal(p.detach(), m.detach().to(p.device))
+    finally:
+        opt.close()

@@ -128,6 +128,14 @@ def test_streamed_weights_with_the_state_in_ram_updated_in_place_are_bitwise(tmp
     assert summary["deferred"] > 0, "exact updates ran"
 
 
+def test_streamed_parameters_state_leaves_the_device_tier_and_the_rest_stays_bitwise(tmp_path):
+    """``device_state`` with room for the whole state: the streamed blocks' state goes to the SSD as the streamer
+    is installed (their weights and gradients leave the device), the resident parameters' stays on the device."""
+    summary = streamed_run(tmp_path, "gpt2", MIX, torch.float32, device_state="4MiB", host_state=0)
+    assert summary["weight_bytes_trainable_streamed"] > 0
+    assert summary["device_bytes_optimizer_state"] > 0 and summary["ssd_bytes_optimizer_state"] > 0, summary
+
+
 def test_device_high_water_stays_within_the_budget(tmp_path):
     model = tiny_causal_lm("llama")
     weights_and_grads = 2 * sum(p.numel() * p.element_size() for p in model.parameters())

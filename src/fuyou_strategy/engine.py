@@ -338,6 +338,7 @@ class FuyouEngine:
             self.optimizer.control.initialise_materialized()
             if self.plan is not None:
                 self.optimizer.control.expect(self.plan.predicted_by_schedule())
+                self._hold_state_on_device(self.plan)
                 self._hold_state_in_ram(self.plan)
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
@@ -376,6 +377,20 @@ class FuyouEngine:
                                        init_weights=self.init_weights)
         self.streamer.install()
         self.optimizer.control.attach_weights(self.streamer)
+
+    def _hold_state_on_device(self, plan: Plan) -> None:
+        """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
+        leaves it (`Plan.state_on_device`: the first parameters' state, updated there), before the host tier
+        takes its share of the rest; from then on the engine's config says what the device took. On the CPU
+        the device is host RAM, which ``host_state`` holds already: nothing moves."""
+        if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
+            return
+        held = self.optimizer.control.hold_state_on_device(plan.state_on_device)
+        self.config = self.config.replace(device_state=held)
+        figures = self.optimizer.control.figures()
+        total = figures.state_ssd_bytes + figures.state_ram_bytes + figures.state_device_bytes
+        self.report(f"fuyou planner: device_state='auto': {format_bytes(held)} of the optimizer state's "
+                    f"{format_bytes(total)} on the device (what the plan leaves of its memory), updated there")
 
     def _hold_state_in_ram(self, plan: Plan) -> None:
         """With ``host_state="auto"``, hold as much optimizer state in host RAM as ``plan`` leaves it
@@ -473,6 +488,7 @@ class FuyouEngine:
             raise error
         self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
                     f"{self.plan.table(compact=True)}")
+        self._hold_state_on_device(self.plan)
         self._hold_state_in_ram(self.plan)
         if tiers and self.plan.weights:
             self._install_streamer(self.plan.weights)

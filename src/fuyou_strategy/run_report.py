@@ -302,6 +302,8 @@ class RunReport:
                "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
                "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": tiers.pool_peak_bytes,
+               # the optimizer state on the device tier (FuyouConfig.device_state), updated there
+               "optimizer_state_device_bytes": opt.store.bytes_on_device,
                # cumulative: the share of each drive's rated endurance the run has written so far
                "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(opt.store.run_dirs))
                / (self.config.ssd_endurance_tbw * TB)}
@@ -345,9 +347,10 @@ class RunReport:
             # the fields left to fuyou ("auto", or unset placement) and why each took its value
             "choices": {name: {"value": value, "why": why} for name, (value, why) in engine.choices.items()},
             # Both slots of every parameter's [master | exp_avg | exp_avg_sq] chunks, with padding: on the SSD, and in
-            # host RAM (FuyouConfig.host_state)
+            # host RAM (FuyouConfig.host_state), and on the device (FuyouConfig.device_state)
             "ssd_bytes_optimizer_state": figures.state_ssd_bytes,
             "host_bytes_optimizer_state": figures.state_ram_bytes,
+            "device_bytes_optimizer_state": figures.state_device_bytes,
             "ssd_file_bytes": tiers.ssd_reserved_bytes,  # also the activations' high-water mark
             "activation_bytes_to_ssd": swap.ssd_bytes if swap else 0,
             "activation_bytes_to_host": swap.host_bytes if swap else 0,
@@ -394,7 +397,9 @@ class RunReport:
             f"rollbacks); next step {s['schedule_next']} ({s['schedule_reason']})",
             f"  SSD: optimizer state {format_bytes(s['ssd_bytes_optimizer_state'])}"
             + (f" (and {format_bytes(s['host_bytes_optimizer_state'])} in host RAM)" if s["host_bytes_optimizer_state"]
-               else "") + " (swap files "
+               else "")
+            + (f" (and {format_bytes(s['device_bytes_optimizer_state'])} on the device)"
+               if s["device_bytes_optimizer_state"] else "") + " (swap files "
             f"{format_bytes(s['ssd_file_bytes'])}), activations swapped "
             f"{format_bytes(s['activation_bytes_to_ssd'])} to SSD and {format_bytes(s['activation_bytes_to_host'])} to host",
             f"  host pool peak {format_bytes(s['host_pool_peak_bytes'])} of {format_bytes(s['host_pool_budget_bytes'])}; "

@@ -39,7 +39,8 @@ class OptimizerFigures:
         update_total: ``(seconds, parameters)`` of the worker's CPU time in updates, ever (`UpdateMeter`).
         read_ahead_used, read_ahead_dropped: state chunks on the SSD read ahead and taken by an update, or
             given back unused (stale, or not asked for) (`ChunkPipeline.read_ahead`).
-        state_ssd_bytes, state_ram_bytes: this rank's state, every slot with padding, on the SSD and in host RAM.
+        state_ssd_bytes, state_ram_bytes, state_device_bytes: this rank's state, every slot with padding, on the
+            SSD, in host RAM and on the device (``device_state``).
         slot_ssd_bytes: one slot of this rank's state on the SSD (the state format's bytes): what a step's
             updates read and write there.
     """
@@ -54,6 +55,7 @@ class OptimizerFigures:
     state_ssd_bytes: int
     state_ram_bytes: int
     slot_ssd_bytes: int
+    state_device_bytes: int = 0
 
 
 class OptimizerControl:
@@ -177,13 +179,23 @@ class OptimizerControl:
         self.state.drain()
         return self.state.hold_in_ram(self.sharding.owned(self.params), nbytes)
 
+    def hold_state_on_device(self, nbytes: int) -> int:
+        """Let the state's device tier hold ``nbytes`` of the device's memory and move this rank's first parameters'
+        state that fits onto it, or off it to the SSD when the tier shrinks (`OptimizerState.hold_on_device`;
+        the host tier then takes what it has room for of the rest); returns the bytes on the device.
+        Between steps: the updates left for the next forward land first. Bitwise nothing changes on the CPU."""
+        self.sharding.land()
+        self.state.drain()
+        return self.state.hold_on_device(self.sharding.owned(self.params), nbytes)
+
     def figures(self) -> OptimizerFigures:
         """The optimizer's counters now; reading them waits for nothing (the training thread)."""
         pipeline, state = self.state.pipeline, self.state
         on_ssd, in_ram = state.footprint()
         return OptimizerFigures(pipeline.threads, self.threads_reason, self.kernel, self.kernel_reason,
                                 state.meter.total, pipeline.ahead_used,
-                                pipeline.ahead_dropped, on_ssd, in_ram, state.slot_bytes(in_memory=False))
+                                pipeline.ahead_dropped, on_ssd, in_ram, state.slot_bytes(in_memory=False),
+                                state.device_bytes())
 
     # -- what the planner's cost model counts -----------------------------------------------------------
     def state_bytes_per_param(self) -> float:
@@ -229,6 +241,8 @@ class OptimizerControl:
             self._summed_at_step("weights streamed under data parallelism")
         self.updates.weights = streamer
         streamer.updates = self.sharding.updates_gate()  # it reads a tier copy only once its update landed
+        # A streamed parameter's weight and gradient leave the device: its state leaves the device tier.
+        self.state.leave_device([ps for ps in self.params if streamer.streams(ps.param)])
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.state.initialise([ps for ps in self.sharding.owned(self.params)
                                if ps.param in changed and ps not in self._pending], self._weight)

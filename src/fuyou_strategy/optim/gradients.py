@@ -14,7 +14,9 @@ Three kinds of gradient feed the updates, and the schedules never ask which one 
 `Grad` gives an update job each chunk (`Grad.chunk`) and the gradient's norm (`Grad.norm`), and releases
 what it holds when the job is done (`Grad.release`).
 
-A resident or bucket gradient on an accelerator is read by the host's update, so it is first copied whole
+A resident or bucket gradient whose update runs on the device (its state on the device tier,
+`OptimizerState.updates_on_device`) is read where it is, its norm taken there. Any other one on an
+accelerator is read by the host's update, so it is first copied whole
 into a host pool buffer (`Gradients.staged`): the copy starts where the gradient is handed over (autograd's
 thread, DDP's hook, or ``step()``), ordered after the kernels that computed it, and the job waits for it
 before its first read. The norm is then taken on the host, as ``clip_grad_norm_`` takes it of host
@@ -61,8 +63,9 @@ def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tenso
     A bf16 or fp16 gradient of up to `NORM_UPCAST_MAX` bytes in fp32 is upcast first, into the thread's scratch
     (`formats.scratch`: kept, so no page faults): torch's fp32 norm then takes its vectorised path, faster than
     ``vector_norm(..., dtype=float32)`` on the half-width tensor, with the same bits (``tests/test_onepass.py``
-    checks it over sizes, shapes and dtypes). Larger ones are not, so that the scratch stays bounded."""
-    if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX:
+    checks it over sizes, shapes and dtypes). Larger ones are not, so that the scratch stays bounded; nor is
+    one on an accelerator (the scratch is host memory)."""
+    if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX or grad.device.type != "cpu":
         return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
     g = scratch(grad.numel(), torch.float32)[0].view(grad.shape)
     g.copy_(grad)
@@ -109,8 +112,10 @@ class Grad:
         return self.flat[start : start + n]
 
     def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
+        """The gradient's norm (`grad_norm`), taken where the gradient is, as a host tensor (the global norm
+        sums them on the host)."""
         self._landed()
-        return grad_norm(self.flat.view(self.shape), inv_scale)
+        return grad_norm(self.flat.view(self.shape), inv_scale).to("cpu")
 
     def _landed(self) -> None:
         if self.landing is not None:
@@ -256,8 +261,8 @@ class Gradients:
         a host pool buffer that a copy started now fills (ordered after the kernels the calling thread's
         stream queued, which computed the gradient), waited for at the update's first read. The buffer
         is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
-        Grad."""
-        if not read_on_host(tensor):
+        Grad. A gradient whose update runs on its device is never copied."""
+        if not read_on_host(tensor) or self.streamed.state.updates_on_device(ps):
             return Grad(ps, tensor, kind=kind)
         host, landing = self.streamed.copy_out(tensor)
         return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)

@@ -19,6 +19,13 @@ moves state in or out between steps (the engine, once the planner says what the 
 changes: the same jobs read and write the same bytes, so the results are bitwise those of the state
 all on the SSD.
 
+The device tier (``FuyouConfig.device_state``, `hold_on_device`): the state of the first parameters that fit,
+before the host tier takes any, lives in their device's memory (`TensorStore` device entries, same chunks, same
+slots) and their updates run there, with torch's kernel (`kernels.adamw_kernel`) on the device's gradient as it
+is (no copy to the host), the new weight copied on the device. The same arithmetic, so on the CPU (where the
+device is host RAM) bitwise the host tier's; on an accelerator, bitwise torch's fused AdamW on that device.
+Streamed parameters (their weights are off the device) and parameters not yet materialised stay off it.
+
 The parameter as the master's source: where a resident fp32 parameter in host RAM holds its committed master
 bit for bit (``param_holds``: fp32 compute on the CPU, every update published into it, every rollback restored),
 its update leaves the chunk's master bytes unread on the SSD and copies them from the parameter (8 of 12 bytes
@@ -211,13 +218,16 @@ class OptimizerState:
         self.param_holds: set[int] = set()
         self._holds_lock = threading.Lock()
         self.store = store
-        # The parameters whose state lives in host RAM (indices): those of the store's memory limit.
+        # The parameters whose state lives in their device's memory, then those in host RAM (indices): the first
+        # that the store's device limit holds, then those its memory limit holds of the rest.
+        self.on_device = self._tier(owned, self.store.device_limit, device=True)
         self.in_memory = self._host_tier(owned, self.store.memory_limit)
         self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw", threads=threads)
         try:
             for ps in owned:
                 self.store.create(ps.entry, (ps.nbytes,), torch.uint8, chunk_bytes=ps.stride, slots=self.slots,
-                                  in_memory=ps.index in self.in_memory)
+                                  in_memory=ps.index in self.in_memory,
+                                  device=ps.param.device if ps.index in self.on_device else None)
         except BaseException:
             self.pipeline.close()
             raise
@@ -240,17 +250,30 @@ class OptimizerState:
                     self.param_holds.discard(ps.index)
 
     def _host_tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None) -> set[int]:
-        """The parameters (indices) whose state ``nbytes`` of host RAM holds beside ``chosen`` (those there
-        already, within ``nbytes``): whole, in order, each that still fits (an HF model's embedding comes
-        first; its update is the last in backward, where the SSD's time is hardest to hide)."""
+        """The parameters (indices) whose state ``nbytes`` of host RAM holds beside ``chosen`` (`_tier`)."""
+        return self._tier(owned, nbytes, chosen)
+
+    def _tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None, *,
+              device: bool = False) -> set[int]:
+        """The parameters (indices) whose state ``nbytes`` of a tier holds beside ``chosen`` (those there already,
+        within ``nbytes``): whole, in order, each that still fits (an HF model's embedding comes first; its update
+        is the last in backward, where the SSD's time is hardest to hide). The host tier (``device=False``) takes
+        none of the device tier's; the device tier only parameters it can hold (`_device_eligible`)."""
         chosen = set(chosen or ())
-        left = nbytes
+        need = {ps.index: TensorStore.footprint(ps.nbytes, ps.stride, self.slots) for ps in owned}
+        left = nbytes - sum(need[i] for i in chosen)
         for ps in owned:
-            need = TensorStore.footprint(ps.nbytes, ps.stride, self.slots)
-            if ps.index in chosen or need <= left:
+            skip = not self._device_eligible(ps) if device else ps.index in self.on_device
+            if not skip and ps.index not in chosen and need[ps.index] <= left:
                 chosen.add(ps.index)
-                left -= need
+                left -= need[ps.index]
         return chosen
+
+    @staticmethod
+    def _device_eligible(ps: ParamState) -> bool:
+        """Whether ``ps``'s state may live on its device: resident (a streamed one's weights are off the device,
+        its gradient leaves it) and materialised."""
+        return ps.grads is None and not ps.param.is_meta
 
     def hold_in_ram(self, owned: list[ParamState], nbytes: int) -> int:
         """Let the host tier hold ``nbytes`` of state: move the next parameters' state (in order, whole, those
@@ -271,24 +294,58 @@ class OptimizerState:
                 self.in_memory.add(ps.index)
         return self.store.bytes_in_memory
 
+    def hold_on_device(self, owned: list[ParamState], nbytes: int) -> int:
+        """Let the device tier hold ``nbytes`` of state: move the first parameters' state that fits (in order,
+        whole, `_tier` afresh) onto their devices, from the SSD or the host tier, and the state of those it no
+        longer takes (a smaller tier; a parameter now streamed) out to the SSD; then the host tier takes what
+        it has room for of the rest (`hold_in_ram` at its present size). Returns the bytes on the device now.
+        Bitwise nothing changes on the CPU. Only between steps, with nothing in flight (after `drain`)."""
+        keep = self._tier(owned, nbytes, device=True)
+        self.leave_device([ps for ps in owned if ps.index not in keep])
+        self.store.allow_on_device(nbytes)
+        for ps in owned:
+            if ps.index in keep and ps.index not in self.on_device:
+                self.store.to_device(ps.entry, ps.param.device)
+                self.on_device.add(ps.index)
+                self.in_memory.discard(ps.index)
+        with self._holds_lock:
+            self.param_holds -= self.on_device
+        self.hold_in_ram(owned, self.store.memory_limit)
+        return self.store.bytes_on_device
+
+    def leave_device(self, params: Iterable[ParamState]) -> None:
+        """Move the state of these parameters that is on the device tier out to the SSD (a parameter about to be
+        streamed: its weight and gradient leave the device). Only between steps, with nothing in flight."""
+        for ps in params:
+            if ps.index in self.on_device:
+                self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
+                self.on_device.discard(ps.index)
+
+    def updates_on_device(self, ps: ParamState) -> bool:
+        """Whether ``ps``'s update runs on its device (its state is on the device tier): its gradient is read
+        there, not copied to the host."""
+        return ps.index in self.on_device
+
     @property
     def pool(self) -> Any:
         return self.store.pool
 
-    def _entries(self, in_memory: bool | None = None) -> list[Any]:
-        """The state's store entries (all, or those in host RAM / on the SSD)."""
-        return [e for name, e in self.store.entries.items() if name.startswith("adamw.")
-                and (in_memory is None or (e.memory is not None) == in_memory)]
-
     def footprint(self) -> tuple[int, int]:
-        """Bytes of state (every slot, with padding) on the SSD and in host RAM."""
-        return (sum(e.footprint for e in self._entries(in_memory=False)),
-                sum(e.footprint for e in self._entries(in_memory=True)))
+        """Bytes of state (every slot, with padding) on the SSD and in host RAM (the device tier's: `device_bytes`)."""
+        entries = [e for name, e in self.store.entries.items() if name.startswith("adamw.") and e.device is None]
+        return (sum(e.footprint for e in entries if e.memory is None),
+                sum(e.footprint for e in entries if e.memory is not None))
+
+    def device_bytes(self) -> int:
+        """Bytes of state (every slot, with padding) on the device tier."""
+        return sum(e.footprint for name, e in self.store.entries.items()
+                   if name.startswith("adamw.") and e.device is not None)
 
     def slot_bytes(self, in_memory: bool) -> int:
         """Bytes of one slot of the state in host RAM (``True``) or on the SSD: what a step's updates read
         and write there (the state format's bytes, `formats`)."""
-        return sum(ps.nbytes for ps in self.owned if (ps.index in self.in_memory) == in_memory)
+        return sum(ps.nbytes for ps in self.owned
+                   if ps.index not in self.on_device and (ps.index in self.in_memory) == in_memory)
 
     # -- initialising ---------------------------------------------------------------------------------
     def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:
@@ -333,12 +390,15 @@ class OptimizerState:
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
+        on_device = ps.index in self.on_device
         with self._holds_lock:
-            from_param = ps.index in self.param_holds and ps.index not in self.in_memory
+            from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
         self._hold([ps], exact)
         flat = ps.param.detach().view(-1) if from_param else None
-        if not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
-            one_pass = None  # its arithmetic is the fused kernel's on fp32 moments
+        if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
+            one_pass = None  # its arithmetic is the fused kernel's on fp32 moments, on the host
+        if on_device:  # the device's kernel takes its step count, clip and unscale factors there
+            step, coef, inv_scale = (t.to(ps.param.device) if t is not None else None for t in (step, coef, inv_scale))
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
@@ -395,7 +455,8 @@ class OptimizerState:
         with self._holds_lock:
             held = set(self.param_holds)
         chunks = [(ps.entry, k, ps.master_nbytes(k) if ps.index in held else 0)
-                  for ps in params if ps.index not in self.in_memory for k in range(ps.nchunks)]
+                  for ps in params if ps.index not in self.in_memory and ps.index not in self.on_device
+                  for k in range(ps.nchunks)]
         if chunks:
             self.pipeline.read_ahead(chunks, keep_free=self.spare_from)
 

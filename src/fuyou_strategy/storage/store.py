@@ -13,6 +13,12 @@ An ``in_memory`` entry (moved by `to_memory` and `to_ssd`) keeps both slots in h
 interface and bookkeeping (a speculative update borrows its shadow slot's memory: `LentChunk`). That
 memory is lent by the pool, so it counts in ``host_memory_budget``; all in-memory entries together stay
 within `memory_limit` (set by `MemoryTiers`, raised by `allow_in_memory`).
+
+An entry on a device (``device=``, moved by `to_device` and `to_ssd`) keeps both slots in that device's memory
+(`DeviceMemory`, outside the pool) behind the same interface: lent in place like an in-memory entry, copied to
+and from host buffers by `device.transfer` (the late-copy test mode delays those copies). All device entries
+together stay within `device_limit` (`allow_on_device`). On the CPU the device is host RAM, and the same code
+runs.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from .aio import IOEngine, SwapFile, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
-__all__ = ["StorageError", "StorageSpaceError", "Entry", "LentChunk", "TensorStore", "ACTIVE", "SHADOW"]
+__all__ = ["StorageError", "StorageSpaceError", "Entry", "DeviceMemory", "LentChunk", "TensorStore", "ACTIVE", "SHADOW"]
 
 ACTIVE = "active"
 SHADOW = "shadow"
@@ -74,7 +80,8 @@ class Entry:
     # Chunks of each slot that `commit(writes_behind=True)` made active while their write was in flight: a read
     # of one waits for it to land (`_wait_behind`); a chunk leaves the set when its last write ends.
     behind: list[set[int]] = field(default_factory=lambda: [set(), set()])
-    memory: list[HostBuffer] | None = None  # in_memory: each physical slot's chunks, padded like on disk
+    memory: list[HostBuffer] | None = None  # in_memory or on a device: each physical slot's chunks, padded like on disk
+    device: torch.device | None = None  # on a device (`DeviceMemory`): which; None: host RAM or the SSD
     lent: dict = field(default_factory=dict)  # in_memory: chunk -> its open `LentChunk` (shadow slot), under the lock
 
     @property
@@ -176,13 +183,14 @@ class TensorStore:
             `FuyouConfig` (a fresh temporary swap directory).
         pool: host buffer pool to stage transfers through; default: one of ``config.host_memory_budget`` bytes.
         memory_limit: bytes all in-memory entries may hold; default ``config.host_state`` if a number, else 0.
+        device_limit: bytes all device entries may hold; default ``config.device_state`` if a number, else 0.
 
     Files live in a 0700 run directory per swap directory, removed by `close()`, ``with``, at exit or on
     SIGTERM (`rundir`).
     """
 
     def __init__(self, config: FuyouConfig | None = None, *, pool: HostBufferPool | None = None,
-                 memory_limit: int | None = None) -> None:
+                 memory_limit: int | None = None, device_limit: int | None = None) -> None:
         self.config = config = settled(config)
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.release)
@@ -215,6 +223,10 @@ class TensorStore:
         self._in_memory = 0
         self.memory_limit = memory_limit if memory_limit is not None else (
             config.host_state if isinstance(config.host_state, int) else 0)
+        # Bytes of device entries, at most device_limit (both change under the lock).
+        self._on_device = 0
+        self.device_limit = device_limit if device_limit is not None else (
+            config.device_state if isinstance(config.device_state, int) else 0)
         self._lock = threading.Lock()
         # Notified (under the lock) when a chunk committed behind its write lands: readers of it wait on it.
         self._landed = threading.Condition(self._lock)
@@ -246,6 +258,16 @@ class TensorStore:
         with self._lock:
             self.memory_limit = max(nbytes, self._in_memory)
 
+    @property
+    def bytes_on_device(self) -> int:
+        """Bytes the device entries hold (every slot, with padding)."""
+        return self._on_device
+
+    def allow_on_device(self, nbytes: int) -> None:
+        """Let device entries hold up to ``nbytes`` in all (never below what they hold)."""
+        with self._lock:
+            self.device_limit = max(nbytes, self._on_device)
+
     @staticmethod
     def footprint(nbytes: int, chunk_bytes: int, slots: int) -> int:
         """The bytes an entry of ``nbytes`` in chunks of ``chunk_bytes`` takes, every slot, with padding."""
@@ -267,13 +289,14 @@ class TensorStore:
         chunk_bytes: int | None = None,
         slots: int = 2,
         in_memory: bool = False,
+        device: torch.device | None = None,
     ) -> Entry:
         """Reserve space for a tensor of ``shape`` and ``dtype``; returns its `Entry`.
 
         ``chunk_bytes``: a multiple of 4 KiB (default ``config.chunk_size``), the unit of striping and of
         `read_chunk`/`write_chunk`. ``slots=1``: no shadow slot (scratch data such as activations).
-        ``in_memory``: chunks in host RAM. Raises `StorageSpaceError` (bytes needed and available) when a
-        directory or `memory_limit` is too full.
+        ``in_memory``: chunks in host RAM; ``device``: chunks in that device's memory. Raises `StorageSpaceError`
+        (bytes needed and available) when a directory, `memory_limit` or `device_limit` is too full.
         """
         self._check_open()
         shape = tuple(int(s) for s in shape)
@@ -287,8 +310,8 @@ class TensorStore:
             raise StorageError(f"entry {name!r}: chunk_bytes={chunk_bytes} must be a positive multiple of 4096")
         chunk_bytes = min(chunk_bytes, round_up(nbytes))
         nchunks = -(-nbytes // chunk_bytes)
-        if in_memory:
-            return self._create_in_memory(name, shape, dtype, nbytes, chunk_bytes, nchunks, slots)
+        if in_memory or device is not None:
+            return self._create_in_memory(name, shape, dtype, nbytes, chunk_bytes, nchunks, slots, device)
         with self._lock:
             if name in self._entries:
                 raise StorageError(f"entry {name!r} exists already")
@@ -316,12 +339,13 @@ class TensorStore:
         return first, base, count
 
     def _create_in_memory(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int,
-                          chunk_bytes: int, nchunks: int, slots: int) -> Entry:
+                          chunk_bytes: int, nchunks: int, slots: int, device: torch.device | None) -> Entry:
         with self._lock:
             if name in self._entries:
                 raise StorageError(f"entry {name!r} exists already")
         entry = Entry(name, shape, dtype, nbytes, chunk_bytes, nchunks, 0, 1, {}, {}, slots)
-        entry.memory = self._lend_memory(entry)
+        entry.memory = self._lend_memory(entry) if device is None else self._device_memory(entry, device)
+        entry.device = device
         with self._lock:
             self._entries[name] = entry
         return entry
@@ -348,12 +372,73 @@ class TensorStore:
             raise
         return buffers
 
+    def _device_memory(self, entry: Entry, device: torch.device) -> list[HostBuffer]:
+        """The memory (one `DeviceMemory` per slot) of an entry on ``device``, within `device_limit`."""
+        need = entry.footprint
+        with self._lock:
+            if self._on_device + need > self.device_limit:
+                raise StorageSpaceError(
+                    f"entry {entry.name!r} needs {format_bytes(need)} of device memory but the optimizer state's device "
+                    f"tier (device_state) has {format_bytes(self.device_limit - self._on_device)} of "
+                    f"{format_bytes(self.device_limit)} left; raise device_state or keep the entry off the device")
+            self._on_device += need
+        try:
+            return [DeviceMemory(torch.empty(entry.nchunks * entry.stride, dtype=torch.uint8, device=device))
+                    for _ in range(entry.slots)]
+        except BaseException:
+            with self._lock:
+                self._on_device -= need
+            raise
+
+    def to_device(self, name: str, device: torch.device) -> int:
+        """Move an entry from the SSD or host RAM into ``device``'s memory (every written chunk, both slots),
+        then free where it was; returns the bytes now on the device (0 if there already). Nothing may be in
+        flight or lent for it; on failure the entry stays where it was, unchanged."""
+        entry = self.entry(name)
+        if entry.device is not None:
+            return 0
+        with self._lock:
+            self._wait_all_behind(entry)
+            if any(entry.inflight) or entry.lent:
+                raise StorageError(f"cannot move entry {name!r} to the device while a write to it is in flight")
+            written = [sorted(w) for w in entry.written]
+        memory = self._device_memory(entry, device)
+        try:
+            for phys in range(entry.slots):
+                for k in written[phys]:
+                    start, length = k * entry.stride, entry.chunk_len(k)
+                    target = memory[phys].data[start : start + length]
+                    if entry.memory is not None:
+                        transfer(target, entry.chunk_memory(k, phys))
+                        continue
+                    d, offset = entry.location(k, phys)
+                    with self.pool.acquire(length) as buf:  # staged through the pool: the SSD reads into host memory
+                        self.engine.read(self._files[d], offset, buf.data).result(timeout=self.config.io_timeout)
+                        transfer(target, buf.view())
+        except BaseException:
+            with self._lock:
+                self._on_device -= entry.footprint
+            raise
+        with self._lock:
+            old, entry.memory, entry.device = entry.memory, memory, device
+            if old is not None:
+                self._in_memory -= entry.footprint
+            for d, offset in entry.base.items():
+                self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
+                self._shrink(d)
+            entry.base, entry.count = {}, {}
+        for buf in old or ():
+            buf.release()
+        return entry.footprint
+
     def to_memory(self, name: str, *, timeout: float | None = None) -> int:
         """Move an entry from the SSD into host RAM (every written chunk, both slots), then free its disk
         space (`_shrink`); returns the bytes now in RAM (0 if already there). Nothing may be in flight for
         it; on failure the entry stays on the SSD, unchanged."""
         entry = self.entry(name)
         if entry.memory is not None:
+            if entry.device is not None:
+                raise StorageError(f"cannot move entry {name!r} from the device to host memory: move it to_ssd first")
             return 0
         with self._lock:
             self._wait_all_behind(entry)
@@ -399,7 +484,8 @@ class TensorStore:
             first, base, count = self._place(name, entry.nchunks, entry.chunk_bytes, entry.slots)
         placed = Entry(name, entry.shape, entry.dtype, entry.nbytes, entry.chunk_bytes, entry.nchunks, first,
                        len(self._files), base, count, entry.slots)  # where the chunks go
-        futures, error = self._copy_slots(placed, entry.memory, written, self.engine.write)
+        futures, error = self._copy_slots(placed, entry.memory, written, self.engine.write,
+                                          staged=entry.device is not None)
         wait = self.config.io_timeout if timeout is None else timeout
         try:  # every write submitted ends before its regions may be given back
             gather(futures).result(timeout=wait)
@@ -412,7 +498,11 @@ class TensorStore:
             if error is None:
                 entry.first_dir, entry.num_dirs, entry.base, entry.count = first, len(self._files), base, count
                 memory, entry.memory = entry.memory, None
-                self._in_memory -= entry.footprint
+                if entry.device is not None:
+                    self._on_device -= entry.footprint
+                else:
+                    self._in_memory -= entry.footprint
+                entry.device = None
             else:
                 for d, offset in base.items():
                     self._space[d].give(offset, entry.slots * count[d] * entry.stride)
@@ -423,17 +513,29 @@ class TensorStore:
         return entry.footprint
 
     def _copy_slots(self, placed: Entry, memory: list[HostBuffer], written: list[list[int]],
-                    submit: Callable[..., Future]) -> tuple[list[Future], BaseException | None]:
+                    submit: Callable[..., Future], *, staged: bool = False) -> tuple[list[Future], BaseException | None]:
         """Submit ``submit(file, offset, chunk memory)`` (`IOEngine.read` or ``write``) for every written chunk
-        of every slot between ``memory`` and ``placed``'s regions: (the futures, the error that stopped it)."""
+        of every slot between ``memory`` and ``placed``'s regions: (the futures, the error that stopped it).
+        ``staged`` (writes from device memory): each chunk is first copied into a pool buffer, given back once
+        written."""
         futures, error = [], None
         try:
             for phys in range(placed.slots):
                 for k in written[phys]:
                     d, offset = placed.location(k, phys)
                     start = k * placed.stride
-                    futures.append(submit(self._files[d], offset,
-                                          memory[phys].data[start : start + round_up(placed.chunk_len(k))]))
+                    chunk = memory[phys].data[start : start + round_up(placed.chunk_len(k))]
+                    if not staged:
+                        futures.append(submit(self._files[d], offset, chunk))
+                        continue
+                    buf = self.pool.acquire(placed.chunk_len(k), timeout=self.config.io_timeout)
+                    try:
+                        transfer(buf.view(), chunk[: buf.nbytes])
+                        fut = submit(self._files[d], offset, buf.data)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    futures.append(then(fut, lambda f, buf=buf: (buf.release(), f.result())[1]))
         except BaseException as exc:
             error = exc
         return futures, error
@@ -454,7 +556,9 @@ class TensorStore:
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
-            if entry.memory is not None:
+            if entry.device is not None:
+                self._on_device -= entry.footprint
+            elif entry.memory is not None:
                 self._in_memory -= entry.footprint
                 for buf in entry.memory:
                     buf.release()
@@ -602,9 +706,9 @@ class TensorStore:
         if lend is not None and entry.memory is not None and into is None and prefix is None:
             return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill))
         buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
-        if entry.memory is not None:  # the host tier: a copy, done when this returns
+        if entry.memory is not None:  # host RAM or a device: a copy, done when this returns
             try:
-                buf.view().copy_(entry.chunk_memory(k, phys)[:length])
+                _copy(entry, buf.view(), entry.chunk_memory(k, phys)[:length])
             except BaseException:
                 buf.release()
                 raise
@@ -665,10 +769,10 @@ class TensorStore:
                                    "goes back where it was lent")
             buf.written()
             return _done(None)
-        if entry.memory is not None:  # the host tier: a copy, recorded as written before the future completes
+        if entry.memory is not None:  # host RAM or a device: a copy, recorded as written before the future completes
             self._begin_write(entry, phys, k)
             try:
-                entry.chunk_memory(k, phys).copy_(buf.view())
+                _copy(entry, entry.chunk_memory(k, phys), buf.view())
             except BaseException as exc:
                 self._end_write(entry, phys, k, _done(None, exc))
                 raise
@@ -825,6 +929,19 @@ class TensorStore:
         self.close()
 
 
+class DeviceMemory(HostBuffer):
+    """One slot of a device entry's memory (`TensorStore.to_device`): a ``uint8`` tensor on the device, outside
+    the host pool; `release` drops it (the caching allocator reuses it)."""
+
+    __slots__ = ()
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__(data, data.numel(), None)
+
+    def release(self) -> None:
+        self.data = None
+
+
 class LentChunk(HostBuffer):
     """A chunk of an in-memory entry lent by `TensorStore.read_chunk` (``lend=``), updated in place and handed
     back to `write_chunk`; one thread owns it at a time. `release` without that write marks the slot failed.
@@ -850,6 +967,16 @@ class LentChunk(HostBuffer):
         self.store._close_lend(self, StorageError(
             f"entry {self.entry.name!r}: chunk {self.k} was lent for an update that did not finish"))
         self.data = self.source = None
+
+
+def _copy(entry: Entry, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between a host buffer and an in-memory entry's chunk: a plain copy in host RAM; for a device entry
+    `device.transfer`, ordered after the kernels queued on the calling thread's stream (the updates that wrote
+    or read the chunk)."""
+    if entry.device is None:
+        dst.copy_(src)
+    else:
+        transfer(dst, src, after_compute=True)
 
 
 def _done(result: object, error: BaseException | None = None) -> Future:

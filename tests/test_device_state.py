@@ -1,0 +1,237 @@
+"""The optimizer state's device tier (``FuyouConfig.device_state``, issue 53's second part): on the CPU the device is
+host RAM, so every split of the state between the device, host RAM and the SSD trains bitwise like torch's
+``AdamW(fused=True)``; the device tier takes the first parameters that fit and keeps to its budget; saves resume
+across splits; the tier moves between steps; a device-tier gradient is never copied to the host (the late-copy
+mode, where every host copy of a CPU tensor runs late, would show one)."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import decay_groups, tiny_causal_lm
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.optim.gradients import Gradients
+from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore
+from test_schedule import MAX_NORM, SCALER, STEPS, config, fp16_loss, gradscaler_reference, reference, train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+# Of the tiny Llama's state (~690 KiB, two slots, 24 KiB chunks): a device tier of the first parameters; with
+# host_state the next ones in RAM, the rest on the SSD.
+SPLITS = {"device": dict(device_state="1MiB", host_state=0), "three": dict(device_state="96KiB", host_state="96KiB")}
+
+
+def tiers(opt):
+    """(state bytes on the SSD, in host RAM, on the device): every slot with padding, from the store's entries."""
+    where = [0, 0, 0]
+    for name, e in opt.store.entries.items():
+        if name.startswith("adamw."):
+            where[0 if e.memory is None else 1 if e.device is None else 2] += e.slots * e.nchunks * e.stride
+    return tuple(where)
+
+
+def placement(opt):
+    """Where each parameter's state is, in the optimizer's order: ``"device"``, ``"ram"`` or ``"ssd"``."""
+    entries = opt.store.entries
+    return ["ssd" if entries[ps.entry].memory is None else "ram" if entries[ps.entry].device is None else "device"
+            for ps in opt.adam_state.owned]
+
+
+@pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split, schedule, slots):
+    """Clipping that bites, a non-finite step skipped, three micro-batches accumulated (test_schedule's run)."""
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, schedule, state_slots=slots, **SPLITS[split]))
+    opt = engine.optimizer
+    on_ssd, in_ram, on_device = tiers(opt)
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    summary, metrics = engine.summary(), engine.metrics()
+    engine.close()
+    assert metrics["fuyou/optimizer_state_device_bytes"] == on_device
+    assert on_device > 0 and (in_ram > 0 and on_ssd > 0) == (split == "three"), (on_ssd, in_ram, on_device)
+    assert summary["device_bytes_optimizer_state"] == on_device and summary["host_bytes_optimizer_state"] == in_ram
+    assert summary["ssd_bytes_optimizer_state"] == on_ssd
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    assert opt.stats.skips == 1 and opt.stats.steps == STEPS - 1 and opt.stats.clipped >= 1
+
+
+def test_the_device_tier_takes_the_first_parameters_that_fit_then_the_host_tier_the_next(tmp_path):
+    model = tiny_causal_lm("llama")
+    with FuyouAdamW(decay_groups(model), lr=3e-3, config=config(tmp_path, "backward", **SPLITS["three"])) as opt:
+        where, cfg = placement(opt), opt.config
+        sizes = [TensorStore.footprint(ps.nbytes, ps.stride, 2) for ps in opt.adam_state.owned]
+        on_device = [s for s, w in zip(sizes, where) if w == "device"]
+        assert where[0] == "device" and "ram" in where and "ssd" in where, where
+        assert sum(on_device) == opt.store.bytes_on_device <= cfg.device_state
+        # whole parameters, in order, each that still fits: none left on the SSD would have fitted in either tier
+        for size, w in zip(sizes, where):
+            if w == "ssd":
+                assert size > cfg.device_state - sum(on_device)
+        assert opt.control.figures().state_device_bytes == opt.store.bytes_on_device
+        assert not opt.adam_state.in_memory & opt.adam_state.on_device
+
+
+def test_the_device_tier_keeps_to_device_state_and_says_which_field_to_raise(tmp_path):
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state=0,
+                      device_state="16KiB")
+    with TensorStore(cfg) as store:
+        store.create("a", (2048,), torch.float32, device=torch.device("cpu"))  # 8 KiB, two slots
+        with pytest.raises(StorageSpaceError, match=r"entry 'b' needs 16.00 KiB of device memory but the optimizer "
+                                                    r"state's device tier \(device_state\) has 0 B of 16.00 KiB left"):
+            store.create("b", (2048,), torch.float32, device=torch.device("cpu"))
+        assert store.bytes_on_device == 16 * 1024 and store.bytes_in_memory == 0 and store.pool.lent == 0
+
+
+def test_moving_an_entry_to_the_device_and_back_keeps_both_slots_and_frees_where_it_was(tmp_path):
+    """`TensorStore.to_device` from the SSD and from host RAM, and `to_ssd` from the device: the written chunks of
+    both slots move, the tier they left gets its bytes back, and an entry with a chunk lent is refused, unchanged."""
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="1MiB", host_state="64KiB",
+                      device_state="96KiB")
+    cpu = torch.device("cpu")
+    with TensorStore(cfg) as store:
+        store.create("a", (5000,), torch.float32, chunk_bytes=8192)
+        store.create("b", (5000,), torch.float32, chunk_bytes=8192, in_memory=True)
+        values = {}
+        for name in "ab":
+            old, new = torch.randn(5000), torch.randn(5000)
+            store.write(name, old).result()
+            store.write(name, new, slot="shadow").result()
+            values[name] = old, new
+        assert store.to_device("a", cpu) == 2 * 3 * 8192 and store.to_device("a", cpu) == 0
+        assert store.bytes_on_disk == 0 and store.entry("a").base == {}, "the SSD's region went back"
+        lent = store.read_chunk("b", 0, lend="shadow").result()
+        with pytest.raises(StorageError, match="cannot move entry 'b' to the device while a write to it is in flight"):
+            store.to_device("b", cpu)
+        assert store.entry("b").device is None and store.bytes_on_device == 2 * 3 * 8192
+        store.write_chunk("b", 0, lent, slot="shadow").result()  # lent as a copy of the active chunk
+        values["b"][1][:2048] = values["b"][0][:2048]
+        store.to_device("b", cpu)
+        assert store.bytes_in_memory == 0 and store.pool.lent == 0 and store.bytes_on_device == 4 * 3 * 8192
+        with pytest.raises(StorageError, match="move it to_ssd first"):
+            store.to_memory("a")
+        for name, (old, new) in values.items():
+            assert torch.equal(store.read(name).result(), old)
+            assert torch.equal(store.read(name, slot="shadow").result(), new)
+        store.commit(["a"])
+        assert store.to_ssd("a") == 2 * 3 * 8192 and store.bytes_on_device == 2 * 3 * 8192
+        assert store.entry("a").device is None and store.entry("a").memory is None and store.pool.lent == 0
+        assert torch.equal(store.read("a").result(), values["a"][1])
+        store.delete("b")
+        assert store.bytes_on_device == 0
+
+
+def test_a_save_resumes_into_another_split_with_a_device_tier_exactly(tmp_path):
+    """Saved with the state on the device tier, resumed all on the SSD, then into three tiers: the run goes on bitwise
+    as if uninterrupted (checkpoints read and write the device's chunks through host buffers)."""
+    straight = tiny_causal_lm("gpt2")
+    first = copy.deepcopy(straight)
+    splits = [SPLITS["device"], dict(device_state=0, host_state=0), SPLITS["three"]]
+    for name in ["a", *map(str, range(len(splits)))]:
+        (tmp_path / name).mkdir()
+    with FuyouAdamW(decay_groups(straight), lr=3e-3, max_grad_norm=MAX_NORM,
+                    config=config(tmp_path / "a", "next_forward")) as opt:
+        train(straight, opt)
+        expected = [opt.read_state(p) for p in straight.parameters()]
+    model, folder = first, tmp_path / "ckpt"
+    for i, split in enumerate(splits):
+        with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
+                        config=config(tmp_path / str(i), "next_forward", **split)) as opt:
+            assert (opt.store.bytes_on_device > 0) == (i != 1)
+            if i:
+                opt.load_folder(folder)
+            train(model, opt, steps=range(2 * i, 2 * i + 2))
+            opt.state_dict(folder)
+            if i == len(splits) - 1:
+                got = [opt.read_state(p) for p in model.parameters()]
+    for p, q in zip(straight.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(expected, got):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_device_tier_grows_and_shrinks_between_steps_and_changes_no_bit(tmp_path):
+    """`OptimizerControl.hold_state_on_device` (what the engine does with the plan's device tier): the state moves
+    onto the device from the SSD and from host RAM, and back off it, between steps of one run, bitwise torch's."""
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                     config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+    control, seen = opt.control, []
+    sizes = iter([10**9, 96 * 1024, 0, 200 * 1024, 10**9])
+
+    def move(last):
+        if last:  # before the last micro-batch's backward is the wrong time: between steps only
+            return
+        if not opt.window.pending() and opt.stats.steps + opt.stats.skips == len(seen):
+            nbytes = next(sizes, None)
+            if nbytes is not None:
+                held = control.hold_state_on_device(nbytes)
+                seen.append((held, placement(opt)))
+
+    losses, _ = train(model, opt, move)
+    opt.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    everything, some, none = seen[0], seen[1], seen[2]
+    assert set(everything[1]) == {"device"} and everything[0] == sum(tiers(opt))
+    assert some[1][0] == "device" and "ram" in some[1] and 0 < some[0] <= 96 * 1024
+    assert none[0] == 0 and "device" not in none[1] and "ram" in none[1], "the host tier took its share back"
+    assert opt.stats.skips == 1 and opt.stats.clipped >= 1
+
+
+def test_a_device_tier_gradient_is_read_where_it_is_never_copied_to_the_host(tmp_path, monkeypatch):
+    """In the late-copy mode every host copy of a gradient (`Gradients.staged`) runs, late, even on the CPU: the
+    device tier's gradients take none, the others one each, and training stays bitwise torch's."""
+    from fuyou_strategy.device import late_copies
+
+    copied, read_in_place = set(), set()
+    real = Gradients.staged
+
+    def spy(self, ps, tensor, kind="resident"):
+        grad = real(self, ps, tensor, kind)
+        (copied if grad.staging is not None else read_in_place).add(ps.param)
+        return grad
+
+    monkeypatch.setattr(Gradients, "staged", spy)
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    with late_copies(max_delay_ms=2.0, seed=1):
+        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
+                             max_grad_norm=MAX_NORM, config=config(tmp_path, "backward", **SPLITS["three"]))
+        opt = engine.optimizer
+        where = dict(zip((ps.param for ps in opt.adam_state.owned), placement(opt)))
+        losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+        engine.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    assert read_in_place == {p for p, w in where.items() if w == "device"}
+    assert copied == {p for p, w in where.items() if w != "device"}
+
+
+@pytest.mark.parametrize("schedule", ["backward", "next_forward"])
+def test_fp16_loss_scaling_with_a_device_tier_is_gradscaler_and_adamw_bitwise(tmp_path, schedule):
+    """fp16 weights: the device tier's updates unscale (and clip) on the device as the host's do, and a step with
+    an inf skips there too; weights, masters and the scale's course are GradScaler's with AdamW's."""
+    model = tiny_causal_lm("llama", dtype=torch.float16)
+    ref_model = copy.deepcopy(model)
+    masters, ref_scales = gradscaler_reference(ref_model)
+    with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, loss_scaling=SCALER,
+                    config=config(tmp_path, schedule, **SPLITS["three"])) as opt:
+        assert "device" in placement(opt) and "ssd" in placement(opt)
+        _, scales = train(model, opt, loss_fn=fp16_loss)
+        assert scales == ref_scales
+        assert opt.stats.skips == 1 and opt.stats.clipped >= 1
+        for (name, p), q, m in zip(model.named_parameters(), ref_model.parameters(), masters):
+            assert torch.equal(p, q), name
+            assert torch.equal(opt.read_state(p)["master"], m.detach()), name
