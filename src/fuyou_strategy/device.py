@@ -36,7 +36,7 @@ import torch
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
            "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host",
-           "computes_on_host", "usable_cores", "use_intra_op_threads"]
+           "computes_on_host", "usable_cores", "use_intra_op_threads", "current_stream", "on_stream"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -311,6 +311,18 @@ def _side_stream(device: torch.device) -> torch.Stream:
         if key not in _side_streams:
             _side_streams[key] = torch.Stream(device=torch.device(device.type, index))
         return _side_streams[key]
+
+
+def current_stream(device: torch.device) -> torch.Stream | None:
+    """The calling thread's current stream on ``device`` (``None`` on the CPU): captured where a gradient is handed
+    over, so that work another thread runs on it (`on_stream`) is ordered after the kernels that computed it, and
+    the kernels queued after that work (the next forward's) after it."""
+    return torch.accelerator.current_stream(device) if _accelerated(device) else None
+
+
+def on_stream(stream: torch.Stream | None) -> "contextlib.AbstractContextManager":
+    """Run the kernels the block queues on ``stream`` (`current_stream`'s); nothing to switch on the CPU."""
+    return stream if stream is not None else contextlib.nullcontext()
 
 
 def synchronize(device: torch.device) -> None:

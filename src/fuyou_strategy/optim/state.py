@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
+from ..device import current_stream, on_stream
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
@@ -397,10 +398,18 @@ class OptimizerState:
         flat = ps.param.detach().view(-1) if from_param else None
         if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
             one_pass = None  # its arithmetic is the fused kernel's on fp32 moments, on the host
-        if on_device:  # the device's kernel takes its step count, clip and unscale factors there
+        # On the device: its kernel takes the step count, clip and unscale factors there, and runs on the stream of
+        # the thread that queues the update (the one backward computed the gradient on, which the next forward's
+        # kernels follow too); the master and moments stay on the device.
+        stream = current_stream(ps.param.device) if on_device else None
+        if on_device:
             step, coef, inv_scale = (t.to(ps.param.device) if t is not None else None for t in (step, coef, inv_scale))
 
         def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
+            with on_stream(stream):
+                return compute(k, buf, *stored)
+
+        def compute(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
                 norm(grad.norm(inv_scale))
             start, n = ps.span(k)
@@ -417,8 +426,8 @@ class OptimizerState:
                 futures = [publish(ps, k, state["master"])] if weight is None else []
                 del was, weight
             else:
-                if source is not None:  # lent unfilled for a one-pass update that cannot run on this gradient
-                    buf.view().copy_(source)
+                if source is not None:  # lent unfilled: the device tier's (its copy on the stream), or a one-pass
+                    buf.view().copy_(source)  # update's that cannot run on this gradient
                 if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
                     state["master"].copy_(flat[start : start + n])
                 g = fp32_gradient(raw, inv_scale, coef)  # on the host: a device gradient was staged
@@ -426,7 +435,8 @@ class OptimizerState:
                 futures = [publish(ps, k, state["master"])]
                 del g
             # With the copy that lent a host-tier chunk's shadow slot (`backward` schedule): CPU work of this update.
-            meter.add(time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0), n)
+            if not on_device:  # the host's CPU time: the device's kernels are only queued here
+                meter.add(time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0), n)
             if keep is not None:
                 futures.append(keep(ps, k, raw))
             del state, raw, source  # no view may outlive a buffer given back
@@ -442,11 +452,11 @@ class OptimizerState:
             # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
             return Later(gather(futures), written)
 
-        # An in-memory entry lends its chunk (`TensorStore.read_chunk`): speculative, its shadow slot, filled with a
-        # copy of the active chunk, or unfilled for a one-pass update that reads the active one; exact, the active
-        # chunk itself, updated in place (no copy).
+        # An in-memory or device entry lends its chunk (`TensorStore.read_chunk`): speculative, its shadow slot, filled
+        # with a copy of the active chunk, or unfilled for a one-pass update that reads the active one (or a device
+        # one, which copies it on its stream); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=slot, fill=one_pass is None, skip=ps.master_nbytes if from_param else None)
+                        lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
