@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check that fits one lease of this project's device tool (15 minutes of device time, start included):
 # the environment, the device-dependent suite on CUDA, then the peers harness at one size with a step trace of
-# each fuyou system, after the one-pass update's phases on CUDA (its build and bitwise check included). Everything
+# each fuyou system (one with its optimizer state on the device: device_state), after the one-pass update's phases
+# on CUDA (its build and bitwise check included). Everything
 # lands under $OUT (default ./gpu-quick): env.txt, update_phases.{log,json}, tests.log, bench.log and results.tgz
 # (the harness's table, JSON and PNG, the traces, each run's stderr log). About 7 minutes on an H200.
 #   bash benchmarks/gpu_quick.sh                      # on the GPU machine, from the repository root
@@ -30,7 +31,7 @@ FUYOU_TEST_DEVICE=cuda timeout -k 5 "${T_TESTS:-150}" $PY -m pytest -q -p no:cac
 echo "tests exit $?"; tail -25 "$OUT/tests.log"
 echo "== peers at ${SIZE:-350M} (at $(( $(date +%s) - S )) s)"
 timeout -k 5 "${T_BENCH:-270}" $PY -m benchmarks.peers --device cuda --arch gpt2 --sizes "${SIZE:-350M}" \
-  --systems "${SYSTEMS:-torch,fuyou-hf,fuyou-lightning,fuyou-state-ssd,fuyou-ssd}" --dtype "${DTYPE:-bf16}" \
+  --systems "${SYSTEMS:-torch,fuyou-hf,fuyou-lightning,fuyou-lightning@device_state=12GiB,fuyou-state-ssd,fuyou-ssd}" --dtype "${DTYPE:-bf16}" \
   --batch "${BATCH:-8}" --seq 1024 --steps "${STEPS:-3}" --warmup "${WARMUP:-2}" --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
   --trace "$WORK/trace" > "$OUT/bench.log" 2>&1
 echo "bench exit $?"; tail -30 "$OUT/bench.log"
