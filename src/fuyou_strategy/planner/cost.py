@@ -51,7 +51,7 @@ from ..config import STATE_BYTES_PER_PARAM
 from ..optim.schedule import TAIL_SHARE
 from ..planfile import WEIGHT_TIERS
 
-__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
+__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "torch_step", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow (`Profile.state_slots`' default)
@@ -260,6 +260,16 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     _, arrivals, behind = _simulate(profile, blocks, policies)
     tail = _tail(arrivals) if profile.tail_read_ahead else []
     return _simulate(profile, blocks, policies, timeline=timeline, tail=tail, behind=behind)[0]
+
+
+def torch_step(profile: Profile) -> tuple[float, int]:
+    """torch's step with the whole model on the device (what ``fuyou plan`` compares with): every micro-batch's
+    forward and backward, activations kept, then torch's fused AdamW of every parameter at
+    `Profile.device_adam_params_per_s`, in seconds; and the device bytes that takes: 16-bit weights and gradients
+    with fp32 master and moments (16 B per parameter), beside one micro-batch's activations of every block."""
+    compute = sum(b.fwd_s + b.bwd_s for b in profile.blocks) + profile.other_fwd_s + profile.other_bwd_s
+    seconds = profile.micro_batches * compute + profile.params / profile.device_adam_params_per_s
+    return seconds, 16 * profile.params + sum(b.act_bytes for b in profile.blocks)
 
 
 def _tail(arrivals: dict) -> list:

@@ -97,10 +97,18 @@ class Plan:
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
             f"{format_bytes(self.host_peak)} (budget {budget.get('host')}), ssd {format_bytes(self.ssd_peak)} "
             f"(budget {budget.get('ssd')})",
-        ] + ([f"optimizer state on the device: {format_bytes(self.state_on_device)} (in the device peak; updated "
-              "there)"] if self.state_on_device else []) + (
+        ] + ([f"optimizer state on the device: {format_bytes(self.state_on_device)}{self._share(self.state_on_device)} "
+              "(in the device peak; updated there)"] if self.state_on_device else []) + (
             [f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
             if self.state_in_ram else []) + ([self.note] if self.note else [])
+
+    def _share(self, nbytes: int) -> str:
+        """``", 42% of it"``: ``nbytes`` against the optimizer state's bytes (every slot), from the saved profile."""
+        if not self.profile:
+            return ""
+        p = self.profile
+        total = (p["other_params"] + sum(b["params"] for b in p["blocks"])) * p["state_slots"] * p["state_bytes"]
+        return f", {nbytes / total:.0%} of it" if total else ""
 
     def __str__(self) -> str:
         return self.table(compact=True)
