@@ -393,8 +393,8 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
         updates_done.append(finished(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
                                              device=dev["rest"], name="rest", ahead=ahead_of("rest"))))
     else:
-        updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], device=dev[i], name=f"block {i}"))
-                        for i, b in reversed(list(enumerate(blocks)))]
+        updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], device=dev[i],
+                                    name=f"block {i}")) for i, b in reversed(list(enumerate(blocks)))]
         updates_done.append(max(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
                                         device=dev["rest"], name="rest")))
     step = max([backward_end, *updates_done])
