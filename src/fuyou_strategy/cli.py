@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ssds", type=int, default=1, help="number of NVMe drives, striped (default 1)")
     plan.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s (default 6.5: Intel D7-P5510)")
     plan.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s (default 3.4: Intel D7-P5510)")
-    plan.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput (default 1e9)")
+    plan.add_argument("--adam-params-per-s", type=float, help="the host CPU's AdamW throughput, parameters/s (default: the preset's, 1e9; h200 0.5e9)")
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOPS reached (default: rtx4090 0.96, measured matmuls; others 0.5)")
     plan.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
