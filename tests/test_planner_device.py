@@ -190,6 +190,15 @@ def test_the_device_adamw_rate_is_torchs_fused_kernel_timed_the_median_of_the_ru
     assert rate == pytest.approx(1000 / 0.003)
 
 
+def test_timing_the_device_adamw_draws_nothing_from_the_random_stream():
+    """It runs after the warm-up, mid-training: a draw would change the dropout of every step after."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert profile_module.device_adam_throughput(torch.device("cpu"), n=4096) > 0
+    assert torch.equal(torch.rand(4), expected)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 @pytest.mark.parametrize("device_state", ["auto", "64KiB"])
 def test_a_warm_up_on_the_cpu_plans_the_device_state_it_was_given(tmp_path, device_state):

@@ -329,7 +329,8 @@ def device_adam_throughput(device: torch.device, n: int = 2**22, reps: int = 5) 
     """Parameters/s of torch's fused AdamW on ``device`` (`optim.kernels.adamw_kernel`, as the state's device tier
     runs it): ``n`` fp32 elements each of master, gradient and moments there, the device synchronised around
     each update; median of ``reps`` after one untimed."""
-    master, grad, exp_avg, exp_avg_sq = (torch.rand(n, device=device) for _ in range(4))
+    # constants, not torch.rand: drawing would move the device's random stream (the training's dropout)
+    master, grad, exp_avg, exp_avg_sq = (torch.full((n,), value, device=device) for value in (0.5, 0.01, 0.001, 1e-4))
     step = torch.zeros((), dtype=torch.float32, device=device)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
     times = []
