@@ -111,7 +111,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import os
 
     from .optim.formats import bytes_per_param
-    from .planner import HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, solve
+    from .planner import HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, solve, torch_step
 
     if args.model in MODEL_PRESETS:
         model = MODEL_PRESETS[args.model]
@@ -137,13 +137,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"hardware: {hw.name} ({format_bytes(hw.device_memory) if hw.device_memory else 'no accelerator'}, "
           f"{hw.tflops:g} TFLOPS peak x {hw.efficiency:g}), host {_gb(hw.host_memory)}, {_drives(hw.ssds)} of "
           f"{hw.ssd_capacity / 1e12:g} TB, {hw.ssds * hw.ssd_read_gbps:g}/{hw.ssds * hw.ssd_write_gbps:g} GB/s "
-          f"read/write in all, CPU AdamW "
-          f"{hw.adam_params_per_s / 1e9:g}G params/s; weights: {profile.notes['weights']}")
+          f"read/write in all, CPU AdamW {hw.adam_params_per_s / 1e9:g}G params/s" + (
+              f", device AdamW {hw.device_adam_params_per_s / 1e9:.0f}G" if hw.device_adam_params_per_s else "")
+          + f"; weights: {profile.notes['weights']}")
     print("bytes: GB and TB are powers of 10 (as drives and RAM are sold), GiB powers of 2")
     print(f"TFLOPS count model FLOPs, {flops / 1e15:.3g} PFLOP/step (forward + backward, 6*P*tokens + attention; "
           f"recomputation not counted),\n  and [in brackets] Fuyou's paper's count, {flops_paper / 1e15:.3g} PFLOP/step "
           "(every block's forward twice, as with full recomputation; Megatron-LM's formula)")
     host_state = None if args.host_state == "auto" else parse_bytes(args.host_state, name="--host-state")
+    device_state = None if args.device_state == "auto" else parse_bytes(args.device_state, name="--device-state")
+    # The device tier is this library's: not the paper's design, not modelled per rank with several GPUs.
+    why_no_device = "--paper-runtime" if args.paper_runtime else "--gpus > 1" if args.gpus > 1 else None
     state_bytes = bytes_per_param(args.state_format)
     print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot "
           "(ZeRO-Infinity keeps fp32)")
@@ -154,28 +158,45 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                  if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
         try:  # the host tier and the compact state formats are fuyou's; ZeRO-Infinity keeps fp32 state on NVMe
             plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state,
+                                             device_state=0 if kwargs or why_no_device else device_state,
                                              state_bytes=bytes_per_param("fp32") if kwargs else state_bytes), **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
             continue
         print(plan.table(compact=not args.full_table) if args.verbose or args.full_table else "\n".join(plan.totals()))
+        if name == "fuyou" and not plan.state_on_device:  # else a line of the totals says how much
+            print("optimizer state on the device: none (" + (why_no_device or (
+                "no room beside the plan's device peak" if device_state is None
+                else f"--device-state {args.device_state}")) + ")")
         tflops, tflops_paper = (f / plan.predicted_step_s / 1e12 for f in (flops, flops_paper))
         drives = -(-plan.ssd_peak // hw.ssd_capacity)  # the fewest drives whose capacity holds the swap files
-        space = (f"within the {_drives(hw.ssds)}" + (f" ({_drives(drives)} would hold it)" if drives < hw.ssds else "")
+        space = (f"within the {_drives(hw.ssds)}" + (f" ({_drives(drives)} would hold it)" if 0 < drives < hw.ssds else "")
                  if drives <= hw.ssds else f"more than the {_drives(hw.ssds)} hold: it needs {_drives(drives)}")
         print(f"{tflops:.1f} TFLOPS [{tflops_paper:.1f}] "
               f"({args.batch * args.seq * args.micro_batches * args.gpus / plan.predicted_step_s:,.0f} tokens/s); "
               f"SSD space {_gb(plan.ssd_peak)}, {space}")
         results[name] = {"fits": True, "step_s": plan.predicted_step_s, "tflops": tflops, "tflops_paper": tflops_paper,
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
-                         "policies": plan.policies, "state_in_ram": plan.state_in_ram, "ssd_drives_needed": drives}
+                         "policies": plan.policies, "state_in_ram": plan.state_in_ram,
+                         "state_on_device": plan.state_on_device, "ssd_drives_needed": drives}
         if name == "fuyou" and args.save:
             plan.save(args.save)
             print(f"plan written to {args.save}")
     if all(r["fits"] for r in results.values()):
         print(f"\nfuyou vs zero-infinity-like: {results['zero-infinity-like']['step_s'] / results['fuyou']['step_s']:.2f}x "
               "faster (predicted)")
+    if hw.device_memory and args.gpus == 1:  # torch: the model alone on the device
+        torch_s, torch_bytes = torch_step(profile)
+        results["torch"] = {"fits": torch_bytes <= hw.device_memory, "step_s": torch_s, "device_bytes": torch_bytes}
+        need = f"{_gb(torch_bytes)} of the device's {hw.device_memory / 1e9:g} GB"
+        if torch_bytes > hw.device_memory:
+            print(f"torch, the model alone on the device: does not fit (needs {need}: 16 B per parameter and the "
+                  "activations)")
+        else:
+            print(f"torch, the model alone on the device (fused AdamW there): {torch_s:.3f} s/step, {need}" + (
+                f"; fuyou's predicted step {results['fuyou']['step_s'] / torch_s:.2f}x torch's"
+                if results["fuyou"]["fits"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw), "batch": args.batch,
@@ -226,13 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Plan a fine-tune without instantiating the model: memory per tier, whether it fits, "
                           "predicted step time and TFLOPS, for Fuyou and for a ZeRO-Infinity-like schedule. Preset "
                           "sources are documented in fuyou_strategy/planner/spec.py.")
-    plan.add_argument("model", help="a preset (gpt3-13b, gpt3-175b, llama-70b) or a Hugging Face config.json")
-    plan.add_argument("--gpu", default="rtx4090", choices=["rtx4090", "a100-80g", "h100", "cpu"])
+    plan.add_argument("model", help="a preset (gpt3-13b, gpt3-175b, llama-70b, llama-7b, gpt2-350m, gpt2-1.5b) or a "
+                                    "Hugging Face config.json")
+    plan.add_argument("--gpu", default="rtx4090", choices=["rtx4090", "a100-80g", "h100", "h200", "cpu"])
     plan.add_argument("--host-memory", type=_size, default=parse_bytes("768GB"), help="host RAM (default 768GB)")
     plan.add_argument("--ssds", type=int, default=1, help="number of NVMe drives, striped (default 1)")
     plan.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s (default 6.5: Intel D7-P5510)")
     plan.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s (default 3.4: Intel D7-P5510)")
-    plan.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput (default 1e9)")
+    plan.add_argument("--adam-params-per-s", type=float, help="the host CPU's AdamW throughput, parameters/s (default: the preset's, 1e9; h200 0.5e9)")
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOPS reached (default: rtx4090 0.96, measured matmuls; others 0.5)")
     plan.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
@@ -242,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-state", default="0",
                       help="optimizer state held in host RAM: bytes, or 'auto' (what the host memory leaves beside the "
                            "plan's activations and weights); default 0: all of it on the SSDs, the paper's design")
+    plan.add_argument("--device-state", default="auto",
+                      help="optimizer state held in the device's memory and updated there by torch's fused AdamW "
+                           "(the first parameters in the optimizer's order): bytes, or 'auto' (default: what the device "
+                           "memory leaves beside the plan's weights and activations); 0: none")
     plan.add_argument("--state-format", default="fp32", choices=list(STATE_FORMATS),
                       help="optimizer state format (FuyouConfig.state_format; default fp32, exact)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")

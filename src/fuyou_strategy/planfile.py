@@ -55,6 +55,7 @@ FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "weight_tiers": (f"one of {list(WEIGHT_TIERS)}", lambda v: v in WEIGHT_TIERS),
     "note": _TEXT,
     "state_in_ram": _BYTES,
+    "state_on_device": _BYTES,
 }
 REQUIRED = ("policies", "act_bytes", "reasons", "predicted_step_s", "device_peak", "host_peak", "ssd_peak", "budgets")
 _PER_BLOCK = ("policies", "act_bytes", "reasons", "weight_tiers")

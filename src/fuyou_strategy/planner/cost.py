@@ -31,6 +31,13 @@ memory (a first pass learns the tail), and ``step()`` does not wait for state wr
 next step's drive (a second pass starts with it busy). Under ``next_forward`` an update lands once its
 state is written. A clipping redo (``redo_fraction``) adds an unoverlapped pass in proportion;
 ``overlap_optimizer=False`` runs every update after backward (ZeRO-Infinity's schedule).
+
+The optimizer state has three tiers, filled in the optimizer's order (the rest of the model, then block 0, 1, ...:
+the updates whose gradients come last in backward, so the ones hardest to hide): the device
+(`Profile.device_state`) takes the first parameters, host RAM (`Profile.host_state`) the next, the SSD the rest. A
+device-tier parameter's state counts in the device peak; its update is torch's fused AdamW on ``compute``, right
+after its gradients, at `Profile.device_adam_params_per_s`, with no SSD traffic, no CPU time and no upload (master
+and weight are both on the device; a streamed block's new weights go down the link to their tier).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from ..config import STATE_BYTES_PER_PARAM
 from ..optim.schedule import TAIL_SHARE
 from ..planfile import WEIGHT_TIERS
 
-__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "WEIGHT_TIERS"]
+__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "torch_step", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow (`Profile.state_slots`' default)
@@ -125,8 +132,16 @@ class Profile:
     # Bytes of optimizer state per parameter and slot (FuyouConfig.state_format: 12 fp32, 8 bf16, ~6.03 8bit)
     state_bytes: float = STATE_BYTES_PER_PARAM
     # Optimizer state held in host RAM (FuyouConfig.host_state): bytes (every slot), or None: whatever the
-    # host budget leaves (all of it without a host budget); 0: all of the state on the SSD.
+    # host budget leaves (all of it without a host budget); 0: all of the state on the SSD. It takes the
+    # parameters the device tier (below) left.
     host_state: int | None = 0
+    # Optimizer state held in the compute device's memory (FuyouConfig.device_state), the first parameters in the
+    # optimizer's order: bytes (every slot), or None: whatever device_budget leaves beside the device peak
+    # (nothing without a device budget); 0: none.
+    device_state: int | None = 0
+    # torch's fused AdamW on the device (parameters per second), the device tier's update; measured on an
+    # accelerator (`profile.device_adam_throughput`), else an assumption the tier's absence makes moot.
+    device_adam_params_per_s: float = 50e9
     # The SSD tier's trainable weights are the fp32 masters in their state chunks (`WeightStreamer.use_master`):
     # no copy of their own, no write-back; frozen weights keep their copies.
     weights_from_master: bool = False
@@ -189,6 +204,7 @@ class Prediction:
     # what the drives' endurance pays (the clipping redo's second write excluded).
     ssd_write_bytes: float = 0.0
     state_in_ram: int = 0  # bytes of optimizer state (every slot) held in host RAM; counted in host_peak
+    state_on_device: int = 0  # bytes of optimizer state (every slot) held on the device; counted in device_peak
 
     @property
     def fits(self) -> bool:
@@ -246,6 +262,16 @@ def predict(profile: Profile, policies: Sequence[Policy], *, weight_tiers: Seque
     return _simulate(profile, blocks, policies, timeline=timeline, tail=tail, behind=behind)[0]
 
 
+def torch_step(profile: Profile) -> tuple[float, int]:
+    """torch's step with the whole model on the device (what ``fuyou plan`` compares with): every micro-batch's
+    forward and backward, activations kept, then torch's fused AdamW of every parameter at
+    `Profile.device_adam_params_per_s`, in seconds; and the device bytes that takes: 16-bit weights and gradients
+    with fp32 master and moments (16 B per parameter), beside one micro-batch's activations of every block."""
+    compute = sum(b.fwd_s + b.bwd_s for b in profile.blocks) + profile.other_fwd_s + profile.other_bwd_s
+    seconds = profile.micro_batches * compute + profile.params / profile.device_adam_params_per_s
+    return seconds, 16 * profile.params + sum(b.act_bytes for b in profile.blocks)
+
+
 def _tail(arrivals: dict) -> list:
     """The updates (``"rest"`` or block index) whose gradients arrived in the last `TAIL_SHARE` of the arrivals'
     span, last first: whose state the runtime reads ahead (`optim.schedule.Speculative._end_window`)."""
@@ -273,10 +299,15 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
     k, kw = profile.prefetch_blocks, profile.weight_window
     link, rd, wr = profile.link_bytes_per_s, profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     device_peak, host_peak, ssd_peak = _peaks(profile, blocks, policies)
-    ram = _state_in_ram(profile, blocks, host_peak)  # "rest" or block index -> parameters whose state is in RAM
-    state_ram = math.ceil(sum(ram.values()) * profile.state_slots * profile.state_bytes)  # never a byte short
+    # "rest" or block index -> parameters whose state is on the device, then in RAM (of those the device left)
+    dev = _state_on_device(profile, blocks, device_peak)
+    state_dev = _state_bytes(profile, dev)
+    device_peak += state_dev
+    ram = _state_in_ram(profile, blocks, host_peak, dev)
+    state_ram = _state_bytes(profile, ram)
     host_peak += state_ram
-    ssd_peak -= state_ram
+    ssd_peak -= state_ram + state_dev
+    off_ssd = {key: ram[key] + dev[key] for key in ram}  # what the tail's read-ahead need not read
     s = _Schedule(record=timeline)
     if behind > 0:
         s.occupy("ssd", behind, name="state writes of the step before")
@@ -284,8 +315,9 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
     backward_end = 0.0
     landed: dict[int, float] = {}  # next_forward: when each block's update (of the step before) landed
     if ahead:
-        t = max(_update(s, profile, profile.other_params, 0.0, ram=ram["rest"], name="rest"))  # embeddings first
-        landed = {i: max(_update(s, profile, b.params, 0.0, b, ram=ram[i], name=f"block {i}"))
+        t = max(_update(s, profile, profile.other_params, 0.0, ram=ram["rest"], device=dev["rest"],
+                        name="rest"))  # embeddings first
+        landed = {i: max(_update(s, profile, b.params, 0.0, b, ram=ram[i], device=dev[i], name=f"block {i}"))
                   for i, b in enumerate(blocks)}
     arrivals: dict = {}  # backward: "rest" or block index -> when its update's gradients were ready
     read_ahead: dict | None = None  # the tail's keys -> (state bytes read ahead, when read), once issued
@@ -296,7 +328,7 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
         (the worker is idle from there on), from the window's first gradient on."""
         nonlocal read_ahead
         if key in tail and read_ahead is None:
-            read_ahead = _read_ahead(s, profile, blocks, tail, ram, min(arrivals.values()), spare)
+            read_ahead = _read_ahead(s, profile, blocks, tail, off_ssd, min(arrivals.values()), spare)
         return (read_ahead or {}).get(key)
     for micro in range(profile.micro_batches):
         last = micro == profile.micro_batches - 1
@@ -346,8 +378,8 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
                 grads = s.run("link", _ring(profile) * b.grad_bytes / link, grads, name=f"all-reduce {i}")
             if last and speculative:
                 arrivals[i] = grads
-                updates_done.append(finished(_update(s, profile, b.params, grads, b, ram=ram[i], name=f"block {i}",
-                                                     ahead=ahead_of(i))))
+                updates_done.append(finished(_update(s, profile, b.params, grads, b, ram=ram[i], device=dev[i],
+                                                     name=f"block {i}", ahead=ahead_of(i))))
         backward_end = t
     # The rest of the model (embeddings get their gradients last), and every update when not overlapped.
     if profile.data_parallel > 1 and profile.other_params:
@@ -359,11 +391,12 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
     elif overlap_optimizer:
         arrivals["rest"] = backward_end
         updates_done.append(finished(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
-                                             name="rest", ahead=ahead_of("rest"))))
+                                             device=dev["rest"], name="rest", ahead=ahead_of("rest"))))
     else:
-        updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], name=f"block {i}"))
-                        for i, b in reversed(list(enumerate(blocks)))]
-        updates_done.append(max(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"], name="rest")))
+        updates_done = [max(_update(s, profile, b.params, backward_end, b, ram=ram[i], device=dev[i],
+                                    name=f"block {i}")) for i, b in reversed(list(enumerate(blocks)))]
+        updates_done.append(max(_update(s, profile, profile.other_params, backward_end, ram=ram["rest"],
+                                        device=dev["rest"], name="rest")))
     step = max([backward_end, *updates_done])
     outlasts = max(0.0, s.free["ssd"] - step) if speculative and profile.writes_behind else 0.0  # the writes behind
     timeline, s.tasks = s.tasks or [], None  # the redo below is a share of a pass, not a task on the timeline
@@ -371,11 +404,11 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
         # Clipping bit: every update is computed again after the step, from the committed state.
         redo = s.run("compute", 0.0, step)
         for i, b in reversed(list(enumerate(blocks))):
-            redo = max(redo, finished(_update(s, profile, b.params, step, b, ram=ram[i])))
-        redo = max(redo, finished(_update(s, profile, profile.other_params, step, ram=ram["rest"])))
+            redo = max(redo, finished(_update(s, profile, b.params, step, b, ram=ram[i], device=dev[i])))
+        redo = max(redo, finished(_update(s, profile, profile.other_params, step, ram=ram["rest"], device=dev["rest"])))
         step += profile.redo_fraction * (redo - step)
 
-    ssd_writes = ((profile.params - sum(ram.values())) * profile.state_bytes
+    ssd_writes = ((profile.params - sum(off_ssd.values())) * profile.state_bytes
                   + profile.micro_batches * sum(b.act_bytes for b, p in zip(blocks, policies) if p is Policy.SSD)
                   + _own_copies(profile, blocks, lambda b: b.grad_bytes))
     over = {}
@@ -385,18 +418,19 @@ def _simulate(profile: Profile, blocks: list[BlockProfile], policies: Sequence[P
             over[tier] = peak - budget
     prediction = Prediction(step, device_peak, host_peak, ssd_peak, s.busy["compute"], s.busy["link"], s.busy["ssd"],
                             s.busy["cpu"], step - backward_end, over, timeline,
-                            ("next_forward" if ahead else "backward"), ssd_writes, state_ram)
+                            ("next_forward" if ahead else "backward"), ssd_writes, state_ram, state_dev)
     return prediction, arrivals, outlasts
 
 
-def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail: Sequence, ram: dict, after: float,
-                spare: int | None) -> dict:
-    """Read the ``tail``'s state that lies on the SSD, in that order, from ``after`` on and as far as ``spare``
-    host bytes (``None``: no limit) hold it: ``tail`` key -> (bytes read ahead, when read)."""
+def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail: Sequence, off_ssd: dict,
+                after: float, spare: int | None) -> dict:
+    """Read the ``tail``'s state that lies on the SSD (all but ``off_ssd``'s parameters per key: those on the
+    device or in RAM), in that order, from ``after`` on and as far as ``spare`` host bytes (``None``: no limit)
+    hold it: ``tail`` key -> (bytes read ahead, when read)."""
     done = {}
     for key in tail:
         params = profile.other_params if key == "rest" else blocks[key].params
-        nbytes = (params - ram[key]) * _state_read_bytes(profile, None if key == "rest" else blocks[key])
+        nbytes = (params - off_ssd[key]) * _state_read_bytes(profile, None if key == "rest" else blocks[key])
         if spare is not None:
             nbytes = min(nbytes, spare)
             spare -= nbytes
@@ -405,24 +439,50 @@ def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail
     return done
 
 
-def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int) -> dict:
-    """Per update (``"rest"``, then each block index), the parameters whose optimizer state is in host RAM:
-    ``profile.host_state`` bytes, or what the host budget leaves beside ``host_peak`` (the other host
-    users), given in the optimizer's order (the rest of the model first, then block 0, 1, ...)."""
-    per_param = profile.state_slots * profile.state_bytes
-    total = profile.params * per_param
-    if profile.host_state is not None:
-        room = profile.host_state
+def _state_on_device(profile: Profile, blocks: list[BlockProfile], device_peak: int) -> dict:
+    """Per update (``"rest"``, then each block index), the parameters whose optimizer state is on the device:
+    ``profile.device_state`` bytes, or what the device budget leaves beside ``device_peak`` (nothing without a
+    budget), the first in the optimizer's order."""
+    if profile.device_state is not None:
+        room = profile.device_state
     else:
-        room = total if profile.host_budget is None else max(0, profile.host_budget - host_peak)
-    # Room for all of it holds every parameter: ``total // per_param`` can come out one short in floating point
-    # (a non-integral ``per_param``).
-    params = profile.params if room >= total else int(room // per_param)
-    ram: dict = {}
-    for key, n in [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]:
-        ram[key] = min(n, params)
-        params -= ram[key]
-    return ram
+        room = 0 if profile.device_budget is None else max(0, profile.device_budget - device_peak)
+    return _in_order(profile, blocks, room, {})
+
+
+def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int, on_device: dict) -> dict:
+    """Per update (``"rest"``, then each block index), the parameters whose optimizer state is in host RAM, of
+    those ``on_device`` left: ``profile.host_state`` bytes, or what the host budget leaves beside ``host_peak``
+    (the other host users; all of them without a budget), the next in the optimizer's order."""
+    if profile.host_state is not None:
+        room: float = profile.host_state
+    else:
+        room = math.inf if profile.host_budget is None else max(0, profile.host_budget - host_peak)
+    return _in_order(profile, blocks, room, on_device)
+
+
+def _in_order(profile: Profile, blocks: list[BlockProfile], room: float, taken: dict) -> dict:
+    """Per update key, in the optimizer's order (the rest of the model first, then block 0, 1, ...), the
+    parameters whose state (every slot) ``room`` bytes hold, of those a faster tier has not ``taken``."""
+    per_param = profile.state_slots * profile.state_bytes
+    left = [(key, n - taken.get(key, 0)) for key, n in
+            [("rest", profile.other_params), *((i, b.params) for i, b in enumerate(blocks))]]
+    total = sum(n for _key, n in left)
+    # Room for all of it holds every parameter: ``total * per_param // per_param`` can come out one short in
+    # floating point (a non-integral ``per_param``).
+    params = total if room >= total * per_param else int(room // per_param)
+    if params * per_param > room:  # and never one over
+        params -= 1
+    counts: dict = {}
+    for key, n in left:
+        counts[key] = min(n, params)
+        params -= counts[key]
+    return counts
+
+
+def _state_bytes(profile: Profile, counts: dict) -> int:
+    """The state's bytes (every slot) of the parameters ``counts`` gives per key: never a byte short."""
+    return math.ceil(sum(counts.values()) * profile.state_slots * profile.state_bytes)
 
 
 def _ring(profile: Profile) -> float:
@@ -472,29 +532,46 @@ def _state_read_bytes(profile: Profile, block: BlockProfile | None) -> float:
 
 
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
-            ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None) -> tuple[float, float]:
-    """One parameter set's AdamW: read state, update on the CPU, write state, publish the weight (uploaded
-    when resident, written back for ``ssd``, in place for ``host``). ``ram`` of the ``params`` have their
-    state in host RAM; ``ahead``: (bytes, when) read ahead (`_read_ahead`). Returns when the weight is
-    published and when the state is written."""
+            ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None,
+            device: int = 0) -> tuple[float, float]:
+    """One parameter set's AdamW. ``device`` of the ``params`` have their state on the device: torch's fused
+    AdamW on ``compute`` as soon as the gradients are ready, a resident weight updated where it is (a streamed
+    block's new weights go down the link to their tier). The others read their state, update on the CPU, write
+    their state and publish the weight (uploaded when resident, in place for ``host``); ``ram`` of them have
+    their state in host RAM; ``ahead``: (bytes, when) read ahead (`_read_ahead`). An ``ssd``-tier block's own
+    weight copies are written back once all are computed. Returns when the weights are published and when the
+    state is written."""
     if params == 0:
         return grads_ready, grads_ready
-    on_ssd, to_read = (params - ram) * profile.state_bytes, (params - ram) * _state_read_bytes(profile, block)
-    pre_read, pre_done = ahead or (0.0, 0.0)
-    read = grads_ready
-    if to_read > pre_read:
-        read = s.run("ssd", (to_read - pre_read) / profile.ssd_read_bytes_per_s, grads_ready, name=f"read state {name}")
-    computed = done = s.run("cpu", params / profile.adam_params_per_s, read, pre_done, name=f"adamw {name}")
     tier = block.weight_tier if block is not None else "device"
+    host = params - device
+    on_device = grads_ready
+    if device:
+        on_device = s.run("compute", device / profile.device_adam_params_per_s, grads_ready,
+                          name=f"adamw on device {name}")
+        if tier != "device":  # the new weights to the block's tier copy
+            on_device = s.run("link", block.grad_bytes * device / params / profile.link_bytes_per_s, on_device,
+                              name=f"weights down {name}")
+    computed = done = written = on_device
+    on_ssd, to_read = (host - ram) * profile.state_bytes, (host - ram) * _state_read_bytes(profile, block)
+    if host:
+        pre_read, pre_done = ahead or (0.0, 0.0)
+        read = grads_ready
+        if to_read > pre_read:
+            read = s.run("ssd", (to_read - pre_read) / profile.ssd_read_bytes_per_s, grads_ready,
+                         name=f"read state {name}")
+        computed = done = s.run("cpu", host / profile.adam_params_per_s, read, pre_done, name=f"adamw {name}")
     if tier == "ssd":  # the trainable weights' own copies (frozen ones are never written back): before the state's
         own = _own_copies(profile, [block], lambda b: b.grad_bytes)
         if own:
-            done = s.run("ssd", own / profile.ssd_write_bytes_per_s, computed, name=f"write weights {name}")
-    elif tier == "device" and profile.weight_upload_bytes_per_param:
-        done = s.run("link", params * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, computed,
+            done = s.run("ssd", own / profile.ssd_write_bytes_per_s, max(computed, on_device),
+                         name=f"write weights {name}")
+    elif tier == "device" and profile.weight_upload_bytes_per_param and host:
+        done = s.run("link", host * profile.weight_upload_bytes_per_param / profile.link_bytes_per_s, computed,
                      name=f"weights up {name}")
-    written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, computed, name=f"write state {name}")
-    return done, written
+    if host:
+        written = s.run("ssd", on_ssd / profile.ssd_write_bytes_per_s, computed, name=f"write state {name}")
+    return max(done, on_device), max(written, on_device)
 
 
 def _peaks(profile: Profile, blocks: list[BlockProfile], policies: Sequence[Policy]) -> tuple[int, int, int]:

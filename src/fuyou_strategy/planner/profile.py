@@ -12,7 +12,8 @@
   and their backward);
 - then, once: device↔host copy bandwidth, SSD read and write bandwidth of the swap
   directories (an io-bench probe, cached per directory in
-  ``~/.cache/fuyou-strategy/bandwidth.json``), CPU AdamW throughput, and the budgets
+  ``~/.cache/fuyou-strategy/bandwidth.json``), CPU AdamW throughput, on an accelerator torch's fused
+  AdamW on it (the optimizer state's device tier), and the budgets
   (``device_memory_budget`` or the accelerator's memory, the host pool, the swap
   directories' free space). Both bandwidth probes move their bytes through a buffer of the
   optimizer's host pool, idle between steps, so they stay within ``host_memory_budget``.
@@ -40,6 +41,7 @@ from ..storage import MemoryTiers
 from ..device import device_memory_bytes, synchronize
 from ..optim import onepass
 from ..optim.formats import Layout
+from ..optim.kernels import adamw_kernel
 from ..optim.state import apply_update
 from ..params.streaming import Tier
 from ..progress import Progress
@@ -47,7 +49,8 @@ from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile
 
-__all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput"]
+__all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput", "device_adam_throughput",
+           "device_state_bytes"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -201,6 +204,7 @@ class WarmupProfiler:
         control = self.optimizer.control  # what the cost model counts of the optimizer
         stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
         redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
+        on_host = self.device.type == "cpu"
         return Profile(
             blocks=[BlockProfile(f, b, a, p, weight_bytes=w, weight_tier=tier, frozen_weight_bytes=frozen)
                     for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
@@ -221,9 +225,12 @@ class WarmupProfiler:
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
             state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
             state_bytes=control.state_bytes_per_param(),
+            # The device tier: what the budget leaves (auto, on an accelerator), or the bytes device_state gives it.
+            device_state=device_state_bytes(config.device_state, self.device),
+            **({} if on_host else {"device_adam_params_per_s": device_adam_throughput(self.device)}),
             weights_from_master=all(control.streams_from_master(p)
                                     for b in self.blocks for p in b.parameters() if p.requires_grad),
-            masters_in_weights=self.device.type == "cpu" and all(
+            masters_in_weights=on_host and all(
                 p.dtype == torch.float32 for p in self.model.parameters() if p.requires_grad),
             device_budget=device_budget, host_budget=store.pool.budget,
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
@@ -307,3 +314,32 @@ def adam_throughput(fused: bool, n: int = 2**20, layout: Layout = Layout("fp32")
             apply_update(layout, state, g, torch.tensor(float(step)), fused=fused, **hyper)
         best = min(best, time.perf_counter() - start)
     return n / best
+
+
+def device_state_bytes(device_state: int | str, device: torch.device) -> int | None:
+    """`Profile.device_state` for ``FuyouConfig.device_state`` on ``device``: its bytes, or for ``"auto"``
+    ``None`` (what the plan leaves) on an accelerator and 0 on the CPU, whose device memory is host RAM (the
+    host tier's, `host_state`)."""
+    if device_state != "auto":
+        return int(device_state)
+    return 0 if device.type == "cpu" else None
+
+
+def device_adam_throughput(device: torch.device, n: int = 2**22, reps: int = 5) -> float:
+    """Parameters/s of torch's fused AdamW on ``device`` (`optim.kernels.adamw_kernel`, as the state's device tier
+    runs it): ``n`` fp32 elements each of master, gradient and moments there, the device synchronised around
+    each update; median of ``reps`` after one untimed."""
+    # constants, not torch.rand: drawing would move the device's random stream (the training's dropout)
+    master, grad, exp_avg, exp_avg_sq = (torch.full((n,), value, device=device) for value in (0.5, 0.01, 0.001, 1e-4))
+    step = torch.zeros((), dtype=torch.float32, device=device)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    times = []
+    for rep in range(reps + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        adamw_kernel(master, grad, exp_avg, exp_avg_sq, step, fused=True, **hyper)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        if rep:  # not the first: the kernel's load and cold caches
+            times.append(elapsed)
+    return n / statistics.median(times)

@@ -52,6 +52,9 @@ class Plan:
     # Bytes of optimizer state (every slot) the plan holds in host RAM (FuyouConfig.host_state): what the host
     # budget leaves with host_state="auto"; counted in host_peak. The engine moves that much state there.
     state_in_ram: int = 0
+    # Bytes of optimizer state (every slot) the plan holds in the device's memory (FuyouConfig.device_state): what
+    # the device budget leaves with device_state="auto"; counted in device_peak. The engine moves that much there.
+    state_on_device: int = 0
 
     def __post_init__(self) -> None:
         if not self.weight_tiers:
@@ -86,7 +89,7 @@ class Plan:
 
     def totals(self) -> list[str]:
         """The lines under `table`'s rows: how many blocks take each policy and tier, the predicted step, the
-        peak per tier against its budget."""
+        peak per tier against its budget, the optimizer state on the device and in host RAM."""
         budget = {k: (format_bytes(v) if v is not None else "no limit") for k, v in self.budgets.items()}
         return [
             f"policies: {_counts(self.policies, [p.value for p in Policy])}; weights: "
@@ -94,8 +97,18 @@ class Plan:
             f"peaks: device {format_bytes(self.device_peak)} (budget {budget.get('device')}), host "
             f"{format_bytes(self.host_peak)} (budget {budget.get('host')}), ssd {format_bytes(self.ssd_peak)} "
             f"(budget {budget.get('ssd')})",
-        ] + ([f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
-             if self.state_in_ram else []) + ([self.note] if self.note else [])
+        ] + ([f"optimizer state on the device: {format_bytes(self.state_on_device)}{self._share(self.state_on_device)} "
+              "(in the device peak; updated there)"] if self.state_on_device else []) + (
+            [f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
+            if self.state_in_ram else []) + ([self.note] if self.note else [])
+
+    def _share(self, nbytes: int) -> str:
+        """``", 42% of it"``: ``nbytes`` against the optimizer state's bytes (every slot), from the saved profile."""
+        if not self.profile:
+            return ""
+        p = self.profile
+        total = (p["other_params"] + sum(b["params"] for b in p["blocks"])) * p["state_slots"] * p["state_bytes"]
+        return f", {nbytes / total:.0%} of it" if total else ""
 
     def __str__(self) -> str:
         return self.table(compact=True)
@@ -308,6 +321,7 @@ def _plan(profile: Profile, state: _State, pred: Prediction, reasons: list[str],
         profile=profile.to_dict(),
         weight_tiers=list(weights),
         state_in_ram=pred.state_in_ram,
+        state_on_device=pred.state_on_device,
     )
 
 

@@ -6,6 +6,12 @@
   40 layers × 5120 (40 heads) and 96 × 12288 (96 heads), context 2048, vocabulary 50257, FFN 4× hidden, GeLU.
 - ``llama-70b``: Touvron et al. 2023 ("Llama 2") and its ``config.json``: 80 layers × 8192, 64 heads with 8
   key-value heads, FFN 28672 (SwiGLU), vocabulary 32000, context 4096.
+- ``llama-7b``: the same paper and ``meta-llama/Llama-2-7b-hf``'s ``config.json``: 32 layers × 4096, 32 heads,
+  FFN 11008 (SwiGLU), vocabulary 32000, context 4096 (6.7B parameters).
+- ``gpt2-350m``, ``gpt2-1.5b``: Radford et al. 2019 ("Language Models are Unsupervised Multitask Learners"),
+  Table 2: 24 layers × 1024 and 48 × 1600; 16 and 25 heads, context 1024 and vocabulary 50257 from the
+  ``gpt2-medium`` and ``gpt2-xl`` ``config.json``; FFN 4× hidden, GeLU, tied embeddings (355M and 1.56B
+  parameters).
 
 **Per-block costs** (a micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``):
 
@@ -31,12 +37,22 @@ paper's SSD sweep (``tests/test_planner.py``).
   ways (NVIDIA/nvbandwidth#15) → 25 GB/s, one resource for both directions;
 - ``a100-80g``: 80 GB, 312 TFLOPS, PCIe 4.0 → 25 GB/s;
 - ``h100``: 80 GB, 989 TFLOPS (SXM), PCIe 5.0 → 50 GB/s;
+- ``h200``: H200 SXM (NVIDIA's data sheet): 141 GB of HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16 (the H100 SXM's
+  tensor cores), PCIe 5.0 → 50 GB/s as ``h100``; CPU AdamW 0.5e9 parameters/s, what this project measured with
+  torch's kernel on the 16 cores of the H200 machine it is lent (0.46–0.6e9, docs/gpu.md);
 - ``cpu``: device = host RAM, 1 TFLOPS, a memcpy-speed "link" of 10 GB/s.
+
+**Device AdamW** (the optimizer state's device tier, `Profile.device_adam_params_per_s`): the memory bandwidth
+(data sheets: RTX 4090 1,008 GB/s; A100 80 GB SXM 2,039 GB/s; H100 SXM 3.35 TB/s; H200 4.8 TB/s) over the 28 bytes
+per parameter one pass of torch's fused AdamW moves in fp32: master, gradient and both moments read (16), master
+and moments written (12). An upper bound: the kernel reaches a share of the bandwidth, and mixed precision adds the
+16-bit gradient's cast and the weight's copy from the master (12 bytes more), neither counted.
 
 ``efficiency`` for presets other than ``rtx4090`` is assumed (0.5). SSDs: per drive 6.5 GB/s read and 3.4 GB/s
 write, the Intel D7-P5510 3.84 TB of Fuyou's machine, sequential (Intel's specification; capacity assumed);
-``--ssds N`` drives are striped, reads and writes sharing them. CPU AdamW: 1e9 parameters/s, assumed (the paper
-gives none); the paper's SSD sweep stays within ±20% of the model for 0.75e9 to 1.5e9.
+``--ssds N`` drives are striped, reads and writes sharing them. CPU AdamW (but ``h200``'s, measured): 1e9
+parameters/s, assumed (the paper gives none); the paper's SSD sweep stays within ±20% of the model for 0.75e9 to
+1.5e9.
 
 **Weights.** 16-bit weights and gradients stay on the device when they fit; else every block's weights get the
 ``host`` tier (``ssd`` when the host cannot hold them), streamed per block as the runtime does (`cost.predict`);
@@ -55,6 +71,7 @@ from .cost import BlockProfile, Profile
 __all__ = ["ModelSpec", "Hardware", "MODEL_PRESETS", "HARDWARE_PRESETS", "analytic_profile", "step_flops"]
 
 GB = 1e9
+FUSED_ADAMW_BYTES_PER_PARAM = 28  # one pass of torch's fused AdamW in fp32: 4 tensors read, 3 written (docstring)
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,10 @@ MODEL_PRESETS = {
     "gpt3-175b": ModelSpec("gpt3-175b", layers=96, hidden=12288, heads=96, ffn=4 * 12288, vocab=50257),
     "llama-70b": ModelSpec("llama-70b", layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000, kv_heads=8,
                            gated_mlp=True, context=4096),
+    "llama-7b": ModelSpec("llama-7b", layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, gated_mlp=True,
+                          context=4096),
+    "gpt2-350m": ModelSpec("gpt2-350m", layers=24, hidden=1024, heads=16, ffn=4 * 1024, vocab=50257, context=1024),
+    "gpt2-1.5b": ModelSpec("gpt2-1.5b", layers=48, hidden=1600, heads=25, ffn=4 * 1600, vocab=50257, context=1024),
 }
 
 
@@ -130,15 +151,25 @@ class Hardware:
     ssd_read_gbps: float = 6.5  # per drive: Intel D7-P5510 3.84 TB
     ssd_capacity: int = 384 * 10**10  # per drive, bytes: the same drive (3.84 TB)
     ssd_write_gbps: float = 3.4
-    adam_params_per_s: float = 1e9
+    adam_params_per_s: float = 1e9  # the host CPU's AdamW
     efficiency: float = 0.5  # fraction of ``tflops`` reached
     device_is_host: bool = False
+    memory_gbps: float = 0.0  # the device memory's bandwidth, GB/s (0: the device is host RAM)
+
+    @property
+    def device_adam_params_per_s(self) -> float | None:
+        """torch's fused AdamW on the device, parameters/s: the memory bandwidth over the bytes one pass moves
+        (module docstring); ``None`` without a device of its own."""
+        return self.memory_gbps * GB / FUSED_ADAMW_BYTES_PER_PARAM if self.memory_gbps else None
 
 
 HARDWARE_PRESETS = {
-    "rtx4090": Hardware("rtx4090", device_memory=24 * 10**9, tflops=165.2, link_gbps=25, efficiency=0.96),
-    "a100-80g": Hardware("a100-80g", device_memory=80 * 10**9, tflops=312, link_gbps=25),
-    "h100": Hardware("h100", device_memory=80 * 10**9, tflops=989, link_gbps=50),
+    "rtx4090": Hardware("rtx4090", device_memory=24 * 10**9, tflops=165.2, link_gbps=25, efficiency=0.96,
+                        memory_gbps=1008),
+    "a100-80g": Hardware("a100-80g", device_memory=80 * 10**9, tflops=312, link_gbps=25, memory_gbps=2039),
+    "h100": Hardware("h100", device_memory=80 * 10**9, tflops=989, link_gbps=50, memory_gbps=3350),
+    "h200": Hardware("h200", device_memory=141 * 10**9, tflops=989, link_gbps=50, memory_gbps=4800,
+                     adam_params_per_s=0.5e9),
     "cpu": Hardware("cpu", device_memory=0, tflops=1.0, link_gbps=10, device_is_host=True),
 }
 
@@ -180,6 +211,7 @@ def analytic_profile(model: ModelSpec, hw: Hardware, *, batch: int, seq: int, mi
         blocks=[block] * model.layers, other_fwd_s=head_fwd, other_bwd_s=2 * head_fwd, other_params=model.other_params,
         link_bytes_per_s=link, ssd_read_bytes_per_s=ssd_rd, ssd_write_bytes_per_s=ssd_wr,
         adam_params_per_s=hw.adam_params_per_s, weight_upload_bytes_per_param=0.0 if hw.device_is_host else 2.0,
+        **({"device_adam_params_per_s": hw.device_adam_params_per_s} if hw.device_adam_params_per_s else {}),
         device_base_bytes=device_base, optimizer_host_bytes=min(hw.host_memory, host_reserve),
         micro_batches=micro_batches, data_parallel=gpus, prefetch_blocks=prefetch_blocks, device_budget=device_memory,
         host_budget=host_share,
