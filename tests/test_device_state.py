@@ -235,3 +235,37 @@ def test_fp16_loss_scaling_with_a_device_tier_is_gradscaler_and_adamw_bitwise(tm
         for (name, p), q, m in zip(model.named_parameters(), ref_model.parameters(), masters):
             assert torch.equal(p, q), name
             assert torch.equal(opt.read_state(p)["master"], m.detach()), name
+
+
+def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_measured_headroom(tmp_path,
+                                                                                                   monkeypatch):
+    """``device_state="auto"``: the engine moves the plan's device tier onto the device between steps, no more than
+    the warm-up's measured peak leaves (`device.device_memory_headroom`: the plan does not count the runtime's
+    context or the allocator's slack), says so, and training goes on bitwise. The CPU stands in for the
+    accelerator here (the engine is told its device is one; the tier's memory is then host RAM)."""
+    import fuyou_strategy.engine as engine_module
+    from fuyou_strategy.planner import Plan
+
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    said = []
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=0), report=said.append)
+    opt = engine.optimizer
+    assert engine.config.device_state == "auto" and opt.store.bytes_on_device == 0, "nothing before a plan"
+    headroom = 150 * 1024
+    monkeypatch.setattr(engine_module, "device_memory_headroom", lambda device: headroom)
+    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
+    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
+                budgets={}, state_on_device=10**9)
+    engine._hold_state_on_device(plan)  # what the engine does once the warm-up's plan is solved
+    engine.device = torch.device("cpu")
+    held = opt.store.bytes_on_device
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    engine.close()
+    assert 0 < held <= headroom and engine.config.device_state == held
+    assert any("device_state='auto'" in line and "measured peak" in line for line in said), said
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name

@@ -77,6 +77,16 @@ def test_the_device_tier_takes_the_first_parameters_and_the_host_tier_the_next()
     assert rest_in_ram.ssd_peak == 0 and rest_in_ram.ssd_write_bytes == 0
 
 
+def test_a_streamed_blocks_state_stays_off_the_device_tier_as_the_runtime_keeps_it():
+    """`OptimizerState.leave_device`: a streamed parameter's weight and gradient leave the device, and so does its
+    state; the model gives the device tier the resident parameters only, the host tier the rest."""
+    base = synthetic(n=4)
+    tiers = ["device", "host", "device", "ssd"]
+    pred = predict(dataclasses.replace(base, device_state=10**12, host_state=0), [K] * 4, weight_tiers=tiers)
+    resident = base.other_params + sum(b.params for b, t in zip(base.blocks, tiers) if t == "device")
+    assert pred.state_on_device == resident * PER_PARAM < base.params * PER_PARAM
+
+
 def test_auto_takes_what_the_device_budget_leaves_and_never_more():
     base = synthetic(n=4, act=10 * MiB)
     ref = predict(base, [K] * 4)

@@ -339,6 +339,20 @@ def accelerator() -> tuple[str, int] | None:
     return props.name, props.total_memory
 
 
+DEVICE_MARGIN = 0.05  # of an accelerator's memory left free beside the step's measured peak (`device_memory_headroom`)
+
+
+def device_memory_headroom(device: torch.device) -> int | None:
+    """Bytes of an accelerator's memory this process can still take and keep through a step like the ones so far:
+    free now, less what its peak reserved beyond what it reserves now (a step's activations and workspaces, given
+    back between steps), less `DEVICE_MARGIN` of the total (the allocator's fragmentation). ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+    return max(0, free - (peak - reserved) - int(DEVICE_MARGIN * total))
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """Total memory of an accelerator; ``None`` for the CPU (the device tier is host RAM)."""
     if device.type == "cuda":

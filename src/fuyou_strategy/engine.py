@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
 from .config import ConfigError, FuyouConfig, Settings, format_bytes, resolve
+from .device import device_memory_headroom
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -385,12 +386,18 @@ class FuyouEngine:
         the device is host RAM, which ``host_state`` holds already: nothing moves."""
         if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
             return
-        held = self.optimizer.control.hold_state_on_device(plan.state_on_device)
+        # The plan counts weights, gradients, activations and the streaming window, not the runtime's context, the
+        # logits or the allocator's slack: no more than the warm-up's measured peak leaves.
+        room = device_memory_headroom(self.device)
+        want = plan.state_on_device if room is None else min(plan.state_on_device, room)
+        held = self.optimizer.control.hold_state_on_device(want)
         self.config = self.config.replace(device_state=held)
         figures = self.optimizer.control.figures()
         total = figures.state_ssd_bytes + figures.state_ram_bytes + figures.state_device_bytes
+        why = "what the plan leaves of its memory" if want == plan.state_on_device else \
+            f"the plan left {format_bytes(plan.state_on_device)}, the warm-up's measured peak {format_bytes(room)}"
         self.report(f"fuyou planner: device_state='auto': {format_bytes(held)} of the optimizer state's "
-                    f"{format_bytes(total)} on the device (what the plan leaves of its memory), updated there")
+                    f"{format_bytes(total)} on the device ({why}), updated there")
 
     def _hold_state_in_ram(self, plan: Plan) -> None:
         """With ``host_state="auto"``, hold as much optimizer state in host RAM as ``plan`` leaves it

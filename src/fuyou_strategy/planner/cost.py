@@ -37,7 +37,8 @@ the updates whose gradients come last in backward, so the ones hardest to hide):
 (`Profile.device_state`) takes the first parameters, host RAM (`Profile.host_state`) the next, the SSD the rest. A
 device-tier parameter's state counts in the device peak; its update is torch's fused AdamW on ``compute``, right
 after its gradients, at `Profile.device_adam_params_per_s`, with no SSD traffic, no CPU time and no upload (master
-and weight are both on the device; a streamed block's new weights go down the link to their tier).
+and weight are both on the device). A streamed block's parameters take none (their state leaves the device, as
+their weights and gradients do).
 """
 
 from __future__ import annotations
@@ -442,12 +443,13 @@ def _read_ahead(s: _Schedule, profile: Profile, blocks: list[BlockProfile], tail
 def _state_on_device(profile: Profile, blocks: list[BlockProfile], device_peak: int) -> dict:
     """Per update (``"rest"``, then each block index), the parameters whose optimizer state is on the device:
     ``profile.device_state`` bytes, or what the device budget leaves beside ``device_peak`` (nothing without a
-    budget), the first in the optimizer's order."""
+    budget), the first in the optimizer's order. A streamed block's are not (its weights and gradients leave the
+    device, and so does its state: `OptimizerState.leave_device`)."""
     if profile.device_state is not None:
         room = profile.device_state
     else:
         room = 0 if profile.device_budget is None else max(0, profile.device_budget - device_peak)
-    return _in_order(profile, blocks, room, {})
+    return _in_order(profile, blocks, room, {i: b.params for i, b in enumerate(blocks) if b.streamed})
 
 
 def _state_in_ram(profile: Profile, blocks: list[BlockProfile], host_peak: int, on_device: dict) -> dict:
@@ -534,9 +536,9 @@ def _state_read_bytes(profile: Profile, block: BlockProfile | None) -> float:
 def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, block: BlockProfile | None = None,
             ram: int = 0, name: str = "", ahead: tuple[float, float] | None = None,
             device: int = 0) -> tuple[float, float]:
-    """One parameter set's AdamW. ``device`` of the ``params`` have their state on the device: torch's fused
-    AdamW on ``compute`` as soon as the gradients are ready, a resident weight updated where it is (a streamed
-    block's new weights go down the link to their tier). The others read their state, update on the CPU, write
+    """One parameter set's AdamW. ``device`` of the ``params`` have their state on the device (resident weights
+    only, `_state_on_device`): torch's fused AdamW on ``compute`` as soon as the gradients are ready, the weight
+    updated where it is. The others read their state, update on the CPU, write
     their state and publish the weight (uploaded when resident, in place for ``host``); ``ram`` of them have
     their state in host RAM; ``ahead``: (bytes, when) read ahead (`_read_ahead`). An ``ssd``-tier block's own
     weight copies are written back once all are computed. Returns when the weights are published and when the
@@ -549,9 +551,6 @@ def _update(s: _Schedule, profile: Profile, params: int, grads_ready: float, blo
     if device:
         on_device = s.run("compute", device / profile.device_adam_params_per_s, grads_ready,
                           name=f"adamw on device {name}")
-        if tier != "device":  # the new weights to the block's tier copy
-            on_device = s.run("link", block.grad_bytes * device / params / profile.link_bytes_per_s, on_device,
-                              name=f"weights down {name}")
     computed = done = written = on_device
     on_ssd, to_read = (host - ram) * profile.state_bytes, (host - ram) * _state_read_bytes(profile, block)
     if host:
