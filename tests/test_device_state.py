@@ -13,6 +13,7 @@ from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.gradients import Gradients
 from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore
+from test_host_state import resumed_across_splits
 from test_schedule import MAX_NORM, SCALER, STEPS, config, fp16_loss, gradscaler_reference, reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -130,26 +131,11 @@ def test_moving_an_entry_to_the_device_and_back_keeps_both_slots_and_frees_where
 def test_a_save_resumes_into_another_split_with_a_device_tier_exactly(tmp_path):
     """Saved with the state on the device tier, resumed all on the SSD, then into three tiers: the run goes on bitwise
     as if uninterrupted (checkpoints read and write the device's chunks through host buffers)."""
-    straight = tiny_causal_lm("gpt2")
-    first = copy.deepcopy(straight)
     splits = [SPLITS["device"], dict(device_state=0, host_state=0), SPLITS["three"]]
-    for name in ["a", *map(str, range(len(splits)))]:
-        (tmp_path / name).mkdir()
-    with FuyouAdamW(decay_groups(straight), lr=3e-3, max_grad_norm=MAX_NORM,
-                    config=config(tmp_path / "a", "next_forward")) as opt:
-        train(straight, opt)
-        expected = [opt.read_state(p) for p in straight.parameters()]
-    model, folder = first, tmp_path / "ckpt"
-    for i, split in enumerate(splits):
-        with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
-                        config=config(tmp_path / str(i), "next_forward", **split)) as opt:
-            assert (opt.store.bytes_on_device > 0) == (i != 1)
-            if i:
-                opt.load_folder(folder)
-            train(model, opt, steps=range(2 * i, 2 * i + 2))
-            opt.state_dict(folder)
-            if i == len(splits) - 1:
-                got = [opt.read_state(p) for p in model.parameters()]
+    on_device = []
+    straight, model, expected, got = resumed_across_splits(
+        tmp_path, splits, check=lambda i, opt: on_device.append(opt.store.bytes_on_device > 0))
+    assert on_device == [True, False, True]
     for p, q in zip(straight.parameters(), model.parameters()):
         assert torch.equal(p, q)
     for a, b in zip(expected, got):

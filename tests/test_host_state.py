@@ -135,28 +135,38 @@ def test_any_split_trains_bitwise_like_torch_and_the_state_on_ssd(tmp_path, spli
     assert opt.stats.skips == 1 and opt.stats.steps == STEPS - 1 and opt.stats.clipped >= 1
 
 
-def test_a_save_resumes_into_another_split_exactly(tmp_path):
-    """Checkpoints do not depend on where the state lived: saved with it all on the SSD, resumed with a mixed
-    split (and back), the run goes on bitwise as if uninterrupted."""
+def resumed_across_splits(tmp_path, splits, check=None):
+    """The tiny GPT-2 trained straight through (the state on the SSD) and, from the same start, two steps in each
+    of ``splits`` (`FuyouConfig` fields), each resumed from the save the one before made; ``check(i, opt)`` looks
+    at each split's optimizer when built. Returns (straight model, resumed model, straight state, resumed state)."""
     straight = tiny_causal_lm("gpt2")
-    first = copy.deepcopy(straight)
-    splits = ["none", "mixed", "all"]
-    for name in ["a", *splits]:
+    model = copy.deepcopy(straight)
+    for name in ["a", *map(str, range(len(splits)))]:
         (tmp_path / name).mkdir()
     with FuyouAdamW(decay_groups(straight), lr=3e-3, max_grad_norm=MAX_NORM,
                     config=config(tmp_path / "a", "next_forward")) as opt:
         train(straight, opt)
         expected = [opt.read_state(p) for p in straight.parameters()]
-    model, folder = first, tmp_path / "ckpt"
+    folder = tmp_path / "ckpt"
     for i, split in enumerate(splits):
         with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
-                        config=config(tmp_path / split, "next_forward", host_state=SPLITS[split])) as opt:
+                        config=config(tmp_path / str(i), "next_forward", **split)) as opt:
+            if check is not None:
+                check(i, opt)
             if i:
                 opt.load_folder(folder)
             train(model, opt, steps=range(2 * i, 2 * i + 2))
             opt.state_dict(folder)
-            if split == splits[-1]:
+            if i == len(splits) - 1:
                 got = [opt.read_state(p) for p in model.parameters()]
+    return straight, model, expected, got
+
+
+def test_a_save_resumes_into_another_split_exactly(tmp_path):
+    """Checkpoints do not depend on where the state lived: saved with it all on the SSD, resumed with a mixed
+    split (and back), the run goes on bitwise as if uninterrupted."""
+    straight, model, expected, got = resumed_across_splits(
+        tmp_path, [dict(host_state=SPLITS[split]) for split in ["none", "mixed", "all"]])
     for p, q in zip(straight.parameters(), model.parameters()):
         assert torch.equal(p, q)
     for a, b in zip(expected, got):

@@ -110,6 +110,27 @@ class Entry:
         return self.failed[slot] is None and self.inflight[slot] == 0 and len(self.written[slot]) == self.nchunks
 
 
+@dataclass
+class _Room:
+    """The bytes one kind of memory entry (host RAM, a device) holds, against its limit; changed only under the
+    store's lock, where ``held <= limit`` holds except that a lowered limit never drops below what is held."""
+
+    memory: str  # what the bytes are, for messages ("host memory")
+    field: str  # the `FuyouConfig` field that sets the limit ("host_state")
+    limit: int
+    held: int = 0
+
+    def take(self, name: str, need: int, elsewhere: str) -> None:
+        """Count ``need`` more bytes for entry ``name`` (under the lock), or raise `StorageSpaceError` saying
+        what is left and which field to raise (``elsewhere``: where the entry could go instead)."""
+        if self.held + need > self.limit:
+            raise StorageSpaceError(
+                f"entry {name!r} needs {format_bytes(need)} of {self.memory} but the optimizer state's "
+                f"{self.memory.split()[0]} tier ({self.field}) has {format_bytes(self.limit - self.held)} of "
+                f"{format_bytes(self.limit)} left; raise {self.field} or keep the entry {elsewhere}")
+        self.held += need
+
+
 class SlotVersion(NamedTuple):
     """`TensorStore.slot_version`'s token: equal tokens mean the slot's bytes did not change in between."""
 
@@ -219,14 +240,11 @@ class TensorStore:
         self._space = [_FileSpace() for _ in res.files]
         self._entries: dict[str, Entry] = {}
         self._next_dir = 0
-        # Bytes of in-memory entries, at most memory_limit (both change under the lock).
-        self._in_memory = 0
-        self.memory_limit = memory_limit if memory_limit is not None else (
-            config.host_state if isinstance(config.host_state, int) else 0)
-        # Bytes of device entries, at most device_limit (both change under the lock).
-        self._on_device = 0
-        self.device_limit = device_limit if device_limit is not None else (
-            config.device_state if isinstance(config.device_state, int) else 0)
+        # Bytes of in-memory entries and of device entries, each against its limit (`_Room`: under the lock).
+        self._ram = _Room("host memory", "host_state", memory_limit if memory_limit is not None else (
+            config.host_state if isinstance(config.host_state, int) else 0))
+        self._device = _Room("device memory", "device_state", device_limit if device_limit is not None else (
+            config.device_state if isinstance(config.device_state, int) else 0))
         self._lock = threading.Lock()
         # Notified (under the lock) when a chunk committed behind its write lands: readers of it wait on it.
         self._landed = threading.Condition(self._lock)
@@ -251,22 +269,38 @@ class TensorStore:
     @property
     def bytes_in_memory(self) -> int:
         """Bytes the in-memory entries hold (every slot, with padding)."""
-        return self._in_memory
+        return self._ram.held
+
+    @property
+    def memory_limit(self) -> int:
+        """Bytes all in-memory entries may hold (`allow_in_memory`)."""
+        return self._ram.limit
 
     def allow_in_memory(self, nbytes: int) -> None:
         """Let in-memory entries hold up to ``nbytes`` in all (never below what they hold)."""
-        with self._lock:
-            self.memory_limit = max(nbytes, self._in_memory)
+        self._allow(self._ram, nbytes)
 
     @property
     def bytes_on_device(self) -> int:
         """Bytes the device entries hold (every slot, with padding)."""
-        return self._on_device
+        return self._device.held
+
+    @property
+    def device_limit(self) -> int:
+        """Bytes all device entries may hold (`allow_on_device`)."""
+        return self._device.limit
 
     def allow_on_device(self, nbytes: int) -> None:
         """Let device entries hold up to ``nbytes`` in all (never below what they hold)."""
+        self._allow(self._device, nbytes)
+
+    def _allow(self, room: _Room, nbytes: int) -> None:
         with self._lock:
-            self.device_limit = max(nbytes, self._on_device)
+            room.limit = max(nbytes, room.held)
+
+    def _room(self, entry: Entry) -> _Room:
+        """The limit an in-memory or device entry's bytes count against."""
+        return self._ram if entry.device is None else self._device
 
     @staticmethod
     def footprint(nbytes: int, chunk_bytes: int, slots: int) -> int:
@@ -354,12 +388,7 @@ class TensorStore:
         """The pool buffers (one per slot) of an in-memory entry, within `memory_limit`."""
         need = entry.footprint
         with self._lock:
-            if self._in_memory + need > self.memory_limit:
-                raise StorageSpaceError(
-                    f"entry {entry.name!r} needs {format_bytes(need)} of host memory but the optimizer state's host "
-                    f"tier (host_state) has {format_bytes(self.memory_limit - self._in_memory)} of "
-                    f"{format_bytes(self.memory_limit)} left; raise host_state or keep the entry on the SSD")
-            self._in_memory += need
+            self._ram.take(entry.name, need, "on the SSD")
         buffers: list[HostBuffer] = []
         try:
             for _ in range(entry.slots):
@@ -368,7 +397,7 @@ class TensorStore:
             for buf in buffers:
                 buf.release()
             with self._lock:
-                self._in_memory -= need
+                self._ram.held -= need
             raise
         return buffers
 
@@ -376,18 +405,13 @@ class TensorStore:
         """The memory (one `DeviceMemory` per slot) of an entry on ``device``, within `device_limit`."""
         need = entry.footprint
         with self._lock:
-            if self._on_device + need > self.device_limit:
-                raise StorageSpaceError(
-                    f"entry {entry.name!r} needs {format_bytes(need)} of device memory but the optimizer state's device "
-                    f"tier (device_state) has {format_bytes(self.device_limit - self._on_device)} of "
-                    f"{format_bytes(self.device_limit)} left; raise device_state or keep the entry off the device")
-            self._on_device += need
+            self._device.take(entry.name, need, "off the device")
         try:
             return [DeviceMemory(torch.empty(entry.nchunks * entry.stride, dtype=torch.uint8, device=device))
                     for _ in range(entry.slots)]
         except BaseException:
             with self._lock:
-                self._on_device -= need
+                self._device.held -= need
             raise
 
     def to_device(self, name: str, device: torch.device) -> int:
@@ -412,17 +436,17 @@ class TensorStore:
                         transfer(target, entry.chunk_memory(k, phys))
                         continue
                     d, offset = entry.location(k, phys)
-                    with self.pool.acquire(length) as buf:  # staged through the pool: the SSD reads into host memory
+                    with self.pool.acquire(length, timeout=self.config.io_timeout) as buf:  # the SSD reads into host memory
                         self.engine.read(self._files[d], offset, buf.data).result(timeout=self.config.io_timeout)
                         transfer(target, buf.view())
         except BaseException:
             with self._lock:
-                self._on_device -= entry.footprint
+                self._device.held -= entry.footprint
             raise
         with self._lock:
             old, entry.memory, entry.device = entry.memory, memory, device
             if old is not None:
-                self._in_memory -= entry.footprint
+                self._ram.held -= entry.footprint
             for d, offset in entry.base.items():
                 self._space[d].give(offset, entry.slots * entry.count[d] * entry.stride)
                 self._shrink(d)
@@ -458,7 +482,7 @@ class TensorStore:
             for buf in memory:
                 buf.release()
             with self._lock:
-                self._in_memory -= entry.footprint
+                self._ram.held -= entry.footprint
             raise error
         with self._lock:
             entry.memory = memory
@@ -498,10 +522,7 @@ class TensorStore:
             if error is None:
                 entry.first_dir, entry.num_dirs, entry.base, entry.count = first, len(self._files), base, count
                 memory, entry.memory = entry.memory, None
-                if entry.device is not None:
-                    self._on_device -= entry.footprint
-                else:
-                    self._in_memory -= entry.footprint
+                self._room(entry).held -= entry.footprint
                 entry.device = None
             else:
                 for d, offset in base.items():
@@ -556,10 +577,8 @@ class TensorStore:
             if any(entry.inflight):
                 raise StorageError(f"cannot delete entry {name!r} while a write to it is in flight")
             del self._entries[name]
-            if entry.device is not None:
-                self._on_device -= entry.footprint
-            elif entry.memory is not None:
-                self._in_memory -= entry.footprint
+            if entry.memory is not None:
+                self._room(entry).held -= entry.footprint
                 for buf in entry.memory:
                     buf.release()
             for d, offset in entry.base.items():
