@@ -119,6 +119,21 @@ MUTANTS = [
     Mutant("unfilled-lend", "a shadow chunk lent unfilled comes without the active chunk to read from",
            "storage/store.py", "source=entry.memory[src].data[start : start + length] if dst != src and not fill else None",
            "source=None", ("test_onepass.py", "test_host_state.py")),
+    Mutant("device-staged", "a device-tier gradient is copied to the host like the others",
+           "optim/gradients.py", "if not read_on_host(tensor) or self.streamed.state.updates_on_device(ps):",
+           "if not read_on_host(tensor):", ("test_device_state.py",)),
+    Mutant("device-shadow", "a shadow chunk lent unfilled to a device-tier update is not filled from the active one",
+           "optim/state.py", "                    buf.view().copy_(source)  # update's that cannot run on this gradient",
+           "                    pass", ("test_device_state.py",)),
+    Mutant("device-streamed", "a streamed parameter's state stays on the device tier", "optim/control.py",
+           "        self.state.leave_device([ps for ps in self.params if streamer.streams(ps.param)])\n", "",
+           ("test_weights_trainable.py",)),
+    Mutant("device-headroom", "the engine moves the plan's device tier whatever the warm-up's peak leaves",
+           "engine.py", "want = plan.state_on_device if room is None else min(plan.state_on_device, room)",
+           "want = plan.state_on_device", ("test_device_state.py",)),
+    Mutant("device-both-tiers", "the host tier also takes parameters the device tier holds", "optim/state.py",
+           "skip = not self._device_eligible(ps) if device else ps.index in self.on_device",
+           "skip = not self._device_eligible(ps) if device else False", ("test_device_state.py",)),
 ]
 
 
