@@ -112,10 +112,10 @@ class Grad:
         return self.flat[start : start + n]
 
     def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
-        """The gradient's norm (`grad_norm`), taken where the gradient is, as a host tensor (the global norm
-        sums them on the host)."""
+        """The gradient's norm (`grad_norm`), taken where the gradient is: a device tier's stays on the device
+        (the worker does not wait for it; `Parts.total_norm` brings the norms to the host at ``step()``)."""
         self._landed()
-        return grad_norm(self.flat.view(self.shape), inv_scale).to("cpu")
+        return grad_norm(self.flat.view(self.shape), inv_scale)
 
     def _landed(self) -> None:
         if self.landing is not None:

@@ -370,9 +370,10 @@ class Parts:
     max_grad_norm: float | None
 
     def total_norm(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]) -> torch.Tensor | None:
-        """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms);
-        ``None`` (and the step counted as skipped) when it is not finite."""
-        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in counted]), 2)
+        """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms, on the host:
+        a device-tier gradient's norm is brought there); ``None`` (and the step counted as skipped) when it is not
+        finite."""
+        total = torch.linalg.vector_norm(torch.stack([norms[ps.index].to("cpu") for ps in counted]), 2)
         self.stats.last_grad_norm = float(total)
         if not math.isfinite(self.stats.last_grad_norm):
             self.stats.skips += 1
