@@ -23,7 +23,8 @@ The device tier (``FuyouConfig.device_state``, `hold_on_device`): the state of t
 before the host tier takes any, lives in their device's memory (`TensorStore` device entries, same chunks, same
 slots) and their updates run there, with torch's kernel (`kernels.adamw_kernel`) on the device's gradient as it
 is (no copy to the host), the new weight copied on the device. The same arithmetic, so on the CPU (where the
-device is host RAM) bitwise the host tier's; on an accelerator, bitwise torch's fused AdamW on that device.
+device is host RAM) bitwise the host tier's; on an accelerator, torch's fused AdamW on that device, bitwise where
+the gradient norms agree (a device-tier gradient's norm is taken on the device: docs/device-state.md).
 Streamed parameters (their weights are off the device) and parameters not yet materialised stay off it.
 
 The parameter as the master's source: where a resident fp32 parameter in host RAM holds its committed master
@@ -222,7 +223,7 @@ class OptimizerState:
         # The parameters whose state lives in their device's memory, then those in host RAM (indices): the first
         # that the store's device limit holds, then those its memory limit holds of the rest.
         self.on_device = self._tier(owned, self.store.device_limit, device=True)
-        self.in_memory = self._host_tier(owned, self.store.memory_limit)
+        self.in_memory = self._tier(owned, self.store.memory_limit)
         self.pipeline = ChunkPipeline(self.store, depth, name="fuyou-adamw", threads=threads)
         try:
             for ps in owned:
@@ -250,10 +251,6 @@ class OptimizerState:
                 else:
                     self.param_holds.discard(ps.index)
 
-    def _host_tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None) -> set[int]:
-        """The parameters (indices) whose state ``nbytes`` of host RAM holds beside ``chosen`` (`_tier`)."""
-        return self._tier(owned, nbytes, chosen)
-
     def _tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None, *,
               device: bool = False) -> set[int]:
         """The parameters (indices) whose state ``nbytes`` of a tier holds beside ``chosen`` (those there already,
@@ -279,16 +276,16 @@ class OptimizerState:
     def hold_in_ram(self, owned: list[ParamState], nbytes: int) -> int:
         """Let the host tier hold ``nbytes`` of state: move the next parameters' state (in order, whole, those
         that fit) from the SSD into it or, when it holds more than ``nbytes``, the state of those the smaller
-        tier no longer takes (`_host_tier` afresh) out to the SSD; returns the bytes it holds now. Bitwise
+        tier no longer takes (`_tier` afresh) out to the SSD; returns the bytes it holds now. Bitwise
         nothing changes. Only between steps, with nothing in flight (after `drain`)."""
         if nbytes < self.store.bytes_in_memory:
-            keep = self._host_tier(owned, nbytes)
+            keep = self._tier(owned, nbytes)
             for ps in owned:
                 if ps.index in self.in_memory and ps.index not in keep:
                     self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
                     self.in_memory.discard(ps.index)
         self.store.allow_in_memory(nbytes)
-        chosen = self._host_tier(owned, self.store.memory_limit, self.in_memory)
+        chosen = self._tier(owned, self.store.memory_limit, self.in_memory)
         for ps in owned:
             if ps.index in chosen and ps.index not in self.in_memory:
                 self.store.to_memory(ps.entry, timeout=self.config.io_timeout)
