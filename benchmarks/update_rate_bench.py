@@ -18,6 +18,10 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
   shadow slot and its commit (what a GPU run with the state in RAM does);
 - ``fuyou-exact-torch``, ``fuyou-speculative-torch``: the same with ``update_kernel="torch"`` (torch's kernel
   in place, with the copies around it: the path before the one pass);
+- ``fuyou-exact-device``, ``fuyou-speculative-device``: the whole state on the device tier (``device_state``;
+  on the CPU the device is host RAM): torch's kernel where the state is, as a GPU's device tier runs it, and
+  what fuyou's path adds around it (norms, chunking, the shadow copy). Their "update alone" is empty: the
+  worker's meter counts host updates only;
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
   extra; its CPU Adam op is built on first use), fp32 parameters only.
 
@@ -48,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import allocator, fresh_env  # noqa: E402
 
 SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
-           "fuyou-speculative-torch", "deepspeed")
+           "fuyou-speculative-torch", "fuyou-exact-device", "fuyou-speculative-device", "deepspeed")
 BEFORE = ("fuyou-exact@before", "fuyou-speculative@before")  # with --before-src
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
@@ -105,8 +109,9 @@ def worker(args: argparse.Namespace) -> dict:
         schedule = "next_forward" if args.worker.startswith("fuyou-exact") else "backward"
         # a checkout from before update_kernel takes none (its kernel is torch's)
         kernel = {"update_kernel": "torch"} if args.worker.endswith("-torch") else {}
-        cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=state + 2**30, host_state=state,
-                          optimizer_schedule=schedule, optimizer_threads=torch.get_num_threads(), **kernel)
+        tier = dict(device_state=state, host_state=0) if args.worker.endswith("-device") else dict(host_state=state)
+        cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=state + 2**30, optimizer_schedule=schedule,
+                          optimizer_threads=torch.get_num_threads(), **tier, **kernel)
         opt = FuyouAdamW(params, **hyper, config=cfg)
         updates: list[float] = []
 
@@ -194,8 +199,9 @@ def main() -> None:
             bare = rate
         summary[system] = {"median_step_s": step, "params_per_s": rate,
                            "round_medians_s": [statistics.median(r["step_s"]) for r in ok[system]]}
-        if "update_s" in ok[system][0]:
-            summary[system]["median_update_s"] = statistics.median(t for r in ok[system] for t in r["update_s"])
+        alone = statistics.median(t for r in ok[system] for t in r.get("update_s", [0.0]))
+        if alone > 0:  # the device tier's updates are not the host's time: none
+            summary[system]["median_update_s"] = alone
             summary[system]["update_kernel"] = ok[system][0]["update_kernel"]
     lines = [f"{n / 1e6:.0f}M parameters, state in RAM, fuyou's compute weights {args.dtype}; allocator: "
              f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "

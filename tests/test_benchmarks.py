@@ -247,3 +247,16 @@ def test_update_rate_bench_reports_fuyous_update_alone_with_each_kernel_and_torc
     for system in ("fuyou-speculative", "fuyou-speculative-torch"):
         assert 0 < summary[system]["median_update_s"] < summary[system]["median_step_s"], summary[system]
     assert "| torch-norm+bare |" in proc.stdout and "update alone" in proc.stdout
+
+
+def test_update_rate_bench_runs_fuyou_with_the_state_on_the_device_tier(tmp_path):
+    """The device tier's rows (the whole state on it: host RAM on the CPU): a step timed, no host update counted."""
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
+                           "--rounds", "1", "--steps", "1", "--copy-bytes", str(16 * 2**20), "--swap-dir", str(tmp_path),
+                           "--systems", "torch-bare,fuyou-exact-device", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["fuyou-exact-device"]["params_per_s"] > 0
+    assert "median_update_s" not in summary["fuyou-exact-device"], "the host's meter counts no device-tier update"
