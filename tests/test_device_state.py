@@ -255,3 +255,37 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     assert losses == ref_losses
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothing(tmp_path, monkeypatch, caplog):
+    """Memory the plan counted can be taken by the time the tier moves (``torch.OutOfMemoryError``): the tier stops
+    at what fit, with a warning naming the parameter and the bytes; the entry that did not fit stays off the device,
+    whole (the host tier then takes what it has room for), and training goes on bitwise."""
+    import fuyou_strategy.storage.store as store_module
+
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                     config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+    real, made = store_module.DeviceMemory, []
+
+    def scarce(data):
+        if len(made) >= 4:  # two entries' two slots, then the device is full
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        made.append(data)
+        return real(data)
+
+    monkeypatch.setattr(store_module, "DeviceMemory", scarce)
+    with caplog.at_level("WARNING", logger="fuyou_strategy.optim.state"):
+        held = opt.control.hold_state_on_device(10**9)
+    where = placement(opt)
+    assert where[:2] == ["device", "device"] and "device" not in where[2:], where
+    assert held == opt.store.bytes_on_device == sum(d.numel() for d in made)
+    assert "ram" in where, "the host tier took the room the device tier's moves freed"
+    assert any("device tier stops at" in r.getMessage() and "parameter 2" in r.getMessage() for r in caplog.records)
+    losses, _ = train(model, opt)
+    opt.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name

@@ -40,6 +40,7 @@ commits and rolls back — the last two only after a drain, when no job runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -48,7 +49,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig
+from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig, format_bytes
 from ..device import current_stream, on_stream
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
@@ -60,6 +61,8 @@ from .pipeline import ChunkJob, ChunkPipeline, Later
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "Publish", "UpdateMeter",
            "adamw_kernel", "apply_update"]
+
+log = logging.getLogger(__name__)
 
 ELEMENT_BYTES = STATE_BYTES_PER_PARAM  # fp32: 4 bytes per kind; the chunk size is set in elements at this rate
 FP32 = Layout("fp32")
@@ -297,13 +300,23 @@ class OptimizerState:
         whole, `_tier` afresh) onto their devices, from the SSD or the host tier, and the state of those it no
         longer takes (a smaller tier; a parameter now streamed) out to the SSD; then the host tier takes what
         it has room for of the rest (`hold_in_ram` at its present size). Returns the bytes on the device now.
+        A device that runs out of memory part-way (``torch.OutOfMemoryError``: memory the plan counted is taken)
+        stops the tier's growth there, with a warning: the entry that did not fit stays where it was, whole.
         Bitwise nothing changes on the CPU. Only between steps, with nothing in flight (after `drain`)."""
         keep = self._tier(owned, nbytes, device=True)
         self.leave_device([ps for ps in owned if ps.index not in keep])
         self.store.allow_on_device(nbytes)
         for ps in owned:
             if ps.index in keep and ps.index not in self.on_device:
-                self.store.to_device(ps.entry, ps.param.device)
+                try:
+                    self.store.to_device(ps.entry, ps.param.device)
+                except torch.OutOfMemoryError as exc:
+                    log.warning("fuyou: the optimizer state's device tier stops at %s of the %s asked: %s's state "
+                                "(%s) did not fit in the device's memory (%s); it stays where it was",
+                                format_bytes(self.store.bytes_on_device), format_bytes(nbytes), ps.describe(),
+                                format_bytes(TensorStore.footprint(ps.nbytes, ps.stride, self.slots)),
+                                str(exc).splitlines()[0] if str(exc) else "out of memory")
+                    break
                 self.on_device.add(ps.index)
                 self.in_memory.discard(ps.index)
         with self._holds_lock:
