@@ -134,6 +134,9 @@ MUTANTS = [
     Mutant("device-both-tiers", "the host tier also takes parameters the device tier holds", "optim/state.py",
            "skip = not self._device_eligible(ps) if device else ps.index in self.on_device",
            "skip = not self._device_eligible(ps) if device else False", ("test_device_state.py",)),
+    Mutant("device-oom", "a device out of memory while the tier grows ends the run instead of the tier's growth",
+           "optim/state.py", "                except torch.OutOfMemoryError as exc:",
+           "                except ZeroDivisionError as exc:", ("test_device_state.py",)),
 ]
 
 
