@@ -39,13 +39,31 @@ def placement(opt):
             for ps in opt.adam_state.owned]
 
 
+def beside_torch(family="llama"):
+    """A tiny model and a copy of it trained by torch (`test_schedule.reference`): (model, torch's, torch's losses)."""
+    model = tiny_causal_lm(family)
+    ref_model = copy.deepcopy(model)
+    return model, ref_model, reference(ref_model)
+
+
+def assert_torchs(model, ref_model, losses, ref_losses):
+    """The run's losses and weights are torch's, bitwise."""
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def in_ram_with_no_device_tier(tmp_path, model):
+    """`FuyouAdamW` (``backward``, clipping) with no device tier yet and 96 KiB of host tier, for a test to move."""
+    return FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                      config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+
+
 @pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
 @pytest.mark.parametrize("split", sorted(SPLITS))
 def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split, schedule, slots):
     """Clipping that bites, a non-finite step skipped, three micro-batches accumulated (test_schedule's run)."""
-    model = tiny_causal_lm("llama")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
+    model, ref_model, ref_losses = beside_torch()
     engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
                          config=config(tmp_path, schedule, state_slots=slots, **SPLITS[split]))
     opt = engine.optimizer
@@ -57,9 +75,7 @@ def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split,
     assert on_device > 0 and (in_ram > 0 and on_ssd > 0) == (split == "three"), (on_ssd, in_ram, on_device)
     assert summary["device_bytes_optimizer_state"] == on_device and summary["host_bytes_optimizer_state"] == in_ram
     assert summary["ssd_bytes_optimizer_state"] == on_ssd
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    assert_torchs(model, ref_model, losses, ref_losses)
     assert opt.stats.skips == 1 and opt.stats.steps == STEPS - 1 and opt.stats.clipped >= 1
 
 
@@ -145,11 +161,8 @@ def test_a_save_resumes_into_another_split_with_a_device_tier_exactly(tmp_path):
 def test_the_device_tier_grows_and_shrinks_between_steps_and_changes_no_bit(tmp_path):
     """`OptimizerControl.hold_state_on_device` (what the engine does with the plan's device tier): the state moves
     onto the device from the SSD and from host RAM, and back off it, between steps of one run, bitwise torch's."""
-    model = tiny_causal_lm("llama")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
-    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
-                     config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+    model, ref_model, ref_losses = beside_torch()
+    opt = in_ram_with_no_device_tier(tmp_path, model)
     control, seen = opt.control, []
     sizes = iter([10**9, 96 * 1024, 0, 200 * 1024, 10**9])
 
@@ -164,9 +177,7 @@ def test_the_device_tier_grows_and_shrinks_between_steps_and_changes_no_bit(tmp_
 
     losses, _ = train(model, opt, move)
     opt.close()
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    assert_torchs(model, ref_model, losses, ref_losses)
     everything, some, none = seen[0], seen[1], seen[2]
     assert set(everything[1]) == {"device"} and everything[0] == sum(tiers(opt))
     assert some[1][0] == "device" and "ram" in some[1] and 0 < some[0] <= 96 * 1024
@@ -188,9 +199,7 @@ def test_a_device_tier_gradient_is_read_where_it_is_never_copied_to_the_host(tmp
         return grad
 
     monkeypatch.setattr(Gradients, "staged", spy)
-    model = tiny_causal_lm("llama")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
+    model, ref_model, ref_losses = beside_torch()
     with late_copies(max_delay_ms=2.0, seed=1):
         engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
                              max_grad_norm=MAX_NORM, config=config(tmp_path, "backward", **SPLITS["three"]))
@@ -198,9 +207,7 @@ def test_a_device_tier_gradient_is_read_where_it_is_never_copied_to_the_host(tmp
         where = dict(zip((ps.param for ps in opt.adam_state.owned), placement(opt)))
         losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
         engine.close()
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    assert_torchs(model, ref_model, losses, ref_losses)
     assert read_in_place == {p for p, w in where.items() if w == "device"}
     assert copied == {p for p, w in where.items() if w != "device"}
 
@@ -232,9 +239,7 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     import fuyou_strategy.engine as engine_module
     from fuyou_strategy.planner import Plan
 
-    model = tiny_causal_lm("llama")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
+    model, ref_model, ref_losses = beside_torch()
     said = []
     engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
                          config=config(tmp_path, "backward", host_state=0), report=said.append)
@@ -252,9 +257,7 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     engine.close()
     assert 0 < held <= headroom and engine.config.device_state == held
     assert any("device_state='auto'" in line and "measured peak" in line for line in said), said
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    assert_torchs(model, ref_model, losses, ref_losses)
 
 
 def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothing(tmp_path, monkeypatch, caplog):
@@ -263,11 +266,8 @@ def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothi
     whole (the host tier then takes what it has room for), and training goes on bitwise."""
     import fuyou_strategy.storage.store as store_module
 
-    model = tiny_causal_lm("llama")
-    ref_model = copy.deepcopy(model)
-    ref_losses = reference(ref_model)
-    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
-                     config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+    model, ref_model, ref_losses = beside_torch()
+    opt = in_ram_with_no_device_tier(tmp_path, model)
     real, made = store_module.DeviceMemory, []
 
     def scarce(data):
@@ -286,6 +286,4 @@ def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothi
     assert any("device tier stops at" in r.getMessage() and "parameter 2" in r.getMessage() for r in caplog.records)
     losses, _ = train(model, opt)
     opt.close()
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    assert_torchs(model, ref_model, losses, ref_losses)
