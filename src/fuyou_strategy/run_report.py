@@ -303,7 +303,7 @@ class RunReport:
                "grad_norm": stats.last_grad_norm, "schedule_next_forward": float(stats.last_schedule == NEXT_FORWARD),
                "rollback_rate": stats.rollback_rate, "host_pool_peak_bytes": tiers.pool_peak_bytes,
                # the optimizer state on the device tier (FuyouConfig.device_state), updated there
-               "optimizer_state_device_bytes": opt.store.bytes_on_device,
+               "optimizer_state_device_bytes": tiers.state_on_device_bytes,
                # cumulative: the share of each drive's rated endurance the run has written so far
                "ssd_endurance_used": now["ssd_write_bytes"] / max(1, len(opt.store.run_dirs))
                / (self.config.ssd_endurance_tbw * TB)}

@@ -233,8 +233,11 @@ class Gradients:
     `StreamedGradients`. With several ranks (``sharded``) a rank's own resident gradient is never the one to
     update with: DDP's comm hook hands over the ranks' average as its bucket lands, or ``step()`` sums it."""
 
-    def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool) -> None:
+    def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool,
+                 updates_on_device: Callable[["ParamState"], bool]) -> None:
         self.streamed, self.window, self.sharded = streamed, window, sharded
+        # Whether a parameter's update runs on its device (`OptimizerState.updates_on_device`): its gradient stays.
+        self.updates_on_device = updates_on_device
 
     def on_backward(self, ps: "ParamState", *, speculating: bool,
                     inv_scale: Callable[[], torch.Tensor | None]) -> Grad | None:
@@ -262,7 +265,7 @@ class Gradients:
         stream queued, which computed the gradient), waited for at the update's first read. The buffer
         is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
         Grad. A gradient whose update runs on its device is never copied."""
-        if not read_on_host(tensor) or self.streamed.state.updates_on_device(ps):
+        if not read_on_host(tensor) or self.updates_on_device(ps):
             return Grad(ps, tensor, kind=kind)
         host, landing = self.streamed.copy_out(tensor)
         return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)

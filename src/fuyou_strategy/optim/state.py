@@ -348,9 +348,9 @@ class OptimizerState:
                 sum(e.footprint for e in entries if e.memory is not None))
 
     def device_bytes(self) -> int:
-        """Bytes of state (every slot, with padding) on the device tier."""
-        return sum(e.footprint for name, e in self.store.entries.items()
-                   if name.startswith("adamw.") and e.device is not None)
+        """Bytes of state (every slot, with padding) on the device tier: the store's device entries, which only
+        the state makes."""
+        return self.store.bytes_on_device
 
     def slot_bytes(self, in_memory: bool) -> int:
         """Bytes of one slot of the state in host RAM (``True``) or on the SSD: what a step's updates read

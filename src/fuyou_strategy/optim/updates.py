@@ -99,9 +99,10 @@ class Publisher:
         if ps.grads is not None:  # streamed: its tier copy
             return self.weights.publish(ps.param, k, master)
         start, n = ps.span(k)
-        # Backward is done with this weight. On an accelerator a synchronous copy: an asynchronous one (a cast
-        # into a pinned buffer, copied on the side stream, landed by a helper thread) is faster alone
-        # (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline.
+        # Backward is done with this weight. From a host master to an accelerator a synchronous copy: an
+        # asynchronous one (a cast into a pinned buffer, copied on the side stream, landed by a helper thread) is
+        # faster alone (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline. A
+        # device-tier master is on the device already: a copy there, on the update's stream.
         ps.param.detach().view(-1)[start : start + n].copy_(master)
         return None
 

@@ -141,6 +141,7 @@ class TierFigures:
         ssd_read_bytes, ssd_write_bytes: completed transfers to and from the swap files, ever.
         ssd_reserved_bytes: bytes reserved in the swap files (`TensorStore.bytes_on_disk`).
         state_in_ram_bytes: in-memory entries (the optimizer state's host tier, every slot).
+        state_on_device_bytes: device entries (the optimizer state's device tier, every slot).
         pool_held_bytes, pool_peak_bytes: host pool memory held now, and at most so far.
         pool_budget_bytes: the pool's hard cap (``host_memory_budget``).
         writes_behind, waits_behind: chunks committed while their write was in flight, and reads that waited
@@ -156,6 +157,7 @@ class TierFigures:
     pool_budget_bytes: int
     writes_behind: int
     waits_behind: int
+    state_on_device_bytes: int = 0
 
 
 class MemoryTiers:
@@ -199,7 +201,7 @@ class MemoryTiers:
         store, pool = self.store, self.store.pool
         return TierFigures(store.engine.bytes_read, store.engine.bytes_written, store.bytes_on_disk,
                            store.bytes_in_memory, pool.held, pool.high_water, pool.budget, store.writes_behind,
-                           store.waits_behind)
+                           store.waits_behind, store.bytes_on_device)
 
     def close(self) -> None:
         """Run the borrowers' `on_close` callbacks (last first), then close the store: its swap files are deleted
