@@ -201,6 +201,9 @@ int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, co
 int64_t block_elements() { return kBlock; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)");
+  // Without the GIL: the pass runs on the optimizer's worker while the training thread runs Python (forward,
+  // backward's hooks); holding it would stop that thread for the whole pass. The tensors' owners are the caller's.
+  m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("block_elements", &block_elements, "Elements per block");
 }
