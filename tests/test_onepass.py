@@ -204,6 +204,48 @@ def test_the_gradient_norm_upcast_gives_the_bits_of_torchs_norm_in_fp32(dtype):
     assert torch.equal(grad_norm(g, None), torch.linalg.vector_norm(g, 2, dtype=torch.float32))
 
 
+def test_the_norm_kernel_gives_torchs_norm_bits_over_sizes_dtypes_shapes_and_threads():
+    """`OnePass.norms` is `grad_norm`'s torch path bit for bit: every size around both accumulator widths and
+    long ones, every gradient dtype, tiny to large, with and without unscaling, a 2-D gradient, one gradient alone
+    and many shared out among 1 or 2 intra-op threads; and `grad_norm` takes it for what it `reads`."""
+    one = one_pass()
+    assert one.norm_layout in onepass.NORM_LAYOUTS, "torch's norm order on this machine is not one the pass knows"
+    gen = torch.Generator().manual_seed(5)
+    sizes = [*range(1, 70), 255, 256, 257, 4095, 4097, 65535, 65537, 1_000_003]
+    grads = [(torch.randn(n, generator=gen) * scale).to(dtype) for n in sizes for scale in (1e-6, 1e-2, 30.0)
+             for dtype in DTYPES]
+    grads.append((torch.randn(768, 3072, generator=gen) * 1e-2).to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    try:
+        for inv_scale in (None, torch.tensor(2.0 ** -12)):
+            want = [grad_norm(g, inv_scale) for g in grads]  # torch's path (no kernel)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                got = one.norms(grads, inv_scale)
+                wrong = [(g.dtype, tuple(g.shape)) for g, a, b in zip(grads, got, want) if not torch.equal(a, b)]
+                assert not wrong, (inv_scale, n_threads, wrong[:5])
+            for g, w in zip(grads[::7], want[::7]):
+                assert one.reads(g) and torch.equal(grad_norm(g, inv_scale, one), w)
+    finally:
+        torch.set_num_threads(threads)
+    assert not one.reads(torch.randn(8, 8).t()) and not one.reads(torch.randn(8, dtype=torch.float64))
+
+
+def test_a_norm_order_that_differs_from_torchs_is_not_used(monkeypatch):
+    """With only a layout torch does not sum in to try, `find_norm_layout` finds none: `reads` takes nothing, and
+    `grad_norm` gives torch's own norm."""
+    one = one_pass()
+    found = one.norm_layout
+    wrong = next(layout for layout in onepass.NORM_LAYOUTS if layout != found)
+    monkeypatch.setattr(onepass, "NORM_LAYOUTS", (wrong,))
+    try:
+        assert onepass.find_norm_layout(one) is None and not one.reads(torch.randn(100))
+        g = torch.randn(1001)
+        assert torch.equal(grad_norm(g, None, one), torch.linalg.vector_norm(g, 2))
+    finally:
+        one.norm_layout = found
+
+
 @pytest.mark.slow
 def test_the_avx2_build_gives_torchs_bits_where_torch_dispatches_avx2(tmp_path):
     """``ATEN_CPU_CAPABILITY=avx2`` makes torch dispatch its AVX2 kernels: the pass is built for AVX2 (its own

@@ -202,7 +202,7 @@ class FuyouAdamW(torch.optim.Optimizer):
                 self.state[ps.param]["step"] = torch.tensor(0.0)
             self.window = Window()
             streamed = StreamedGradients(self.adam_state, self.window, keep_free=shares.optimizer_readahead,
-                                         timeout=config.io_timeout)
+                                         timeout=config.io_timeout, norm_kernel=kernel[0])
             self.updates = Updater(self.adam_state, self.state, self.window, streamed, fused=self.fused,
                                    release_grads=release_grads and max_grad_norm is None and shards is None,
                                    clipping=max_grad_norm is not None, scaler=self.scaler, one_pass=kernel[0])

@@ -41,6 +41,7 @@ from .formats import scratch
 from .pipeline import ChunkJob
 
 if TYPE_CHECKING:
+    from .onepass import OnePass
     from .state import OptimizerState, ParamState
     from .weights import StreamedWeights
     from .window import Window
@@ -57,14 +58,19 @@ def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor
 NORM_UPCAST_MAX = 64 * 2**20  # bytes of fp32: a bf16/fp16 gradient up to this size is upcast for its norm
 
 
-def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None, kernel: "OnePass | None" = None) -> torch.Tensor:
     """The per-tensor norm ``clip_grad_norm_`` computes on the CPU (of the unscaled gradient), in fp32.
+
+    With ``kernel`` (the one pass's build, `onepass.OnePass.norms`) and a gradient it `reads`, the same bits from
+    one read of the gradient in its own dtype.
 
     A bf16 or fp16 gradient of up to `NORM_UPCAST_MAX` bytes in fp32 is upcast first, into the thread's scratch
     (`formats.scratch`: kept, so no page faults): torch's fp32 norm then takes its vectorised path, faster than
     ``vector_norm(..., dtype=float32)`` on the half-width tensor, with the same bits (``tests/test_onepass.py``
     checks it over sizes, shapes and dtypes). Larger ones are not, so that the scratch stays bounded; nor is
     one on an accelerator (the scratch is host memory)."""
+    if kernel is not None and kernel.reads(grad):
+        return kernel.norms([grad], inv_scale)[0]
     if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX or grad.device.type != "cpu":
         return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
     g = scratch(grad.numel(), torch.float32)[0].view(grad.shape)
@@ -111,11 +117,11 @@ class Grad:
         self._landed()
         return self.flat[start : start + n]
 
-    def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
-        """The gradient's norm (`grad_norm`), taken where the gradient is: a device tier's stays on the device
-        (the worker does not wait for it; `Parts.total_norm` brings the norms to the host at ``step()``)."""
+    def norm(self, inv_scale: torch.Tensor | None, kernel: "OnePass | None" = None) -> torch.Tensor:
+        """The gradient's norm (`grad_norm`, with ``kernel``), taken where the gradient is: a device tier's stays on
+        the device (the worker does not wait for it; `Parts.total_norm` brings the norms to the host at ``step()``)."""
         self._landed()
-        return grad_norm(self.flat.view(self.shape), inv_scale)
+        return grad_norm(self.flat.view(self.shape), inv_scale, kernel)
 
     def _landed(self) -> None:
         if self.landing is not None:
@@ -149,8 +155,10 @@ class StreamedGradients:
     gradient entry for ``step()``.
     """
 
-    def __init__(self, state: "OptimizerState", window: "Window", *, keep_free: int, timeout: float) -> None:
+    def __init__(self, state: "OptimizerState", window: "Window", *, keep_free: int, timeout: float,
+                 norm_kernel: "OnePass | None" = None) -> None:
         self.state, self.window = state, window
+        self.norm_kernel = norm_kernel  # takes the norms where it reads the gradient (`grad_norm`)
         self.keep_free = keep_free  # a gradient's host copy leaves the worker room to read ahead
         self.timeout = timeout
         self.streamer: StreamedWeights | None = None  # the WeightStreamer whose meter counts the device bytes (`attach`)
@@ -198,7 +206,7 @@ class StreamedGradients:
 
         def keep(k: int) -> Future:
             if k == 0 and norm:
-                norms[ps.index] = grad_norm(flat.view(param.shape), inv_scale)
+                norms[ps.index] = grad_norm(flat.view(param.shape), inv_scale, self.norm_kernel)
             start, n = ps.span(k)
             fut = self.write(ps, k, flat[start : start + n])
             if k == last:
@@ -236,6 +244,7 @@ class Gradients:
     def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool,
                  updates_on_device: Callable[["ParamState"], bool]) -> None:
         self.streamed, self.window, self.sharded = streamed, window, sharded
+        self.norm_kernel = streamed.norm_kernel
         # Whether a parameter's update runs on its device (`OptimizerState.updates_on_device`): its gradient stays.
         self.updates_on_device = updates_on_device
 
@@ -280,10 +289,16 @@ class Gradients:
 
     def resident_norms(self, params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept), on the
-        host: one on an accelerator is copied for its norm, one at a time (the update copies it again)."""
-        norms = {}
-        for ps in params:
-            if ps.grads is None and ps.param.grad is not None:
+        host: those the norm kernel reads all at once, shared out among the calling thread's intra-op threads (torch's
+        norm of one tensor is one thread's); one on an accelerator is copied for its norm, one at a time (the
+        update copies it again)."""
+        resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
+        kernel = self.norm_kernel
+        read = [ps for ps in resident if kernel is not None and kernel.reads(ps.param.grad)]
+        norms = dict(zip((ps.index for ps in read), kernel.norms([ps.param.grad for ps in read], inv_scale))) if read \
+            else {}
+        for ps in resident:
+            if ps.index not in norms:
                 grad = self.staged(ps, ps.param.grad)
                 try:
                     norms[ps.index] = grad.norm(inv_scale)

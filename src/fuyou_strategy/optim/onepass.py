@@ -18,6 +18,12 @@ matched ``torch._fused_adamw_`` bit for bit on this machine (`check`): a check o
 hyperparameters, unscale and clip factors and ragged lengths, at load. The last elements of a chunk that do
 not fill a vector block go through torch's own kernel (torch's scalar tail).
 
+The same build takes the gradients' norms (`OnePass.norms`): torch's ``vector_norm`` order, which is sequential
+and so single-threaded in torch, on one thread per gradient with the gradients shared out among the caller's
+threads, and a bf16 or fp16 gradient read in its own dtype rather than upcast first. Its order depends on how torch
+was built (how many accumulators, how the compiler built the last elements' loop), so `find_norm_layout` tries the
+known layouts against torch at load; with none matching, the norms are torch's own.
+
 ``FuyouConfig.update_kernel`` chooses: ``"auto"`` takes the pass when it builds and checks out on this
 machine (else torch's kernel, saying why), ``"one_pass"`` requires it, ``"torch"`` never builds it.
 
@@ -43,7 +49,7 @@ import torch
 from ..config import ConfigError
 from .kernels import adamw_kernel, fp32_gradient
 
-__all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS"]
+__all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS", "NORM_LAYOUTS"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -54,6 +60,12 @@ CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
+
+# The orders torch's CPU L2 norm of a contiguous fp32 tensor may sum in, as `grad_norms` takes them: (accumulators,
+# tail group). The last ``size % accumulators`` elements are added one by one, the first ``tail - tail % group`` of
+# them as rounded squares and the rest with a fused multiply-add; a group larger than any tail: all fused.
+NORM_LAYOUTS = ((8, 4), (16, 4), (16, 8), (8, 1), (16, 1), (8, 16), (16, 16))
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()  # guards _found: one build at a time, one result per capability for the process
 _found: dict[str, "tuple[OnePass | None, str]"] = {}
@@ -73,6 +85,22 @@ class OnePass:
     def __init__(self, module: Any, capability: str) -> None:
         self.module, self.capability = module, capability
         self.block = int(module.block_elements())
+        # torch's norm order on this machine (`find_norm_layout`), set once at load; None: `norms` is not used
+        self.norm_layout: tuple[int, int] | None = None
+
+    def reads(self, grad: torch.Tensor) -> bool:
+        """Whether `norms` takes ``grad``: its layout was found, and ``grad`` is a contiguous fp32, bf16 or fp16
+        CPU tensor."""
+        return (self.norm_layout is not None and grad.device.type == "cpu" and grad.dtype in _NORM_DTYPES
+                and grad.is_contiguous())
+
+    def norms(self, grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each gradient's L2 norm, 0-d fp32, bitwise `gradients.grad_norm` (``vector_norm`` of the gradient in
+        fp32, times ``inv_scale`` when given); every gradient one that `reads` takes. One gradient runs on the
+        calling thread; several are shared out among its intra-op threads, one thread per gradient."""
+        lanes, group = self.norm_layout
+        scale = None if inv_scale is None else float(inv_scale)
+        return list(self.module.grad_norms(grads, scale, lanes, group).unbind())
 
     def update(self, master_in: torch.Tensor, exp_avg_in: torch.Tensor, exp_avg_sq_in: torch.Tensor,
                grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -128,7 +156,12 @@ def _build(capability: str) -> "tuple[OnePass | None, str]":
     wrong = check(one)
     if wrong is not None:
         return None, f"the one-pass update built for {capability} but {wrong}; torch's kernel runs"
-    return one, f"built for {capability} and bitwise torch's fused kernel on this machine"
+    one.norm_layout = find_norm_layout(one)
+    if one.norm_layout is None:
+        return one, (f"built for {capability} and bitwise torch's fused kernel on this machine; torch's norm sums in "
+                     "none of the orders the pass knows, so the gradients' norms are torch's own")
+    return one, (f"built for {capability} and bitwise torch's fused kernel and norm on this machine (the norm's "
+                 f"layout: {one.norm_layout})")
 
 
 def cache_dir() -> Path:
@@ -198,6 +231,29 @@ def check(one: OnePass, trials: int = 12) -> str | None:
                 return f"{name} differed from torch's kernel in {int((a != b).sum())} of {n} elements"
         if not torch.equal(weight, want[0].to(weight.dtype)):
             return f"the {weight.dtype} weight differed from the master's cast"
+    return None
+
+
+def find_norm_layout(one: OnePass) -> tuple[int, int] | None:
+    """The first of `NORM_LAYOUTS` whose norms are torch's bit for bit on gradients of every length up to three
+    times the widest layout's accumulators (every tail of every layout) and a few long ones, in each dtype, with
+    and without an unscale factor, over magnitudes from 1e-4 to 1e2; ``None`` if none is."""
+    gen = torch.Generator().manual_seed(4321)
+    cases: dict[float | None, tuple[list, list]] = {None: ([], []), 2.0**-7: ([], [])}  # unscale: grads, torch's
+    for i, n in enumerate([*range(1, 49), 1000, 4099, 65537, 2**20 + 11]):
+        size = 10.0 ** float(torch.empty(()).uniform_(-4, 2, generator=gen))
+        grad = (torch.randn(n, generator=gen) * size).to(_NORM_DTYPES[i % 3])
+        inv_scale = (None, 2.0**-7)[i % 2]
+        fp32 = grad.to(torch.float32)
+        grads, norms = cases[inv_scale]
+        grads.append(grad)
+        norms.append(torch.linalg.vector_norm(fp32 if inv_scale is None else fp32 * torch.tensor(inv_scale), 2))
+    for layout in NORM_LAYOUTS:
+        one.norm_layout = layout
+        if all(torch.equal(torch.stack(one.norms(grads, None if inv is None else torch.tensor(inv))).view(torch.int32),
+                           torch.stack(norms).view(torch.int32)) for inv, (grads, norms) in cases.items()):
+            return layout
+    one.norm_layout = None
     return None
 
 

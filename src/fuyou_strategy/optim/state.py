@@ -401,6 +401,7 @@ class OptimizerState:
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
+        norm_kernel = one_pass  # the norm's bits do not depend on where the update runs (`grad_norm`)
         on_device = ps.index in self.on_device
         with self._holds_lock:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
@@ -421,7 +422,7 @@ class OptimizerState:
 
         def compute(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
-                norm(grad.norm(inv_scale))
+                norm(grad.norm(inv_scale, norm_kernel))
             start, n = ps.span(k)
             state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)

@@ -1,5 +1,6 @@
 // One pass of AdamW over a chunk of optimizer state, out of place: read the master, the two moments and the
-// gradient once; write the new master, moments and the compute-dtype weight once.
+// gradient once; write the new master, moments and the compute-dtype weight once. And the gradients' norms as
+// torch takes them, reading a bf16 or fp16 gradient in its own dtype (grad_norms, at the end).
 //
 // The arithmetic is torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, fp32, ADAMW mode,
 // no amsgrad, no maximize) statement for statement, on at::vec::Vectorized<float> of the same CPU capability
@@ -15,8 +16,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -158,6 +162,121 @@ void check(const at::Tensor& t, const char* name, int64_t n, bool fp32) {
   TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, "adamw_pass: ", name, " must be float32");
 }
 
+// -- Gradient norms as torch takes them ----------------------------------------------------------------------
+// torch.linalg.vector_norm(g, 2) of a contiguous fp32 CPU tensor sums in a fixed order, single-threaded:
+// `lanes` fp32 accumulators, accumulator j adding the rounded square of every element at j modulo `lanes`, in
+// order (no fused multiply-add); the accumulators folded left to right; then the last size % lanes elements added
+// one by one, the first `rounded` of them as rounded squares and the others with a fused multiply-add (how the
+// compiler built torch's scalar loop); the square root last. The layout (`lanes`, `rounded` for each tail length)
+// depends on how torch was built, so the caller finds it by comparing with torch at load and uses none that differs.
+// A bf16 or fp16 gradient is widened (exact) and, given `inv_scale`, multiplied by it in fp32 (as `unscaled`), so
+// its norm is that of the fp32 gradient `grad_norm` would make, without making it: one read of 2 bytes per element.
+
+// A value the compiler must have computed (rounded) before its next use: no contraction of `a + x * x` into a fused
+// multiply-add, whatever -ffp-contract says. No instruction is emitted. The asm operand must fit one vector register,
+// so a wider GCC vector (16 floats under AVX2) is pinned a register's width at a time.
+#if defined(__AVX512F__)
+#define FUYOU_REGISTER_BYTES 64
+#else
+#define FUYOU_REGISTER_BYTES 32
+#endif
+typedef float RegisterLanes __attribute__((vector_size(FUYOU_REGISTER_BYTES), may_alias));
+
+template <typename V>
+inline void rounded_here(V& v) {
+  if constexpr (sizeof(V) <= FUYOU_REGISTER_BYTES) {
+    asm("" : "+x"(v));
+  } else {
+    static_assert(sizeof(V) % FUYOU_REGISTER_BYTES == 0, "a whole number of registers");
+    RegisterLanes* part = reinterpret_cast<RegisterLanes*>(&v);
+    for (size_t i = 0; i < sizeof(V) / FUYOU_REGISTER_BYTES; i++) asm("" : "+x"(part[i]));
+  }
+}
+
+// The elements [0, m) of `g` as fp32 (times `inv` when `has_inv`): `g` itself when nothing changes, else widened into
+// `buf` (a vector at a time, the last few one by one; both exact but for the fp32 multiply, rounded alike).
+template <typename T>
+const float* widened(const T* g, int64_t m, bool has_inv, float inv, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!has_inv) return g;
+  }
+  int64_t k = 0;
+  for (; k + kBlock <= m; k += kBlock) {
+    fVec a, b;
+    load2(g + k, a, b);
+    if (has_inv) {
+      a = a * fVec(inv);
+      b = b * fVec(inv);
+    }
+    a.store(buf + k);
+    b.store(buf + k + fVec::size());
+  }
+  for (; k < m; k++) buf[k] = has_inv ? static_cast<float>(g[k]) * inv : static_cast<float>(g[k]);
+  return buf;
+}
+
+// The accumulators, one vector of L floats (GCC's vector extension: its + and * are per lane).
+typedef float Lanes8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float Lanes16 __attribute__((vector_size(16 * sizeof(float))));
+
+template <typename T, int64_t L>
+float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_group) {
+  using Lanes = std::conditional_t<L == 8, Lanes8, Lanes16>;
+  static_assert(sizeof(Lanes) == L * sizeof(float), "one accumulator per lane");
+  constexpr int64_t kWiden = 64 * kBlock;  // elements widened at a time: 8 KiB of fp32, in the L1 cache
+  alignas(64) float buf[kWiden];
+  Lanes acc = {};
+  const int64_t whole = size - size % L;
+  for (int64_t d0 = 0; d0 < whole; d0 += kWiden) {
+    const int64_t m = std::min(kWiden, whole - d0);  // a multiple of L
+    const float* x = widened(g + d0, m, has_inv, inv, buf);
+    for (int64_t d = 0; d < m; d += L) {
+      Lanes v;
+      std::memcpy(&v, x + d, sizeof(Lanes));
+      Lanes sq = v * v;
+      rounded_here(sq);
+      acc = acc + sq;
+    }
+  }
+  float lanes[L];
+  std::memcpy(lanes, &acc, sizeof(Lanes));
+  float total = lanes[0];
+  for (int64_t j = 1; j < L; j++) total = total + lanes[j];
+  const int64_t tail = size - whole, rounded = tail - tail % tail_group;
+  for (int64_t d = whole; d < size; d++) {
+    float x = static_cast<float>(g[d]);
+    if (has_inv) x = x * inv;
+    if (d - whole < rounded) {
+      float sq = x * x;
+      rounded_here(sq);
+      total = total + sq;
+    } else {
+      total = std::fma(x, x, total);
+    }
+  }
+  return std::sqrt(total);
+}
+
+
+template <typename T>
+float norm_lanes(const T* g, int64_t size, bool has_inv, float inv, int64_t lanes, int64_t tail_group) {
+  switch (lanes) {
+    case 8: return norm_of<T, 8>(g, size, has_inv, inv, tail_group);
+    case 16: return norm_of<T, 16>(g, size, has_inv, inv, tail_group);
+    default: TORCH_CHECK(false, "grad_norms: lanes must be 8 or 16, got ", lanes);  // checked by grad_norms
+  }
+}
+
+float norm_one(const at::Tensor& t, bool has_inv, float inv, int64_t lanes, int64_t tail_group) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return norm_lanes(t.data_ptr<float>(), t.numel(), has_inv, inv, lanes, tail_group);
+    case at::kBFloat16: return norm_lanes(t.data_ptr<at::BFloat16>(), t.numel(), has_inv, inv, lanes, tail_group);
+    case at::kHalf: return norm_lanes(t.data_ptr<at::Half>(), t.numel(), has_inv, inv, lanes, tail_group);
+    default: TORCH_CHECK(false, "grad_norms: a gradient must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+
 }  // namespace
 
 // Updates the first `blocks * block_elements()` elements; returns that count.
@@ -198,12 +317,44 @@ int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, co
   return blocks * kBlock;
 }
 
+// Each tensor's norm (above), into an fp32 tensor of as many elements. Each norm is one thread's (its order is
+// sequential); the tensors are shared out among the caller's intra-op threads, each taking the next one left.
+at::Tensor grad_norms(const std::vector<at::Tensor>& grads, c10::optional<double> inv_scale, int64_t lanes,
+                      int64_t tail_group) {
+  for (const auto& t : grads) {  // checked here: an error in a parallel task would name no tensor
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "grad_norms: every gradient must be a contiguous CPU tensor");
+    const auto dtype = t.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "grad_norms: a gradient must be float32, bfloat16 or float16, got ", dtype);
+  }
+  TORCH_CHECK(lanes == 8 || lanes == 16, "grad_norms: lanes must be 8 or 16, got ", lanes);
+  TORCH_CHECK(tail_group >= 1, "grad_norms: tail_group must be at least 1, got ", tail_group);
+  const int64_t n = static_cast<int64_t>(grads.size());
+  at::Tensor out = at::empty({n}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const bool has_inv = inv_scale.has_value();
+  const float inv = static_cast<float>(inv_scale.value_or(1.0));
+  if (n == 1) {
+    o[0] = norm_one(grads[0], has_inv, inv, lanes, tail_group);
+    return out;
+  }
+  std::atomic<int64_t> next{0};  // the next tensor to take: shared by the threads, each index taken once
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      o[i] = norm_one(grads[i], has_inv, inv, lanes, tail_group);
+    }
+  });
+  return out;
+}
+
 int64_t block_elements() { return kBlock; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the pass runs on the optimizer's worker while the training thread runs Python (forward,
   // backward's hooks); holding it would stop that thread for the whole pass. The tensors' owners are the caller's.
   m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_elements", &block_elements, "Elements per block");
 }
