@@ -1,7 +1,7 @@
 """Before/after of one fuyou system, with torch beside it: the same peers-harness run from two source trees.
 
 ``old`` puts ``--old-src`` (another checkout's ``src``, e.g. a ``git worktree`` of the commit before a change)
-first on ``PYTHONPATH``; ``new`` is this checkout. Each round runs torch, new and old, each a fresh process of
+first on ``PYTHONPATH``; ``new`` is this checkout, or ``--new-src``. Each round runs torch, new and old, each a fresh process of
 ``benchmarks.peers`` (which preloads jemalloc), in an order that alternates between rounds (torch, new, old;
 then old, new, torch) so that the machine's drift falls on both sides. Every run's JSON is kept as
 ``<out>/<variant>-r<round>.json``; ``summary.json`` and the printed table pool the timed steps per variant
@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> None:
     for r in range(1, args.rounds + 1):
         for variant in VARIANTS if r % 2 else VARIANTS[::-1]:
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            if variant == "old":
-                env["PYTHONPATH"] = os.path.abspath(args.old_src)
+            if variant == "old" or (variant == "new" and args.new_src):
+                env["PYTHONPATH"] = os.path.abspath(args.old_src if variant == "old" else args.new_src)
             where = os.path.join(scratch, f"{variant}-r{r}")
             cmd = [sys.executable, "-m", "benchmarks.peers", "--sizes", args.size, "--dtype", args.dtype,
                    "--systems", "torch" if variant == "torch" else args.system, "--batch", str(args.batch),
@@ -80,6 +80,8 @@ def summarise(root: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old-src", help="the source tree (a checkout's src/) to run as 'old'")
+    p.add_argument("--new-src", help="the source tree to run as 'new' (default: the installed package, this "
+                   "checkout when installed editable); one apart lets this checkout change while the rounds run")
     p.add_argument("--system", default="fuyou-state-ssd", help="the peers harness's fuyou system to compare")
     p.add_argument("--size", default="350M")
     p.add_argument("--dtype", default="fp32")
