@@ -137,6 +137,12 @@ MUTANTS = [
     Mutant("device-oom", "a device out of memory while the tier grows ends the run instead of the tier's growth",
            "optim/state.py", "                except torch.OutOfMemoryError as exc:",
            "                except ZeroDivisionError as exc:", ("test_device_state.py",)),
+    Mutant("norm-tail-rounded", "the norm kernel rounds the last elements' squares where torch's loop fuses them",
+           "optim/csrc/adamw_pass.cpp", "      total = std::fma(x, x, total);", "      total = total + x * x;",
+           ("test_onepass.py",)),
+    Mutant("norms-unscaled", "step()'s norms of the resident gradients leave out the loss scale",
+           "optim/gradients.py", "kernel.norms([ps.param.grad for ps in read], inv_scale)",
+           "kernel.norms([ps.param.grad for ps in read], None)", ("test_schedule.py", "test_device_state.py")),
 ]
 
 
