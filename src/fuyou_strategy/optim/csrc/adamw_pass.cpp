@@ -117,14 +117,17 @@ void pass(const float* master_in, const float* exp_avg_in, const float* exp_avg_
   const bool sm = streams(master_out, master_in), sa = streams(exp_avg_out, exp_avg_in),
              ss = streams(exp_avg_sq_out, exp_avg_sq_in), sw = streams(weight_out, master_in);
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    // A copy the stores below cannot alias (the caller's `h` could be written through a float*, for all the
+    // compiler knows), so its constants are loaded and converted once, not at every block.
+    const Hyper hl = h;
     for (int64_t d = b0 * kBlock; d < b1 * kBlock; d += kBlock) {
       fVec g1, g2;
       load2(grad + d, g1, g2);
       fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
       fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
       fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
-      adamw_vec(p1, g1, m1, v1, h);
-      adamw_vec(p2, g2, m2, v2, h);
+      adamw_vec(p1, g1, m1, v1, hl);
+      adamw_vec(p2, g2, m2, v2, hl);
       store2(master_out + d, p1, p2, sm);
       store2(exp_avg_out + d, m1, m2, sa);
       store2(exp_avg_sq_out + d, v1, v2, ss);
