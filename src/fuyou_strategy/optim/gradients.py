@@ -242,9 +242,9 @@ class Gradients:
     update with: DDP's comm hook hands over the ranks' average as its bucket lands, or ``step()`` sums it."""
 
     def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool,
-                 updates_on_device: Callable[["ParamState"], bool]) -> None:
+                 updates_on_device: Callable[["ParamState"], bool], norm_kernel: "OnePass | None" = None) -> None:
         self.streamed, self.window, self.sharded = streamed, window, sharded
-        self.norm_kernel = streamed.norm_kernel
+        self.norm_kernel = norm_kernel  # takes the resident gradients' norms it reads (`resident_norms`)
         # Whether a parameter's update runs on its device (`OptimizerState.updates_on_device`): its gradient stays.
         self.updates_on_device = updates_on_device
 
@@ -295,8 +295,9 @@ class Gradients:
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
         kernel = self.norm_kernel
         read = [ps for ps in resident if kernel is not None and kernel.reads(ps.param.grad)]
-        norms = dict(zip((ps.index for ps in read), kernel.norms([ps.param.grad for ps in read], inv_scale))) if read \
-            else {}
+        norms = {}
+        if read:
+            norms = dict(zip((ps.index for ps in read), kernel.norms([ps.param.grad for ps in read], inv_scale)))
         for ps in resident:
             if ps.index not in norms:
                 grad = self.staged(ps, ps.param.grad)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .gradients import grad_norm
 from .kernels import adamw_kernel, fp32_gradient
 
 __all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS", "NORM_LAYOUTS"]
@@ -239,19 +240,18 @@ def find_norm_layout(one: OnePass) -> tuple[int, int] | None:
     times the widest layout's accumulators (every tail of every layout) and a few long ones, in each dtype, with
     and without an unscale factor, over magnitudes from 1e-4 to 1e2; ``None`` if none is."""
     gen = torch.Generator().manual_seed(4321)
-    cases: dict[float | None, tuple[list, list]] = {None: ([], []), 2.0**-7: ([], [])}  # unscale: grads, torch's
+    cases: dict[torch.Tensor | None, tuple[list, list]] = {None: ([], []), torch.tensor(2.0**-7): ([], [])}
     for i, n in enumerate([*range(1, 49), 1000, 4099, 65537, 2**20 + 11]):
         size = 10.0 ** float(torch.empty(()).uniform_(-4, 2, generator=gen))
         grad = (torch.randn(n, generator=gen) * size).to(_NORM_DTYPES[i % 3])
-        inv_scale = (None, 2.0**-7)[i % 2]
-        fp32 = grad.to(torch.float32)
-        grads, norms = cases[inv_scale]
+        inv_scale = list(cases)[i % 2]
+        grads, norms = cases[inv_scale]  # the unscale factor's gradients and their norms by torch
         grads.append(grad)
-        norms.append(torch.linalg.vector_norm(fp32 if inv_scale is None else fp32 * torch.tensor(inv_scale), 2))
+        norms.append(grad_norm(grad, inv_scale))  # torch's path, which the kernel's norms replace
     for layout in NORM_LAYOUTS:
         one.norm_layout = layout
-        if all(torch.equal(torch.stack(one.norms(grads, None if inv is None else torch.tensor(inv))).view(torch.int32),
-                           torch.stack(norms).view(torch.int32)) for inv, (grads, norms) in cases.items()):
+        if all(torch.equal(torch.stack(one.norms(grads, inv)).view(torch.int32), torch.stack(norms).view(torch.int32))
+               for inv, (grads, norms) in cases.items()):
             return layout
     one.norm_layout = None
     return None
