@@ -50,7 +50,7 @@ from ..config import ConfigError
 from .gradients import grad_norm
 from .kernels import adamw_kernel, fp32_gradient
 
-__all__ = ["OnePass", "choose", "load", "CAPABILITY_FLAGS", "NORM_LAYOUTS"]
+__all__ = ["OnePass", "choose", "load", "step_count", "CAPABILITY_FLAGS", "NORM_LAYOUTS"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -109,14 +109,43 @@ class OnePass:
                coef: torch.Tensor | None, lr: float, beta1: float, beta2: float, weight_decay: float,
                eps: float) -> None:
         n = master.numel()
-        count = float((step + 1).item())  # torch's kernel reads its (incremented) step tensor as a float
         done = self.module.adamw_pass(master_in, exp_avg_in, exp_avg_sq_in, grad, master, exp_avg, exp_avg_sq, weight,
                                       n, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
-                                      count, None if inv_scale is None else float(inv_scale),
+                                      step_count(step), None if inv_scale is None else float(inv_scale),
                                       None if coef is None else float(coef))
-        if done == n:
-            return
-        # The ragged end: torch's kernel, in place on the outputs (its scalar tail, as in torch's own run).
+        if done < n:
+            self._tail(done, master_in, exp_avg_in, exp_avg_sq_in, grad, master, exp_avg, exp_avg_sq, weight, step=step,
+                       inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                       eps=eps)
+
+    def update_chunk(self, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
+                     grad: torch.Tensor, weight: torch.Tensor | None, *, n: int, step: torch.Tensor, count: float,
+                     inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
+                     beta2: float, weight_decay: float, eps: float) -> None:
+        """`update` of one state chunk as the store holds it (`formats.Layout` ``"fp32"``), with no view made here
+        but for a ragged end: ``out`` is the chunk's fp32 values, the master, ``exp_avg`` and ``exp_avg_sq`` of
+        ``n`` elements each in turn, written from ``source`` (the same layout; ``None``: ``out``, in place), the
+        master read from ``master_in`` when given; ``count`` is ``step + 1`` as a float (`step_count`), taken once
+        per parameter."""
+        done = self.module.adamw_chunk(out, source, master_in, grad, weight, n, float(lr), float(beta1), float(beta2),
+                                       float(weight_decay), float(eps), count,
+                                       None if inv_scale is None else float(inv_scale),
+                                       None if coef is None else float(coef))
+        if done < n:
+            src = out if source is None else source
+            self._tail(done, src[:n] if master_in is None else master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
+                       out[:n], out[n : 2 * n], out[2 * n : 3 * n], weight, step=step, inv_scale=inv_scale, coef=coef,
+                       lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+
+    @staticmethod
+    def _tail(done: int, master_in: torch.Tensor, exp_avg_in: torch.Tensor, exp_avg_sq_in: torch.Tensor,
+              grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              weight: torch.Tensor | None, *, step: torch.Tensor, inv_scale: torch.Tensor | None,
+              coef: torch.Tensor | None, lr: float, beta1: float, beta2: float, weight_decay: float,
+              eps: float) -> None:
+        """The ragged end after the pass's ``done`` elements: torch's kernel, in place on the outputs (its scalar
+        tail, as in torch's own run)."""
+        n = master.numel()
         tail = slice(done, n)
         for src, dst in ((master_in, master), (exp_avg_in, exp_avg), (exp_avg_sq_in, exp_avg_sq)):
             if src.data_ptr() != dst.data_ptr():
@@ -125,6 +154,11 @@ class OnePass:
                      fused=True, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
         if weight is not None:
             weight[tail].copy_(master[tail])
+
+
+def step_count(step: torch.Tensor) -> float:
+    """The step count an update completes, as torch's kernel reads its (incremented) fp32 step tensor: a float."""
+    return float((step + 1).item())
 
 
 def load() -> "tuple[OnePass | None, str]":
@@ -220,9 +254,11 @@ def check(one: OnePass, trials: int = 12) -> str | None:
         want = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
         adamw_kernel(want[0], fp32_gradient(grad, inv_scale, coef), want[1], want[2], step, fused=True, **hyper)
         weight = torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2])
-        if t % 4 == 3:  # in place
-            got = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
-            one.update(*got, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        if t % 4 == 3:  # in place, on a chunk as the store holds it
+            chunk = torch.cat([master, exp_avg, exp_avg_sq])
+            one.update_chunk(chunk, None, None, grad, weight, n=n, step=step, count=step_count(step), inv_scale=inv_scale,
+                             coef=coef, **hyper)
+            got = list(chunk.split(n))
         else:
             got = [torch.empty(n) for _ in range(3)]
             one.update(master, exp_avg, exp_avg_sq, grad, *got, weight, step=step, inv_scale=inv_scale, coef=coef,

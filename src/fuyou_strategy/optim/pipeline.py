@@ -425,7 +425,7 @@ class ChunkPipeline:
             fut.add_done_callback(_release_buffer)
             return
         with trace.span("optimizer", "wait for read"):
-            landed = wait([fut], timeout=self.timeout).done
+            landed = fut.done() or wait([fut], timeout=self.timeout).done  # an in-memory chunk's is done at once
         if not landed:
             fut.add_done_callback(_release_buffer)
             self._error = TimeoutError(

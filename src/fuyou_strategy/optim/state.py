@@ -56,7 +56,7 @@ from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_v
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
 from .kernels import adamw_kernel, fp32_gradient
-from .onepass import OnePass
+from .onepass import OnePass, step_count
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "Publish", "UpdateMeter",
@@ -159,9 +159,9 @@ class Publish(Protocol):
     def __call__(self, ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
         """Copy chunk ``k``'s new ``master`` into the weight; a future if that completes later."""
 
-    def into(self, ps: ParamState, k: int) -> torch.Tensor | None:
-        """The elements chunk ``k``'s weight is copied into, when a one-pass update may write them itself (a
-        resident host parameter's); ``None``: call the publisher."""
+    def into(self, ps: ParamState) -> torch.Tensor | None:
+        """The parameter's elements (flat) the chunks' weights are copied into, when a one-pass update may write
+        them itself (a resident host parameter's); ``None``: call the publisher."""
 
 
 class GradChunks(Protocol):
@@ -409,6 +409,10 @@ class OptimizerState:
         flat = ps.param.detach().view(-1) if from_param else None
         if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
             one_pass = None  # its arithmetic is the fused kernel's on fp32 moments, on the host
+        # Once per parameter, not per chunk: the count the update completes, and the parameter's elements a one-pass
+        # update writes the new weight into itself.
+        count = step_count(step) if one_pass is not None else None
+        into = publish.into(ps) if one_pass is not None else None
         # On the device: its kernel takes the step count, clip and unscale factors there, and runs on the stream of
         # the thread that queues the update (the one backward computed the gradient on, which the next forward's
         # kernels follow too); the master and moments stay on the device.
@@ -424,19 +428,19 @@ class OptimizerState:
             if k == 0 and norm is not None:
                 norm(grad.norm(inv_scale, norm_kernel))
             start, n = ps.span(k)
-            state = ps.views(buf, k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
             began = time.perf_counter()
             source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
             if one_pass is not None and raw.device.type == "cpu" and raw.is_contiguous():
-                was = ps.layout.views(source, n) if source is not None else state
-                weight = publish.into(ps, k)
-                one_pass.update(flat[start : start + n] if flat is not None else was["master"], was["exp_avg"],
-                                was["exp_avg_sq"], raw, state["master"], state["exp_avg"], state["exp_avg_sq"], weight,
-                                step=step, inv_scale=inv_scale, coef=coef, **hyper)
-                futures = [publish(ps, k, state["master"])] if weight is None else []
-                del was, weight
+                state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
+                weight = into[start : start + n] if into is not None else None
+                one_pass.update_chunk(state, source.view(torch.float32) if source is not None else None,
+                                      flat[start : start + n] if flat is not None else None, raw, weight, n=n,
+                                      step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
+                futures = [publish(ps, k, state[:n])] if weight is None else []
+                del weight
             else:
+                state = ps.views(buf, k)
                 if source is not None:  # lent unfilled: the device tier's (its copy on the stream), or a one-pass
                     buf.view().copy_(source)  # update's that cannot run on this gradient
                 if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)

@@ -106,11 +106,10 @@ class Publisher:
         ps.param.detach().view(-1)[start : start + n].copy_(master)
         return None
 
-    def into(self, ps: ParamState, k: int) -> torch.Tensor | None:
-        """A resident parameter's elements of chunk ``k`` when they are in host memory (a one-pass update writes
-        them in its pass); ``None`` for a streamed one or one on an accelerator."""
+    def into(self, ps: ParamState) -> torch.Tensor | None:
+        """A resident parameter's elements (flat) when they are in host memory (a one-pass update writes each
+        chunk's in its pass); ``None`` for a streamed one or one on an accelerator."""
         p = ps.param
         if ps.grads is not None or p.device.type != "cpu" or not p.is_contiguous():
             return None
-        start, n = ps.span(k)
-        return p.detach().view(-1)[start : start + n]
+        return p.detach().view(-1)

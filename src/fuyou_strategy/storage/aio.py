@@ -26,7 +26,7 @@ from .. import trace
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
-__all__ = ["StorageIOError", "SwapFile", "IOEngine", "byte_view", "gather", "then", "filesystem_type"]
+__all__ = ["StorageIOError", "SwapFile", "IOEngine", "DONE", "byte_view", "completed", "gather", "then", "filesystem_type"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
@@ -86,13 +86,27 @@ class SwapFile:
             return self._buffered_fd
 
 
+DONE: Future = Future()  # completed with None: shared, as nothing can change a finished future (`completed`)
+DONE.set_result(None)
+
+
+def completed(result: object = None, error: BaseException | None = None) -> Future:
+    """A future completed at once with ``result`` (or ``error``): `DONE` for ``None``, which costs no lock to make
+    (a host-tier transfer is a copy made before it returns; a chunk's bookkeeping makes several a step)."""
+    if error is None and result is None:
+        return DONE
+    fut: Future = Future()
+    fut.set_exception(error) if error is not None else fut.set_result(result)
+    return fut
+
+
 def gather(futures: Sequence[Future], result: object = None) -> Future:
     """One future that completes when all ``futures`` have, with the first error if any; never early on an
     error, since a sibling transfer may still use its buffer."""
+    if all(f.done() for f in futures):  # at once, as the callbacks below would run (in this order): no lock
+        return completed(result, next((e for e in (CancelledError() if f.cancelled() else f.exception() for f in futures)
+                                  if e is not None), None))
     out: Future = Future()
-    if not futures:
-        out.set_result(result)
-        return out
     lock = threading.Lock()
     state = {"left": len(futures), "error": None}
 
@@ -128,7 +142,10 @@ def then(fut: Future, fn: Callable[[Future], object]) -> Future:
         else:
             out.set_result(result)
 
-    fut.add_done_callback(done)
+    if fut.done():  # what add_done_callback would do, in this thread, without keeping the callback
+        done(fut)
+    else:
+        fut.add_done_callback(done)
     return out
 
 

@@ -41,7 +41,8 @@ class HostBuffer:
         self._pool = pool
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        return self.data[: self.nbytes].view(dtype)
+        data = self.data if self.nbytes == self.capacity else self.data[: self.nbytes]  # no view where none is needed
+        return data if dtype == torch.uint8 else data.view(dtype)
 
     def release(self) -> None:
         data, self.data = self.data, None

@@ -39,6 +39,7 @@ import torch
 from ..config import PAGE, FuyouConfig, format_bytes, settled
 from ..device import transfer
 from .aio import IOEngine, SwapFile, gather, then
+from .aio import completed as _done
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
@@ -996,13 +997,6 @@ def _copy(entry: Entry, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
     else:
         transfer(dst, src, after_compute=True)
-
-
-def _done(result: object, error: BaseException | None = None) -> Future:
-    """A future completed at once (a host-tier transfer is a copy made before it returns)."""
-    fut: Future = Future()
-    fut.set_exception(error) if error is not None else fut.set_result(result)
-    return fut
 
 
 def rank_path(path: str) -> str:

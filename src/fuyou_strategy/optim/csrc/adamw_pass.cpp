@@ -320,6 +320,23 @@ int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, co
   return blocks * kBlock;
 }
 
+// `adamw_pass` on one state chunk as the store holds it (`formats.Layout("fp32")`): `out` is the chunk's fp32 values,
+// master, exp_avg and exp_avg_sq of `n` elements each, one after the other, written from `source` (the same layout;
+// none: `out` itself, in place) and `grad`, the master read from `master_in` when given (a parameter holding it).
+// One call with the views made here: each view made in Python costs microseconds, several per chunk.
+int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& source,
+                    const c10::optional<at::Tensor>& master_in, const at::Tensor& grad,
+                    const c10::optional<at::Tensor>& weight_out, int64_t n, double lr, double beta1, double beta2,
+                    double weight_decay, double eps, double step, c10::optional<double> inv_scale,
+                    c10::optional<double> coef) {
+  const at::Tensor& in = source.has_value() ? *source : out;
+  check(out, "out", 3 * n, true);
+  check(in, "source", 3 * n, true);
+  return adamw_pass(master_in.has_value() ? *master_in : in.narrow(0, 0, n), in.narrow(0, n, n), in.narrow(0, 2 * n, n),
+                    grad, out.narrow(0, 0, n), out.narrow(0, n, n), out.narrow(0, 2 * n, n), weight_out, n, lr, beta1,
+                    beta2, weight_decay, eps, step, inv_scale, coef);
+}
+
 // Each tensor's norm (above), into an fp32 tensor of as many elements. Each norm is one thread's (its order is
 // sequential); the tensors are shared out among the caller's intra-op threads, each taking the next one left.
 at::Tensor grad_norms(const std::vector<at::Tensor>& grads, c10::optional<double> inv_scale, int64_t lanes,
@@ -356,6 +373,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the pass runs on the optimizer's worker while the training thread runs Python (forward,
   // backward's hooks); holding it would stop that thread for the whole pass. The tensors' owners are the caller's.
   m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_chunk", &adamw_chunk, "adamw_pass on one fp32 state chunk (see adamw_chunk)",
         py::call_guard<py::gil_scoped_release>());
   m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
