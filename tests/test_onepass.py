@@ -89,6 +89,93 @@ def test_the_weight_may_be_the_master_it_reads():
     assert torch.equal(master, want[0]) and torch.equal(param, want[0]) and torch.equal(exp_avg_sq, want[2])
 
 
+def test_the_chunk_form_gives_the_same_bits_from_the_stores_layout():
+    """`OnePass.update_chunk` on a chunk as the store holds it (master, exp_avg, exp_avg_sq one after the other, the
+    views made in C++): in place, out of place from a source chunk, with the master read from a parameter, with and
+    without a weight, on lengths with and without a ragged end; torch's fused kernel's bits each time."""
+    one = one_pass()
+    gen = torch.Generator().manual_seed(5)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+    for t, n in enumerate((one.block, 7 * one.block + 5, 1, 3 * one.block - 1, 64 * one.block)):
+        master, exp_avg, exp_avg_sq = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, \
+            torch.rand(n, generator=gen) * 1e-4
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3])
+        step, inv_scale = torch.tensor(float(t)), torch.tensor(2.0 ** -t) if t % 2 else None
+        coef = torch.tensor(0.25) if t % 3 == 2 else None
+        want = [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+        torch_update(*want, grad, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        kw = dict(n=n, step=step, count=onepass.step_count(step), inv_scale=inv_scale, coef=coef, **hyper)
+        chunk = torch.cat([master, exp_avg, exp_avg_sq, torch.full((7,), 5.0)])  # padded, as a page-rounded chunk
+        weight = torch.empty(n, dtype=torch.bfloat16)
+        one.update_chunk(chunk, None, None, grad, weight, **kw)  # in place
+        assert torch.equal(chunk[: 3 * n].view(torch.int32), torch.cat(want).view(torch.int32)), (t, "in place")
+        assert torch.equal(weight, want[0].to(torch.bfloat16)) and torch.equal(chunk[3 * n :], torch.full((7,), 5.0))
+        source, out = torch.cat([master, exp_avg, exp_avg_sq]), torch.empty(3 * n)
+        one.update_chunk(out, source, None, grad, None, **kw)  # into the shadow slot, from the active one
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), (t, "out of place")
+        assert torch.equal(source, torch.cat([master, exp_avg, exp_avg_sq]))  # read, never written
+        param, source[:n] = master.clone(), float("nan")  # the parameter holds the master: the chunk's is not read
+        out = torch.empty(3 * n)
+        one.update_chunk(out, source, param, grad, param, **kw)
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), (t, "from the parameter")
+        assert torch.equal(param, want[0])
+    with pytest.raises(RuntimeError, match="out must be a contiguous CPU tensor of at least"):
+        one.update_chunk(torch.empty(5), None, None, torch.zeros(2), None, **dict(kw, n=2))
+
+
+def test_queued_gradients_norms_are_taken_together_with_torchs_bits():
+    """`PendingNorms`: the first update's `take` takes its gradient's norm with every other kept one the kernel reads,
+    whose bytes are in place, under the same unscale factor: one call of the kernel, each norm `grad_norm`'s torch
+    bits; the others' takes then compute nothing. A gradient still landing, one under another factor, one the
+    kernel does not read and one a queued job still adds to (not ``final``) are left to their own take."""
+    from types import SimpleNamespace
+
+    from fuyou_strategy.optim.gradients import Grad, PendingNorms
+
+    one = one_pass()
+    if one.norm_layout is None:
+        pytest.skip("torch's norm order here is none the kernel knows: the norms are torch's own")
+    calls = []
+
+    class Counted:  # the kernel, counting its norm calls
+        def reads(self, g):
+            return one.reads(g)
+
+        def norms(self, grads, inv_scale):
+            calls.append(len(grads))
+            return one.norms(grads, inv_scale)
+
+    class Landing:  # a device copy still in flight until waited for
+        waited = False
+
+        def landed(self):
+            return False
+
+        def wait(self):
+            self.waited = True
+
+    gen = torch.Generator().manual_seed(3)
+    inv = torch.tensor(2.0 ** -7)
+    sizes = (1000, 4097, 33, 20000, 77, 5000, 300, 999)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.float32, torch.float64, torch.float32,
+              torch.bfloat16)
+    grads = [(torch.randn(n, generator=gen) * 10.0).to(d) for n, d in zip(sizes, dtypes)]
+    landing = Landing()
+    got, pending = {}, PendingNorms()
+    for i, g in enumerate(grads):
+        grad = Grad(SimpleNamespace(param=torch.nn.Parameter(torch.empty(g.shape, dtype=g.dtype))), g,
+                    landing=landing if i == 4 else None, final=i != 7)
+        pending.keep(i, grad, torch.tensor(2.0 ** -3) if i == 6 else inv, lambda v, i=i: got.__setitem__(i, v))
+    pending.take(0, Counted())
+    assert calls == [4] and sorted(got) == [0, 1, 2, 3]  # not the landing one, the float64 one, the other factor
+    for i in range(1, 8):
+        pending.take(i, Counted())
+    assert calls == [4, 1, 1, 1] and sorted(got) == list(range(8)) and landing.waited  # 4, 6, 7 alone; 5 torch's
+    for i, g in enumerate(grads):
+        want = grad_norm(g, torch.tensor(2.0 ** -3) if i == 6 else inv)
+        assert torch.equal(got[i].view(torch.int32), want.view(torch.int32)), (i, g.dtype)
+
+
 @pytest.mark.parametrize("schedule,split", [("backward", "all"), ("next_forward", "all"), ("backward", "none"),
                                             ("next_forward", "none"), ("auto", "mixed")])
 def test_training_with_the_one_pass_is_bitwise_torchs_and_the_same_as_torchs_kernel(tmp_path, schedule, split):

@@ -598,6 +598,33 @@ def test_gather_completes_when_a_future_is_cancelled():
         gather([finished, cancelled]).result(timeout=5)
 
 
+def test_gather_and_then_of_futures_already_done_complete_at_once_as_their_callbacks_would():
+    """Done futures (a host-tier transfer's) are gathered without callbacks or a lock: the first error in their
+    order, else the result; `then` runs its function at once on the calling thread. A result of None is the one
+    shared `aio.DONE`, which nothing can change."""
+    ok, bad, worse = Future(), Future(), Future()
+    ok.set_result(1)
+    bad.set_exception(ValueError("first"))
+    worse.set_exception(KeyError("second"))
+    assert gather([ok, ok], result="r").result(timeout=0) == "r"
+    with pytest.raises(ValueError, match="first"):
+        gather([ok, bad, worse]).result(timeout=0)
+    assert gather([ok]) is aio.DONE and aio.completed() is aio.DONE and aio.completed("x").result(timeout=0) == "x"
+    assert not aio.DONE.cancel() and aio.DONE.result(timeout=0) is None
+    seen = []
+    out = aio.then(ok, lambda f: seen.append(threading.current_thread()) or f.result() + 1)
+    assert seen == [threading.current_thread()] and out.result(timeout=0) == 2
+    with pytest.raises(ZeroDivisionError):
+        aio.then(ok, lambda f: 1 / 0).result(timeout=0)
+    later, other = Future(), Future()  # not all done: the first to fail, whenever it completes
+    gathered = gather([later, other, ok])
+    assert not gathered.done()
+    other.set_exception(KeyError("done first"))
+    later.set_exception(ValueError("done second"))
+    with pytest.raises(KeyError, match="done first"):
+        gathered.result(timeout=5)
+
+
 def test_a_run_directory_that_cannot_be_removed_is_reported(tmp_path, monkeypatch, caplog):
     from fuyou_strategy.storage import rundir
 

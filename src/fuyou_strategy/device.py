@@ -206,6 +206,12 @@ class Copy:
     def __init__(self, event: torch.Event | None = None, late: "_LateCopy | None" = None) -> None:
         self._event, self._late = event, late
 
+    def landed(self) -> bool:
+        """Whether the copy is over (landed or failed: `wait` says which) now, without waiting."""
+        if self._late is not None:
+            return self._late.done.is_set()
+        return self._event is None or self._event.query()
+
     def wait(self, timeout: float = COPY_TIMEOUT) -> None:
         """Block the calling thread (not the device's compute stream) until the copy landed; raises
         `TimeoutError` after ``timeout`` seconds, and the copy's own error if it failed."""

@@ -30,6 +30,7 @@ the state's worker. What it records for the window (``Window.partial``, ``Window
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from .weights import StreamedWeights
     from .window import Window
 
-__all__ = ["Grad", "Gradients", "StreamedGradients", "grad_norm", "unscaled"]
+__all__ = ["Grad", "Gradients", "PendingNorms", "StreamedGradients", "grad_norm", "unscaled"]
 
 
 def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Grad:
 
     def __init__(self, ps: "ParamState", tensor: torch.Tensor | None = None, *, host: HostBuffer | None = None,
                  entry: str | None = None, kind: str = "resident", staging: HostBuffer | None = None,
-                 landing: Copy | None = None) -> None:
+                 landing: Copy | None = None, final: bool = True) -> None:
         self.shape, self.dtype, self.kind = ps.param.shape, ps.param.dtype, kind
         self.flat = tensor.reshape(-1) if tensor is not None else None
         self.host, self.entry = host, entry
@@ -99,6 +100,9 @@ class Grad:
         # Grad; ``landing``: its copy, waited for before the first read. Set before the Grad is handed to
         # the worker, then read and cleared by the worker alone (the job queue orders the two threads).
         self.staging, self.landing = staging, landing
+        # False: a job queued on the worker before the update still adds to the bytes (a streamed gradient's
+        # partial sum), so that only the update's own job may read them (`ready`).
+        self.final = final
 
     @classmethod
     def stored(cls, ps: "ParamState") -> "Grad":
@@ -124,9 +128,21 @@ class Grad:
         return grad_norm(self.flat.view(self.shape), inv_scale, kernel)
 
     def _landed(self) -> None:
+        """Wait until the gradient's bytes are in place (a staged copy landed); the worker's."""
         if self.landing is not None:
             self.landing.wait()  # raises the copy's error, or TimeoutError if the device is stuck
             self.landing = None
+
+    def ready(self) -> bool:
+        """Whether the gradient's bytes are all in place now, without waiting: it is ``final`` and its copy
+        landed; a copy that failed is not (the update that reads it raises its error). The worker's."""
+        if not self.final or self.landing is not None and not self.landing.landed():
+            return False
+        try:
+            self._landed()
+        except BaseException:  # noqa: BLE001 - left for the update that reads this gradient to raise
+            return False
+        return True
 
     def release(self) -> None:
         if self.host is not None:
@@ -144,6 +160,56 @@ class Grad:
                 pass
             self.staging.release()
             self.staging = None
+
+
+class PendingNorms:
+    """The gradients of one window's queued speculative updates whose norms are still to be taken, for the worker
+    to take several at once (`take`). torch's norm of one gradient is one thread's, so one taken per update ran on
+    one of the worker's threads while its others waited; the norm kernel shares several gradients out among them,
+    one thread each, with the same bits.
+
+    Threads: `keep` runs on the thread that queues the update, before the job is submitted; `take` on the worker.
+    ``_lock`` guards ``_kept`` (index -> gradient, unscale factor, that factor as a float, and where its norm
+    goes): each gradient is taken out of it once, by whichever `take` finds it first, and its norm recorded once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, tuple[Grad, torch.Tensor | None, float | None, Callable[[torch.Tensor], None]]] = {}
+
+    def keep(self, index: int, grad: Grad, inv_scale: torch.Tensor | None,
+             record: Callable[[torch.Tensor], None]) -> None:
+        """Gradient ``index``'s norm is to be taken before its update, unscaled by ``inv_scale``, and handed to
+        ``record``."""
+        scale = None if inv_scale is None else float(inv_scale)
+        with self._lock:
+            self._kept[index] = (grad, inv_scale, scale, record)
+
+    def take(self, index: int, kernel: "OnePass | None") -> None:
+        """Record the norm of gradient ``index`` (`Grad.norm`) unless an earlier `take` did. With ``kernel`` and a
+        gradient it reads, every other kept one it reads under the same unscale factor whose bytes are in place
+        (`Grad.ready`) is taken in the same call of the kernel."""
+        with self._lock:
+            mine = self._kept.pop(index, None)
+            if mine is None:
+                return  # taken with an earlier update's
+            grad, inv_scale, scale, record = mine
+            batch = {index: mine}
+            if kernel is not None and kernel.reads(grad.flat):
+                for i, (g, _t, s, _r) in list(self._kept.items()):
+                    if s == scale and kernel.reads(g.flat) and g.ready():
+                        batch[i] = self._kept.pop(i)
+        if len(batch) == 1:
+            record(grad.norm(inv_scale, kernel))
+            return
+        try:
+            grad._landed()
+            norms = kernel.norms([kept[0].flat for kept in batch.values()], inv_scale)
+        except BaseException:
+            with self._lock:  # the others' updates take their own (and raise their own errors)
+                self._kept.update((i, kept) for i, kept in batch.items() if i != index)
+            raise
+        for kept, value in zip(batch.values(), norms):
+            kept[3](value)
 
 
 class StreamedGradients:
@@ -197,8 +263,9 @@ class StreamedGradients:
 
             self.state.run(ChunkJob(ps.grads, ps.nchunks, add, fence=True))  # after the last write of it
         if now:
+            final = ps.index not in window.partial  # else the job above adds the partial sum first
             window.partial.discard(ps.index)
-            return Grad(ps, flat, host=host, kind="streamed")
+            return Grad(ps, flat, host=host, kind="streamed", final=final)
         window.partial.add(ps.index)
         if norm:  # next_forward: step() needs the window's norm (the last micro-batch's sum: a later one overwrites it)
             window.norms[ps.index] = None

@@ -256,8 +256,8 @@ def check(one: OnePass, trials: int = 12) -> str | None:
         weight = torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2])
         if t % 4 == 3:  # in place, on a chunk as the store holds it
             chunk = torch.cat([master, exp_avg, exp_avg_sq])
-            one.update_chunk(chunk, None, None, grad, weight, n=n, step=step, count=step_count(step), inv_scale=inv_scale,
-                             coef=coef, **hyper)
+            one.update_chunk(chunk, None, None, grad, weight, n=n, step=step, count=step_count(step),
+                             inv_scale=inv_scale, coef=coef, **hyper)
             got = list(chunk.split(n))
         else:
             got = [torch.empty(n) for _ in range(3)]

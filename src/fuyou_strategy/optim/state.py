@@ -166,13 +166,11 @@ class Publish(Protocol):
 
 class GradChunks(Protocol):
     """What an update reads of its gradient (`gradients.Grad`): the store entries to read alongside the state,
-    each chunk, and the gradient's norm."""
+    and each chunk."""
 
     extra: tuple[str, ...]
 
     def chunk(self, start: int, n: int, stored: HostBuffer | None) -> torch.Tensor: ...
-
-    def norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class UpdateMeter:
@@ -378,7 +376,7 @@ class OptimizerState:
     def update_job(self, ps: ParamState, grad: GradChunks, *, step: torch.Tensor, fused: bool, exact: bool,
                    coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
                    keep: Callable[[ParamState, int, torch.Tensor], Future] | None = None,
-                   norm: Callable[[torch.Tensor], None] | None = None,
+                   norm: Callable[[], None] | None = None,
                    finished: Callable[[], None] | None = None, one_pass: OnePass | None = None) -> ChunkJob:
         """A job applying ``ps``'s AdamW update chunk by chunk on the worker.
 
@@ -388,8 +386,8 @@ class OptimizerState:
         landed. Per chunk: the gradient is unscaled (``inv_scale``, `GradScaler.unscale_`) and clipped
         (``coef``, ``clip_grad_norm_``'s in-place multiply) in fp32, the kernel runs, the new master goes
         to ``publish`` and, with ``keep``, the raw gradient chunk to ``keep`` (a redo may need it again).
-        ``norm`` gets the gradient as the norm sees it, before the first chunk; ``finished`` runs after
-        the last chunk (it releases what the gradient held).
+        ``norm`` takes the gradient's norm (`gradients.PendingNorms.take`) before the first chunk; ``finished``
+        runs after the last chunk (it releases what the gradient held).
 
         ``one_pass`` (`onepass.OnePass`; with ``fused`` and fp32 moments): each chunk is one pass over memory,
         the same bits: the master and moments read where they are (the active chunk, lent unfilled into the
@@ -401,7 +399,6 @@ class OptimizerState:
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
-        norm_kernel = one_pass  # the norm's bits do not depend on where the update runs (`grad_norm`)
         on_device = ps.index in self.on_device
         with self._holds_lock:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
@@ -426,7 +423,7 @@ class OptimizerState:
 
         def compute(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
             if k == 0 and norm is not None:
-                norm(grad.norm(inv_scale, norm_kernel))
+                norm()
             start, n = ps.span(k)
             raw = grad.chunk(start, n, stored[0] if stored else None)
             began = time.perf_counter()

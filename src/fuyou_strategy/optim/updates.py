@@ -63,12 +63,17 @@ class Updater:
         Returns the job (an exact one's ``done`` completes once it landed)."""
         speculative = coef is None and not exact
         record = speculative and grad.kind != "stored"  # its norm goes into the window's, for step()
-        norms = self.window.norms
+        norms, unmeasured, kernel = self.window.norms, self.window.unmeasured, self.one_pass
         if record:
             norms[ps.index] = None
 
-        def norm(value: torch.Tensor) -> None:
-            norms[ps.index] = value
+            def put(value: torch.Tensor) -> None:
+                norms[ps.index] = value
+
+            unmeasured.keep(ps.index, grad, self.inv_scale(), put)
+
+        def norm() -> None:  # on the worker, before the first chunk: with other gradients' where it can
+            unmeasured.take(ps.index, kernel)
 
         param = ps.param
         keep = self.streamed.write if grad.host is not None and self.clipping else None

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .gradients import PendingNorms
+
 if TYPE_CHECKING:
     from .state import ParamState
 
@@ -40,6 +42,7 @@ class Window:
         self.scaled = False  # the window's backward ran scaled (fp16 loss scaling)
         self.late: BaseException | None = None  # a gradient accumulated again after its update was queued
         self.norms: dict[int, torch.Tensor | None] = {}  # index -> gradient norm, of each queued update
+        self.unmeasured = PendingNorms()  # the gradients whose norms the worker has still to take for ``norms``
         self.partial: set[int] = set()  # streamed gradients whose entry holds this window's sum so far
         self.schedule: Any = None
         self.reason = ""  # why the schedule was chosen
@@ -61,11 +64,12 @@ class Window:
     def take(self) -> tuple[dict[int, torch.Tensor | None], BaseException | None]:
         """The queued norms and the late error, cleared (the training thread, after a drain)."""
         norms, late = self.norms, self.late
-        self.norms, self.late = {}, None
+        self.norms, self.late, self.unmeasured = {}, None, PendingNorms()  # the jobs queued so far keep the old ones
         return norms, late
 
     def forget(self) -> None:
         """Drop this window's queued norms, partial sums and late error."""
         self.norms.clear()
+        self.unmeasured = PendingNorms()
         self.partial.clear()
         self.late = None
