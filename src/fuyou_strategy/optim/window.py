@@ -14,6 +14,8 @@ needed because no two of these touch the same key at the same time):
 - ``partial`` is changed by autograd's thread during backward only;
 - the training thread reads and clears ``norms``, ``partial`` and ``late`` only between backwards and
   after draining the worker (`take`, `forget`): no job and no hook runs then;
+- ``unmeasured`` (`gradients.PendingNorms`) has a lock of its own; the training thread replaces it in `take` and
+  `forget`, and the jobs queued before keep the one they were given;
 - ``updates``, ``scaled`` and ``schedule`` are the training thread's.
 
 The optimizer never rebinds its `Window`: a wrapper that borrows the optimizer's methods with a

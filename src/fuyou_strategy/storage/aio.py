@@ -26,7 +26,8 @@ from .. import trace
 from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 
-__all__ = ["StorageIOError", "SwapFile", "IOEngine", "DONE", "byte_view", "completed", "gather", "then", "filesystem_type"]
+__all__ = ["StorageIOError", "SwapFile", "IOEngine", "DONE", "byte_view", "completed", "gather", "then",
+           "filesystem_type"]
 
 log = logging.getLogger("fuyou_strategy.storage")
 
@@ -104,8 +105,8 @@ def gather(futures: Sequence[Future], result: object = None) -> Future:
     """One future that completes when all ``futures`` have, with the first error if any; never early on an
     error, since a sibling transfer may still use its buffer."""
     if all(f.done() for f in futures):  # at once, as the callbacks below would run (in this order): no lock
-        return completed(result, next((e for e in (CancelledError() if f.cancelled() else f.exception() for f in futures)
-                                  if e is not None), None))
+        errors = (CancelledError() if f.cancelled() else f.exception() for f in futures)
+        return completed(result, next((e for e in errors if e is not None), None))
     out: Future = Future()
     lock = threading.Lock()
     state = {"left": len(futures), "error": None}

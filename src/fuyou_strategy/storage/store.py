@@ -38,8 +38,7 @@ import torch
 
 from ..config import PAGE, FuyouConfig, format_bytes, settled
 from ..device import transfer
-from .aio import IOEngine, SwapFile, gather, then
-from .aio import completed as _done
+from .aio import IOEngine, SwapFile, completed, gather, then
 from .pool import HostBuffer, HostBufferPool, round_up
 from .rundir import make_run_dir, remove_run_dir
 
@@ -724,7 +723,7 @@ class TensorStore:
                 into.release()
             raise
         if lend is not None and entry.memory is not None and into is None and prefix is None:
-            return _done(self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill))
+            return completed(self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill))
         buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
         if entry.memory is not None:  # host RAM or a device: a copy, done when this returns
             try:
@@ -732,7 +731,7 @@ class TensorStore:
             except BaseException:
                 buf.release()
                 raise
-            return _done(buf)
+            return completed(buf)
         d, offset = entry.location(k, phys)
         head = min(skip, length) // PAGE * PAGE
         try:
@@ -758,7 +757,7 @@ class TensorStore:
             try:
                 entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
             except BaseException as exc:
-                self._end_write(entry, dst, k, _done(None, exc))
+                self._end_write(entry, dst, k, completed(None, exc))
                 raise
         start, length = k * entry.stride, entry.chunk_len(k)
         chunk = LentChunk(entry.memory[dst].data[start : start + round_up(length)], length, self, entry, dst, k,
@@ -774,7 +773,7 @@ class TensorStore:
             if chunk.entry.lent.get(chunk.k) is not chunk:  # closed already (or by a rollback)
                 return
             del chunk.entry.lent[chunk.k]
-            self._finish_write(chunk.entry, chunk.slot, chunk.k, _done(None, error))
+            self._finish_write(chunk.entry, chunk.slot, chunk.k, completed(None, error))
 
     def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
         """Write chunk ``k`` from ``buf`` (a pool buffer of ``chunk_len(k)`` bytes) into ``slot`` (``"shadow"``:
@@ -788,18 +787,18 @@ class TensorStore:
                 raise StorageError(f"entry {name!r} chunk {k}: a chunk lent for {buf.entry.name!r} chunk {buf.k} "
                                    "goes back where it was lent")
             buf.written()
-            return _done(None)
+            return completed(None)
         if entry.memory is not None:  # host RAM or a device: a copy, recorded as written before the future completes
             self._begin_write(entry, phys, k)
             try:
                 _copy(entry, entry.chunk_memory(k, phys), buf.view())
             except BaseException as exc:
-                self._end_write(entry, phys, k, _done(None, exc))
+                self._end_write(entry, phys, k, completed(None, exc))
                 raise
             finally:
                 if release:
                     buf.release()
-            fut = _done(None)
+            fut = completed(None)
             self._end_write(entry, phys, k, fut)
             return fut
         d, offset = entry.location(k, phys)
@@ -921,7 +920,7 @@ class TensorStore:
             for e in entries:  # shadow chunks lent in memory and never handed back (a worker that died): given up
                 for k, chunk in [(k, c) for k, c in e.lent.items() if c.slot != e.active]:
                     del e.lent[k]
-                    self._finish_write(e, chunk.slot, k, _done(None, StorageError("rolled back")))
+                    self._finish_write(e, chunk.slot, k, completed(None, StorageError("rolled back")))
             busy = [e.name for e in entries if e.inflight[1 - e.active]]
             if busy:
                 raise StorageError(f"cannot roll back while shadow writes are in flight for {busy[:5]}")
