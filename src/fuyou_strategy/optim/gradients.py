@@ -179,7 +179,7 @@ class PendingNorms:
     def keep(self, index: int, grad: Grad, inv_scale: torch.Tensor | None,
              record: Callable[[torch.Tensor], None]) -> None:
         """Gradient ``index``'s norm is to be taken before its update, unscaled by ``inv_scale``, and handed to
-        ``record``."""
+        ``record``. The updater keeps only gradients the kernel reads: every `take` scans what is kept."""
         scale = None if inv_scale is None else float(inv_scale)
         with self._lock:
             self._kept[index] = (grad, inv_scale, scale, record)

@@ -110,9 +110,8 @@ class OnePass:
                eps: float) -> None:
         n = master.numel()
         done = self.module.adamw_pass(master_in, exp_avg_in, exp_avg_sq_in, grad, master, exp_avg, exp_avg_sq, weight,
-                                      n, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
-                                      step_count(step), None if inv_scale is None else float(inv_scale),
-                                      None if coef is None else float(coef))
+                                      n, *_scalars(lr, beta1, beta2, weight_decay, eps, step_count(step), inv_scale,
+                                                   coef))
         if done < n:
             self._tail(done, master_in, exp_avg_in, exp_avg_sq_in, grad, master, exp_avg, exp_avg_sq, weight, step=step,
                        inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
@@ -127,10 +126,8 @@ class OnePass:
         ``n`` elements each in turn, written from ``source`` (the same layout; ``None``: ``out``, in place), the
         master read from ``master_in`` when given; ``count`` is ``step + 1`` as a float (`step_count`), taken once
         per parameter."""
-        done = self.module.adamw_chunk(out, source, master_in, grad, weight, n, float(lr), float(beta1), float(beta2),
-                                       float(weight_decay), float(eps), count,
-                                       None if inv_scale is None else float(inv_scale),
-                                       None if coef is None else float(coef))
+        done = self.module.adamw_chunk(out, source, master_in, grad, weight, n,
+                                       *_scalars(lr, beta1, beta2, weight_decay, eps, count, inv_scale, coef))
         if done < n:
             src = out if source is None else source
             self._tail(done, src[:n] if master_in is None else master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
@@ -154,6 +151,13 @@ class OnePass:
                      fused=True, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
         if weight is not None:
             weight[tail].copy_(master[tail])
+
+
+def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, count: float,
+             inv_scale: torch.Tensor | None, coef: torch.Tensor | None) -> tuple:
+    """The pass's scalar arguments, in its order: hyperparameters, step count, unscale and clip factors (or None)."""
+    return (float(lr), float(beta1), float(beta2), float(weight_decay), float(eps), count,
+            None if inv_scale is None else float(inv_scale), None if coef is None else float(coef))
 
 
 def step_count(step: torch.Tensor) -> float:

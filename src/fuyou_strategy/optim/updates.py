@@ -63,23 +63,31 @@ class Updater:
         Returns the job (an exact one's ``done`` completes once it landed)."""
         speculative = coef is None and not exact
         record = speculative and grad.kind != "stored"  # its norm goes into the window's, for step()
-        norms, unmeasured, kernel = self.window.norms, self.window.unmeasured, self.one_pass
+        inv_scale, kernel = self.inv_scale(), self.one_pass
+        norm = None  # takes the norm on the worker, before the first chunk
         if record:
+            norms = self.window.norms
             norms[ps.index] = None
 
             def put(value: torch.Tensor) -> None:
                 norms[ps.index] = value
 
-            unmeasured.keep(ps.index, grad, self.inv_scale(), put)
+            if kernel is not None and kernel.reads(grad.flat):  # with the other queued gradients' (`PendingNorms`)
+                unmeasured = self.window.unmeasured
+                unmeasured.keep(ps.index, grad, inv_scale, put)
 
-        def norm() -> None:  # on the worker, before the first chunk: with other gradients' where it can
-            unmeasured.take(ps.index, kernel)
+                def norm() -> None:
+                    unmeasured.take(ps.index, kernel)
+            else:  # one the kernel does not read (a device tier's, taken on the device): alone, never scanned again
+
+                def norm() -> None:
+                    put(grad.norm(inv_scale, kernel))
 
         param = ps.param
         keep = self.streamed.write if grad.host is not None and self.clipping else None
         job = self.state.update_job(ps, grad, step=self.steps[param]["step"].clone(), fused=self.fused, exact=exact,
-                                    coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(), keep=keep,
-                                    norm=norm if record else None, finished=grad.release,
+                                    coef=coef, inv_scale=inv_scale, publish=self.publisher(), keep=keep,
+                                    norm=norm, finished=grad.release,
                                     one_pass=self.one_pass)
         if self.release_grads and speculative and ps.grads is None:  # no redo can need it
             # Dropped here, on the thread that has the gradient, never by the worker: ``.grad`` belongs to the
