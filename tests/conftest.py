@@ -293,7 +293,7 @@ def compute_device():
 
 # The suites that move tensors between the device and the host: each of their tests runs twice, with copies as
 # they are (``[now]``) and with every copy landing late (``[late]``, marker ``late_copies``: the late-copy test
-# mode, `fuyou_strategy.device.late_copies`, with FUYOU_ASYNC_DEVICE set for the processes the test starts), where
+# mode, set by `copies` below, with FUYOU_ASYNC_DEVICE set for the processes the test starts), where
 # a missing wait fails (docs/gpu.md). The optimizer, activation swapping, weight streaming, schedules and the
 # device module; data parallel (test_distributed.py) passed in the mode too but is left out (its ranks make it
 # the slowest). A run with FUYOU_ASYNC_DEVICE already set runs them once, in that mode.
@@ -304,21 +304,30 @@ LATE_COPY_MS = "2"  # the largest delay of a late copy, in milliseconds (FUYOU_A
 
 def pytest_generate_tests(metafunc):
     if metafunc.definition.path.name in DEVICE_SUITES and not os.environ.get("FUYOU_ASYNC_DEVICE"):
-        metafunc.fixturenames.insert(0, "copies")
         metafunc.parametrize("copies", ["now", "late"], indirect=True)
 
 
-@pytest.fixture
+# Autouse, so that pytest keeps it in every test's fixtures: a fixture a parametrization alone names (inserted into
+# ``metafunc.fixturenames``) is pruned from a parametrized test's fixtures, and its ``[late]`` variant then ran
+# exactly as ``[now]`` (from 2026-11-29 to 2026-12-06).
+@pytest.fixture(autouse=True)
 def copies(request, monkeypatch):
-    """The device suites' copy mode for one test: ``now`` as they are, ``late`` in the late-copy test mode."""
-    if request.param == "now":
+    """The device suites' copy mode for one test: ``now`` as they are, ``late`` in the late-copy test mode; any
+    other test as it is."""
+    if getattr(request, "param", "now") == "now":
         yield
         return
-    from fuyou_strategy.device import late_copies
+    from fuyou_strategy import device
 
     monkeypatch.setenv("FUYOU_ASYNC_DEVICE", LATE_COPY_MS)
-    with late_copies(max_delay_ms=float(LATE_COPY_MS), seed=None):
+    # Through monkeypatch, not `late_copies`' block: a test that sets the mode itself (``monkeypatch.setattr(device,
+    # "_late", None)``, test_device.py) is undone first, and this after it, so the mode before the test comes back.
+    engine = device._LateCopies(0.0, float(LATE_COPY_MS) / 1000, seed=None)
+    monkeypatch.setattr(device, "_late", engine)
+    try:
         yield
+    finally:
+        engine.stop()
 
 
 def pytest_unconfigure(config):

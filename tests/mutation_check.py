@@ -51,7 +51,7 @@ class Mutant:
 MUTANTS = [
     Mutant("grad-copy-wait", "a gradient's device-to-host copy is not waited for before the update reads it",
            "optim/gradients.py", "            host, copy = self.copy_out(grad)\n            copy.wait()\n",
-           "            host, copy = self.copy_out(grad)\n", ("test_device.py", "test_optimizer.py")),
+           "            host, copy = self.copy_out(grad)\n", ("test_device.py", "test_optimizer.py", "test_weights_trainable.py")),
     Mutant("copy-wait-late", "a device copy's wait returns before a late copy landed",
            "device.py", "        if self._late is not None:\n            self._late.wait(timeout)\n",
            "        if self._late is not None:\n            pass\n", ("test_device.py", "test_activations.py")),
