@@ -64,6 +64,40 @@ def test_the_optimizer_on_the_device_is_adamw_fused_on_the_same_gradients_bitwis
 
 
 def test_fp16_on_the_device_is_gradscaler_and_adamw_bitwise(tmp_path, compute_device):
+    fp16_beside_gradscaler(tmp_path, compute_device)
+
+
+@pytest.mark.parametrize("pool", ["spares", "full"])
+def test_a_half_precision_weight_on_the_device_is_written_by_the_pass_into_a_host_buffer(tmp_path, compute_device,
+                                                                                          monkeypatch, pool):
+    """An fp16 (or bf16) parameter on an accelerator (on the CPU, in the late-copy mode) gets each chunk's new weight
+    from the one pass, written in its dtype into a host buffer and copied in (`Publisher.land`); a parameter in host
+    memory gets it in place. When the pool spares no buffer, the fp32 master is copied in as before. The weights
+    are GradScaler's and AdamW's bitwise either way."""
+    from fuyou_strategy.device import read_on_host
+    from fuyou_strategy.optim.updates import Publisher
+    from fuyou_strategy.storage import HostBufferPool
+
+    landed, land = [], Publisher.land
+
+    def counted(ps, k, weight):
+        landed.append(weight.dtype)
+        land(ps, k, weight)
+
+    monkeypatch.setattr(Publisher, "land", staticmethod(counted))
+    if pool == "full":  # the read-ahead's try_acquire too: it reads nothing ahead, which changes no bit
+        monkeypatch.setattr(HostBufferPool, "try_acquire", lambda self, nbytes, keep_free=0: None)
+    kernel = fp16_beside_gradscaler(tmp_path, compute_device)
+    if kernel == "one_pass" and pool == "spares" and read_on_host(torch.empty(1, device=compute_device)):
+        assert landed and set(landed) == {torch.float16}
+    else:
+        assert landed == []
+
+
+def fp16_beside_gradscaler(tmp_path, compute_device) -> str:
+    """An fp16 model on ``compute_device`` trained by fuyou with loss scaling and clipping, beside torch's GradScaler
+    and fused AdamW on host fp32 masters holding the same gradients; checks every weight bitwise and returns the update
+    kernel that ran."""
     model = tiny_causal_lm("llama", dtype=torch.float16).to(compute_device)
     ref_model = copy.deepcopy(model)
     params = list(ref_model.parameters())
@@ -88,6 +122,7 @@ def test_fp16_on_the_device_is_gradscaler_and_adamw_bitwise(tmp_path, compute_de
         assert scales == ref_scales and opt.stats.skips == 1
         for p, q in zip(model.parameters(), params):
             assert p.dtype == torch.float16 and torch.equal(p, q)
+        return opt.control.figures().update_kernel
     finally:
         opt.close()
 

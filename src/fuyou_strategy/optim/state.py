@@ -161,7 +161,13 @@ class Publish(Protocol):
 
     def into(self, ps: ParamState) -> torch.Tensor | None:
         """The parameter's elements (flat) the chunks' weights are copied into, when a one-pass update may write
-        them itself (a resident host parameter's); ``None``: call the publisher."""
+        them itself (a resident host parameter's); ``None``: call the publisher, or stage them (`staged`)."""
+
+    def staged(self, ps: ParamState) -> bool:
+        """Whether a one-pass update writes the new weights into a host buffer in the parameter's dtype, for `land`."""
+
+    def land(self, ps: ParamState, k: int, weight: torch.Tensor) -> None:
+        """Copy chunk ``k``'s new weight, written into a host buffer, into the parameter; returns once it is there."""
 
 
 class GradChunks(Protocol):
@@ -210,6 +216,8 @@ class OptimizerState:
     def __init__(self, owned: list[ParamState], config: FuyouConfig, store: TensorStore, depth: int, *,
                  spare_from: int = 0, threads: int | None = None) -> None:
         self.config, self.slots, self.owned = config, config.state_slots, owned
+        # the largest chunk's elements: a staged weight's host buffer holds one chunk of any parameter (`update_job`)
+        self.most_elems = max((ps.elems_per_chunk for ps in owned), default=0)
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
         self.meter = UpdateMeter()
         # The parameters (indices) whose own tensor holds their active master bitwise (`_can_hold`): a resident
@@ -407,9 +415,13 @@ class OptimizerState:
         if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
             one_pass = None  # its arithmetic is the fused kernel's on fp32 moments, on the host
         # Once per parameter, not per chunk: the count the update completes, and the parameter's elements a one-pass
-        # update writes the new weight into itself.
+        # update writes the new weight into itself, or else whether it writes them into a host buffer to copy in
+        # (`Publish.staged`: a bf16/fp16 parameter on an accelerator), each chunk's buffer of one size, so that the
+        # pool's cache lends the same (pinned) one again.
         count = step_count(step) if one_pass is not None else None
         into = publish.into(ps) if one_pass is not None else None
+        staging = self.most_elems * ps.param.element_size() if into is None and one_pass is not None \
+            and publish.staged(ps) else 0
         # On the device: its kernel takes the step count, clip and unscale factors there, and runs on the stream of
         # the thread that queues the update (the one backward computed the gradient on, which the next forward's
         # kernels follow too); the master and moments stay on the device.
@@ -431,11 +443,24 @@ class OptimizerState:
             if one_pass is not None and raw.device.type == "cpu" and raw.is_contiguous():
                 state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
                 weight = into[start : start + n] if into is not None else None
-                one_pass.update_chunk(state, source.view(torch.float32) if source is not None else None,
-                                      flat[start : start + n] if flat is not None else None, raw, weight, n=n,
-                                      step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
-                futures = [publish(ps, k, state[:n])] if weight is None else []
-                del weight
+                # None when the pool spares no buffer now: the publisher copies the master in, as without staging
+                staged = store.pool.try_acquire(staging) if staging else None
+                try:
+                    if staged is not None:
+                        weight = staged.view(ps.param.dtype)[:n]
+                    one_pass.update_chunk(state, source.view(torch.float32) if source is not None else None,
+                                          flat[start : start + n] if flat is not None else None, raw, weight, n=n,
+                                          step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
+                    if staged is not None:
+                        publish.land(ps, k, weight)
+                except TimeoutError:
+                    staged = None  # a copy that timed out may still read the buffer: kept out of the pool
+                    raise
+                finally:
+                    del weight  # no view may outlive its buffer
+                    if staged is not None:
+                        staged.release()
+                futures = [publish(ps, k, state[:n])] if into is None and staged is None else []
             else:
                 state = ps.views(buf, k)
                 if source is not None:  # lent unfilled: the device tier's (its copy on the stream), or a one-pass

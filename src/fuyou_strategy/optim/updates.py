@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from ..device import read_on_host, transfer
 from .pipeline import ChunkJob
 from .state import OptimizerState, ParamState
 
@@ -121,8 +122,27 @@ class Publisher:
 
     def into(self, ps: ParamState) -> torch.Tensor | None:
         """A resident parameter's elements (flat) when they are in host memory (a one-pass update writes each
-        chunk's in its pass); ``None`` for a streamed one or one on an accelerator."""
+        chunk's in its pass); ``None`` for a streamed one, one on an accelerator, or one whose weights are
+        `staged`."""
         p = ps.param
-        if ps.grads is not None or p.device.type != "cpu" or not p.is_contiguous():
+        if ps.grads is not None or p.device.type != "cpu" or not p.is_contiguous() or self.staged(ps):
             return None
         return p.detach().view(-1)
+
+    @staticmethod
+    def staged(ps: ParamState) -> bool:
+        """Whether a one-pass update writes this resident parameter's new weights in its compute dtype into a host
+        buffer, for `land` to copy in: a bf16 or fp16 parameter on an accelerator (in the late-copy test mode, on
+        the CPU too: `device.read_on_host`). The device then takes 2 bytes per parameter from pinned memory,
+        where ``copy_`` of the fp32 master first casts it on the host into a fresh pageable tensor. An fp32
+        parameter takes the master itself (`__call__`)."""
+        p = ps.param
+        return ps.grads is None and p.dtype != torch.float32 and p.is_contiguous() and read_on_host(p)
+
+    @staticmethod
+    def land(ps: ParamState, k: int, weight: torch.Tensor) -> None:
+        """Copy chunk ``k``'s new ``weight`` (a host buffer's, in the parameter's dtype) into the parameter; returns
+        once it is there. Ordered after the kernels already queued on the worker's current stream, which may
+        still read the old weight, as ``copy_`` on that stream is (`device.transfer`'s ``after_compute``)."""
+        start, n = ps.span(k)
+        transfer(ps.param.detach().view(-1)[start : start + n], weight, after_compute=True)
