@@ -6,7 +6,8 @@ state is in RAM, from gradients set by hand (no model, no backward: the update a
 threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"`` gives with an accelerator):
 
 - ``bandwidth``: the machine's memory bandwidth measured in the same run: the fastest of a read (``sum``), a
-  ``copy_`` and a triad over ``--copy-bytes`` per tensor (bytes read + bytes written per second);
+  ``copy_``, a triad and an in-place add (``a += b / 2``, the in-place kernel's pattern) over ``--copy-bytes``
+  per tensor (bytes read + bytes written per second);
 - ``torch-bare``: ``torch._fused_adamw_`` on fp32 masters, moments and an fp32 gradient, chunk by chunk
   (``--chunk`` elements, the 350M run's), nothing else: the kernel's own rate on this memory;
 - ``torch-norm+bare``: the same after every gradient's norm and the global one, as ``clip_grad_norm_`` takes
@@ -73,10 +74,13 @@ def worker(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     n, chunk = int(args.params), args.chunk
-    if args.worker == "bandwidth":  # the fastest of three streams: read only, copy (1 read, 1 write), triad (2, 1)
+    if args.worker == "bandwidth":  # the fastest of four streams (tensors read, written): read only (1, 0), copy
+        # (1, 1), triad (2, 1), and in place (2, 1) as AdamW's kernel writes: into lines it has just read, so the
+        # cache need not first read the lines it writes (a copy's or triad's writes cost a read the count omits)
         a, b, c = (torch.ones(args.copy_bytes // 4) for _ in range(3))
         streams = {"read": (lambda: a.sum(), 1), "copy": (lambda: b.copy_(a), 2),
-                   "triad": (lambda: torch.add(b, c, alpha=0.5, out=a), 3)}
+                   "triad": (lambda: torch.add(b, c, alpha=0.5, out=a), 3),
+                   "in place": (lambda: a.add_(b, alpha=0.5), 3)}
         rates, times = {}, []
         for name, (fn, moved) in streams.items():
             took = timed(fn, args.warmup, args.steps)
@@ -207,7 +211,7 @@ def main() -> None:
              f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "
              f"{args.warmup} warm-up, a fresh process per system and round; intra-op threads: "
              f"{next((r[0]['threads'] for r in ok.values() if r and 'threads' in r[0]), '?')}",
-             "memory bandwidth (fastest of read, copy, triad; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
+             "memory bandwidth (fastest of read, copy, triad, in place; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
              "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param "
              "| fuyou's update alone: s, x torch-bare |",
              "|---|---|---|---|---|---|"]
