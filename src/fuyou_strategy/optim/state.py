@@ -420,8 +420,7 @@ class OptimizerState:
         # pool's cache lends the same (pinned) one again.
         count = step_count(step) if one_pass is not None else None
         into = publish.into(ps) if one_pass is not None else None
-        staging = self.most_elems * ps.param.element_size() if into is None and one_pass is not None \
-            and publish.staged(ps) else 0
+        staging = self.most_elems * ps.param.element_size() if one_pass is not None and publish.staged(ps) else 0
         # On the device: its kernel takes the step count, clip and unscale factors there, and runs on the stream of
         # the thread that queues the update (the one backward computed the gradient on, which the next forward's
         # kernels follow too); the master and moments stay on the device.
