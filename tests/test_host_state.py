@@ -19,6 +19,7 @@ from fuyou_strategy.activations import Policy
 from fuyou_strategy.config import parse_bytes, resolve
 from fuyou_strategy.storage import host_budget_split, host_state_bytes
 from fuyou_strategy.device import host_buffer_usage, reset_host_buffer_high_water
+from fuyou_strategy.optim.state import OptimizerState
 from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore, aio
 from test_schedule import MAX_NORM, STEPS, config, reference, train
 
@@ -133,6 +134,51 @@ def test_any_split_trains_bitwise_like_torch_and_the_state_on_ssd(tmp_path, spli
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), name
     assert opt.stats.skips == 1 and opt.stats.steps == STEPS - 1 and opt.stats.clipped >= 1
+
+
+@pytest.mark.parametrize("tier", [dict(host_state=SPLITS["mixed"]), dict(device_state="96KiB", host_state=0)],
+                         ids=["ram", "device"])
+@pytest.mark.parametrize("schedule", ["backward", "next_forward"])
+def test_an_update_of_state_in_ram_or_on_the_device_takes_its_chunks_in_one_call_and_one_on_the_ssd_each(
+        tmp_path, monkeypatch, schedule, tier):
+    """The worker's bookkeeping is paid once per parameter whose state is in RAM (a one-pass update) or on the device
+    tier (`ChunkJob.batch`), and once per chunk on the SSD, whose chunks each take a pool buffer; bitwise torch's
+    either way (split with the SSD)."""
+    calls = {}  # entry -> the (first chunk, chunks) of every call of its updates' job functions
+    real = OptimizerState.update_job
+
+    def update_job(self, ps, *args, **kwargs):
+        job = real(self, ps, *args, **kwargs)
+        fn = job.fn
+
+        def counted(k, *bufs):
+            calls.setdefault(ps.entry, set()).add((k, len(bufs)))
+            return fn(k, *bufs)
+
+        job.fn = counted
+        return job
+
+    monkeypatch.setattr(OptimizerState, "update_job", update_job)
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, schedule, **tier))
+    opt = engine.optimizer
+    assert engine.summary()["update_kernel"] == "one_pass"
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    state = opt.adam_state
+    chunks = {ps.entry: (ps.nchunks, ps.index in state.in_memory | state.on_device) for ps in state.owned}  # lent?
+    assert state.on_device if "device_state" in tier else state.in_memory
+    engine.close()
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    assert calls.keys() == chunks.keys()
+    for entry, (n, lent) in chunks.items():
+        assert calls[entry] == ({(0, n)} if lent else {(k, 1) for k in range(n)}), (entry, n, lent)
+    assert any(n > 1 and lent for n, lent in chunks.values()), chunks
+    assert any(n > 1 and not lent for n, lent in chunks.values()), chunks
 
 
 def resumed_across_splits(tmp_path, splits, check=None):

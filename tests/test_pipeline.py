@@ -14,7 +14,7 @@ import torch
 from fuyou_strategy import ConfigError, FuyouAdamW, FuyouConfig
 from fuyou_strategy.optim import ChunkJob, ChunkPipeline
 from fuyou_strategy.optim.pipeline import Later
-from fuyou_strategy.storage import HostBudgetError, TensorStore
+from fuyou_strategy.storage import HostBudgetError, StorageError, TensorStore
 
 DEADLINE = 15.0  # seconds; every failure below is reported after io_timeout = 1 s
 
@@ -496,3 +496,76 @@ def test_a_full_drain_waits_for_later_writes_and_land_forgets_them(pipe):
     threading.Timer(0.2, fresh.set_exception, (OSError(5, "Input/output error"),)).start()
     assert outcome(pipe.land) is None and fresh.done(), "land() waits, and forgets the error (a rollback discards them)"
     assert outcome(pipe.drain) is None
+
+
+@pytest.fixture
+def ram_store(tmp_path):
+    """``"x"`` on the SSD and ``"m"`` in host memory, each 5000 fp32 values in 3 chunks."""
+    store = make_store(config(tmp_path, host_state="64KiB"))
+    store.create("m", (5000,), torch.float32, in_memory=True)
+    store.write("m", torch.arange(5000, dtype=torch.float32)).result()
+    yield store
+    store.close()
+
+
+def test_a_batch_hands_an_in_memory_entrys_chunks_lent_together_and_the_job_completes_after_its_last(ram_store):
+    pipe = ChunkPipeline(ram_store, depth=1, name="fuyou-test")
+    calls = []
+
+    def add_one(k, *bufs):
+        calls.append((k, [buf.view(torch.float32)[0].item() for buf in bufs]))
+        for i, buf in enumerate(bufs):
+            buf.view(torch.float32).add_(1)
+            ram_store.write_chunk("m", k + i, buf)
+
+    try:
+        job = ChunkJob("m", 3, add_one, lend="active", batch=2, done=Future())
+        pipe.submit(job)
+        pipe.wait_job(job, "the batch")
+        pipe.drain()
+    finally:
+        pipe.close()
+    assert calls == [(0, [0.0, 2048.0]), (2, [4096.0])]  # chunks 0 and 1 in one call, then the last alone
+    assert torch.equal(ram_store.read("m").result(), torch.arange(5000, dtype=torch.float32) + 1)
+
+
+def test_a_batch_that_cannot_be_lent_gives_back_what_it_lent_and_fails_its_job(ram_store, monkeypatch):
+    pipe = ChunkPipeline(ram_store, depth=1, name="fuyou-test")
+    real, lent = ram_store.lend_chunk, []
+
+    def lend_chunk(name, k, **kwargs):
+        if k == 1:
+            raise RuntimeError("injected: chunk 1 cannot be lent")
+        lent.append(real(name, k, **kwargs))
+        return lent[-1]
+
+    monkeypatch.setattr(ram_store, "lend_chunk", lend_chunk)
+    try:
+        job = ChunkJob("m", 3, lambda k, *bufs: pytest.fail("called with chunks that were not all lent"),
+                       lend="shadow", batch=3, done=Future())
+        pipe.submit(job)
+        with pytest.raises(RuntimeError, match="chunk 1 cannot be lent"):
+            pipe.drain()
+        assert isinstance(job.done.exception(timeout=DEADLINE), RuntimeError)
+        assert [chunk.data for chunk in lent] == [None]  # chunk 0 went back to the store
+        assert ram_store.entry("m").lent == {}
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(batch=0), dict(batch=2), dict(batch=2, lend="active", extra=("x",)), dict(batch=2, lend="active", skip=len),
+], ids=["zero", "not-lent", "extra", "skip"])
+def test_a_batch_is_only_of_an_entrys_lent_chunks(pipe, changes):
+    with pytest.raises(TypeError, match=r"got batch=\d+ for entry 'x' .*a batch of chunks per call"):
+        pipe.submit(ChunkJob("x", 3, release, **changes))
+    pipe.submit(ChunkJob("x", 3, release))  # the worker is unharmed
+    pipe.drain()
+
+
+def test_only_an_in_memory_entry_lends_a_chunk(ram_store):
+    with pytest.raises(StorageError, match="entry 'x' is on the SSD"):
+        ram_store.lend_chunk("x", 0)
+    chunk = ram_store.lend_chunk("m", 2)
+    assert chunk.view(torch.float32)[0].item() == 4096.0
+    ram_store.write_chunk("m", 2, chunk).result()

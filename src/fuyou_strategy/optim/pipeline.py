@@ -36,7 +36,7 @@ from .. import trace
 from ..device import use_intra_op_threads
 from ..storage import ACTIVE, HostBuffer, StorageError, TensorStore, gather
 from ..storage.store import SlotVersion
-from ..storage.aio import then
+from ..storage.aio import completed, then
 
 __all__ = ["ChunkJob", "ChunkPipeline", "Later", "PipelineError"]
 
@@ -55,7 +55,11 @@ class ChunkJob:
     (same chunking, active slot) are read alongside and passed after ``buf``; ``entry=None`` reads nothing for
     the entry. ``fence=True``: nothing of this job is read before every earlier job ran and its writes
     completed (a job reading what they write). ``done``: completed once every chunk ran and its futures
-    completed, or with the error that stopped the job (its own, an earlier job's, or the worker stopping)."""
+    completed, or with the error that stopped the job (its own, an earlier job's, or the worker stopping).
+    ``batch``: chunks per call, for an entry with no ``extra``: ``fn(k, *bufs)`` gets the buffers of chunks ``k`` to
+    ``k + len(bufs) - 1`` (up to ``batch`` of them), so that the worker's bookkeeping per call is paid once for
+    several chunks. Only an in-memory entry's chunks, lent in place (``lend``, `TensorStore.lend_chunk`), which
+    take no pool buffer: a batch counts once toward ``depth``."""
 
     entry: str | None
     nchunks: int
@@ -67,6 +71,7 @@ class ChunkJob:
     lend: str | None = None  # fn writes each chunk back to this slot: `TensorStore.read_chunk`'s ``lend``
     fill: bool = True  # False: a lent shadow chunk comes unfilled, fn reads the active one (`read_chunk`'s ``fill``)
     skip: Callable[[int], int] | None = None  # bytes at the head of chunk k that fn fills itself (`read_chunk`'s)
+    batch: int = 1
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
 
@@ -139,6 +144,11 @@ class ChunkPipeline:
         """Queue ``job``; raises `PipelineError` if the worker stopped, `TypeError` for a malformed job."""
         if not isinstance(job, ChunkJob) or not isinstance(job.nchunks, int) or job.nchunks < 0 or not callable(job.fn):
             raise TypeError(f"{self.name}: got {job!r}; expected a ChunkJob with an int nchunks >= 0 and a callable fn")
+        if job.batch != 1 and (not isinstance(job.batch, int) or job.batch < 1 or job.entry is None or job.lend is None
+                               or job.extra or job.skip is not None):
+            raise TypeError(f"{self.name}: got batch={job.batch!r} for entry {job.entry!r} (lend {job.lend!r}, extra "
+                            f"{job.extra!r}); a batch of chunks per call is an int >= 1 of an entry's lent chunks, "
+                            "with no extra entries and no skip")
         self._put(job)
         if job.nchunks == 0 and job.done is not None:
             job.done.set_result(None)
@@ -260,7 +270,7 @@ class ChunkPipeline:
                 self._ahead_todo.extend(item.chunks)
                 self._ahead_keep_free = item.keep_free  # and on: an idle worker starts reading now
             elif isinstance(item, ChunkJob):
-                todo.extend((item, k) for k in range(item.nchunks))
+                todo.extend((item, k) for k in range(0, item.nchunks, item.batch))
                 continue  # take everything already queued before working
             while todo and len(pending) < self.depth:
                 job, k = todo[0]
@@ -384,7 +394,9 @@ class ChunkPipeline:
 
     def _read(self, job: ChunkJob, k: int) -> Future:
         """A future of the chunk's buffers: the entry's (if it names one; read ahead, if it was), then the
-        extras'."""
+        extras'; for a batch, its chunks, lent (`_lend`)."""
+        if job.batch > 1:
+            return self._lend(job, k)
         reads = []
         try:
             if job.entry is not None:
@@ -411,12 +423,26 @@ class ChunkPipeline:
 
         return then(gather(reads), collect)
 
+    def _lend(self, job: ChunkJob, k: int) -> Future:
+        """A completed future of the chunks of the batch from ``k`` (`ChunkJob.batch`), lent at once by their
+        in-memory entry (`TensorStore.lend_chunk`), or of the error that stopped the lending (what was lent is
+        given back, marked failed)."""
+        lent = []
+        try:
+            for i in range(k, min(k + job.batch, job.nchunks)):
+                lent.append(self.store.lend_chunk(job.entry, i, slot=job.slot, lend=job.lend, fill=job.fill))
+        except BaseException as exc:  # noqa: BLE001 - handed to drain()
+            for chunk in lent:
+                chunk.release()
+            return completed(None, exc)
+        return completed(tuple(lent))
+
     def _process(self, job: ChunkJob, k: int, fut: Future) -> None:
         self._progress = time.monotonic()
         self._process_chunk(job, k, fut)
         if self._error is not None:
             _fail(job, self._error)
-        elif k == job.nchunks - 1 and job.done is not None:
+        elif k + job.batch >= job.nchunks and job.done is not None:  # its last call
             then(gather(job._outs), lambda f, done=job.done: _complete(done, f))
             job._outs = []
 

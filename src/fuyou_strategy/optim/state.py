@@ -188,8 +188,8 @@ class UpdateMeter:
     overstates (``benchmarks/update_phases_bench.py`` times each phase).
 
     Threads: only the worker calls `add`; any thread may read ``total`` at any time (under ``next_forward``
-    the worker may still be updating when the planner reads). ``total`` is rebound whole, once per chunk, so
-    a reader sees a consistent ``(seconds, parameters)`` pair."""
+    the worker may still be updating when the planner reads). ``total`` is rebound whole, once per call of an
+    update's job (a chunk, or a batch of them), so a reader sees a consistent ``(seconds, parameters)`` pair."""
 
     def __init__(self) -> None:
         self.total: tuple[float, int] = (0.0, 0)
@@ -400,7 +400,9 @@ class OptimizerState:
         ``one_pass`` (`onepass.OnePass`; with ``fused`` and fp32 moments): each chunk is one pass over memory,
         the same bits: the master and moments read where they are (the active chunk, lent unfilled into the
         shadow slot, or the parameter holding the master), the gradient in its dtype, and the new weight written
-        straight into a resident host parameter (``publish.into``) in the same pass."""
+        straight into a resident host parameter (``publish.into``) in the same pass. A one-pass update of state in
+        host RAM, and an update of state on the device, takes all its chunks in one call of the job's function
+        (`ChunkJob.batch`)."""
         group = ps.group
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
@@ -428,15 +430,47 @@ class OptimizerState:
         if on_device:
             step, coef, inv_scale = (t.to(ps.param.device) if t is not None else None for t in (step, coef, inv_scale))
 
-        def update(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
-            with on_stream(stream):
-                return compute(k, buf, *stored)
+        # The chunks of state in host RAM or on the device are lent in place and take no pool buffer: a one-pass
+        # update of the one, or any update of the other, takes them all in one call (`ChunkJob.batch`), so that the
+        # worker's bookkeeping per call, the pipeline's and this function's, is paid once per parameter. (Entries
+        # move between tiers only between steps.)
+        lent = on_device or one_pass is not None and ps.index in self.in_memory
+        batch = ps.nchunks if lent and not grad.extra else 1
 
-        def compute(k: int, buf: HostBuffer, *stored: HostBuffer) -> Future:
-            if k == 0 and norm is not None:
-                norm()
+        def update(k: int, *bufs: HostBuffer) -> Future:
+            # On failure the pipeline releases every buffer of the call: a chunk already written back is not
+            # lent any more, and the others are marked failed (`LentChunk.release`).
+            futures: list[Future] = []
+            writes: list[Future] = []
+            seconds, elems = 0.0, 0
+            with on_stream(stream):
+                if k == 0 and norm is not None:
+                    norm()
+                if batch > 1:  # chunks k, k + 1, ...
+                    calls = [(k + i, buf, None) for i, buf in enumerate(bufs)]
+                else:  # chunk k, with the stored gradient's chunk when there is one (`ChunkJob.extra`)
+                    calls = [(k, bufs[0], bufs[1] if len(bufs) > 1 else None)]
+                for j, buf, stored in calls:
+                    took, n = compute(j, buf, stored, futures)
+                    writes.append(store.write_chunk(ps.entry, j, buf, slot=slot))
+                    seconds, elems = seconds + took, elems + n
+                if not on_device:  # the host's CPU time: the device's kernels are only queued here
+                    meter.add(seconds, elems)
+                if j == last and finished is not None:
+                    finished()
+            futures = [f for f in futures if f is not None]
+            written = writes[0] if len(writes) == 1 else gather(writes)
+            if exact:
+                return gather([*futures, written])
+            # A speculative update's write to the shadow slot may land after step()'s drain: `commit` waits
+            # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
+            return Later(gather(futures), written)
+
+        def compute(k: int, buf: HostBuffer, stored: HostBuffer | None, futures: list[Future]) -> tuple[float, int]:
+            """Chunk ``k``'s update into ``buf``, which `update` then writes back: the publish's and the kept
+            gradient's futures go into ``futures``; returns the seconds of CPU work and the chunk's elements."""
             start, n = ps.span(k)
-            raw = grad.chunk(start, n, stored[0] if stored else None)
+            raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
             source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
             if one_pass is not None and raw.device.type == "cpu" and raw.is_contiguous():
@@ -459,7 +493,8 @@ class OptimizerState:
                     del weight  # no view may outlive its buffer
                     if staged is not None:
                         staged.release()
-                futures = [publish(ps, k, state[:n])] if into is None and staged is None else []
+                if into is None and staged is None:
+                    futures.append(publish(ps, k, state[:n]))  # None: nothing to wait for
             else:
                 state = ps.views(buf, k)
                 if source is not None:  # lent unfilled: the device tier's (its copy on the stream), or a one-pass
@@ -468,31 +503,23 @@ class OptimizerState:
                     state["master"].copy_(flat[start : start + n])
                 g = fp32_gradient(raw, inv_scale, coef)  # on the host: a device gradient was staged
                 apply_update(ps.layout, state, g, step, fused=fused, **hyper)
-                futures = [publish(ps, k, state["master"])]
+                futures.append(publish(ps, k, state["master"]))
                 del g
             # With the copy that lent a host-tier chunk's shadow slot (`backward` schedule): CPU work of this update.
-            if not on_device:  # the host's CPU time: the device's kernels are only queued here
-                meter.add(time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0), n)
+            took = time.perf_counter() - began + (buf.copy_s if isinstance(buf, LentChunk) else 0.0)
             if keep is not None:
                 futures.append(keep(ps, k, raw))
             del state, raw, source  # no view may outlive a buffer given back
-            if stored:
-                stored[0].release()
-            if k == last and finished is not None:
-                finished()
-            futures = [f for f in futures if f is not None]
-            written = store.write_chunk(ps.entry, k, buf, slot=slot)
-            if exact:
-                return gather([*futures, written])
-            # A speculative update's write to the shadow slot may land after step()'s drain: `commit` waits
-            # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
-            return Later(gather(futures), written)
+            if stored is not None:
+                stored.release()
+            return took, n
 
         # An in-memory or device entry lends its chunk (`TensorStore.read_chunk`): speculative, its shadow slot, filled
         # with a copy of the active chunk, or unfilled for a one-pass update that reads the active one (or a device
         # one, which copies it on its stream); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
-                        lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None)
+                        lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None,
+                        batch=batch)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is

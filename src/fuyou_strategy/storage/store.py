@@ -750,6 +750,16 @@ class TensorStore:
 
         return then(inner, done)
 
+    def lend_chunk(self, name: str, k: int, *, slot: str = ACTIVE, lend: str = ACTIVE, fill: bool = True) -> "LentChunk":
+        """`read_chunk`'s ``lend`` of chunk ``k`` of ``slot``, returned rather than as a future: for a caller that
+        takes many chunks of an in-memory entry at once. `StorageError` if the entry is on the SSD."""
+        entry = self.entry(name)
+        phys = self._slot(entry, slot)
+        self._check_readable(entry, phys, k)
+        if entry.memory is None:
+            raise StorageError(f"entry {name!r} is on the SSD: only an in-memory entry lends its chunks")
+        return self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill)
+
     def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int, fill: bool = True) -> "LentChunk":
         self._begin_write(entry, dst, k)
         began = time.perf_counter()
