@@ -26,8 +26,15 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
   extra; its CPU Adam op is built on first use), fp32 parameters only.
 
-``--before-src PATH`` adds ``fuyou-exact@before`` and ``fuyou-speculative@before``: the same runs with another
-checkout's ``src`` (an earlier commit), interleaved with the rest.
+``--state-chunk`` sets fuyou's ``chunk_size`` (the state's chunks; default 16 MiB): small chunks show the worker's
+cost per chunk apart from the pass. ``--beside-python`` runs a thread beside every system's timed steps that issues
+small torch ops in a loop, as a launch-bound training thread issues a GPU's kernels, and reports its rate during the
+steps against its rate alone (in the same process, just before): what the update's Python costs the thread that
+drives the device. ``--threads N`` sets the intra-op threads (and fuyou's ``optimizer_threads``); with
+``--beside-python`` on a 2-core machine, 1 leaves a core to the loop.
+
+``--before-src PATH`` adds ``fuyou-exact@before`` and ``fuyou-speculative@before`` (or the fuyou systems named by
+``--before-systems``): the same runs with another checkout's ``src`` (an earlier commit), interleaved with the rest.
 
 For fuyou the table gives the whole ``step()`` and, apart, its update alone: the worker's time in the updates
 (`UpdateMeter`: each chunk's pass and publish, not the norms). ``--dtype bf16`` gives fuyou bf16 compute weights
@@ -54,7 +61,6 @@ from common import allocator, fresh_env  # noqa: E402
 
 SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
            "fuyou-speculative-torch", "fuyou-exact-device", "fuyou-speculative-device", "deepspeed")
-BEFORE = ("fuyou-exact@before", "fuyou-speculative@before")  # with --before-src
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
 
@@ -69,9 +75,48 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def beside_python(run, warmup: int, steps: int) -> tuple[list[float], dict]:
+    """Time ``run`` as `timed` does with a thread beside it issuing small torch ops (two in-place ops on 16 values,
+    each a few microseconds of Python and dispatch, as a launch-bound training thread issues kernels). Returns
+    the step times and the thread's ops per second alone (0.5 s before the steps) and during each timed step."""
+    import threading
+
+    import torch
+
+    stop, count = threading.Event(), [0]
+
+    def loop() -> None:
+        x = torch.zeros(16)
+        while not stop.is_set():
+            x.add_(1)
+            x.mul_(0.5)
+            count[0] += 2
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        began, t = count[0], time.perf_counter()
+        time.sleep(0.5)
+        alone = (count[0] - began) / (time.perf_counter() - t)
+        times, during = [], []
+        for i in range(warmup + steps):
+            began, t = count[0], time.perf_counter()
+            run()
+            took = time.perf_counter() - t
+            if i >= warmup:
+                times.append(took)
+                during.append((count[0] - began) / took)
+    finally:
+        stop.set()
+        thread.join()
+    return times, {"beside_ops_per_s_alone": alone, "beside_ops_per_s": during}
+
+
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n, chunk = int(args.params), args.chunk
     if args.worker == "bandwidth":  # the fastest of four streams (tensors read, written): read only (1, 0), copy
@@ -114,8 +159,9 @@ def worker(args: argparse.Namespace) -> dict:
         # a checkout from before update_kernel takes none (its kernel is torch's)
         kernel = {"update_kernel": "torch"} if args.worker.endswith("-torch") else {}
         tier = dict(device_state=state, host_state=0) if args.worker.endswith("-device") else dict(host_state=state)
+        chunking = {"chunk_size": args.state_chunk} if args.state_chunk else {}
         cfg = FuyouConfig(swap_dirs=[args.swap_dir], host_memory_budget=state + 2**30, optimizer_schedule=schedule,
-                          optimizer_threads=torch.get_num_threads(), **tier, **kernel)
+                          optimizer_threads=torch.get_num_threads(), **tier, **kernel, **chunking)
         opt = FuyouAdamW(params, **hyper, config=cfg)
         updates: list[float] = []
 
@@ -140,12 +186,17 @@ def worker(args: argparse.Namespace) -> dict:
             opt.step()
     else:
         raise SystemExit(f"unknown system {args.worker!r}")
-    times = timed(run, args.warmup, args.steps)
-    out = {"step_s": times, "threads": torch.get_num_threads()}
+    beside: dict = {}
+    if args.beside_python:
+        times, beside = beside_python(run, args.warmup, args.steps)
+    else:
+        times = timed(run, args.warmup, args.steps)
+    out = {"step_s": times, "threads": torch.get_num_threads(), **beside}
     if args.worker.startswith("fuyou"):
         figures = opt.control.figures()
         out.update(update_s=updates[args.warmup:], worker_threads=figures.worker_threads,
-                   update_kernel=getattr(figures, "update_kernel", "torch"))
+                   update_kernel=getattr(figures, "update_kernel", "torch"),
+                   state_chunks=sum(ps.nchunks for ps in opt.adam_state.owned))
         opt.close()
     return out
 
@@ -164,6 +215,11 @@ def main() -> None:
     p.add_argument("--swap-dir", default="/tmp")
     p.add_argument("--deepspeed-python", help="a Python with deepspeed installed (default: this one)")
     p.add_argument("--before-src", help="another checkout's src folder: adds fuyou-exact@before, fuyou-speculative@before")
+    p.add_argument("--before-systems", default="fuyou-exact,fuyou-speculative",
+                   help="the fuyou systems run again with --before-src")
+    p.add_argument("--state-chunk", default="", help="fuyou's chunk_size (e.g. 64KiB); default: FuyouConfig's")
+    p.add_argument("--beside-python", action="store_true", help="a thread issuing small torch ops beside the steps")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's)")
     p.add_argument("--no-jemalloc", action="store_true")
     p.add_argument("--json", default="update_rate_bench.json")
     args = p.parse_args()
@@ -171,7 +227,10 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     src = str(Path(__file__).resolve().parent.parent / "src")
-    systems = args.systems.split(",") + (list(BEFORE) if args.before_src else [])
+    before = [f"{system}@before" for system in args.before_systems.split(",")] if args.before_src else []
+    if any(not system.startswith("fuyou") for system in before):
+        raise SystemExit(f"--before-systems: got {args.before_systems!r}; only fuyou's systems run another checkout")
+    systems = args.systems.split(",") + before
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems:
@@ -181,7 +240,9 @@ def main() -> None:
             argv = [python, __file__, "--worker", system.removesuffix("@before"), f"--params={args.params}",
                     f"--chunk={args.chunk}",
                     f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-                    f"--copy-bytes={args.copy_bytes}", f"--swap-dir={args.swap_dir}"]
+                    f"--copy-bytes={args.copy_bytes}", f"--swap-dir={args.swap_dir}", f"--threads={args.threads}",
+                    *([f"--state-chunk={args.state_chunk}"] if args.state_chunk else []),
+                    *(["--beside-python"] if args.beside_python else [])]
             print(f"round {r + 1}/{args.rounds}: {system} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(argv, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
@@ -203,6 +264,9 @@ def main() -> None:
             bare = rate
         summary[system] = {"median_step_s": step, "params_per_s": rate,
                            "round_medians_s": [statistics.median(r["step_s"]) for r in ok[system]]}
+        if args.beside_python:  # the loop beside the steps: its rate during them, as a share of its rate alone
+            summary[system]["beside_share"] = statistics.median(
+                d / r["beside_ops_per_s_alone"] for r in ok[system] for d in r["beside_ops_per_s"])
         alone = statistics.median(t for r in ok[system] for t in r.get("update_s", [0.0]))
         if alone > 0:  # the device tier's updates are not the host's time: none
             summary[system]["median_update_s"] = alone
@@ -210,18 +274,22 @@ def main() -> None:
     lines = [f"{n / 1e6:.0f}M parameters, state in RAM, fuyou's compute weights {args.dtype}; allocator: "
              f"{allocator(not args.no_jemalloc)}; {args.rounds} interleaved rounds of {args.steps} steps after "
              f"{args.warmup} warm-up, a fresh process per system and round; intra-op threads: "
-             f"{next((r[0]['threads'] for r in ok.values() if r and 'threads' in r[0]), '?')}",
+             f"{next((r[0]['threads'] for r in ok.values() if r and 'threads' in r[0]), '?')}"
+             + (f"; fuyou's chunk_size {args.state_chunk}" if args.state_chunk else "")
+             + ("; a thread issuing small torch ops beside the steps (its rate during them: x its rate alone)"
+                if args.beside_python else ""),
              "memory bandwidth (fastest of read, copy, triad, in place; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),
              "", f"| system | step s (median) | M params/s | x torch-bare | share of bandwidth at {BYTES_PER_PARAM} B/param "
-             "| fuyou's update alone: s, x torch-bare |",
-             "|---|---|---|---|---|---|"]
+             "| fuyou's update alone: s, x torch-bare |" + (" ops beside: x alone |" if args.beside_python else ""),
+             "|---|---|---|---|---|---|" + ("---|" if args.beside_python else "")]
     for system, row in summary.items():
         rate = row["params_per_s"]
         share = f"{rate * BYTES_PER_PARAM / bandwidth:.0%}" if bandwidth else "-"
         vs = f"{rate / bare:.2f}" if bare else "-"
         alone = "" if "median_update_s" not in row else \
             f"{row['median_update_s']:.3f}, {n / row['median_update_s'] / bare:.2f}" if bare else f"{row['median_update_s']:.3f}"
-        lines.append(f"| {system} | {row['median_step_s']:.3f} | {rate / 1e6:.0f} | {vs} | {share} | {alone} |")
+        beside = f" {row['beside_share']:.2f} |" if "beside_share" in row else ""
+        lines.append(f"| {system} | {row['median_step_s']:.3f} | {rate / 1e6:.0f} | {vs} | {share} | {alone} |{beside}")
     for system in systems:
         if runs[system] and not ok[system]:
             lines.append(f"| {system} | failed: see the JSON | | | |")

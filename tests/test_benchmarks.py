@@ -1,6 +1,7 @@
 """The benchmark harnesses run end to end at tiny scale (their figures are not checked: no timing assertions)."""
 
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -260,3 +261,23 @@ def test_update_rate_bench_runs_fuyou_with_the_state_on_the_device_tier(tmp_path
     summary = json.loads(out.read_text())["summary"]
     assert summary["fuyou-exact-device"]["params_per_s"] > 0
     assert "median_update_s" not in summary["fuyou-exact-device"], "the host's meter counts no device-tier update"
+
+
+def test_update_rate_bench_runs_a_python_loop_beside_the_steps_with_small_state_chunks(tmp_path):
+    """``--beside-python``: the loop's rate during each system's steps, as a share of its rate alone; ``--state-chunk``
+    and ``--threads`` reach fuyou's worker (its chunks, its threads)."""
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
+                           "--rounds", "1", "--steps", "2", "--swap-dir", str(tmp_path), "--beside-python",
+                           "--state-chunk", "64KiB", "--threads", "1", "--systems", "torch-bare,fuyou-exact",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for system in ("torch-bare", "fuyou-exact"):  # a loaded machine may give the loop no op in a short step
+        run = result["runs"][system][0]
+        assert run["threads"] == 1 and run["beside_ops_per_s_alone"] > 0 and len(run["beside_ops_per_s"]) == 2
+        share = statistics.median(rate / run["beside_ops_per_s_alone"] for rate in run["beside_ops_per_s"])
+        assert result["summary"][system]["beside_share"] == pytest.approx(share)
+    assert result["runs"]["fuyou-exact"][0]["worker_threads"] == 1
+    assert result["runs"]["fuyou-exact"][0]["state_chunks"] >= 2e6 / (64 * 1024 / 12)  # 64 KiB of state each
+    assert "ops beside: x alone" in proc.stdout and "fuyou's chunk_size 64KiB" in proc.stdout

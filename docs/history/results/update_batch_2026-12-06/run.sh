@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The batched update of state in RAM (ChunkJob.batch) against the tree before it (a worktree of its parent commit
+# at $BEFORE), interleaved, one run after another with nothing else running. From the repository root:
+#   BEFORE=/work/before/src bash docs/history/results/update_batch_2026-12-06/run.sh
+set -e
+R=docs/history/results/update_batch_2026-12-06
+B=${BEFORE:?a checkout of the parent commit\'s src}
+PY=.venv/bin/python
+for dtype in bf16 fp32; do
+  $PY benchmarks/update_rate_bench.py --dtype $dtype --rounds 3 --steps 5 --swap-dir /tmp \
+    --systems torch-bare,fuyou-exact,fuyou-speculative --before-src $B --json $R/rate_$dtype.json > $R/rate_$dtype.txt
+done
+# the worker's cost per chunk: 64 KiB chunks of state (5,461 parameters), where the pass itself is a few microseconds
+$PY benchmarks/update_rate_bench.py --dtype bf16 --params 8e6 --state-chunk 64KiB --rounds 3 --steps 5 --swap-dir /tmp \
+  --systems torch-bare,fuyou-exact,fuyou-speculative --before-src $B --json $R/chunks_64k.json > $R/chunks_64k.txt
+# a thread issuing small torch ops beside the update (one intra-op thread each: a core for the loop)
+$PY benchmarks/update_rate_bench.py --dtype bf16 --rounds 3 --steps 5 --swap-dir /tmp --threads 1 --beside-python \
+  --systems torch-bare,fuyou-exact,fuyou-speculative --before-src $B --json $R/beside.json > $R/beside.txt
+# GPT-2 350M training with the state in RAM (next_forward): the tree before against this one ($AFTER: a copy of this
+# commit's src, so the checkout may change while the rounds run), torch beside
+$PY -m benchmarks.ab --old-src $B --new-src ${AFTER:?a copy of this commit\'s src} --system fuyou-lightning --size 350M \
+  --rounds 3 --out $R/ab_350M_fuyou-lightning > $R/ab_350M_fuyou-lightning.txt 2>&1
+# the device tier's updates (on the CPU the device is host RAM), batched too: 64 KiB chunks, then 16 MiB
+$PY benchmarks/update_rate_bench.py --dtype bf16 --params 8e6 --state-chunk 64KiB --rounds 3 --steps 5 --swap-dir /tmp \
+  --systems torch-bare,fuyou-exact-device,fuyou-speculative-device --before-src $B \
+  --before-systems fuyou-exact-device,fuyou-speculative-device --json $R/device_64k.json > $R/device_64k.txt
+$PY benchmarks/update_rate_bench.py --dtype bf16 --rounds 3 --steps 5 --swap-dir /tmp \
+  --systems torch-bare,fuyou-exact-device,fuyou-speculative-device --before-src $B \
+  --before-systems fuyou-exact-device,fuyou-speculative-device --json $R/device.json > $R/device.txt
