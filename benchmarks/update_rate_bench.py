@@ -12,6 +12,8 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
   (``--chunk`` elements, the 350M run's), nothing else: the kernel's own rate on this memory;
 - ``torch-norm+bare``: the same after every gradient's norm and the global one, as ``clip_grad_norm_`` takes
   them: what a step that clips (or skips a non-finite step, as fuyou's does) reads on top of the kernel;
+- ``torch-adamw``: ``torch.optim.AdamW(fused=True)`` after ``clip_grad_norm_`` on the same parameters as fuyou's
+  (fp32): torch's whole step, its cost per parameter included (one kernel call for all of them);
 - ``fuyou-exact``: `FuyouAdamW` with the whole state in host RAM (``host_state``), ``optimizer_schedule=
   "next_forward"`` (what ``"auto"`` takes on a CPU with the state in RAM): ``step()`` + ``flush()``, which
   take every gradient's norm first (the skip of a non-finite step; clipping) and then update;
@@ -26,6 +28,8 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
   extra; its CPU Adam op is built on first use), fp32 parameters only.
 
+``--param-elems N`` cuts the parameters of fuyou, ``torch-adamw`` and DeepSpeed into ``N`` elements each (default
+8 chunks of ``--chunk``): many small parameters show each system's cost per parameter (GPT-2 350M has ~390).
 ``--state-chunk`` sets fuyou's ``chunk_size`` (the state's chunks; default 16 MiB): small chunks show the worker's
 cost per chunk apart from the pass. ``--beside-python`` runs a thread beside every system's timed steps that issues
 small torch ops in a loop, as a launch-bound training thread issues a GPU's kernels, and reports its rate during the
@@ -59,7 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import allocator, fresh_env  # noqa: E402
 
-SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
+SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "torch-adamw", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
            "fuyou-speculative-torch", "fuyou-exact-device", "fuyou-speculative-device", "deepspeed")
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
@@ -133,6 +137,7 @@ def worker(args: argparse.Namespace) -> dict:
             times += took
         return {"step_s": times, "bytes_per_s": max(rates.values()), "streams_bytes_per_s": rates}
     hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    each = args.param_elems or chunk * 8  # elements per parameter (fuyou's, torch-adamw's, DeepSpeed's)
     if args.worker in ("torch-bare", "torch-norm+bare"):
         m, g, a, s = (torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n))
         step = torch.tensor(0.0)
@@ -142,17 +147,27 @@ def worker(args: argparse.Namespace) -> dict:
 
         def run() -> None:
             step.add_(1)
-            if norms:  # per tensor (fuyou's parameters: 8 chunks each), then the global norm: clip_grad_norm_'s
-                each = [torch.linalg.vector_norm(g[i : i + chunk * 8], 2) for i in range(0, n, chunk * 8)]
-                torch.linalg.vector_norm(torch.stack(each), 2).item()
+            if norms:  # per tensor (fuyou's parameters), then the global norm: clip_grad_norm_'s
+                per = [torch.linalg.vector_norm(g[i : i + each], 2) for i in range(0, n, each)]
+                torch.linalg.vector_norm(torch.stack(per), 2).item()
             for i in range(0, n, chunk):
                 e = min(n, i + chunk)
                 torch._fused_adamw_([m[i:e]], [g[i:e]], [a[i:e]], [s[i:e]], [], [step], **k)
+    elif args.worker == "torch-adamw":
+        params = [torch.nn.Parameter(torch.randn(min(each, n - i))) for i in range(0, n, each)]
+        grads = [(torch.randn_like(p) * 1e-3) for p in params]
+        opt = torch.optim.AdamW(params, **hyper, fused=True)
+
+        def run() -> None:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            torch.nn.utils.clip_grad_norm_(params, 1e9)
+            opt.step()
     elif args.worker.startswith("fuyou"):
         from fuyou_strategy import FuyouAdamW, FuyouConfig
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-        params = [torch.nn.Parameter(torch.randn(min(chunk * 8, n - i), dtype=dtype)) for i in range(0, n, chunk * 8)]
+        params = [torch.nn.Parameter(torch.randn(min(each, n - i), dtype=dtype)) for i in range(0, n, each)]
         grads = [(torch.randn_like(p) * 1e-3) for p in params]
         state = 2 * 12 * n + 2**30
         schedule = "next_forward" if args.worker.startswith("fuyou-exact") else "backward"
@@ -175,7 +190,7 @@ def worker(args: argparse.Namespace) -> dict:
     elif args.worker == "deepspeed":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        params = [torch.nn.Parameter(torch.randn(min(chunk * 8, n - i))) for i in range(0, n, chunk * 8)]
+        params = [torch.nn.Parameter(torch.randn(min(each, n - i))) for i in range(0, n, each)]
         grads = [(torch.randn_like(p) * 1e-3) for p in params]
         opt = DeepSpeedCPUAdam(params, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], adamw_mode=True)
@@ -192,6 +207,8 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         times = timed(run, args.warmup, args.steps)
     out = {"step_s": times, "threads": torch.get_num_threads(), **beside}
+    if args.worker == "torch-adamw" or args.worker.startswith("fuyou") or args.worker == "deepspeed":
+        out["parameters"] = len(params)
     if args.worker.startswith("fuyou"):
         figures = opt.control.figures()
         out.update(update_s=updates[args.warmup:], worker_threads=figures.worker_threads,
@@ -217,6 +234,7 @@ def main() -> None:
     p.add_argument("--before-src", help="another checkout's src folder: adds fuyou-exact@before, fuyou-speculative@before")
     p.add_argument("--before-systems", default="fuyou-exact,fuyou-speculative",
                    help="the fuyou systems run again with --before-src")
+    p.add_argument("--param-elems", type=int, default=0, help="elements per parameter (default: 8 x --chunk)")
     p.add_argument("--state-chunk", default="", help="fuyou's chunk_size (e.g. 64KiB); default: FuyouConfig's")
     p.add_argument("--beside-python", action="store_true", help="a thread issuing small torch ops beside the steps")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's)")
@@ -241,7 +259,7 @@ def main() -> None:
                     f"--chunk={args.chunk}",
                     f"--dtype={args.dtype}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                     f"--copy-bytes={args.copy_bytes}", f"--swap-dir={args.swap_dir}", f"--threads={args.threads}",
-                    *([f"--state-chunk={args.state_chunk}"] if args.state_chunk else []),
+                    f"--param-elems={args.param_elems}", *([f"--state-chunk={args.state_chunk}"] if args.state_chunk else []),
                     *(["--beside-python"] if args.beside_python else [])]
             print(f"round {r + 1}/{args.rounds}: {system} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(argv, capture_output=True, text=True, env=env)
@@ -276,6 +294,7 @@ def main() -> None:
              f"{args.warmup} warm-up, a fresh process per system and round; intra-op threads: "
              f"{next((r[0]['threads'] for r in ok.values() if r and 'threads' in r[0]), '?')}"
              + (f"; fuyou's chunk_size {args.state_chunk}" if args.state_chunk else "")
+             + (f"; parameters of {args.param_elems} elements" if args.param_elems else "")
              + ("; a thread issuing small torch ops beside the steps (its rate during them: x its rate alone)"
                 if args.beside_python else ""),
              "memory bandwidth (fastest of read, copy, triad, in place; read + write): " + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured"),

@@ -263,17 +263,20 @@ def test_update_rate_bench_runs_fuyou_with_the_state_on_the_device_tier(tmp_path
     assert "median_update_s" not in summary["fuyou-exact-device"], "the host's meter counts no device-tier update"
 
 
-def test_update_rate_bench_runs_a_python_loop_beside_the_steps_with_small_state_chunks(tmp_path):
-    """``--beside-python``: the loop's rate during each system's steps, as a share of its rate alone; ``--state-chunk``
-    and ``--threads`` reach fuyou's worker (its chunks, its threads)."""
+def test_update_rate_bench_runs_a_python_loop_beside_the_steps_with_small_state_chunks_and_parameters(tmp_path):
+    """``--beside-python``: the loop's rate during each system's steps, as a share of its rate alone; ``--state-chunk``,
+    ``--threads`` and ``--param-elems`` reach fuyou's worker (its chunks, its threads, its parameters) and
+    ``torch-adamw`` (torch's optimizer on as many parameters)."""
     out = tmp_path / "rate.json"
     proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
                            "--rounds", "1", "--steps", "2", "--swap-dir", str(tmp_path), "--beside-python",
-                           "--state-chunk", "64KiB", "--threads", "1", "--systems", "torch-bare,fuyou-exact",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--state-chunk", "64KiB", "--threads", "1", "--param-elems", "65536",
+                           "--systems", "torch-bare,torch-adamw,fuyou-exact", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    for system in ("torch-bare", "fuyou-exact"):  # a loaded machine may give the loop no op in a short step
+    assert result["runs"]["fuyou-exact"][0]["parameters"] == result["runs"]["torch-adamw"][0]["parameters"] == 31
+    for system in ("torch-bare", "torch-adamw", "fuyou-exact"):  # a loaded machine may give the loop no op in a short step
         run = result["runs"][system][0]
         assert run["threads"] == 1 and run["beside_ops_per_s_alone"] > 0 and len(run["beside_ops_per_s"]) == 2
         share = statistics.median(rate / run["beside_ops_per_s_alone"] for rate in run["beside_ops_per_s"])
