@@ -27,3 +27,11 @@ $PY benchmarks/update_rate_bench.py --dtype bf16 --params 8e6 --state-chunk 64Ki
 $PY benchmarks/update_rate_bench.py --dtype bf16 --rounds 3 --steps 5 --swap-dir /tmp \
   --systems torch-bare,fuyou-exact-device,fuyou-speculative-device --before-src $B \
   --before-systems fuyou-exact-device,fuyou-speculative-device --json $R/device.json > $R/device.txt
+# the cost per parameter, after the batch: 390 parameters of 4,096 elements (GPT-2 350M has ~390), torch's optimizer beside
+$PY benchmarks/update_rate_bench.py --params 1597440 --param-elems 4096 --rounds 3 --steps 10 --warmup 3 --swap-dir /tmp \
+  --systems torch-bare,torch-adamw,fuyou-exact,fuyou-speculative,fuyou-exact-device,fuyou-speculative-device \
+  --json $R/per_param.json > $R/per_param.txt
+# the same apart: the training thread's queueing with the worker held, then the worker alone
+for t in ram device ram device; do
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 $PY $R/per_param_split.py 390 4096 $t 2>/dev/null | tail -1
+done > $R/per_param_split.txt
