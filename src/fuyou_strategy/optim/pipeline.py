@@ -56,10 +56,11 @@ class ChunkJob:
     the entry. ``fence=True``: nothing of this job is read before every earlier job ran and its writes
     completed (a job reading what they write). ``done``: completed once every chunk ran and its futures
     completed, or with the error that stopped the job (its own, an earlier job's, or the worker stopping).
-    ``batch``: chunks per call, for an entry with no ``extra``: ``fn(k, *bufs)`` gets the buffers of chunks ``k`` to
-    ``k + len(bufs) - 1`` (up to ``batch`` of them), so that the worker's bookkeeping per call is paid once for
-    several chunks. Only an in-memory entry's chunks, lent in place (``lend``, `TensorStore.lend_chunk`), which
-    take no pool buffer: a batch counts once toward ``depth``."""
+    ``lent``: the entry is in memory (host RAM or a device) and lends its chunks in place (``lend``), each returned
+    at once (`TensorStore.lend_chunk`) rather than through a read's future. ``batch``: chunks per call of such a
+    job: ``fn(k, *bufs)`` gets the lent chunks ``k`` to ``k + len(bufs) - 1`` (up to ``batch`` of them), so that the
+    worker's bookkeeping per call is paid once for several chunks; they take no pool buffer, and a batch counts once
+    toward ``depth``."""
 
     entry: str | None
     nchunks: int
@@ -71,6 +72,7 @@ class ChunkJob:
     lend: str | None = None  # fn writes each chunk back to this slot: `TensorStore.read_chunk`'s ``lend``
     fill: bool = True  # False: a lent shadow chunk comes unfilled, fn reads the active one (`read_chunk`'s ``fill``)
     skip: Callable[[int], int] | None = None  # bytes at the head of chunk k that fn fills itself (`read_chunk`'s)
+    lent: bool = False
     batch: int = 1
     _outs: list = field(default_factory=list, init=False, repr=False)  # what the chunks returned so far
 
@@ -144,11 +146,11 @@ class ChunkPipeline:
         """Queue ``job``; raises `PipelineError` if the worker stopped, `TypeError` for a malformed job."""
         if not isinstance(job, ChunkJob) or not isinstance(job.nchunks, int) or job.nchunks < 0 or not callable(job.fn):
             raise TypeError(f"{self.name}: got {job!r}; expected a ChunkJob with an int nchunks >= 0 and a callable fn")
-        if job.batch != 1 and (not isinstance(job.batch, int) or job.batch < 1 or job.entry is None or job.lend is None
-                               or job.extra or job.skip is not None):
-            raise TypeError(f"{self.name}: got batch={job.batch!r} for entry {job.entry!r} (lend {job.lend!r}, extra "
-                            f"{job.extra!r}); a batch of chunks per call is an int >= 1 of an entry's lent chunks, "
-                            "with no extra entries and no skip")
+        if (not isinstance(job.batch, int) or job.batch < 1 or job.batch > 1 and not job.lent
+                or job.lent and (job.entry is None or job.lend is None or job.extra or job.skip is not None)):
+            raise TypeError(f"{self.name}: got batch={job.batch!r}, lent={job.lent} for entry {job.entry!r} (lend "
+                            f"{job.lend!r}, extra {job.extra!r}); a batch of chunks per call is an int >= 1, more than "
+                            "1 only of lent chunks: an entry's, with a lend slot, no extra entries and no skip")
         self._put(job)
         if job.nchunks == 0 and job.done is not None:
             job.done.set_result(None)
@@ -394,8 +396,8 @@ class ChunkPipeline:
 
     def _read(self, job: ChunkJob, k: int) -> Future:
         """A future of the chunk's buffers: the entry's (if it names one; read ahead, if it was), then the
-        extras'; for a batch, its chunks, lent (`_lend`)."""
-        if job.batch > 1:
+        extras'; a lent job's chunks, lent (`_lend`)."""
+        if job.lent:
             return self._lend(job, k)
         reads = []
         try:
@@ -424,8 +426,8 @@ class ChunkPipeline:
         return then(gather(reads), collect)
 
     def _lend(self, job: ChunkJob, k: int) -> Future:
-        """A completed future of the chunks of the batch from ``k`` (`ChunkJob.batch`), lent at once by their
-        in-memory entry (`TensorStore.lend_chunk`), or of the error that stopped the lending (what was lent is
+        """A completed future of the chunks of the batch from ``k`` (`ChunkJob.lent`, ``batch``), lent at once by
+        their in-memory entry (`TensorStore.lend_chunk`), or of the error that stopped the lending (what was lent is
         given back, marked failed)."""
         lent = []
         try:

@@ -434,8 +434,8 @@ class OptimizerState:
         # update of the one, or any update of the other, takes them all in one call (`ChunkJob.batch`), so that the
         # worker's bookkeeping per call, the pipeline's and this function's, is paid once per parameter. (Entries
         # move between tiers only between steps.)
-        lent = on_device or one_pass is not None and ps.index in self.in_memory
-        batch = ps.nchunks if lent and not grad.extra else 1
+        lent = (on_device or one_pass is not None and ps.index in self.in_memory) and not grad.extra
+        batch = ps.nchunks if lent else 1
 
         def update(k: int, *bufs: HostBuffer) -> Future:
             # On failure the pipeline releases every buffer of the call: a chunk already written back is not
@@ -519,7 +519,7 @@ class OptimizerState:
         # one, which copies it on its stream); exact, the active chunk itself, updated in place (no copy).
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
                         lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None,
-                        batch=batch)
+                        lent=lent, batch=batch)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is
