@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The batched update of state in RAM (ChunkJob.batch) against the tree before it (a worktree of its parent commit
 # at $BEFORE), interleaved, one run after another with nothing else running. From the repository root:
-#   BEFORE=/work/before/src bash docs/history/results/update_batch_2026-12-06/run.sh
+#   BEFORE=/work/before/src BEFORE_LENT=/work/before_lent/src AFTER=/work/after/src bash docs/history/results/update_batch_2026-12-06/run.sh
 set -e
 R=docs/history/results/update_batch_2026-12-06
 B=${BEFORE:?a checkout of the parent commit\'s src}
@@ -35,3 +35,11 @@ $PY benchmarks/update_rate_bench.py --params 1597440 --param-elems 4096 --rounds
 for t in ram device ram device; do
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 $PY $R/per_param_split.py 390 4096 $t 2>/dev/null | tail -1
 done > $R/per_param_split.txt
+# after ChunkJob.lent (a one-chunk parameter's lend without a future): the split, this tree against the commit before
+# it ($BEFORE_LENT: a worktree of 7f91f9b's src), alternating, three rounds; and the bench again
+for r in 1 2 3; do for t in ram device; do for tree in ${BEFORE_LENT:?} src; do
+  echo -n "$tree "; LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 PYTHONPATH=$tree $PY $R/per_param_split.py 390 4096 $t 2>/dev/null | tail -1
+done; done; done > $R/per_param_split_lent_ab.txt
+$PY benchmarks/update_rate_bench.py --params 1597440 --param-elems 4096 --rounds 3 --steps 10 --warmup 3 --swap-dir /tmp \
+  --systems torch-bare,torch-adamw,fuyou-exact,fuyou-speculative,fuyou-exact-device,fuyou-speculative-device \
+  --json $R/per_param_lent.json > $R/per_param_lent.txt
