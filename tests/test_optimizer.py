@@ -280,6 +280,8 @@ def test_bad_models_are_clear_errors(tmp_path):
         FuyouAdamW(frozen.parameters(), config=small_config(tmp_path))
     with pytest.raises(ConfigError, match="float16: fp16 compute weights need loss scaling"):
         FuyouAdamW(torch.nn.Linear(4, 4).half().parameters(), config=small_config(tmp_path))
+    with pytest.raises(ConfigError, match=r"parameter 1 \(0, 4\) has no elements, so no state to keep; leave it out"):
+        FuyouAdamW([torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.empty(0, 4))], config=small_config(tmp_path))
     with pytest.raises(ConfigError, match="chunk_size: got 1.00 MiB, larger than host_memory_budget"):
         FuyouAdamW(torch.nn.Linear(4, 4).parameters(), config=small_config(tmp_path, host_memory_budget="64KiB", chunk_size="1MiB"))
     assert list(tmp_path.glob("fuyou-run-*")) == [], "a refused optimizer leaves no files"

@@ -513,3 +513,6 @@ def _check_param(p: torch.Tensor, index: int, *, scaled: bool) -> None:
                           "or (with loss_scaling) float16 weights")
     if not p.is_contiguous():
         raise ConfigError(f"parameter {index} {tuple(p.shape)} is not contiguous; call .contiguous() on it before training")
+    if p.numel() == 0:
+        raise ConfigError(f"parameter {index} {tuple(p.shape)} has no elements, so no state to keep; leave it out of the "
+                          "optimizer's parameters or set requires_grad=False on it")
