@@ -102,14 +102,15 @@ def beside_python(run, warmup: int, steps: int) -> tuple[list[float], dict]:
         began, t = count[0], time.perf_counter()
         time.sleep(0.5)
         alone = (count[0] - began) / (time.perf_counter() - t)
-        times, during = [], []
-        for i in range(warmup + steps):
+        during = []
+
+        def counted() -> None:  # the loop's rate during this call of run
             began, t = count[0], time.perf_counter()
             run()
-            took = time.perf_counter() - t
-            if i >= warmup:
-                times.append(took)
-                during.append((count[0] - began) / took)
+            during.append((count[0] - began) / (time.perf_counter() - t))
+
+        times = timed(counted, warmup, steps)
+        during = during[warmup:]
     finally:
         stop.set()
         thread.join()

@@ -446,7 +446,7 @@ class OptimizerState:
             with on_stream(stream):
                 if k == 0 and norm is not None:
                     norm()
-                if batch > 1:  # chunks k, k + 1, ...
+                if lent:  # chunks k, k + 1, ... (no stored gradient: `ChunkJob.lent` takes no extra entry)
                     calls = [(k + i, buf, None) for i, buf in enumerate(bufs)]
                 else:  # chunk k, with the stored gradient's chunk when there is one (`ChunkJob.extra`)
                     calls = [(k, bufs[0], bufs[1] if len(bufs) > 1 else None)]
