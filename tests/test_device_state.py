@@ -11,7 +11,9 @@ import torch
 
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy.optim import updates
 from fuyou_strategy.optim.gradients import Gradients
+from fuyou_strategy.optim.state import OptimizerState
 from fuyou_strategy.storage import StorageError, StorageSpaceError, TensorStore
 from test_host_state import resumed_across_splits
 from test_schedule import MAX_NORM, SCALER, STEPS, config, fp16_loss, gradscaler_reference, reference, train
@@ -77,6 +79,42 @@ def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split,
     assert summary["ssd_bytes_optimizer_state"] == on_ssd
     assert_torchs(model, ref_model, losses, ref_losses)
     assert opt.stats.skips == 1 and opt.stats.steps == STEPS - 1 and opt.stats.clipped >= 1
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+@pytest.mark.parametrize("split", ["ram", "device", "three"])
+def test_exact_updates_of_consecutive_parameters_in_ram_or_on_the_device_share_a_job_and_change_no_bit(
+        tmp_path, monkeypatch, split, schedule):
+    """An update whose clip coefficient is known (``next_forward``'s, or ``backward``'s redo after clipping bit) takes
+    one job for a run of consecutive parameters whose state is in host RAM, or on the device tier
+    (`OptimizerState.group_job`), up to `GROUP_ELEMENTS` elements (made small here, so that runs are cut), never
+    beside state of the other tier or on the SSD; bitwise torch's (clipping that bites, a skipped step,
+    accumulation)."""
+    monkeypatch.setattr(updates, "GROUP_ELEMENTS", 3000)
+    groups = []  # each grouped job's members' entries, as it was built
+    real = OptimizerState.group_job
+
+    def group_job(self, members, *args, **kwargs):
+        groups.append([(ps.entry, ps.numel) for ps, *_rest in members])
+        return real(self, members, *args, **kwargs)
+
+    monkeypatch.setattr(OptimizerState, "group_job", group_job)
+    model, ref_model, ref_losses = beside_torch()
+    tier = dict(host_state="768KiB", device_state=0) if split == "ram" else SPLITS[split]
+    with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                    config=config(tmp_path, schedule, **tier)) as opt:
+        where = dict(zip((ps.entry for ps in opt.adam_state.owned), placement(opt)))
+        lent = {entry for entry, w in where.items() if w != "ssd"}
+        losses, _ = train(model, opt)
+        assert opt.stats.skips == 1 and opt.stats.clipped >= 1 and opt.stats.steps == STEPS - 1
+        assert opt.stats.redos >= 1 if schedule == "backward" else opt.stats.deferred == STEPS - 1
+    assert_torchs(model, ref_model, losses, ref_losses)
+    assert (split == "three") == ("ssd" in where.values()), where
+    assert groups and any(len(members) > 1 for members in groups), groups
+    for members in groups:
+        assert len({where[entry] for entry, _n in members}) == 1 and where[members[0][0]] != "ssd", (members, where)
+        assert sum(n for _entry, n in members[:-1]) < updates.GROUP_ELEMENTS, members  # cut once it holds enough
+    assert {entry for members in groups for entry, _n in members} == lent  # every one of them, every exact step
 
 
 def test_the_device_tier_takes_the_first_parameters_that_fit_then_the_host_tier_the_next(tmp_path):

@@ -158,7 +158,24 @@ def test_an_update_of_state_in_ram_or_on_the_device_takes_its_chunks_in_one_call
         job.fn = counted
         return job
 
+    grouped = []  # the entries each call of a grouped job's function updated (`OptimizerState.group_job`)
+    real_group = OptimizerState.group_job
+
+    def group_job(self, members, *args, **kwargs):
+        job = real_group(self, members, *args, **kwargs)
+        fn = job.fn
+
+        def counted(k, *bufs):
+            grouped.append([ps.entry for ps, _grad, _step in members])
+            for ps, _grad, _step in members:  # each member's chunks all in this one call
+                calls.setdefault(ps.entry, set()).add((0, ps.nchunks))
+            return fn(k, *bufs)
+
+        job.fn = counted
+        return job
+
     monkeypatch.setattr(OptimizerState, "update_job", update_job)
+    monkeypatch.setattr(OptimizerState, "group_job", group_job)
     model = tiny_causal_lm("llama")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
@@ -179,6 +196,7 @@ def test_an_update_of_state_in_ram_or_on_the_device_takes_its_chunks_in_one_call
         assert calls[entry] == ({(0, n)} if lent else {(k, 1) for k in range(n)}), (entry, n, lent)
     assert any(n > 1 and lent for n, lent in chunks.values()), chunks
     assert any(n > 1 and not lent for n, lent in chunks.values()), chunks
+    assert all(chunks[entry][1] for entry in sum(grouped, [])), grouped  # a grouped job never takes SSD state
 
 
 def resumed_across_splits(tmp_path, splits, check=None):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as adamw_for_loop
 
-__all__ = ["adamw_kernel", "fp32_gradient"]
+__all__ = ["adamw_kernel", "fp32_gradient", "fp32_gradients"]
 
 
 def fp32_gradient(raw: torch.Tensor, inv_scale: torch.Tensor | None, coef: torch.Tensor | None) -> torch.Tensor:
@@ -23,6 +23,18 @@ def fp32_gradient(raw: torch.Tensor, inv_scale: torch.Tensor | None, coef: torch
     if coef is not None:
         g = g * coef
     return g
+
+
+def fp32_gradients(raws: list[torch.Tensor], inv_scale: torch.Tensor | None,
+                   coef: torch.Tensor | None) -> list[torch.Tensor]:
+    """`fp32_gradient` of each of ``raws``, bitwise, with one multi-tensor multiply per factor (on an accelerator,
+    one kernel for the list rather than one per tensor): each the same fp32 product."""
+    grads = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in raws]
+    if inv_scale is not None:
+        grads = torch._foreach_mul(grads, inv_scale)
+    if coef is not None:
+        grads = torch._foreach_mul(grads, coef)
+    return grads
 
 
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -459,8 +459,7 @@ class Speculative:
         if coef is not None:
             start = time.perf_counter()
             p.state.rollback()
-            for ps in queued:
-                p.updates.queue(ps, p.gradients.at_step(ps), coef=coef)
+            p.updates.queue_many(queued, p.gradients.at_step, coef=coef, exact=False)
             self._drain_or_undo(queued)
             self._commit(queued)
             p.updated(norms)
@@ -544,13 +543,18 @@ class Exact:
         if total is None:
             return Outcome("skip")  # nothing was written: state and weights are as they were
         coef = p.clip_coef(total)
+        def queued(ps: "ParamState", job: ChunkJob) -> None:
+            p.landing.add(ps.param, job, f"the update of {ps.describe()}")
+            p.gradients.handed_over(ps)
+            p.advance(ps)  # after queueing: the update read the step it completes
+
         try:
-            for ps in (ps for ps in p.order.update if ps.index in norms):
-                if sharding.owns(ps):  # else its owner updates it
-                    job = p.updates.queue(ps, p.gradients.at_step(ps), coef=coef, exact=True)
-                    p.landing.add(ps.param, job, f"the update of {ps.describe()}")
-                    p.gradients.handed_over(ps)
-                p.advance(ps)  # after queueing: the update read the step it completes
+            stepped = [ps for ps in p.order.update if ps.index in norms]
+            p.updates.queue_many([ps for ps in stepped if sharding.owns(ps)], p.gradients.at_step, coef=coef, exact=True,
+                                 queued=queued)
+            for ps in stepped:
+                if not sharding.owns(ps):  # its owner updates it
+                    p.advance(ps)
         except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
             p.landing.failed = exc
             raise

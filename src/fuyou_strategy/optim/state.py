@@ -55,7 +55,7 @@ from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
-from .kernels import adamw_kernel, fp32_gradient
+from .kernels import adamw_kernel, fp32_gradient, fp32_gradients
 from .onepass import OnePass, step_count
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
@@ -158,6 +158,10 @@ class Publish(Protocol):
 
     def __call__(self, ps: ParamState, k: int, master: torch.Tensor) -> Future | None:
         """Copy chunk ``k``'s new ``master`` into the weight; a future if that completes later."""
+
+    def many(self, chunks: list[tuple[ParamState, int, torch.Tensor]]) -> None:
+        """Copy each ``(ps, k, master)``'s new master into its parameter, as `__call__` does, together; resident
+        parameters only (nothing to wait for)."""
 
     def into(self, ps: ParamState) -> torch.Tensor | None:
         """The parameter's elements (flat) the chunks' weights are copied into, when a one-pass update may write
@@ -520,6 +524,118 @@ class OptimizerState:
         return ChunkJob(ps.entry, ps.nchunks, update, extra=grad.extra, done=Future() if exact else None,
                         lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None,
                         lent=lent, batch=batch)
+
+    def group_kind(self, ps: ParamState, grad: "GradChunks", *, fused: bool, publish: Publish,
+                   one_pass: OnePass | None) -> tuple | None:
+        """What `group_job` may update ``ps`` with ``grad`` beside (parameters of the same kind share a job), or
+        ``None``: its update is a job of its own (`update_job`). A group takes a resident parameter's state in host
+        RAM updated by the one pass into the parameter itself (``publish.into``), or on the device tier; the fp32
+        layout, torch's fused arithmetic, and a gradient in memory that holds no pool buffer (no stored, staged or
+        kept gradient). The kind: the tier, the device and the param group (one set of hyperparameters)."""
+        layout = ps.layout
+        if (not fused or layout.kernel != "torch" or layout.moments != "fp32" or ps.grads is not None
+                or getattr(grad, "flat", None) is None or grad.extra or grad.host is not None
+                or grad.staging is not None):
+            return None
+        if ps.index in self.on_device:
+            return ("device", ps.param.device, id(ps.group))
+        flat = grad.flat
+        if (one_pass is not None and ps.index in self.in_memory and flat.device.type == "cpu" and flat.is_contiguous()
+                and publish.into(ps) is not None):
+            return ("ram", id(ps.group))
+        return None
+
+    def group_job(self, members: list[tuple[ParamState, "GradChunks", torch.Tensor]], *, exact: bool,
+                  coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
+                  one_pass: OnePass | None) -> ChunkJob:
+        """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad, step)``
+        as `update_job` takes them (a step count before the update each), with the clip coefficient ``coef`` known
+        (a redo, or an exact update); the same bits as a job per parameter. What it saves is the worker's and the
+        queueing thread's bookkeeping per parameter (a job, its closures and futures, the pipeline's per-job work),
+        which a transformer's many small parameters pay more for than for their arithmetic.
+
+        State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
+        updated by the one pass, the new weight written into the parameter in the same pass. On the device tier:
+        every chunk's update in one call of torch's fused kernel over the lists of chunks (torch's own
+        multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), the shadow chunks filled
+        and the new weights published by one ``_foreach_copy_`` each, all on the stream of the thread that queues
+        the job. ``exact``: into the active slot in place, the job's ``done`` completing once it landed; else the
+        shadow slot. A failure part-way gives back every chunk still lent, marked failed."""
+        pss = [ps for ps, _grad, _step in members]
+        group = pss[0].group
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+        store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
+        on_device = pss[0].index in self.on_device
+        self._hold(pss, exact)
+        elems = sum(ps.numel for ps in pss)
+        before = torch.stack([step for _ps, _grad, step in members])  # the counts now (the caller advances them next)
+        counts = before + 1  # each count the update completes, in one op
+        if on_device:
+            device = pss[0].param.device
+            stream = current_stream(device)
+            counts = counts.to(device).unbind()
+            coef, inv_scale = (t.to(device) if t is not None else None for t in (coef, inv_scale))
+            into = None
+        else:
+            stream = None
+            counts = counts.tolist()  # `step_count`'s floats
+            into = [publish.into(ps) for ps in pss]
+
+        def update(_k: int) -> Future | Later:
+            lent: list[tuple[int, int, LentChunk]] = []  # (member, chunk, its lent chunk)
+            try:
+                with on_stream(stream):
+                    for i, ps in enumerate(pss):
+                        for k in range(ps.nchunks):
+                            lent.append((i, k, store.lend_chunk(ps.entry, k, slot=ACTIVE, lend=slot, fill=False)))
+                    began = time.perf_counter()
+                    (device_pass if on_device else host_pass)(lent)
+                    took = time.perf_counter() - began
+                    writes = [store.write_chunk(pss[i].entry, k, buf, slot=slot) for i, k, buf in lent]
+                if not on_device:  # the host's CPU time: the device's kernels are only queued here
+                    meter.add(took, elems)
+                for _ps, grad, _step in members:
+                    grad.release()
+            except BaseException:
+                for _i, _k, buf in lent:  # no-op for a chunk already written back
+                    buf.release()
+                raise
+            written = gather(writes)
+            return written if exact else Later(None, written)
+
+        def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
+            for i, k, buf in lent:
+                ps, grad, _step = members[i]
+                start, n = ps.span(k)
+                source = buf.source
+                one_pass.update_chunk(buf.view(torch.float32), source.view(torch.float32) if source is not None else None,
+                                      None, grad.chunk(start, n, None), into[i][start : start + n], n=n, step=before[i],
+                                      count=counts[i], inv_scale=inv_scale, coef=coef, **hyper)
+                del source
+
+        def device_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
+            masters, avgs, sqs, raws, steps, fill, sources, published = [], [], [], [], [], [], [], []
+            for i, k, buf in lent:
+                ps, grad, _step = members[i]
+                start, n = ps.span(k)
+                state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
+                if buf.source is not None:  # a redo's shadow chunk, lent unfilled: the active one copied in first
+                    fill.append(buf.view())
+                    sources.append(buf.source)
+                masters.append(state[:n])
+                avgs.append(state[n : 2 * n])
+                sqs.append(state[2 * n : 3 * n])
+                raws.append(grad.chunk(start, n, None))
+                steps.append(counts[i])
+                published.append((ps, k, state[:n]))
+            if fill:
+                torch._foreach_copy_(fill, sources)
+            torch._fused_adamw_(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, [], steps, amsgrad=False,
+                                maximize=False, **hyper)
+            publish.many(published)
+
+        return ChunkJob(None, 1, update, done=Future() if exact else None)
 
     def read_ahead(self, params: Iterable[ParamState]) -> None:
         """Have the worker read the state of ``params`` that lives on the SSD ahead, in this order, while it is

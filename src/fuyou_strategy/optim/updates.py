@@ -14,7 +14,7 @@ optimizer, so that a forgotten optimizer is collected and its finalizer deletes 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import torch
 
@@ -29,7 +29,12 @@ if TYPE_CHECKING:
     from .weights import StreamedWeights
     from .window import Window
 
-__all__ = ["Publisher", "Updater"]
+__all__ = ["GROUP_ELEMENTS", "Publisher", "Updater"]
+
+# Elements of the updates one grouped job takes (`Updater.queue_many`) before the next job begins: enough that the
+# per-job bookkeeping of a transformer's small parameters (norms, biases, most of a layer's matrices) is paid a few
+# times per layer, few enough that the next forward's first module waits for little more than its own weights.
+GROUP_ELEMENTS = 1 << 22
 
 
 class Updater:
@@ -97,6 +102,42 @@ class Updater:
             param.grad = None
         return self.state.run(job)
 
+    def queue_many(self, params: Iterable[ParamState], grad_of: Callable[[ParamState], "Grad"], *,
+                   coef: torch.Tensor | None, exact: bool,
+                   queued: Callable[[ParamState, ChunkJob], None] | None = None) -> None:
+        """Queue the updates of ``params``, in this order, with the clip coefficient known (``coef``: a redo, or
+        ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(ps, job)`` once its job is.
+        Consecutive parameters of one `OptimizerState.group_kind` share a job (`OptimizerState.group_job`) until it
+        holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way."""
+        state, publish, one_pass = self.state, self.publisher(), self.one_pass
+        run: list[tuple[ParamState, Grad, torch.Tensor]] = []
+        kind, elems = None, 0
+
+        def flush() -> None:
+            if run:
+                members = run[:]  # the job keeps its own list
+                run.clear()
+                job = state.run(state.group_job(members, exact=exact, coef=coef, inv_scale=self.inv_scale(),
+                                                publish=publish, one_pass=one_pass))
+                if queued is not None:
+                    for ps, _grad, _step in members:
+                        queued(ps, job)
+
+        for ps in params:
+            grad = grad_of(ps)
+            now = state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=one_pass)
+            if now is None or now != kind or elems >= GROUP_ELEMENTS:
+                flush()
+                kind, elems = now, 0
+            if now is None:
+                job = self.queue(ps, grad, coef=coef, exact=exact)
+                if queued is not None:
+                    queued(ps, job)
+                continue
+            run.append((ps, grad, self.steps[ps.param]["step"]))  # read when the run's job is built
+            elems += ps.numel
+        flush()
+
     def publisher(self) -> "Publisher":
         """Where new weights go, held by jobs instead of the updater."""
         return Publisher(self.weights)
@@ -119,6 +160,18 @@ class Publisher:
         # device-tier master is on the device already: a copy there, on the update's stream.
         ps.param.detach().view(-1)[start : start + n].copy_(master)
         return None
+
+    def many(self, chunks: list[tuple[ParamState, int, torch.Tensor]]) -> None:
+        """Copy each ``(ps, k, master)``'s new master into its resident parameter's elements: one
+        ``torch._foreach_copy_`` (on an accelerator one kernel for the list, on the worker's current stream), each
+        element as `__call__`'s ``copy_`` casts it."""
+        targets = []
+        for ps, k, _master in chunks:
+            if ps.grads is not None:
+                raise ValueError(f"Publisher.many: {ps.describe()} is streamed; its weights go to its tier copy")
+            start, n = ps.span(k)
+            targets.append(ps.param.detach().view(-1)[start : start + n])
+        torch._foreach_copy_(targets, [master for _ps, _k, master in chunks])
 
     def into(self, ps: ParamState) -> torch.Tensor | None:
         """A resident parameter's elements (flat) when they are in host memory (a one-pass update writes each
