@@ -37,13 +37,13 @@ if __name__ == "__main__":
 
     class Shard(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # after FuyouCallback's: count the comm
-            opt, original = fuyou.engine.optimizer, fuyou.engine.optimizer.updates.queue  # hook's updates
+            opt, original = fuyou.engine.optimizer, fuyou.engine.optimizer.updates.speculate  # hook's updates
             shard["hook_updates"] = 0
 
             def counting(ps, grad, *a, **k):
                 shard["hook_updates"] += grad.kind == "bucket"
                 return original(ps, grad, *a, **k)
-            opt.updates.queue = counting
+            opt.updates.speculate = counting
 
         def on_step_end(self, args, state, control, **kwargs):
             opt = fuyou.engine.optimizer

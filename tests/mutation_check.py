@@ -46,6 +46,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # test files that should catch it (under tests/)
     before: tuple[str, str] | None = None  # (old, new) where the old suite's code reads otherwise
+    before_file: str | None = None  # the file, where the old suite's code is in another
 
 
 MUTANTS = [
@@ -56,13 +57,18 @@ MUTANTS = [
            "device.py", "        if self._late is not None:\n            self._late.wait(timeout)\n",
            "        if self._late is not None:\n            pass\n", ("test_device.py", "test_activations.py")),
     Mutant("bias-correction", "AdamW's bias correction uses the step after the one being taken",
-           "optim/state.py", "[step + 1], amsgrad=False", "[step + 2], amsgrad=False", ("test_optimizer.py",)),
+           "optim/kernels.py", "[step + 1], amsgrad=False", "[step + 2], amsgrad=False", ("test_optimizer.py",),
+           before_file="optim/state.py"),
+    Mutant("group-bias-correction", "a grouped job's bias correction uses the step after the one being taken",
+           "optim/state.py", "        counts = before + 1  #", "        counts = before + 2  #", ("test_device_state.py",)),
     Mutant("bias-correction-compact", "the compact formats' second-moment bias correction is one step off",
            "optim/formats.py", "    bias_correction2 = 1 - beta2**step\n", "    bias_correction2 = 1 - beta2**(step + 1)\n",
            ("test_state_formats.py",)),
     Mutant("clip-redo", "the redo after a rollback forgets the clip coefficient",
-           "optim/schedule.py", "                p.updates.queue(ps, p.gradients.at_step(ps), coef=coef)",
-           "                p.updates.queue(ps, p.gradients.at_step(ps), coef=None)", ("test_schedule.py",)),
+           "optim/schedule.py", "            p.updates.queue_many(queued, p.gradients.at_step, coef=coef, exact=False)",
+           "            p.updates.queue_many(queued, p.gradients.at_step, coef=None, exact=False)", ("test_schedule.py",),
+           ("                p.updates.queue(ps, p.gradients.at_step(ps), coef=coef)",
+            "                p.updates.queue(ps, p.gradients.at_step(ps), coef=None)")),
     Mutant("rollback-shadow", "an undone window keeps its shadow-slot writes (no rollback)",
            "optim/schedule.py", "        p = self.parts\n        p.state.rollback()\n        p.window.partial.clear()",
            "        p = self.parts\n        p.window.partial.clear()", ("test_schedule.py",)),
@@ -111,7 +117,8 @@ MUTANTS = [
            "engine.py", "            self.optimizer.updates_enabled = update\n",
            "            self.optimizer.updates_enabled = True\n", ("test_hf.py", "test_lightning.py")),
     Mutant("onepass-tail", "the one pass leaves the ragged end of a chunk (past its last whole block) un-updated",
-           "optim/onepass.py", "        if done == n:\n            return\n", "        if True:\n            return\n",
+           "optim/onepass.py", "        if done < n:\n            src = out if source is None else source\n",
+           "        if False:\n            src = out if source is None else source\n",
            ("test_onepass.py",)),
     Mutant("onepass-unscale", "the compiled pass divides by the unscale factor instead of multiplying (rebuilt; "
            "its bitwise check at load must refuse it)", "optim/csrc/adamw_pass.cpp",
@@ -126,13 +133,13 @@ MUTANTS = [
            "optim/state.py", "                torch._foreach_copy_(fill, sources)", "                pass",
            ("test_device_state.py",)),
     Mutant("group-cut", "a grouped job takes parameters without end", "optim/updates.py",
-           "            if now is None or now != kind or elems >= GROUP_ELEMENTS:",
-           "            if now is None or now != kind:", ("test_device_state.py",)),
+           "        if kind is None or kind != self._run_kind or self._run_elems >= GROUP_ELEMENTS:",
+           "        if kind is None or kind != self._run_kind:", ("test_device_state.py",)),
     Mutant("staged-weight", "a half-precision weight the pass wrote into a host buffer is never copied to its parameter",
            "optim/updates.py", "        transfer(ps.param.detach().view(-1)[start : start + n], weight, after_compute=True)",
            "        pass", ("test_on_device.py",)),
     Mutant("device-staged", "a device-tier gradient is copied to the host like the others",
-           "optim/gradients.py", "if not read_on_host(tensor) or self.streamed.state.updates_on_device(ps):",
+           "optim/gradients.py", "if not read_on_host(tensor) or self.updates_on_device(ps):",
            "if not read_on_host(tensor):", ("test_device_state.py",)),
     Mutant("device-shadow", "a shadow chunk lent unfilled to a device-tier update is not filled from the active one",
            "optim/state.py", "                    buf.view().copy_(source)  # update's that cannot run on this gradient",
@@ -164,6 +171,8 @@ def mutated_src(suite: Path, into: Path, mutant: Mutant | None) -> Path:
     shutil.copytree(suite / "src", into, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     if mutant is not None:
         path = into / "fuyou_strategy" / mutant.file
+        if not path.exists() and mutant.before_file is not None:
+            path = into / "fuyou_strategy" / mutant.before_file
         text = path.read_text()
         old, new = mutant.old, mutant.new
         if text.count(old) != 1 and mutant.before is not None:

@@ -83,9 +83,9 @@ def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split,
 
 @pytest.mark.parametrize("schedule", ["next_forward", "backward"])
 @pytest.mark.parametrize("split", ["ram", "device", "three"])
-def test_exact_updates_of_consecutive_parameters_in_ram_or_on_the_device_share_a_job_and_change_no_bit(
+def test_updates_of_consecutive_parameters_in_ram_or_on_the_device_share_a_job_and_change_no_bit(
         tmp_path, monkeypatch, split, schedule):
-    """An update whose clip coefficient is known (``next_forward``'s, or ``backward``'s redo after clipping bit) takes
+    """An update (``next_forward``'s exact one; ``backward``'s speculative one and its redo after clipping bit) takes
     one job for a run of consecutive parameters whose state is in host RAM, or on the device tier
     (`OptimizerState.group_job`), up to `GROUP_ELEMENTS` elements (made small here, so that runs are cut), never
     beside state of the other tier or on the SSD; bitwise torch's (clipping that bites, a skipped step,

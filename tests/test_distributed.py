@@ -770,13 +770,13 @@ class CountHookUpdates(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         opt = trainer.strategy.engine.optimizer
-        original, self.count = opt.updates.queue, 0
+        original, self.count = opt.updates.speculate, 0
 
         def counting(ps, grad, *args, **kwargs):
             if grad.kind == "bucket":
                 self.count += 1
             return original(ps, grad, *args, **kwargs)
-        opt.updates.queue = counting
+        opt.updates.speculate = counting
 
     def on_train_end(self, trainer, pl_module):
         stats = trainer.strategy.engine.optimizer.stats

@@ -99,10 +99,14 @@ def test_state_dict_without_folder_cannot_resume_silently(tmp_path):
     other.close()
 
 
-def test_zero_grad_between_backward_and_step_discards_the_update(tmp_path):
+@pytest.mark.parametrize("tier", [{}, dict(host_memory_budget="4MiB", host_state="3MiB"),
+                                  dict(device_state="4MiB", host_state=0)], ids=["as-is", "ram", "device"])
+def test_zero_grad_between_backward_and_step_discards_the_update(tmp_path, tier):
+    """Also the speculative updates of state in RAM or on the device tier held for a grouped job, never queued
+    (`Updater.drop`)."""
     model = tiny_causal_lm("gpt2")
     before = [p.detach().clone() for p in model.parameters()]
-    opt = make(tmp_path, model, "a")
+    opt = make(tmp_path, model, "a", optimizer_schedule="backward", **tier)
     lm_loss(model, batches(0, 0)).backward()  # updates run speculatively during backward
     with pytest.raises(RuntimeError, match="between backward and step"):
         opt.state_dict(tmp_path / "x")

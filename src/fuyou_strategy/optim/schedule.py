@@ -387,9 +387,12 @@ class Parts:
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         return coef if coef < 1.0 else None
 
-    def advance(self, ps: "ParamState") -> None:
-        """``ps``'s step count after its update was queued (the update read the count it completes)."""
-        self.steps[ps.param]["step"] += 1
+    def advance(self, params: Iterable["ParamState"]) -> None:
+        """The step counts of ``params`` after their updates were queued (each update read the count it completes):
+        one multi-tensor add, each count as ``+= 1`` adds."""
+        counts = [self.steps[ps.param]["step"] for ps in params]
+        if counts:
+            torch._foreach_add_(counts, 1)
 
     def updated(self, norms: Iterable[int]) -> None:
         """The weights with these indices changed: make them every rank's (`Sharding.updated`; in one
@@ -418,7 +421,7 @@ class Speculative:
             self._arrivals.append((ps, time.perf_counter()))
         if first and self.tail:  # the window's last backward has begun: the drive's idle time is from here on
             self.parts.state.read_ahead(self.tail)
-        self.parts.updates.queue(ps, grad)
+        self.parts.updates.speculate(ps, grad)
 
     def _end_window(self) -> None:
         """Learn the tail from this window's arrivals: the parameters whose gradients became final in the
@@ -436,7 +439,8 @@ class Speculative:
         p = self.parts
         window, sharding = p.window, p.sharding
         for ps in p.gradients.set_by_hand(sharding.owned(p.order.params)):  # no hook fired for them
-            p.updates.queue(ps, p.gradients.at_step(ps))
+            p.updates.speculate(ps, p.gradients.at_step(ps))
+        p.updates.flush()  # the updates still held for a grouped job
         queued = [ps for ps in p.order.norm if window.queued(ps)]
         norms, late = window.take()
         error = None
@@ -476,6 +480,7 @@ class Speculative:
         """``zero_grad`` between backward and ``step()``: the speculative updates are undone."""
         with self._lock:
             self._arrivals.clear()
+        self.parts.updates.drop()
         self._undo(queued)
 
     def _undo(self, queued: list["ParamState"]) -> None:
@@ -502,8 +507,7 @@ class Speculative:
         fails once the drain returned leaves the active slot failed: the next read of it (the next step's
         update, a checkpoint) raises its error, on every rank alike through the next window's agreement."""
         self.parts.state.commit(queued, writes_behind=True)
-        for ps in queued:
-            self.parts.advance(ps)
+        self.parts.advance(queued)
 
 
 class Exact:
@@ -546,15 +550,12 @@ class Exact:
         def queued(ps: "ParamState", job: ChunkJob) -> None:
             p.landing.add(ps.param, job, f"the update of {ps.describe()}")
             p.gradients.handed_over(ps)
-            p.advance(ps)  # after queueing: the update read the step it completes
 
         try:
             stepped = [ps for ps in p.order.update if ps.index in norms]
             p.updates.queue_many([ps for ps in stepped if sharding.owns(ps)], p.gradients.at_step, coef=coef, exact=True,
-                                 queued=queued)
-            for ps in stepped:
-                if not sharding.owns(ps):  # its owner updates it
-                    p.advance(ps)
+                                 queued=queued)  # those of other ranks, their owners update
+            p.advance(stepped)  # after queueing: each update read the step it completes
         except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
             p.landing.failed = exc
             raise

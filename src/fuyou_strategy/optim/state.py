@@ -167,6 +167,9 @@ class Publish(Protocol):
         """The parameter's elements (flat) the chunks' weights are copied into, when a one-pass update may write
         them itself (a resident host parameter's); ``None``: call the publisher, or stage them (`staged`)."""
 
+    def writes_into(self, ps: ParamState) -> bool:
+        """Whether `into` gives ``ps``'s elements."""
+
     def staged(self, ps: ParamState) -> bool:
         """Whether a one-pass update writes the new weights into a host buffer in the parameter's dtype, for `land`."""
 
@@ -541,16 +544,17 @@ class OptimizerState:
             return ("device", ps.param.device, id(ps.group))
         flat = grad.flat
         if (one_pass is not None and ps.index in self.in_memory and flat.device.type == "cpu" and flat.is_contiguous()
-                and publish.into(ps) is not None):
+                and publish.writes_into(ps)):
             return ("ram", id(ps.group))
         return None
 
     def group_job(self, members: list[tuple[ParamState, "GradChunks", torch.Tensor]], *, exact: bool,
                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
-                  one_pass: OnePass | None) -> ChunkJob:
+                  one_pass: OnePass | None, norms: list[Callable[[], None] | None] | None = None) -> ChunkJob:
         """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad, step)``
-        as `update_job` takes them (a step count before the update each), with the clip coefficient ``coef`` known
-        (a redo, or an exact update); the same bits as a job per parameter. What it saves is the worker's and the
+        as `update_job` takes them (a step count before the update each; ``norms``: each one's `update_job`
+        ``norm``, or None), speculative or with the clip coefficient ``coef`` (a redo) or exact; the same bits as a
+        job per parameter. What it saves is the worker's and the
         queueing thread's bookkeeping per parameter (a job, its closures and futures, the pipeline's per-job work),
         which a transformer's many small parameters pay more for than for their arithmetic.
 
@@ -560,7 +564,7 @@ class OptimizerState:
         multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), the shadow chunks filled
         and the new weights published by one ``_foreach_copy_`` each, all on the stream of the thread that queues
         the job. ``exact``: into the active slot in place, the job's ``done`` completing once it landed; else the
-        shadow slot. A failure part-way gives back every chunk still lent, marked failed."""
+        shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's). A failure part-way gives back every chunk still lent, marked failed."""
         pss = [ps for ps, _grad, _step in members]
         group = pss[0].group
         beta1, beta2 = group["betas"]
@@ -586,6 +590,9 @@ class OptimizerState:
             lent: list[tuple[int, int, LentChunk]] = []  # (member, chunk, its lent chunk)
             try:
                 with on_stream(stream):
+                    for take in norms or ():
+                        if take is not None:
+                            take()
                     for i, ps in enumerate(pss):
                         for k in range(ps.nchunks):
                             lent.append((i, k, store.lend_chunk(ps.entry, k, slot=ACTIVE, lend=slot, fill=False)))

@@ -13,6 +13,7 @@ optimizer, so that a forgotten optimizer is collected and its finalizer deletes 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
@@ -59,48 +60,108 @@ class Updater:
         self.one_pass = one_pass
         self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
         self.weights: StreamedWeights | None = None  # the WeightStreamer whose tier copies take streamed parameters' weights
+        # The run of updates held for one grouped job (`speculate`, `queue_many`): (param, gradient, its step count
+        # tensor, what takes its norm or None), their `OptimizerState.group_kind` and elements. Under _run_lock.
+        self._run_lock = threading.Lock()
+        self._run: list[tuple[ParamState, Grad, torch.Tensor, Callable[[], None] | None]] = []
+        self._run_kind: tuple | None = None
+        self._run_elems = 0
 
     def inv_scale(self) -> torch.Tensor | None:
         """``1 / scale`` of this window under loss scaling (the scale is fixed for a window), else None."""
         return self.scaler.inv_scale() if self.scaler is not None else None
 
     def queue(self, ps: ParamState, grad: "Grad", *, coef: torch.Tensor | None = None, exact: bool = False) -> ChunkJob:
-        """Queue ``ps``'s update with ``grad``; ``coef`` is the clip coefficient of a redo or an exact update.
-        Returns the job (an exact one's ``done`` completes once it landed)."""
+        """Queue ``ps``'s update with ``grad`` as a job of its own; ``coef`` is the clip coefficient of a redo or an
+        exact update. Returns the job (an exact one's ``done`` completes once it landed)."""
         speculative = coef is None and not exact
-        record = speculative and grad.kind != "stored"  # its norm goes into the window's, for step()
-        inv_scale, kernel = self.inv_scale(), self.one_pass
-        norm = None  # takes the norm on the worker, before the first chunk
-        if record:
-            norms = self.window.norms
-            norms[ps.index] = None
-
-            def put(value: torch.Tensor) -> None:
-                norms[ps.index] = value
-
-            if kernel is not None and kernel.reads(grad.flat):  # with the other queued gradients' (`PendingNorms`)
-                unmeasured = self.window.unmeasured
-                unmeasured.keep(ps.index, grad, inv_scale, put)
-
-                def norm() -> None:
-                    unmeasured.take(ps.index, kernel)
-            else:  # one the kernel does not read (a device tier's, taken on the device): alone, never scanned again
-
-                def norm() -> None:
-                    put(grad.norm(inv_scale, kernel))
-
-        param = ps.param
+        # its norm goes into the window's, for step(): taken on the worker, before the first chunk
+        norm = self._recorder(ps, grad) if speculative and grad.kind != "stored" else None
         keep = self.streamed.write if grad.host is not None and self.clipping else None
-        job = self.state.update_job(ps, grad, step=self.steps[param]["step"].clone(), fused=self.fused, exact=exact,
-                                    coef=coef, inv_scale=inv_scale, publish=self.publisher(), keep=keep,
-                                    norm=norm, finished=grad.release,
-                                    one_pass=self.one_pass)
-        if self.release_grads and speculative and ps.grads is None:  # no redo can need it
+        job = self.state.update_job(ps, grad, step=self.steps[ps.param]["step"].clone(), fused=self.fused,
+                                    exact=exact, coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(),
+                                    keep=keep, norm=norm, finished=grad.release, one_pass=self.one_pass)
+        if speculative:
+            self._release(ps)
+        return self.state.run(job)
+
+    def _recorder(self, ps: ParamState, grad: "Grad") -> Callable[[], None]:
+        """Mark ``ps``'s speculative update queued in the window (``window.norms``) and return what takes its
+        gradient's norm into it, on the worker: with the other queued gradients' where the norm kernel reads them
+        (`PendingNorms`); alone otherwise (a device tier's, taken on the device), never scanned again."""
+        norms, inv_scale, kernel = self.window.norms, self.inv_scale(), self.one_pass
+        norms[ps.index] = None
+
+        def put(value: torch.Tensor) -> None:
+            norms[ps.index] = value
+
+        if kernel is not None and kernel.reads(grad.flat):
+            unmeasured = self.window.unmeasured
+            unmeasured.keep(ps.index, grad, inv_scale, put)
+            return lambda: unmeasured.take(ps.index, kernel)
+        return lambda: put(grad.norm(inv_scale, kernel))
+
+    def _release(self, ps: ParamState) -> None:
+        """Drop ``ps``'s resident ``.grad`` once its speculative update holds it, where no redo can need it."""
+        if self.release_grads and ps.grads is None:
             # Dropped here, on the thread that has the gradient, never by the worker: ``.grad`` belongs to the
             # training side (a worker's write raced step()'s reads of it and crashed the process). The `Grad`
             # keeps the tensor (or its host copy) alive until the update is done with it.
-            param.grad = None
-        return self.state.run(job)
+            ps.param.grad = None
+
+    def speculate(self, ps: ParamState, grad: "Grad") -> None:
+        """``ps``'s speculative update (the ``backward`` schedule) with ``grad``, final now. One of a
+        `OptimizerState.group_kind` is held in a run of consecutive ones of that kind, queued as one job
+        (`OptimizerState.group_job`) once the run holds `GROUP_ELEMENTS` elements, once one of another kind comes,
+        or at `flush` (``step()``, before its drain); any other is queued at once (`queue`). The same bits either
+        way; a run's updates start when it is queued (at most `GROUP_ELEMENTS` elements late).
+        Threads: the thread that has the gradient (autograd's, DDP's collective thread); the run is under
+        ``_run_lock``, which `flush` and `drop` (the training thread) take too."""
+        kind = self.state.group_kind(ps, grad, fused=self.fused, publish=self.publisher(), one_pass=self.one_pass)
+        with self._run_lock:
+            self._join(kind)
+            if kind is None:
+                self.queue(ps, grad)
+                return
+            self._run.append((ps, grad, self.steps[ps.param]["step"], self._recorder(ps, grad)))
+            self._run_elems += ps.numel
+            self._release(ps)
+
+    def flush(self) -> None:
+        """Queue the speculative updates `speculate` holds (the training thread, at ``step()``)."""
+        with self._run_lock:
+            self._flush_run(None)
+
+    def drop(self) -> None:
+        """Forget the speculative updates `speculate` holds, never queued (``zero_grad`` between backward and
+        ``step()``: the window's updates are discarded)."""
+        with self._run_lock:
+            run, self._run, self._run_kind, self._run_elems = self._run, [], None, 0
+        for _ps, grad, _step, _norm in run:
+            grad.release()
+
+    def _join(self, kind: tuple | None, queued: Callable[[ParamState, ChunkJob], None] | None = None, *,
+              coef: torch.Tensor | None = None, exact: bool = False) -> None:
+        """Before an update of `OptimizerState.group_kind` ``kind`` (None: one of a job of its own) joins the held
+        run: queue the run first where the update cannot join it (another kind, or the run is full). Under
+        ``_run_lock``."""
+        if kind is None or kind != self._run_kind or self._run_elems >= GROUP_ELEMENTS:
+            self._flush_run(queued, coef=coef, exact=exact)
+            self._run_kind = kind
+
+    def _flush_run(self, queued: Callable[[ParamState, ChunkJob], None] | None, *, coef: torch.Tensor | None = None,
+                   exact: bool = False) -> None:
+        """Queue the held run (`speculate`'s, or `queue_many`'s) as one job, and empty it."""
+        run, self._run, self._run_elems = self._run, [], 0
+        if not run:
+            return
+        job = self.state.run(self.state.group_job([member[:3] for member in run], exact=exact, coef=coef,
+                                                  inv_scale=self.inv_scale(), publish=self.publisher(),
+                                                  one_pass=self.one_pass,
+                                                  norms=[member[3] for member in run]))
+        if queued is not None:
+            for ps, *_rest in run:
+                queued(ps, job)
 
     def queue_many(self, params: Iterable[ParamState], grad_of: Callable[[ParamState], "Grad"], *,
                    coef: torch.Tensor | None, exact: bool,
@@ -108,35 +169,25 @@ class Updater:
         """Queue the updates of ``params``, in this order, with the clip coefficient known (``coef``: a redo, or
         ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(ps, job)`` once its job is.
         Consecutive parameters of one `OptimizerState.group_kind` share a job (`OptimizerState.group_job`) until it
-        holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way."""
-        state, publish, one_pass = self.state, self.publisher(), self.one_pass
-        run: list[tuple[ParamState, Grad, torch.Tensor]] = []
-        kind, elems = None, 0
-
-        def flush() -> None:
-            if run:
-                members = run[:]  # the job keeps its own list
-                run.clear()
-                job = state.run(state.group_job(members, exact=exact, coef=coef, inv_scale=self.inv_scale(),
-                                                publish=publish, one_pass=one_pass))
-                if queued is not None:
-                    for ps, _grad, _step in members:
+        holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way.
+        The training thread, with no speculative run held (`flush`)."""
+        with self._run_lock:
+            if self._run:
+                raise RuntimeError("Updater.queue_many: speculative updates are still held; flush() them first")
+            for ps in params:
+                grad = grad_of(ps)
+                kind = self.state.group_kind(ps, grad, fused=self.fused, publish=self.publisher(),
+                                             one_pass=self.one_pass)
+                self._join(kind, queued, coef=coef, exact=exact)
+                if kind is None:
+                    job = self.queue(ps, grad, coef=coef, exact=exact)
+                    if queued is not None:
                         queued(ps, job)
-
-        for ps in params:
-            grad = grad_of(ps)
-            now = state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=one_pass)
-            if now is None or now != kind or elems >= GROUP_ELEMENTS:
-                flush()
-                kind, elems = now, 0
-            if now is None:
-                job = self.queue(ps, grad, coef=coef, exact=exact)
-                if queued is not None:
-                    queued(ps, job)
-                continue
-            run.append((ps, grad, self.steps[ps.param]["step"]))  # read when the run's job is built
-            elems += ps.numel
-        flush()
+                    continue
+                self._run.append((ps, grad, self.steps[ps.param]["step"], None))  # the step read as its job is built
+                self._run_elems += ps.numel
+            self._flush_run(queued, coef=coef, exact=exact)
+            self._run_kind = None
 
     def publisher(self) -> "Publisher":
         """Where new weights go, held by jobs instead of the updater."""
@@ -177,10 +228,12 @@ class Publisher:
         """A resident parameter's elements (flat) when they are in host memory (a one-pass update writes each
         chunk's in its pass); ``None`` for a streamed one, one on an accelerator, or one whose weights are
         `staged`."""
+        return ps.param.detach().view(-1) if self.writes_into(ps) else None
+
+    def writes_into(self, ps: ParamState) -> bool:
+        """Whether `into` gives ``ps``'s elements (without making the view)."""
         p = ps.param
-        if ps.grads is not None or p.device.type != "cpu" or not p.is_contiguous() or self.staged(ps):
-            return None
-        return p.detach().view(-1)
+        return ps.grads is None and p.device.type == "cpu" and p.is_contiguous() and not self.staged(ps)
 
     @staticmethod
     def staged(ps: ParamState) -> bool:
