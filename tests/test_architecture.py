@@ -176,3 +176,15 @@ def test_the_check_sees_each_kind_of_hack(tmp_path):
     assert _foreign_object_hacks(module, "integrations/hf.py") == [
         "integrations/hf.py:2 gc.get_objects", "integrations/hf.py:3 __class__ =", "integrations/hf.py:4 ._enabled",
         "integrations/hf.py:5 wrapper._optimizer ="]
+
+
+def test_every_deliberate_bug_of_the_mutation_check_still_names_code_that_exists():
+    """A mutant whose code was rewritten can no longer be applied, so the check it stands for silently stops
+    (`mutation_check.py` exits at the first such one): each names code that occurs exactly once in ``src/``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mutation_check import MUTANTS
+
+    src = Path(__file__).resolve().parent.parent / "src" / "fuyou_strategy"
+    stale = [f"{m.id}: {m.file} holds its code {(src / m.file).read_text().count(m.old)} times" for m in MUTANTS
+             if (src / m.file).read_text().count(m.old) != 1]
+    assert not stale, "update MUTANTS in tests/mutation_check.py: " + "; ".join(stale)

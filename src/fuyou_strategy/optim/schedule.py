@@ -371,9 +371,9 @@ class Parts:
 
     def total_norm(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]) -> torch.Tensor | None:
         """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms, on the host:
-        a device-tier gradient's norm is brought there); ``None`` (and the step counted as skipped) when it is not
-        finite."""
-        total = torch.linalg.vector_norm(torch.stack([norms[ps.index].to("cpu") for ps in counted]), 2)
+        a device-tier gradient's norm is brought there, those of one device in one copy); ``None`` (and the step
+        counted as skipped) when it is not finite."""
+        total = torch.linalg.vector_norm(torch.stack(on_host([norms[ps.index] for ps in counted])), 2)
         self.stats.last_grad_norm = float(total)
         if not math.isfinite(self.stats.last_grad_norm):
             self.stats.skips += 1
@@ -398,6 +398,20 @@ class Parts:
         """The weights with these indices changed: make them every rank's (`Sharding.updated`; in one
         process, land the updates now unless a forward waits for them)."""
         self.sharding.updated([ps for ps in self.order.update if ps.index in norms], gated=self.landing.gated)
+
+
+def on_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` (0-d tensors, in order) on the host: those on each other device stacked there and copied in one
+    transfer, so that the host waits once per device rather than once per value (a GPU's many gradient norms)."""
+    out = list(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if value.device.type != "cpu":
+            by_device.setdefault(value.device, []).append(i)
+    for where in by_device.values():
+        for i, value in zip(where, torch.stack([values[i] for i in where]).to("cpu").unbind()):
+            out[i] = value
+    return out
 
 
 class Speculative:
@@ -547,14 +561,15 @@ class Exact:
         if total is None:
             return Outcome("skip")  # nothing was written: state and weights are as they were
         coef = p.clip_coef(total)
+
         def queued(ps: "ParamState", job: ChunkJob) -> None:
             p.landing.add(ps.param, job, f"the update of {ps.describe()}")
             p.gradients.handed_over(ps)
 
         try:
             stepped = [ps for ps in p.order.update if ps.index in norms]
-            p.updates.queue_many([ps for ps in stepped if sharding.owns(ps)], p.gradients.at_step, coef=coef, exact=True,
-                                 queued=queued)  # those of other ranks, their owners update
+            owned = [ps for ps in stepped if sharding.owns(ps)]  # the others' owners update them
+            p.updates.queue_many(owned, p.gradients.at_step, coef=coef, exact=True, queued=queued)
             p.advance(stepped)  # after queueing: each update read the step it completes
         except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
             p.landing.failed = exc

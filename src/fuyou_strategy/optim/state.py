@@ -9,9 +9,10 @@ tensors by name, and checkpoints stream its pieces through `export` and `load` w
 they sit.
 
 Everything that touches the state runs as a `ChunkJob` on one worker thread (`pipeline`), reading
-ahead: the AdamW update (`update_job`), restoring weights from the masters, reading a parameter's
-state back, checkpoints. ``state_slots=2`` gives every entry a second (*shadow*) slot that
-speculative updates write into; `commit` flips it in, `rollback` drops it.
+ahead: the AdamW update (`update_job`; of a run of parameters in RAM or on the device tier, `group_job`),
+restoring weights from the masters, reading a parameter's state back, checkpoints. ``state_slots=2`` gives
+every entry a second (*shadow*) slot that speculative updates write into; `commit` flips it in, `rollback`
+drops it.
 
 Tiers: with ``FuyouConfig.host_state`` the entries of the first parameters that fit live in host RAM
 (`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD; `hold_in_ram`
@@ -45,7 +46,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -58,6 +59,9 @@ from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
 from .kernels import adamw_kernel, fp32_gradient, fp32_gradients
 from .onepass import OnePass, step_count
 from .pipeline import ChunkJob, ChunkPipeline, Later
+
+if TYPE_CHECKING:
+    from .gradients import Grad
 
 __all__ = ["ELEMENT_BYTES", "balanced_chunk", "ParamState", "OptimizerState", "Publish", "UpdateMeter",
            "adamw_kernel", "apply_update"]
@@ -528,7 +532,7 @@ class OptimizerState:
                         lend=slot, fill=one_pass is None and not on_device, skip=ps.master_nbytes if from_param else None,
                         lent=lent, batch=batch)
 
-    def group_kind(self, ps: ParamState, grad: "GradChunks", *, fused: bool, publish: Publish,
+    def group_kind(self, ps: ParamState, grad: "Grad", *, fused: bool, publish: Publish,
                    one_pass: OnePass | None) -> tuple | None:
         """What `group_job` may update ``ps`` with ``grad`` beside (parameters of the same kind share a job), or
         ``None``: its update is a job of its own (`update_job`). A group takes a resident parameter's state in host
@@ -537,8 +541,7 @@ class OptimizerState:
         kept gradient). The kind: the tier, the device and the param group (one set of hyperparameters)."""
         layout = ps.layout
         if (not fused or layout.kernel != "torch" or layout.moments != "fp32" or ps.grads is not None
-                or getattr(grad, "flat", None) is None or grad.extra or grad.host is not None
-                or grad.staging is not None):
+                or grad.flat is None or grad.extra or grad.host is not None or grad.staging is not None):
             return None
         if ps.index in self.on_device:
             return ("device", ps.param.device, id(ps.group))
@@ -548,15 +551,15 @@ class OptimizerState:
             return ("ram", id(ps.group))
         return None
 
-    def group_job(self, members: list[tuple[ParamState, "GradChunks", torch.Tensor]], *, exact: bool,
+    def group_job(self, members: list[tuple[ParamState, "Grad", torch.Tensor]], *, exact: bool,
                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
                   one_pass: OnePass | None, norms: list[Callable[[], None] | None] | None = None) -> ChunkJob:
         """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad, step)``
         as `update_job` takes them (a step count before the update each; ``norms``: each one's `update_job`
         ``norm``, or None), speculative or with the clip coefficient ``coef`` (a redo) or exact; the same bits as a
-        job per parameter. What it saves is the worker's and the
-        queueing thread's bookkeeping per parameter (a job, its closures and futures, the pipeline's per-job work),
-        which a transformer's many small parameters pay more for than for their arithmetic.
+        job per parameter. What it saves is the worker's and the queueing thread's bookkeeping per parameter (a
+        job, its closures and futures, the pipeline's per-job work), which a transformer's many small parameters
+        pay more for than for their arithmetic.
 
         State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
         updated by the one pass, the new weight written into the parameter in the same pass. On the device tier:
@@ -564,7 +567,8 @@ class OptimizerState:
         multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), the shadow chunks filled
         and the new weights published by one ``_foreach_copy_`` each, all on the stream of the thread that queues
         the job. ``exact``: into the active slot in place, the job's ``done`` completing once it landed; else the
-        shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's). A failure part-way gives back every chunk still lent, marked failed."""
+        shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's).
+        A failure part-way gives back every chunk still lent, marked failed."""
         pss = [ps for ps, _grad, _step in members]
         group = pss[0].group
         beta1, beta2 = group["betas"]

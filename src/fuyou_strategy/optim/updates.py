@@ -1,13 +1,16 @@
-"""`Updater`: queues one parameter's AdamW update on the state's worker — the one place an update is built.
+"""`Updater`: queues AdamW updates on the state's worker — the one place an update is built.
 
 An update is speculative (the ``backward`` schedule, into the shadow slot, recording its gradient's norm
 for ``step()``), a redo (with the clip coefficient, after a rollback) or exact (``next_forward``, the
 global norm known, into the active slot in place). Its new weight is published into the parameter, or
 into a streamed parameter's tier copy (`WeightStreamer.publish`). Whichever `Grad` it reads, the job
-gives the gradient's buffer back when it is done.
+gives the gradient's buffer back when it is done. Consecutive updates of state in host RAM or on the device tier
+share one job (`OptimizerState.group_job`, up to `GROUP_ELEMENTS` elements): a transformer's many small parameters
+then pay the Python of a job once per run, not once each; any other update is a job of its own.
 
-Threads: `queue` runs on the thread that has the gradient (autograd's, DDP's collective thread, or the
-training thread at ``step()``); the job runs on the state's worker. The jobs hold no reference to the
+Threads: `queue` and `speculate` run on the thread that has the gradient (autograd's, DDP's collective thread, or
+the training thread at ``step()``), `queue_many`, `flush` and `drop` on the training thread; the jobs run on the
+state's worker. The jobs hold no reference to the
 optimizer, so that a forgotten optimizer is collected and its finalizer deletes the swap files.
 """
 
