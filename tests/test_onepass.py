@@ -123,6 +123,44 @@ def test_the_chunk_form_gives_the_same_bits_from_the_stores_layout():
         one.update_chunk(torch.empty(5), None, None, torch.zeros(2), None, **dict(kw, n=2))
 
 
+@pytest.mark.parametrize("factors", [(None, None), (2.0 ** -7, 0.375)])
+def test_the_list_form_gives_each_chunks_bits_in_one_call(factors):
+    """`OnePass.update_chunks` (a grouped job's run of parameters): chunks of different lengths (ragged ends among
+    them), step counts and gradient dtypes, some in place and some from a source chunk, each new weight into its own
+    tensor, in one call; each chunk gets torch's fused kernel's bits, as alone."""
+    one = one_pass()
+    gen = torch.Generator().manual_seed(11)
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, weight_decay=0.01, eps=1e-8)
+    inv_scale, coef = (None if f is None else torch.tensor(f) for f in factors)
+    lengths = (one.block, 7 * one.block + 5, 1, 64 * one.block, 3 * one.block - 1)
+    outs, sources, grads, weights, steps, wants, kept = [], [], [], [], [], [], []
+    for t, n in enumerate(lengths):
+        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
+                           torch.rand(n, generator=gen) * 1e-4])
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3])
+        step = torch.tensor(float(t + 2 * (t % 2)))  # not all the same
+        want = [x.clone() for x in state.split(n)]
+        torch_update(*want, grad, step=step, inv_scale=inv_scale, coef=coef, **hyper)
+        in_place = t % 2 == 0
+        outs.append(state if in_place else torch.empty(3 * n))
+        sources.append(None if in_place else state)
+        kept.append(state.clone())
+        grads.append(grad)
+        weights.append(torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2]))
+        steps.append(step)
+        wants.append(want)
+    one.update_chunks(outs, sources, grads, weights, list(lengths), steps=steps,
+                      counts=[onepass.step_count(s) for s in steps], inv_scale=inv_scale, coef=coef, **hyper)
+    for t, (out, want, weight, source) in enumerate(zip(outs, wants, weights, sources)):
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), t
+        assert torch.equal(weight, want[0].to(weight.dtype)), t
+        if source is not None:
+            assert torch.equal(source, kept[t]), (t, "a source is read, never written")
+    with pytest.raises(RuntimeError, match="must be lists of one length"):
+        one.update_chunks(outs[:2], sources[:1], grads[:2], weights[:2], [1, 1], steps=steps[:2], counts=[1.0, 1.0],
+                          inv_scale=None, coef=None, **hyper)
+
+
 def test_queued_gradients_norms_are_taken_together_with_torchs_bits():
     """`PendingNorms`: the first update's `take` takes its gradient's norm with every other kept one the kernel reads,
     whose bytes are in place, under the same unscale factor: one call of the kernel, each norm `grad_norm`'s torch

@@ -129,10 +129,31 @@ class OnePass:
         done = self.module.adamw_chunk(out, source, master_in, grad, weight, n,
                                        *_scalars(lr, beta1, beta2, weight_decay, eps, count, inv_scale, coef))
         if done < n:
-            src = out if source is None else source
-            self._tail(done, src[:n] if master_in is None else master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
-                       out[:n], out[n : 2 * n], out[2 * n : 3 * n], weight, step=step, inv_scale=inv_scale, coef=coef,
-                       lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+            self._chunk_tail(done, out, source, master_in, grad, weight, n, step=step, inv_scale=inv_scale,
+                             coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+
+    def update_chunks(self, outs: list[torch.Tensor], sources: list[torch.Tensor | None], grads: list[torch.Tensor],
+                      weights: list[torch.Tensor], ns: list[int], *, steps: list[torch.Tensor], counts: list[float],
+                      inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
+                      beta2: float, weight_decay: float, eps: float) -> None:
+        """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place; each new
+        weight into ``weights``), in one call of the compiled pass without the GIL: a run of parameters
+        (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for their
+        arithmetic. The same bits, chunk for chunk."""
+        scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
+        done = self.module.adamw_chunks(outs, sources, grads, weights, ns, counts, *scalars[:5], *scalars[6:])
+        for i, n in enumerate(ns):
+            if done[i] < n:
+                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weights[i], n, step=steps[i],
+                                 inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
+                                 weight_decay=weight_decay, eps=eps)
+
+    def _chunk_tail(self, done: int, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
+                    grad: torch.Tensor, weight: torch.Tensor | None, n: int, **kwargs: Any) -> None:
+        """`_tail` of a chunk as the store holds it (`update_chunk`'s arguments)."""
+        src = out if source is None else source
+        self._tail(done, src[:n] if master_in is None else master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
+                   out[:n], out[n : 2 * n], out[2 * n : 3 * n], weight, **kwargs)
 
     @staticmethod
     def _tail(done: int, master_in: torch.Tensor, exp_avg_in: torch.Tensor, exp_avg_sq_in: torch.Tensor,

@@ -562,7 +562,8 @@ class OptimizerState:
         pay more for than for their arithmetic.
 
         State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
-        updated by the one pass, the new weight written into the parameter in the same pass. On the device tier:
+        updated by the one pass, the new weight written into the parameter in the same pass; every chunk of the run
+        in one call of the compiled pass (`OnePass.update_chunks`). On the device tier:
         every chunk's update in one call of torch's fused kernel over the lists of chunks (torch's own
         multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), the shadow chunks filled
         and the new weights published by one ``_foreach_copy_`` each, all on the stream of the thread that queues
@@ -616,14 +617,20 @@ class OptimizerState:
             return written if exact else Later(None, written)
 
         def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
+            outs, sources, grads, weights, ns, steps, chunk_counts = [], [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
                 start, n = ps.span(k)
                 source = buf.source
-                one_pass.update_chunk(buf.view(torch.float32), source.view(torch.float32) if source is not None else None,
-                                      None, grad.chunk(start, n, None), into[i][start : start + n], n=n, step=before[i],
-                                      count=counts[i], inv_scale=inv_scale, coef=coef, **hyper)
-                del source
+                outs.append(buf.view(torch.float32))
+                sources.append(source.view(torch.float32) if source is not None else None)
+                grads.append(grad.chunk(start, n, None))
+                weights.append(into[i][start : start + n])
+                ns.append(n)
+                steps.append(before[i])
+                chunk_counts.append(counts[i])
+            one_pass.update_chunks(outs, sources, grads, weights, ns, steps=steps, counts=chunk_counts,
+                                   inv_scale=inv_scale, coef=coef, **hyper)
 
         def device_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
             masters, avgs, sqs, raws, steps, fill, sources, published = [], [], [], [], [], [], [], []

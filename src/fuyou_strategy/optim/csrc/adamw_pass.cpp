@@ -142,11 +142,8 @@ void pass(const float* master_in, const float* exp_avg_in, const float* exp_avg_
 }
 
 template <typename G>
-void dispatch_weight(const at::Tensor& mi, const at::Tensor& ai, const at::Tensor& si, const G* g,
-                     const at::Tensor& mo, const at::Tensor& ao, const at::Tensor& so,
+void dispatch_weight(const float* a, const float* b, const float* c, const G* g, float* x, float* y, float* z,
                      const c10::optional<at::Tensor>& w, int64_t blocks, const Hyper& h) {
-  const float *a = mi.data_ptr<float>(), *b = ai.data_ptr<float>(), *c = si.data_ptr<float>();
-  float *x = mo.data_ptr<float>(), *y = ao.data_ptr<float>(), *z = so.data_ptr<float>();
   if (!w.has_value()) {
     pass<G, void>(a, b, c, g, x, y, z, nullptr, blocks, h);
     return;
@@ -282,6 +279,29 @@ float norm_one(const at::Tensor& t, bool has_inv, float inv, int64_t lanes, int6
 
 }  // namespace
 
+// The pass over the first `n` elements of the fp32 master, moments (in: a, b, c; out: x, y, z; checked by the
+// caller) and of the gradient and the weight; returns the elements done (whole blocks).
+int64_t pass_over(const float* a, const float* b, const float* c, const at::Tensor& grad, float* x, float* y,
+                  float* z, const c10::optional<at::Tensor>& weight_out, int64_t n, double lr, double beta1,
+                  double beta2, double weight_decay, double eps, double step, c10::optional<double> inv_scale,
+                  c10::optional<double> coef) {
+  check(grad, "grad", n, false);
+  if (weight_out.has_value()) check(*weight_out, "weight_out", n, false);
+  // As torch's kernel: the bias corrections in double, from the step count as a float.
+  double bias_correction1 = 1 - std::pow(beta1, step);
+  double bias_correction2 = 1 - std::pow(beta2, step);
+  Hyper h{lr, weight_decay, beta2, 1 - beta1, 1 - beta2, std::sqrt(bias_correction2), eps, lr / bias_correction1,
+          inv_scale.has_value(), coef.has_value(), float(inv_scale.value_or(1.0)), float(coef.value_or(1.0))};
+  int64_t blocks = n / kBlock;
+  switch (grad.scalar_type()) {
+    case at::kFloat: dispatch_weight(a, b, c, grad.data_ptr<float>(), x, y, z, weight_out, blocks, h); break;
+    case at::kBFloat16: dispatch_weight(a, b, c, grad.data_ptr<at::BFloat16>(), x, y, z, weight_out, blocks, h); break;
+    case at::kHalf: dispatch_weight(a, b, c, grad.data_ptr<at::Half>(), x, y, z, weight_out, blocks, h); break;
+    default: TORCH_CHECK(false, "adamw_pass: grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+  }
+  return blocks * kBlock;
+}
+
 // Updates the first `blocks * block_elements()` elements; returns that count.
 int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, const at::Tensor& exp_avg_sq_in,
                    const at::Tensor& grad, const at::Tensor& master_out, const at::Tensor& exp_avg_out,
@@ -294,36 +314,15 @@ int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, co
   check(master_out, "master_out", n, true);
   check(exp_avg_out, "exp_avg_out", n, true);
   check(exp_avg_sq_out, "exp_avg_sq_out", n, true);
-  check(grad, "grad", n, false);
-  if (weight_out.has_value()) check(*weight_out, "weight_out", n, false);
-  // As torch's kernel: the bias corrections in double, from the step count as a float.
-  double bias_correction1 = 1 - std::pow(beta1, step);
-  double bias_correction2 = 1 - std::pow(beta2, step);
-  Hyper h{lr, weight_decay, beta2, 1 - beta1, 1 - beta2, std::sqrt(bias_correction2), eps, lr / bias_correction1,
-          inv_scale.has_value(), coef.has_value(), float(inv_scale.value_or(1.0)), float(coef.value_or(1.0))};
-  int64_t blocks = n / kBlock;
-  switch (grad.scalar_type()) {
-    case at::kFloat:
-      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<float>(), master_out, exp_avg_out,
-                      exp_avg_sq_out, weight_out, blocks, h);
-      break;
-    case at::kBFloat16:
-      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<at::BFloat16>(), master_out,
-                      exp_avg_out, exp_avg_sq_out, weight_out, blocks, h);
-      break;
-    case at::kHalf:
-      dispatch_weight(master_in, exp_avg_in, exp_avg_sq_in, grad.data_ptr<at::Half>(), master_out, exp_avg_out,
-                      exp_avg_sq_out, weight_out, blocks, h);
-      break;
-    default: TORCH_CHECK(false, "adamw_pass: grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
-  }
-  return blocks * kBlock;
+  return pass_over(master_in.data_ptr<float>(), exp_avg_in.data_ptr<float>(), exp_avg_sq_in.data_ptr<float>(), grad,
+                   master_out.data_ptr<float>(), exp_avg_out.data_ptr<float>(), exp_avg_sq_out.data_ptr<float>(),
+                   weight_out, n, lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef);
 }
 
 // `adamw_pass` on one state chunk as the store holds it (`formats.Layout("fp32")`): `out` is the chunk's fp32 values,
 // master, exp_avg and exp_avg_sq of `n` elements each, one after the other, written from `source` (the same layout;
 // none: `out` itself, in place) and `grad`, the master read from `master_in` when given (a parameter holding it).
-// One call with the views made here: each view made in Python costs microseconds, several per chunk.
+// One call, and no view made at all (a view costs a microsecond even in C++, several per chunk).
 int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& source,
                     const c10::optional<at::Tensor>& master_in, const at::Tensor& grad,
                     const c10::optional<at::Tensor>& weight_out, int64_t n, double lr, double beta1, double beta2,
@@ -332,9 +331,31 @@ int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& sour
   const at::Tensor& in = source.has_value() ? *source : out;
   check(out, "out", 3 * n, true);
   check(in, "source", 3 * n, true);
-  return adamw_pass(master_in.has_value() ? *master_in : in.narrow(0, 0, n), in.narrow(0, n, n), in.narrow(0, 2 * n, n),
-                    grad, out.narrow(0, 0, n), out.narrow(0, n, n), out.narrow(0, 2 * n, n), weight_out, n, lr, beta1,
-                    beta2, weight_decay, eps, step, inv_scale, coef);
+  if (master_in.has_value()) check(*master_in, "master_in", n, true);
+  const float* i = in.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  return pass_over(master_in.has_value() ? master_in->data_ptr<float>() : i, i + n, i + 2 * n, grad, o, o + n,
+                   o + 2 * n, weight_out, n, lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef);
+}
+
+// `adamw_chunk` on each chunk of a list, in one call: a run of parameters (`OptimizerState.group_job`), whose many
+// small chunks would each pay for a call from Python. Every chunk has its own length and step count, the same
+// hyperparameters and factors; returns each chunk's elements done (its ragged end is the caller's, as above).
+std::vector<int64_t> adamw_chunks(const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
+                                  const std::vector<at::Tensor>& grads,
+                                  const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
+                                  const std::vector<double>& steps, double lr, double beta1, double beta2,
+                                  double weight_decay, double eps, c10::optional<double> inv_scale,
+                                  c10::optional<double> coef) {
+  const size_t n = outs.size();
+  TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n,
+              "adamw_chunks: outs, sources, grads, weights, ns and steps must be lists of one length");
+  std::vector<int64_t> done(n);
+  for (size_t i = 0; i < n; i++) {
+    done[i] = adamw_chunk(outs[i], sources[i], c10::nullopt, grads[i], weights[i], ns[i], lr, beta1, beta2,
+                          weight_decay, eps, steps[i], inv_scale, coef);
+  }
+  return done;
 }
 
 // Each tensor's norm (above), into an fp32 tensor of as many elements. Each norm is one thread's (its order is
@@ -375,6 +396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)",
         py::call_guard<py::gil_scoped_release>());
   m.def("adamw_chunk", &adamw_chunk, "adamw_pass on one fp32 state chunk (see adamw_chunk)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_chunks", &adamw_chunks, "adamw_chunk on each chunk of a list (see adamw_chunks)",
         py::call_guard<py::gil_scoped_release>());
   m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
