@@ -117,8 +117,8 @@ MUTANTS = [
            "engine.py", "            self.optimizer.updates_enabled = update\n",
            "            self.optimizer.updates_enabled = True\n", ("test_hf.py", "test_lightning.py")),
     Mutant("onepass-tail", "the one pass leaves the ragged end of a chunk (past its last whole block) un-updated",
-           "optim/onepass.py", "        if done < n:\n            src = out if source is None else source\n",
-           "        if False:\n            src = out if source is None else source\n",
+           "optim/onepass.py", "arguments).\"\"\"\n        src = out if source is None else source\n",
+           "arguments).\"\"\"\n        return\n",
            ("test_onepass.py",)),
     Mutant("onepass-unscale", "the compiled pass divides by the unscale factor instead of multiplying (rebuilt; "
            "its bitwise check at load must refuse it)", "optim/csrc/adamw_pass.cpp",
