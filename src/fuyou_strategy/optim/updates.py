@@ -177,20 +177,22 @@ class Updater:
         with self._run_lock:
             if self._run:
                 raise RuntimeError("Updater.queue_many: speculative updates are still held; flush() them first")
-            for ps in params:
-                grad = grad_of(ps)
-                kind = self.state.group_kind(ps, grad, fused=self.fused, publish=self.publisher(),
-                                             one_pass=self.one_pass)
-                self._join(kind, queued, coef=coef, exact=exact)
-                if kind is None:
-                    job = self.queue(ps, grad, coef=coef, exact=exact)
-                    if queued is not None:
-                        queued(ps, job)
-                    continue
-                self._run.append((ps, grad, self.steps[ps.param]["step"], None))  # the step read as its job is built
-                self._run_elems += ps.numel
-            self._flush_run(queued, coef=coef, exact=exact)
-            self._run_kind = None
+            try:
+                for ps in params:
+                    grad = grad_of(ps)
+                    kind = self.state.group_kind(ps, grad, fused=self.fused, publish=self.publisher(),
+                                                 one_pass=self.one_pass)
+                    self._join(kind, queued, coef=coef, exact=exact)
+                    if kind is None:
+                        job = self.queue(ps, grad, coef=coef, exact=exact)
+                        if queued is not None:
+                            queued(ps, job)
+                        continue
+                    self._run.append((ps, grad, self.steps[ps.param]["step"], None))  # read as its job is built
+                    self._run_elems += ps.numel
+                self._flush_run(queued, coef=coef, exact=exact)
+            finally:  # a step that failed half-queued (a dead worker) leaves no run for a later step to queue
+                self._run, self._run_kind, self._run_elems = [], None, 0
 
     def publisher(self) -> "Publisher":
         """Where new weights go, held by jobs instead of the updater."""
