@@ -29,7 +29,7 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
   extra; its CPU Adam op is built on first use), fp32 parameters only.
 
 ``--param-elems N`` cuts the parameters of fuyou, ``torch-adamw`` and DeepSpeed into ``N`` elements each (default
-8 chunks of ``--chunk``): many small parameters show each system's cost per parameter (GPT-2 350M has ~390).
+8 chunks of ``--chunk``): many small parameters show each system's cost per parameter (GPT-2 350M has 292 parameter tensors).
 ``--state-chunk`` sets fuyou's ``chunk_size`` (the state's chunks; default 16 MiB): small chunks show the worker's
 cost per chunk apart from the pass. ``--beside-python`` runs a thread beside every system's timed steps that issues
 small torch ops in a loop, as a launch-bound training thread issues a GPU's kernels, and reports its rate during the
