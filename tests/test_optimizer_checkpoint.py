@@ -347,3 +347,22 @@ def test_a_checkpoint_written_by_an_earlier_version_still_loads(tmp_path, fmt):
             got = opt.read_state(p)
             assert all(torch.equal(got[k], state[k]) for k in state)
             assert float(opt.state[p]["step"]) == step
+
+
+def test_an_optimizer_json_copied_from_another_save_is_refused(tmp_path):
+    """A save's metadata names its own save (the folder's token): one copied in from another save, whole and with a
+    valid checksum, is refused rather than read against this save's bytes."""
+    from fuyou_strategy.optim.checkpoint import META
+
+    model = tiny_causal_lm("gpt2")
+    opt = make(tmp_path, model, "a")
+    run(model, opt, 1)
+    opt.state_dict(tmp_path / "one")
+    run(model, opt, 1, start=1)
+    opt.state_dict(tmp_path / "two")
+    first, second = newest(tmp_path / "one"), newest(tmp_path / "two")
+    assert first.name != second.name
+    shutil.copy(first / META, second / META)
+    with pytest.raises(CheckpointError, match=r"lies in the folder of save \w{8}: the file was copied from another save"):
+        opt.load_folder(tmp_path / "two")
+    opt.close()
