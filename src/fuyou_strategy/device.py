@@ -36,7 +36,7 @@ import torch
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
            "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host",
-           "computes_on_host", "usable_cores", "use_intra_op_threads", "current_stream", "on_stream"]
+           "computes_on_host", "to_host", "usable_cores", "use_intra_op_threads", "current_stream", "on_stream"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -66,6 +66,20 @@ def read_on_host(t: torch.Tensor) -> bool:
     """Whether the host must copy ``t`` into a host buffer (`start_copy`) before it reads it: ``t`` is on an
     accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there."""
     return _on_accelerator(t) or _late is not None
+
+
+def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` (0-d tensors, in order) on the host: those on each accelerator stacked there and copied in one
+    transfer, so that the host waits once per device rather than once per value (a GPU's many gradient norms)."""
+    out = list(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if _accelerated(value.device):
+            by_device.setdefault(value.device, []).append(i)
+    for where in by_device.values():
+        for i, value in zip(where, torch.stack([values[i] for i in where]).to("cpu").unbind()):
+            out[i] = value
+    return out
 
 
 def computes_on_host(params: list[torch.Tensor]) -> bool:

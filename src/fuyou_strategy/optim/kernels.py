@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw as adamw_for_loop
 
-__all__ = ["adamw_kernel", "fp32_gradient", "fp32_gradients"]
+__all__ = ["adamw_kernel", "fused_adamw", "fp32_gradient", "fp32_gradients"]
 
 
 def fp32_gradient(raw: torch.Tensor, inv_scale: torch.Tensor | None, coef: torch.Tensor | None) -> torch.Tensor:
@@ -37,13 +37,19 @@ def fp32_gradients(raws: list[torch.Tensor], inv_scale: torch.Tensor | None,
     return grads
 
 
+def fused_adamw(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], counts: list[torch.Tensor], **hyper: Any) -> None:
+    """torch's fused AdamW in place over lists, as ``torch.optim.AdamW(fused=True)`` calls it (one multi-tensor call);
+    ``counts``: the step count each update completes (the count *before* it, plus one)."""
+    torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, maximize=False, **hyper)
+
+
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
     """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
     its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
     if fused:
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step + 1], amsgrad=False,
-                            maximize=False, **hyper)
+        fused_adamw([master], [grad], [exp_avg], [exp_avg_sq], [step + 1], **hyper)
     else:  # the for-loop kernel increments its step tensor: give it a copy
         adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
                        amsgrad=False, maximize=False, **hyper)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
+from ..device import to_host
 from .gradients import Grad
 from .pipeline import ChunkJob, ChunkPipeline
 
@@ -373,7 +374,7 @@ class Parts:
         """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms, on the host:
         a device-tier gradient's norm is brought there, those of one device in one copy); ``None`` (and the step
         counted as skipped) when it is not finite."""
-        total = torch.linalg.vector_norm(torch.stack(on_host([norms[ps.index] for ps in counted])), 2)
+        total = torch.linalg.vector_norm(torch.stack(to_host([norms[ps.index] for ps in counted])), 2)
         self.stats.last_grad_norm = float(total)
         if not math.isfinite(self.stats.last_grad_norm):
             self.stats.skips += 1
@@ -398,20 +399,6 @@ class Parts:
         """The weights with these indices changed: make them every rank's (`Sharding.updated`; in one
         process, land the updates now unless a forward waits for them)."""
         self.sharding.updated([ps for ps in self.order.update if ps.index in norms], gated=self.landing.gated)
-
-
-def on_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``values`` (0-d tensors, in order) on the host: those on each other device stacked there and copied in one
-    transfer, so that the host waits once per device rather than once per value (a GPU's many gradient norms)."""
-    out = list(values)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, value in enumerate(values):
-        if value.device.type != "cpu":
-            by_device.setdefault(value.device, []).append(i)
-    for where in by_device.values():
-        for i, value in zip(where, torch.stack([values[i] for i in where]).to("cpu").unbind()):
-            out[i] = value
-    return out
 
 
 class Speculative:

@@ -56,7 +56,7 @@ from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
-from .kernels import adamw_kernel, fp32_gradient, fp32_gradients
+from .kernels import adamw_kernel, fp32_gradient, fp32_gradients, fused_adamw
 from .onepass import OnePass, step_count
 from .pipeline import ChunkJob, ChunkPipeline, Later
 
@@ -155,6 +155,12 @@ def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step
         adamw_kernel(master, g, m, v, step, fused=fused, **hyper)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
+
+
+def _hyper(group: dict) -> dict[str, Any]:
+    """A param group's AdamW hyperparameters as the kernels take them."""
+    beta1, beta2 = group["betas"]
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 class Publish(Protocol):
@@ -414,9 +420,7 @@ class OptimizerState:
         straight into a resident host parameter (``publish.into``) in the same pass. A one-pass update of state in
         host RAM, and an update of state on the device, takes all its chunks in one call of the job's function
         (`ChunkJob.batch`)."""
-        group = ps.group
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+        hyper = _hyper(ps.group)
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
@@ -571,9 +575,7 @@ class OptimizerState:
         shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's).
         A failure part-way gives back every chunk still lent, marked failed."""
         pss = [ps for ps, _grad, _step in members]
-        group = pss[0].group
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+        hyper = _hyper(pss[0].group)
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
         on_device = pss[0].index in self.on_device
         self._hold(pss, exact)
@@ -649,8 +651,7 @@ class OptimizerState:
                 published.append((ps, k, state[:n]))
             if fill:
                 torch._foreach_copy_(fill, sources)
-            torch._fused_adamw_(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, [], steps, amsgrad=False,
-                                maximize=False, **hyper)
+            fused_adamw(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, steps, **hyper)
             publish.many(published)
 
         return ChunkJob(None, 1, update, done=Future() if exact else None)
