@@ -629,6 +629,50 @@ def test_a_chunk_lent_for_an_exact_update_is_the_active_chunk_itself_and_a_rollb
             store.read("a").result()
 
 
+def test_chunks_lent_together_are_checked_first_given_back_together_and_a_failed_copy_lends_none(tmp_path,
+                                                                                                   monkeypatch):
+    """lend_chunks (a run of parameters' chunks under one lock): each lent as lend_chunk lends it, every chunk checked
+    before any is lent (one not readable lends none, nothing failed), a chunk named twice refused; give_back writes
+    them all back in place; a copy that fails part-way lends none and fails the slot it was filling, as a lend given
+    up does, until a rollback."""
+    with two_chunks_in_ram(tmp_path) as (store, x):
+        entry = store.entry("a")
+        lent = store.lend_chunks([("a", 0), ("a", 1)], lend="shadow", fill=False)
+        assert [c.data.data_ptr() for c in lent] == [entry.chunk_memory(k, 1 - entry.active).data_ptr() for k in (0, 1)]
+        assert [c.source.data_ptr() for c in lent] == [entry.chunk_memory(k, entry.active).data_ptr() for k in (0, 1)]
+        for c in lent:
+            c.view(torch.float32).copy_(c.source.view(torch.float32) + 1)
+        with pytest.raises(StorageError, match="in flight"):
+            store.commit(["a"])
+        store.give_back(lent)
+        assert not entry.lent and all(c.data is None and c.source is None for c in lent)
+        store.commit(["a"])
+        assert torch.equal(store.read("a").result(), x + 1)
+        held = store.lend_chunk("a", 1)  # chunk 1 of the active slot: being written
+        with pytest.raises(StorageError, match="chunk 1 not written yet"):
+            store.lend_chunks([("a", 0), ("a", 1)])
+        assert list(entry.lent) == [1] and entry.inflight[entry.active] == 1, "chunk 0 was not lent"
+        store.give_back([held])
+        with pytest.raises(StorageError, match="named twice"):
+            store.lend_chunks([("a", 0), ("a", 0)])
+        assert not entry.lent and entry.inflight == [0, 0]
+        real = entry.chunk_memory
+
+        def chunk_memory(k, slot):  # the copy into the shadow slot of chunk 1 fails
+            if k == 1 and slot != entry.active:
+                raise RuntimeError("injected: the copy failed")
+            return real(k, slot)
+
+        monkeypatch.setattr(entry, "chunk_memory", chunk_memory)
+        with pytest.raises(RuntimeError, match="injected"):
+            store.lend_chunks([("a", 0), ("a", 1)], lend="shadow")
+        assert not entry.lent and entry.inflight == [0, 0]
+        with pytest.raises(StorageError, match="the copy failed"):
+            store.read("a", slot="shadow").result()
+        store.rollback(["a"])
+        assert torch.equal(store.read("a").result(), x + 1), "the active slot is untouched"
+
+
 def test_fuyou_ddp_shares_the_auto_budget_between_the_ranks_of_the_machine(monkeypatch, tmp_path):
     """The strategy's config is a value, "auto" kept as given; each rank's engine resolves it with the node's
     processes (``local_ranks``), so with "auto" each of the node's ranks takes its share (a number given stays a

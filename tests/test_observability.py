@@ -204,7 +204,9 @@ def test_bad_observability_settings_name_the_field(field, value, fix):
     assert fix in str(err.value)
 
 
-def test_fuyou_doctor_checks_a_directory_and_recommends_a_config_that_loads(tmp_path, capsys):
+def test_fuyou_doctor_checks_a_directory_and_recommends_a_config_that_loads(tmp_path, capsys, monkeypatch):
+    reading = doctor._meminfo()  # one reading for both runs: another process's memory moves MemAvailable between them
+    monkeypatch.setattr(doctor, "_meminfo", lambda: dict(reading))
     assert cli(["doctor", "--dir", str(tmp_path), "--size", "8MiB", "--cpu-probe-seconds", "0.2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     mine = {c["name"]: c for c in report["checks"] if c["subject"] == str(tmp_path)}

@@ -94,7 +94,7 @@ class Grad:
                  entry: str | None = None, kind: str = "resident", staging: HostBuffer | None = None,
                  landing: Copy | None = None, final: bool = True) -> None:
         self.shape, self.dtype, self.kind = ps.param.shape, ps.param.dtype, kind
-        self.flat = tensor.reshape(-1) if tensor is not None else None
+        self.flat = tensor if tensor is None or tensor.dim() == 1 else tensor.reshape(-1)
         self.host, self.entry = host, entry
         # ``staging``: the host copy of a device gradient (``tensor`` is a view of it), released with the
         # Grad; ``landing``: its copy, waited for before the first read. Set before the Grad is handed to
@@ -120,6 +120,11 @@ class Grad:
             return stored.view(self.dtype)[:n]
         self._landed()
         return self.flat[start : start + n]
+
+    def whole(self) -> torch.Tensor:
+        """All its elements, flat, from memory (`chunk` of the whole gradient, no slice made)."""
+        self._landed()
+        return self.flat
 
     def norm(self, inv_scale: torch.Tensor | None, kernel: "OnePass | None" = None) -> torch.Tensor:
         """The gradient's norm (`grad_norm`, with ``kernel``), taken where the gradient is: a device tier's stays on

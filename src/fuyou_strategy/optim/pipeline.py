@@ -161,18 +161,20 @@ class ChunkPipeline:
         the read-ahead never takes. Raises `PipelineError` if the worker stopped."""
         self._put(ReadAhead([(name, k, *skip) if skip else (name, k, 0) for name, k, *skip in chunks], keep_free))
 
-    def wait_job(self, job: ChunkJob, what: str) -> None:
+    def wait_job(self, job: ChunkJob, what: str | Callable[[], str]) -> None:
         """Wait for ``job.done`` while later jobs go on; raises the job's error, `PipelineError` if the worker
         stops, `TimeoutError` if it processed no chunk for ``io_timeout`` seconds. ``what`` names the job in the
-        errors (e.g. "the update of parameter 3")."""
+        errors and the trace (e.g. "the update of parameter 3"; a callable: made only when needed, since a run's
+        job is waited for once per parameter of it and is mostly done)."""
         if job.done is None:
             raise ValueError(f"{self.name}: wait_job needs a job submitted with done=Future(); got {job!r}")
-        since = time.monotonic()
-        with trace.span("waits", f"wait: {what}"):
-            self._wait_done(job, what, since)
+        if not job.done.done():
+            since = time.monotonic()
+            with trace.span("waits", f"wait: {named(what)}"):
+                self._wait_done(job, named(what), since)
         error = job.done.exception()
         if isinstance(error, TimeoutError):
-            raise TimeoutError(f"{self.name}: {what} did not complete: {error}") from error
+            raise TimeoutError(f"{self.name}: {named(what)} did not complete: {error}") from error
         job.done.result()
 
     def _wait_done(self, job: ChunkJob, what: str, since: float) -> None:
@@ -485,6 +487,11 @@ class ChunkPipeline:
         elif out is not None:
             self._error = TypeError(f"{self.name}: the function of job {job.entry!r} returned {type(out).__name__} "
                                     f"for chunk {k}; it must return a Future, a Later or None")
+
+
+def named(what: str | Callable[[], str]) -> str:
+    """A job's name given as a string or as the callable that makes it (`ChunkPipeline.wait_job`)."""
+    return what() if callable(what) else what
 
 
 def _fail(job: ChunkJob, error: BaseException) -> None:

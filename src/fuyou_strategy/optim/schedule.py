@@ -34,7 +34,7 @@ import torch
 
 from ..device import to_host
 from .gradients import Grad
-from .pipeline import ChunkJob, ChunkPipeline
+from .pipeline import ChunkJob, ChunkPipeline, named
 
 if TYPE_CHECKING:
     from .gradients import Gradients
@@ -68,13 +68,14 @@ class PendingUpdates:
         # The training thread adds (at step()) and pops (forward pre-hooks, waits); the weight sender's thread
         # (data parallel) pops too: each pop is one atomic dict operation, and a job is waited for by whoever
         # popped it, so no job is waited for twice or lost.
-        self.jobs: dict[torch.nn.Parameter, tuple[ChunkJob, str]] = {}
+        self.jobs: dict[torch.nn.Parameter, tuple[ChunkJob, str | Callable[[], str]]] = {}
         self.gated = False  # a forward waits for the weights it reads (`FuyouAdamW.attach_model`), so step() need not
         # The first failure (a wait's, or `Exact.finish` queueing half a step), set once by the thread that saw it
         # (one attribute store) and only read after.
         self.failed: BaseException | None = None
 
-    def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str) -> None:
+    def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str | Callable[[], str]) -> None:
+        """``param`` waits for ``job``; ``what`` names the update in errors (a callable: made only for one)."""
         self.jobs[param] = (job, what)
 
     def pending(self, params: Iterable[torch.nn.Parameter]) -> bool:
@@ -93,14 +94,14 @@ class PendingUpdates:
                 continue
             job, what = entry
             if self.failed is not None:
-                raise RuntimeError(f"FuyouAdamW: {what} cannot land, because an earlier update failed "
+                raise RuntimeError(f"FuyouAdamW: {named(what)} cannot land, because an earlier update failed "
                                    f"({self.failed}); resume from the last checkpoint") from self.failed
             try:
                 self.pipeline.wait_job(job, what)
             except Exception as exc:  # a KeyboardInterrupt stays one
                 self.failed = exc
                 raise RuntimeError(
-                    f"FuyouAdamW: {what} failed, so the optimizer state on SSD is partly updated; resume from "
+                    f"FuyouAdamW: {named(what)} failed, so the optimizer state on SSD is partly updated; resume from "
                     f"the last checkpoint (the cause: {type(exc).__name__}: {exc})") from exc
 
     def wait_all(self) -> None:
@@ -550,7 +551,7 @@ class Exact:
         coef = p.clip_coef(total)
 
         def queued(ps: "ParamState", job: ChunkJob) -> None:
-            p.landing.add(ps.param, job, f"the update of {ps.describe()}")
+            p.landing.add(ps.param, job, lambda: f"the update of {ps.describe()}")
             p.gradients.handed_over(ps)
 
         try:

@@ -54,6 +54,7 @@ from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig, f
 from ..device import current_stream, on_stream
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
+from ..storage.aio import DONE
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
 from .kernels import adamw_kernel, fp32_gradient, fp32_gradients, fused_adamw
@@ -96,9 +97,8 @@ class ParamState:
     grads: str | None = None  # the store entry of a streamed parameter's gradient (`StreamedGradients`)
     layout: Layout = FP32  # how its chunks hold the state (`formats`, ``state_format``)
 
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
+    def __post_init__(self) -> None:
+        self.numel = self.param.numel()  # elements; fixed, as the state's size is (read per chunk: kept, not asked)
 
     @property
     def stride(self) -> int:
@@ -591,43 +591,49 @@ class OptimizerState:
         else:
             stream = None
             counts = counts.tolist()  # `step_count`'s floats
-            into = [publish.into(ps) for ps in pss]
+            into = [ps.param.detach().view(-1) for ps in pss]  # `publish.into`: `group_kind` checked `writes_into`
+
+        chunks = [(i, k) for i, ps in enumerate(pss) for k in range(ps.nchunks)]  # (member, chunk), in order
 
         def update(_k: int) -> Future | Later:
-            lent: list[tuple[int, int, LentChunk]] = []  # (member, chunk, its lent chunk)
+            bufs: list[LentChunk] = []
             try:
                 with on_stream(stream):
                     for take in norms or ():
                         if take is not None:
                             take()
-                    for i, ps in enumerate(pss):
-                        for k in range(ps.nchunks):
-                            lent.append((i, k, store.lend_chunk(ps.entry, k, slot=ACTIVE, lend=slot, fill=False)))
+                    bufs = store.lend_chunks([(pss[i].entry, k) for i, k in chunks], slot=ACTIVE, lend=slot,
+                                             fill=False)
+                    lent = [(i, k, buf) for (i, k), buf in zip(chunks, bufs)]
                     began = time.perf_counter()
                     (device_pass if on_device else host_pass)(lent)
                     took = time.perf_counter() - began
-                    writes = [store.write_chunk(pss[i].entry, k, buf, slot=slot) for i, k, buf in lent]
+                    store.give_back(bufs)  # written in place: each chunk's write is done
                 if not on_device:  # the host's CPU time: the device's kernels are only queued here
                     meter.add(took, elems)
                 for _ps, grad, _step in members:
                     grad.release()
             except BaseException:
-                for _i, _k, buf in lent:  # no-op for a chunk already written back
+                for buf in bufs:  # no-op for a chunk already given back
                     buf.release()
                 raise
-            written = gather(writes)
-            return written if exact else Later(None, written)
+            return DONE if exact else Later(None, DONE)
 
         def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
             outs, sources, grads, weights, ns, steps, chunk_counts = [], [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
-                start, n = ps.span(k)
                 source = buf.source
                 outs.append(buf.view(torch.float32))
                 sources.append(source.view(torch.float32) if source is not None else None)
-                grads.append(grad.chunk(start, n, None))
-                weights.append(into[i][start : start + n])
+                if ps.nchunks == 1:  # the whole parameter: no slice to make
+                    n = ps.numel
+                    grads.append(grad.whole())
+                    weights.append(into[i])
+                else:
+                    start, n = ps.span(k)
+                    grads.append(grad.chunk(start, n, None))
+                    weights.append(into[i][start : start + n])
                 ns.append(n)
                 steps.append(before[i])
                 chunk_counts.append(counts[i])

@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -632,16 +632,22 @@ class TensorStore:
 
     def _begin_write(self, entry: Entry, phys: int, k: int) -> None:
         with self._lock:
-            entry.version[phys] += 1
-            entry.written[phys].discard(k)
-            entry.inflight[phys] += 1
-            entry.writing[phys][k] = entry.writing[phys].get(k, 0) + 1
+            self._start_write(entry, phys, k)
 
-    def _end_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
+    @staticmethod
+    def _start_write(entry: Entry, phys: int, k: int) -> None:
+        """`_begin_write` under the lock."""
+        entry.version[phys] += 1
+        entry.written[phys].discard(k)
+        entry.inflight[phys] += 1
+        entry.writing[phys][k] = entry.writing[phys].get(k, 0) + 1
+
+    def _end_write(self, entry: Entry, phys: int, k: int, error: BaseException | None) -> None:
+        """A write `_begin_write` began is over: done (``error`` None) or failed with ``error``."""
         with self._lock:
-            self._finish_write(entry, phys, k, fut)
+            self._finish_write(entry, phys, k, error)
 
-    def _finish_write(self, entry: Entry, phys: int, k: int, fut: Future) -> None:
+    def _finish_write(self, entry: Entry, phys: int, k: int, error: BaseException | None) -> None:
         """`_end_write` under the lock."""
         entry.inflight[phys] -= 1
         entry.writing[phys][k] -= 1
@@ -650,10 +656,10 @@ class TensorStore:
             del entry.writing[phys][k]
             landed = k in entry.behind[phys]
             entry.behind[phys].discard(k)
-        if fut.exception() is None:
+        if error is None:
             entry.written[phys].add(k)
         elif entry.failed[phys] is None:
-            entry.failed[phys] = str(fut.exception())
+            entry.failed[phys] = str(error)
         if landed:  # only a chunk committed behind its write has readers waiting (`_wait_behind`)
             self._landed.notify_all()
 
@@ -679,15 +685,19 @@ class TensorStore:
 
     def _check_readable(self, entry: Entry, phys: int, k: int | None) -> None:
         with self._lock:
-            self._wait_behind(entry, phys, k)
-            if entry.failed[phys] is not None:
-                raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid (resume from the "
-                                   f"last checkpoint): {entry.failed[phys]}")
-            missing = k not in entry.written[phys] if k is not None else len(entry.written[phys]) < entry.nchunks
-            busy = entry.inflight[phys] if k is None else k in entry.writing[phys]
-            if missing or busy:
-                what = f"chunk {k}" if k is not None else "its chunks"
-                raise StorageError(f"entry {entry.name!r}: {what} not written yet (or a write is still in flight)")
+            self._readable(entry, phys, k)
+
+    def _readable(self, entry: Entry, phys: int, k: int | None) -> None:
+        """`_check_readable` under the lock."""
+        self._wait_behind(entry, phys, k)
+        if entry.failed[phys] is not None:
+            raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid (resume from the "
+                               f"last checkpoint): {entry.failed[phys]}")
+        missing = k not in entry.written[phys] if k is not None else len(entry.written[phys]) < entry.nchunks
+        busy = entry.inflight[phys] if k is None else k in entry.writing[phys]
+        if missing or busy:
+            what = f"chunk {k}" if k is not None else "its chunks"
+            raise StorageError(f"entry {entry.name!r}: {what} not written yet (or a write is still in flight)")
 
     # -- chunk I/O ----------------------------------------------------------------------------------
     def read_chunk(self, name: str, k: int, *, slot: str = ACTIVE, timeout: float | None = None,
@@ -723,7 +733,7 @@ class TensorStore:
                 into.release()
             raise
         if lend is not None and entry.memory is not None and into is None and prefix is None:
-            return completed(self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill))
+            return completed(self.lend_chunks([(name, k)], slot=slot, lend=lend, fill=fill)[0])
         buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
         if entry.memory is not None:  # host RAM or a device: a copy, done when this returns
             try:
@@ -753,37 +763,64 @@ class TensorStore:
     def lend_chunk(self, name: str, k: int, *, slot: str = ACTIVE, lend: str = ACTIVE, fill: bool = True) -> "LentChunk":
         """`read_chunk`'s ``lend`` of chunk ``k`` of ``slot``, returned rather than as a future: for a caller that
         takes many chunks of an in-memory entry at once. `StorageError` if the entry is on the SSD."""
-        entry = self.entry(name)
-        phys = self._slot(entry, slot)
-        self._check_readable(entry, phys, k)
-        if entry.memory is None:
-            raise StorageError(f"entry {name!r} is on the SSD: only an in-memory entry lends its chunks")
-        return self._lend_chunk(entry, k, phys, self._slot(entry, lend), fill)
+        return self.lend_chunks([(name, k)], slot=slot, lend=lend, fill=fill)[0]
 
-    def _lend_chunk(self, entry: Entry, k: int, src: int, dst: int, fill: bool = True) -> "LentChunk":
-        self._begin_write(entry, dst, k)
-        began = time.perf_counter()
-        if dst != src and fill:  # the shadow slot starts as a copy of the active one
-            try:
-                entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
-            except BaseException as exc:
-                self._end_write(entry, dst, k, completed(None, exc))
-                raise
-        start, length = k * entry.stride, entry.chunk_len(k)
-        chunk = LentChunk(entry.memory[dst].data[start : start + round_up(length)], length, self, entry, dst, k,
-                          copy_s=time.perf_counter() - began if dst != src and fill else 0.0,
-                          source=entry.memory[src].data[start : start + length] if dst != src and not fill else None)
+    def lend_chunks(self, chunks: Sequence[tuple[str, int]], *, slot: str = ACTIVE, lend: str = ACTIVE,
+                    fill: bool = True) -> list["LentChunk"]:
+        """`lend_chunk` of each ``(name, k)``, in order: the store's lock taken twice for them all, not three
+        times a chunk (a run of small parameters lends hundreds of chunks a step, `OptimizerState.group_job`).
+        Every chunk is checked before any is lent; a copy that fails (``fill``) gives back every chunk, each
+        marked failed, and raises. `StorageError` if an entry is on the SSD."""
+        plan = []  # (entry, k, the slot read, the slot lent)
         with self._lock:
-            entry.lent[k] = chunk
-        return chunk
+            for name, k in chunks:
+                entry = self.entry(name)
+                src = self._slot(entry, slot)
+                self._readable(entry, src, k)
+                if entry.memory is None:
+                    raise StorageError(f"entry {name!r} is on the SSD: only an in-memory entry lends its chunks")
+                plan.append((entry, k, src, self._slot(entry, lend)))
+            if len({(id(entry), dst, k) for entry, k, _src, dst in plan}) < len(plan):
+                raise StorageError("lend_chunks: a chunk is named twice; each is lent to one holder at a time")
+            for entry, k, _src, dst in plan:
+                self._start_write(entry, dst, k)
+        out = []
+        try:
+            for entry, k, src, dst in plan:
+                began, copied = time.perf_counter(), dst != src and fill
+                if copied:  # the shadow slot starts as a copy of the active one
+                    entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
+                start, length = k * entry.stride, entry.chunk_len(k)
+                source = entry.memory[src].data[start : start + length] if dst != src and not fill else None
+                out.append(LentChunk(entry.memory[dst].data[start : start + round_up(length)], length, self, entry,
+                                     dst, k, copy_s=time.perf_counter() - began if copied else 0.0, source=source))
+        except BaseException as exc:
+            with self._lock:
+                for entry, k, _src, dst in plan:
+                    self._finish_write(entry, dst, k, exc)
+            raise
+        with self._lock:
+            for chunk in out:
+                chunk.entry.lent[chunk.k] = chunk
+        return out
 
-    def _close_lend(self, chunk: "LentChunk", error: BaseException | None) -> None:
-        """A lent chunk came back (``error`` None: written in place) or was given up; once."""
+    def give_back(self, chunks: Sequence["LentChunk"]) -> None:
+        """Each lent chunk back in place, written (`write_chunk` of a `LentChunk`, under one lock for them all)."""
+        for chunk in chunks:
+            if chunk.store is not self:
+                raise StorageError(f"entry {chunk.entry.name!r} chunk {chunk.k}: lent by another tensor store")
+        self._close_lends(chunks, None)
+
+    def _close_lends(self, chunks: Sequence["LentChunk"], error: BaseException | None) -> None:
+        """Lent chunks came back (``error`` None: written in place) or were given up; each once."""
         with self._lock:
-            if chunk.entry.lent.get(chunk.k) is not chunk:  # closed already (or by a rollback)
-                return
-            del chunk.entry.lent[chunk.k]
-            self._finish_write(chunk.entry, chunk.slot, chunk.k, completed(None, error))
+            for chunk in chunks:
+                if chunk.entry.lent.get(chunk.k) is not chunk:  # closed already (or by a rollback)
+                    continue
+                del chunk.entry.lent[chunk.k]
+                self._finish_write(chunk.entry, chunk.slot, chunk.k, error)
+        for chunk in chunks:
+            chunk.data = chunk.source = None
 
     def write_chunk(self, name: str, k: int, buf: HostBuffer, *, slot: str = ACTIVE, release: bool = True) -> Future:
         """Write chunk ``k`` from ``buf`` (a pool buffer of ``chunk_len(k)`` bytes) into ``slot`` (``"shadow"``:
@@ -803,29 +840,26 @@ class TensorStore:
             try:
                 _copy(entry, entry.chunk_memory(k, phys), buf.view())
             except BaseException as exc:
-                self._end_write(entry, phys, k, completed(None, exc))
+                self._end_write(entry, phys, k, exc)
                 raise
             finally:
                 if release:
                     buf.release()
-            fut = completed(None)
-            self._end_write(entry, phys, k, fut)
-            return fut
+            self._end_write(entry, phys, k, None)
+            return completed(None)
         d, offset = entry.location(k, phys)
         self._begin_write(entry, phys, k)
         try:
             fut = self.engine.write(self._files[d], offset, buf.data)
         except BaseException as exc:
-            failed: Future = Future()
-            failed.set_exception(exc)
-            self._end_write(entry, phys, k, failed)
+            self._end_write(entry, phys, k, exc)
             if release:
                 buf.release()
             raise
 
         def done(f: Future) -> None:
             try:
-                self._end_write(entry, phys, k, f)
+                self._end_write(entry, phys, k, CancelledError() if f.cancelled() else f.exception())
             finally:
                 if release:
                     buf.release()
@@ -930,7 +964,7 @@ class TensorStore:
             for e in entries:  # shadow chunks lent in memory and never handed back (a worker that died): given up
                 for k, chunk in [(k, c) for k, c in e.lent.items() if c.slot != e.active]:
                     del e.lent[k]
-                    self._finish_write(e, chunk.slot, k, completed(None, StorageError("rolled back")))
+                    self._finish_write(e, chunk.slot, k, StorageError("rolled back"))
             busy = [e.name for e in entries if e.inflight[1 - e.active]]
             if busy:
                 raise StorageError(f"cannot roll back while shadow writes are in flight for {busy[:5]}")
@@ -989,13 +1023,11 @@ class LentChunk(HostBuffer):
 
     def written(self) -> None:
         """Back in place: the write that `read_chunk` began is done."""
-        self.store._close_lend(self, None)
-        self.data = self.source = None
+        self.store._close_lends([self], None)
 
     def release(self) -> None:
-        self.store._close_lend(self, StorageError(
+        self.store._close_lends([self], StorageError(
             f"entry {self.entry.name!r}: chunk {self.k} was lent for an update that did not finish"))
-        self.data = self.source = None
 
 
 def _copy(entry: Entry, dst: torch.Tensor, src: torch.Tensor) -> None:
