@@ -139,12 +139,14 @@ class OnePass:
         """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place; each new
         weight into ``weights``), in one call of the compiled pass without the GIL: a run of parameters
         (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for their
-        arithmetic. The same bits, chunk for chunk."""
+        arithmetic. The same bits, chunk for chunk. A weight is any contiguous tensor of its chunk's elements, in
+        order: a whole parameter may be given as it is (shaped; the pass writes it by pointer, outside autograd)."""
         scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
         done = self.module.adamw_chunks(outs, sources, grads, weights, ns, counts, *scalars[:5], *scalars[6:])
         for i, n in enumerate(ns):
             if done[i] < n:
-                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weights[i], n, step=steps[i],
+                weight = weights[i].detach().view(-1) if weights[i] is not None else None  # the tail's slices: flat
+                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weight, n, step=steps[i],
                                  inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
                                  weight_decay=weight_decay, eps=eps)
 

@@ -591,7 +591,9 @@ class OptimizerState:
         else:
             stream = None
             counts = counts.tolist()  # `step_count`'s floats
-            into = [ps.param.detach().view(-1) for ps in pss]  # `publish.into`: `group_kind` checked `writes_into`
+            # `publish.into` (`group_kind` checked `writes_into`); a whole parameter as it is: the compiled pass takes
+            # its contiguous elements by pointer, outside autograd, so no detached flat view need be made for it
+            into = [ps.param if ps.nchunks == 1 else ps.param.detach().view(-1) for ps in pss]
 
         chunks = [(i, k) for i, ps in enumerate(pss) for k in range(ps.nchunks)]  # (member, chunk), in order
 
