@@ -647,16 +647,17 @@ class OptimizerState:
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
                 start, n = ps.span(k)
-                state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
+                # the fp32 layout: master, exp_avg, exp_avg_sq, n each (three views made in one call)
+                master, exp_avg, exp_avg_sq = buf.view(torch.float32).split(n)[:3]
                 if buf.source is not None:  # a redo's shadow chunk, lent unfilled: the active one copied in first
                     fill.append(buf.view())
                     sources.append(buf.source)
-                masters.append(state[:n])
-                avgs.append(state[n : 2 * n])
-                sqs.append(state[2 * n : 3 * n])
-                raws.append(grad.chunk(start, n, None))
+                masters.append(master)
+                avgs.append(exp_avg)
+                sqs.append(exp_avg_sq)
+                raws.append(grad.whole() if ps.nchunks == 1 else grad.chunk(start, n, None))
                 steps.append(counts[i])
-                published.append((ps, k, state[:n]))
+                published.append((ps, k, master))
             if fill:
                 torch._foreach_copy_(fill, sources)
             fused_adamw(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, steps, **hyper)
