@@ -119,12 +119,8 @@ class Grad:
         if stored is not None:
             return stored.view(self.dtype)[:n]
         self._landed()
-        return self.flat[start : start + n]
-
-    def whole(self) -> torch.Tensor:
-        """All its elements, flat, from memory (`chunk` of the whole gradient, no slice made)."""
-        self._landed()
-        return self.flat
+        flat = self.flat
+        return flat if start == 0 and n == flat.numel() else flat[start : start + n]  # the whole one: no view to make
 
     def norm(self, inv_scale: torch.Tensor | None, kernel: "OnePass | None" = None) -> torch.Tensor:
         """The gradient's norm (`grad_norm`, with ``kernel``), taken where the gradient is: a device tier's stays on

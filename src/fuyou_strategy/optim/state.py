@@ -628,14 +628,9 @@ class OptimizerState:
                 source = buf.source
                 outs.append(buf.view(torch.float32))
                 sources.append(source.view(torch.float32) if source is not None else None)
-                if ps.nchunks == 1:  # the whole parameter: no slice to make
-                    n = ps.numel
-                    grads.append(grad.whole())
-                    weights.append(into[i])
-                else:
-                    start, n = ps.span(k)
-                    grads.append(grad.chunk(start, n, None))
-                    weights.append(into[i][start : start + n])
+                start, n = ps.span(k)
+                grads.append(grad.chunk(start, n, None))
+                weights.append(into[i] if ps.nchunks == 1 else into[i][start : start + n])  # whole: no slice
                 ns.append(n)
                 steps.append(before[i])
                 chunk_counts.append(counts[i])
@@ -655,7 +650,7 @@ class OptimizerState:
                 masters.append(master)
                 avgs.append(exp_avg)
                 sqs.append(exp_avg_sq)
-                raws.append(grad.whole() if ps.nchunks == 1 else grad.chunk(start, n, None))
+                raws.append(grad.chunk(start, n, None))
                 steps.append(counts[i])
                 published.append((ps, k, master))
             if fill:
