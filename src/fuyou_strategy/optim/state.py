@@ -642,8 +642,8 @@ class OptimizerState:
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
                 start, n = ps.span(k)
-                # the fp32 layout: master, exp_avg, exp_avg_sq, n each (three views made in one call)
-                master, exp_avg, exp_avg_sq = buf.view(torch.float32).split(n)[:3]
+                # the fp32 layout: master, exp_avg, exp_avg_sq, n each (3n values: three views made in one call)
+                master, exp_avg, exp_avg_sq = buf.view(torch.float32).view(3, n).unbind()
                 if buf.source is not None:  # a redo's shadow chunk, lent unfilled: the active one copied in first
                     fill.append(buf.view())
                     sources.append(buf.source)
