@@ -365,6 +365,24 @@ def test_the_io_cpu_probe_times_compute_beside_a_real_stream_and_hands_on_its_fa
     assert not list(tmp_path.iterdir())
 
 
+def test_the_io_cpu_probe_times_compute_until_a_piece_lands_beside_it_and_refuses_a_stream_that_lands_none(
+        tmp_path, monkeypatch):
+    """A stream slower than one run of matmuls (a slow drive, a loaded machine): the matmuls beside it run again until
+    a piece has landed, so the cost is measured beside I/O, never read as none; a stream that lands nothing within
+    the probe's patience is an error the doctor reports as not measured."""
+    window = 4 * 2**20
+    # one piece at once, the next only after 1.5 s: none lands during the first 0.2 s of matmuls, which start at 0.5 s
+    cost = probe.measure_io_cpu_cost(str(tmp_path), seconds=0.2, size=8 * window, window=window, io_threads=1,
+                                     rate=window / 1.5, mode="w")
+    assert cost.bytes_moved >= window and cost.beside_s > 0.5, cost
+    assert cost.lost_s_per_gb == pytest.approx((cost.beside_s - cost.alone_s) / (cost.bytes_moved / 1e9))
+    monkeypatch.setattr(probe, "IO_CPU_PATIENCE_S", 0.5)
+    with pytest.raises(RuntimeError, match="landed no 4.00 MiB piece in .* s of matmuls beside it"):
+        probe.measure_io_cpu_cost(str(tmp_path), seconds=0.2, size=8 * window, window=window, io_threads=1,
+                                  rate=window / 1000, mode="w")
+    assert not list(tmp_path.iterdir()), "the probe's files are gone"
+
+
 def test_fuyou_doctor_fails_a_directory_it_cannot_use(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert cli(["doctor", "--dir", str(missing), "--size", "8MiB", "--json"]) == 1

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import PAGE
+from ..config import PAGE, format_bytes
 from ..device import alloc_host_buffer
 from .aio import IOEngine, SwapFile, filesystem_type
 from .rundir import make_run_dir, remove_run_dir
@@ -26,6 +26,8 @@ __all__ = ["Bandwidth", "IOCpuCost", "cpu_shares", "cpu_times", "measure_bandwid
 
 # One source/destination buffer is reused for every transfer; bigger files loop over it.
 _MAX_WINDOW = 64 * 2**20
+# Seconds `measure_io_cpu_cost` goes on timing matmuls beside its stream until a piece lands while they run.
+IO_CPU_PATIENCE_S = 30.0
 
 
 @dataclass
@@ -117,7 +119,7 @@ class IOCpuCost:
     directory: str
     compute_threads: int
     io_threads: int
-    alone_s: float  # the matmuls alone (the faster of the runs before and after)
+    alone_s: float  # the matmuls alone, as many as ran beside the stream (the faster of the runs before and after)
     beside_s: float  # the same matmuls with the I/O streaming beside them
     bytes_moved: int  # written plus read while the matmuls ran beside the stream
     steal_share: float | None  # of the machine's CPU time while they ran (``/proc/stat``; None off Linux)
@@ -166,7 +168,11 @@ def measure_io_cpu_cost(
     """Time fp32 matmuls on every core alone, then beside a stream of ``O_DIRECT`` writes and reads (``mode``:
     ``"rw"``, ``"w"`` or ``"r"``) of ``window``-byte pieces over a ``size``-byte file in a fresh run directory of
     ``directory``, then alone again. ``seconds``: about one run of matmuls alone; ``rate``: the stream's cap in
-    bytes per second (``None``: none). Waits time out; a stream failure is raised once the matmuls end."""
+    bytes per second (``None``: none). The matmuls beside the stream run again, one run at a time, until a piece
+    has landed while they ran (a drive slower than one run, or a loaded machine), up to `IO_CPU_PATIENCE_S`
+    seconds, and the runs alone are counted to match; a stream that lands nothing in that time is a
+    `RuntimeError`, since a cost measured beside no I/O would read as none. Waits time out; a stream failure is
+    raised once the matmuls end."""
     if mode not in ("rw", "w", "r"):
         raise ValueError(f"mode: got {mode!r}; expected 'rw', 'w' or 'r'")
     window = max(PAGE, window // PAGE * PAGE)
@@ -215,7 +221,10 @@ def measure_io_cpu_cost(
         try:
             time.sleep(0.5)  # the stream at its rate before the matmuls start
             cpu_before, moved_before = cpu_times(), moved[0]
-            beside = matmuls(n)
+            beside, runs, began = matmuls(n), 1, time.perf_counter()
+            while moved[0] == moved_before and not failure and time.perf_counter() - began < IO_CPU_PATIENCE_S:
+                beside += matmuls(n)  # no piece landed beside them yet
+                runs += 1
             cpu_after, moved_during = cpu_times(), moved[0] - moved_before
         finally:
             stop.set()  # before the file closes, on every path
@@ -224,6 +233,9 @@ def measure_io_cpu_cost(
             raise RuntimeError(f"the I/O stream in {directory} did not stop within 300 s")
         if failure:
             raise failure[0]
-    alone = min(alone_before, matmuls(n))
+    if not moved_during:
+        raise RuntimeError(f"the I/O stream in {directory} landed no {format_bytes(window)} piece in "
+                           f"{beside:.0f} s of matmuls beside it; the drive may be hung (check dmesg)")
+    alone = min(alone_before, matmuls(n)) * runs  # as many matmuls as ran beside the stream
     system, steal = cpu_shares(cpu_before, cpu_after)
     return IOCpuCost(directory, torch.get_num_threads(), io_threads, alone, beside, moved_during, steal, system)
