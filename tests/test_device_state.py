@@ -117,6 +117,24 @@ def test_updates_of_consecutive_parameters_in_ram_or_on_the_device_share_a_job_a
     assert {entry for members in groups for entry, _n in members} == lent  # every one of them, every exact step
 
 
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_a_device_tier_update_in_a_job_of_its_own_changes_no_bit(tmp_path, monkeypatch, split, schedule):
+    """What cannot be grouped (a compact state format, torch's for-loop kernel, a staged gradient) takes a job per
+    parameter (`OptimizerState.update_job`); on the device tier too it is bitwise torch's: the speculative update's
+    shadow chunk, lent unfilled, filled from the active one before the kernel, the redo after clipping bit, a
+    skipped step, accumulation."""
+    monkeypatch.setattr(OptimizerState, "group_kind", lambda *args, **kwargs: None)  # every update a job of its own
+    model, ref_model, ref_losses = beside_torch()
+    with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                    config=config(tmp_path, schedule, **SPLITS[split])) as opt:
+        assert "device" in placement(opt)
+        losses, _ = train(model, opt)
+        assert opt.stats.skips == 1 and opt.stats.clipped >= 1 and opt.stats.steps == STEPS - 1
+        assert opt.stats.redos >= 1 if schedule == "backward" else opt.stats.deferred == STEPS - 1
+    assert_torchs(model, ref_model, losses, ref_losses)
+
+
 def test_the_device_tier_takes_the_first_parameters_that_fit_then_the_host_tier_the_next(tmp_path):
     model = tiny_causal_lm("llama")
     with FuyouAdamW(decay_groups(model), lr=3e-3, config=config(tmp_path, "backward", **SPLITS["three"])) as opt:
