@@ -132,6 +132,14 @@ class ParamState:
         start = k * self.elems_per_chunk
         return start, min(self.elems_per_chunk, self.numel - start)
 
+    def of_chunk(self, elements: torch.Tensor, k: int) -> torch.Tensor:
+        """Chunk ``k``'s part of ``elements`` (the parameter's, flat): ``elements`` itself where the chunk is the
+        whole parameter, no view made (a run of small parameters makes hundreds a step)."""
+        if self.nchunks == 1:
+            return elements
+        start, n = self.span(k)
+        return elements[start : start + n]
+
     def describe(self) -> str:
         return f"parameter {self.index} {tuple(self.param.shape)}"
 
@@ -630,7 +638,7 @@ class OptimizerState:
                 sources.append(source.view(torch.float32) if source is not None else None)
                 start, n = ps.span(k)
                 grads.append(grad.chunk(start, n, None))
-                weights.append(into[i] if ps.nchunks == 1 else into[i][start : start + n])  # whole: no slice
+                weights.append(ps.of_chunk(into[i], k))
                 ns.append(n)
                 steps.append(before[i])
                 chunk_counts.append(counts[i])

@@ -225,12 +225,7 @@ class Publisher:
         for ps, k, _master in chunks:
             if ps.grads is not None:
                 raise ValueError(f"Publisher.many: {ps.describe()} is streamed; its weights go to its tier copy")
-            flat = ps.param.detach().view(-1)
-            if ps.nchunks == 1:  # the whole parameter: no slice to make
-                targets.append(flat)
-            else:
-                start, n = ps.span(k)
-                targets.append(flat[start : start + n])
+            targets.append(ps.of_chunk(ps.param.detach().view(-1), k))
         torch._foreach_copy_(targets, [master for _ps, _k, master in chunks])
 
     def into(self, ps: ParamState) -> torch.Tensor | None:

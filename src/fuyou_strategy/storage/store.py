@@ -723,6 +723,8 @@ class TensorStore:
         """
         try:
             entry = self.entry(name)
+            if lend is not None and entry.memory is not None and into is None and prefix is None:
+                return completed(self.lend_chunks([(name, k)], slot=slot, lend=lend, fill=fill)[0])  # checks it
             phys = self._slot(entry, slot)
             self._check_readable(entry, phys, k)
             length = entry.chunk_len(k) if prefix is None else min(prefix, entry.chunk_len(k))
@@ -732,8 +734,6 @@ class TensorStore:
             if into is not None:
                 into.release()
             raise
-        if lend is not None and entry.memory is not None and into is None and prefix is None:
-            return completed(self.lend_chunks([(name, k)], slot=slot, lend=lend, fill=fill)[0])
         buf = into if into is not None else self.pool.acquire(length, timeout=timeout)
         if entry.memory is not None:  # host RAM or a device: a copy, done when this returns
             try:
