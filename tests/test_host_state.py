@@ -629,6 +629,53 @@ def test_a_chunk_lent_for_an_exact_update_is_the_active_chunk_itself_and_a_rollb
             store.read("a").result()
 
 
+def test_a_chunk_lent_again_gives_the_views_it_made_before_of_its_own_slot_and_none_once_given_back(tmp_path):
+    """The views of a lent chunk (`LentChunk.view`, `kept`, `source_as`) are made once and kept with the slot's
+    memory: lent again from the same physical slot, the chunk gives the same tensors, of the same bytes; from the
+    other slot (after a commit), that slot's own; a chunk given back gives none; the entry moved to the SSD, its
+    memory lets go of them."""
+    with two_chunks_in_ram(tmp_path) as (store, x):
+        entry = store.entry("a")
+        made = []
+
+        def pair(chunk):
+            return chunk.kept("pair", lambda: made.append(chunk.slot) or chunk.view(torch.float32).view(2, -1).unbind())
+
+        first, = store.lend_chunks([("a", 0)], lend="shadow", fill=False)
+        shadow = 1 - entry.active
+        views = first.view(torch.float32), first.source_as(torch.float32), pair(first)
+        assert views[0].data_ptr() == entry.chunk_memory(0, shadow).data_ptr() and views[0].numel() == 2048
+        assert torch.equal(views[1], x[:2048]) and views[1].data_ptr() == entry.chunk_memory(0, entry.active).data_ptr()
+        views[0].copy_(views[1] * 3)
+        store.give_back([first])
+        with pytest.raises(StorageError, match="given back"):
+            first.view()
+        with pytest.raises(StorageError, match="given back"):
+            pair(first)
+        again, = store.lend_chunks([("a", 0)], lend="shadow", fill=False)  # the same physical slot, no commit
+        assert again.view(torch.float32) is views[0] and again.source_as(torch.float32) is views[1]
+        assert pair(again) is views[2] and made == [shadow], "made once"
+        assert torch.equal(views[2][0], 3 * x[:1024]), "the same bytes"
+        rest, = store.lend_chunks([("a", 1)], lend="shadow")  # the shadow slot whole, for the commit
+        store.give_back([again, rest])
+        store.commit(["a"])
+        other, = store.lend_chunks([("a", 0)], lend="shadow", fill=False)  # now the other physical slot
+        assert other.slot == 1 - shadow and other.view(torch.float32).data_ptr() != views[0].data_ptr()
+        assert other.source_as(torch.float32).data_ptr() == views[0].data_ptr(), "the committed slot, read"
+        assert torch.equal(other.source_as(torch.float32), 3 * x[:2048])
+        assert pair(other)[0].data_ptr() == other.view(torch.float32).data_ptr() and made == [shadow, 1 - shadow]
+        store.give_back([other])
+        in_place, = store.lend_chunks([("a", 1)])  # an exact update's: the active chunk itself
+        with pytest.raises(StorageError, match="was lent filled"):
+            in_place.source_as(torch.float32)
+        store.give_back([in_place])
+        memory = list(entry.memory)
+        assert all(m.memo for m in memory)
+        store.to_ssd("a")
+        assert all(m.memo is None and m.data is None for m in memory), "released with the memory"
+        assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
+
+
 def test_chunks_lent_together_are_checked_first_given_back_together_and_a_failed_copy_lends_none(tmp_path,
                                                                                                    monkeypatch):
     """lend_chunks (a run of parameters' chunks under one lock): each lent as lend_chunk lends it, every chunk checked

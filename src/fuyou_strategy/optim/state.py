@@ -504,7 +504,7 @@ class OptimizerState:
                 try:
                     if staged is not None:
                         weight = staged.view(ps.param.dtype)[:n]
-                    one_pass.update_chunk(state, source.view(torch.float32) if source is not None else None,
+                    one_pass.update_chunk(state, buf.source_as(torch.float32) if source is not None else None,
                                           flat[start : start + n] if flat is not None else None, raw, weight, n=n,
                                           step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
                     if staged is not None:
@@ -633,9 +633,8 @@ class OptimizerState:
             outs, sources, grads, weights, ns, steps, chunk_counts = [], [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
-                source = buf.source
                 outs.append(buf.view(torch.float32))
-                sources.append(source.view(torch.float32) if source is not None else None)
+                sources.append(buf.source_as(torch.float32) if buf.source is not None else None)
                 start, n = ps.span(k)
                 grads.append(grad.chunk(start, n, None))
                 weights.append(ps.of_chunk(into[i], k))
@@ -650,8 +649,9 @@ class OptimizerState:
             for i, k, buf in lent:
                 ps, grad, _step = members[i]
                 start, n = ps.span(k)
-                # the fp32 layout: master, exp_avg, exp_avg_sq, n each (3n values: three views made in one call)
-                master, exp_avg, exp_avg_sq = buf.view(torch.float32).view(3, n).unbind()
+                # the fp32 layout: master, exp_avg, exp_avg_sq, n each (3n values), kept with the chunk's memory
+                master, exp_avg, exp_avg_sq = buf.kept("fp32 state", lambda buf=buf, n=n: buf.view(torch.float32)
+                                                       .view(3, n).unbind())
                 if buf.source is not None:  # a redo's shadow chunk, lent unfilled: the active one copied in first
                     fill.append(buf.view())
                     sources.append(buf.source)

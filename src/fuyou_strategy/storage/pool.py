@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from typing import Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -30,22 +32,40 @@ class HostBuffer:
     ``O_DIRECT``); ``view(dtype)`` gives the first ``nbytes`` as another dtype. After `release()` ``data`` is
     ``None``, so a kept `HostBuffer` holds no memory and a use after release fails loudly; views of ``data``
     must not outlive the release either.
+
+    ``memo``: views of ``data`` kept by `kept` (an in-memory state entry's slot, whose chunks are lent step
+    after step), dropped with ``data`` on release.
     """
 
-    __slots__ = ("data", "nbytes", "capacity", "_pool")
+    __slots__ = ("data", "nbytes", "capacity", "_pool", "memo")
 
     def __init__(self, data: torch.Tensor, nbytes: int, pool: "HostBufferPool") -> None:
         self.data: torch.Tensor | None = data
         self.nbytes = nbytes
         self.capacity = data.numel()
         self._pool = pool
+        self.memo: dict | None = None
+
+    def kept(self, key: object, make: Callable[[], Any]) -> Any:
+        """``make()`` (views of ``data``) the first time ``key`` is asked for, the same object after, until release:
+        what a chunk lent every step would otherwise make each time (a run of small parameters lends hundreds).
+        Each key's views are a function of ``data`` alone, and their users say whose they are at a time (a chunk's:
+        its holder's, `TensorStore.lend_chunks`); two threads making one key at once would keep equal views. Each
+        dict operation is atomic under the GIL."""
+        memo = self.memo
+        if memo is None:
+            memo = self.memo = {}
+        made = memo.get(key)
+        if made is None:
+            made = memo[key] = make()
+        return made
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         data = self.data if self.nbytes == self.capacity else self.data[: self.nbytes]  # no view where none is needed
         return data if dtype == torch.uint8 else data.view(dtype)
 
     def release(self) -> None:
-        data, self.data = self.data, None
+        data, self.data, self.memo = self.data, None, None
         if data is not None:
             self._pool._give_back(data)
 

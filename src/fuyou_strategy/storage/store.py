@@ -32,7 +32,7 @@ import weakref
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -97,9 +97,16 @@ class Entry:
         return min(self.chunk_bytes, self.nbytes - k * self.chunk_bytes)
 
     def chunk_memory(self, k: int, slot: int) -> torch.Tensor:
-        """The bytes of chunk ``k`` in physical slot ``slot`` of an in-memory entry."""
-        start = k * self.stride
-        return self.memory[slot].data[start : start + self.chunk_len(k)]
+        """The bytes of chunk ``k`` in physical slot ``slot`` of an in-memory entry; made once and kept with the
+        slot's memory (`HostBuffer.kept`)."""
+        memory = self.memory[slot]
+        return memory.kept((k, "chunk"), lambda: memory.data[k * self.stride : k * self.stride + self.chunk_len(k)])
+
+    def chunk_buffer(self, k: int, slot: int) -> torch.Tensor:
+        """`chunk_memory` rounded up to a page, as a pool buffer for the chunk would be (what a `LentChunk` holds)."""
+        memory = self.memory[slot]
+        return memory.kept((k, "buffer"), lambda: memory.data[k * self.stride : k * self.stride
+                                                               + round_up(self.chunk_len(k))])
 
     def location(self, k: int, slot: int) -> tuple[int, int]:
         """(directory index, file offset) of chunk ``k`` in physical slot ``slot``."""
@@ -790,10 +797,10 @@ class TensorStore:
                 began, copied = time.perf_counter(), dst != src and fill
                 if copied:  # the shadow slot starts as a copy of the active one
                     entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
-                start, length = k * entry.stride, entry.chunk_len(k)
-                source = entry.memory[src].data[start : start + length] if dst != src and not fill else None
-                out.append(LentChunk(entry.memory[dst].data[start : start + round_up(length)], length, self, entry,
-                                     dst, k, copy_s=time.perf_counter() - began if copied else 0.0, source=source))
+                source = entry.chunk_memory(k, src) if dst != src and not fill else None
+                out.append(LentChunk(entry.chunk_buffer(k, dst), entry.chunk_len(k), self, entry, dst, k,
+                                     copy_s=time.perf_counter() - began if copied else 0.0, source=source,
+                                     source_slot=src))
         except BaseException as exc:
             with self._lock:
                 for entry, k, _src, dst in plan:
@@ -1002,24 +1009,43 @@ class DeviceMemory(HostBuffer):
         super().__init__(data, data.numel(), None)
 
     def release(self) -> None:
-        self.data = None
+        self.data = self.memo = None
 
 
 class LentChunk(HostBuffer):
     """A chunk of an in-memory entry lent by `TensorStore.read_chunk` (``lend=``), updated in place and handed
     back to `write_chunk`; one thread owns it at a time. `release` without that write marks the slot failed.
 
-    ``source``: lent unfilled (``fill=False``), the active chunk's bytes, to be read (never written) while the
-    chunk is lent; ``None`` when the chunk itself holds what the update starts from."""
+    ``source``: lent unfilled (``fill=False``), the active chunk's bytes (physical slot ``source_slot``), to be
+    read (never written) while the chunk is lent; ``None`` when the chunk itself holds what the update starts from.
 
-    __slots__ = ("store", "entry", "slot", "k", "copy_s", "source")
+    Views of the chunk (`view`, `kept`, `source_as`) are kept with its slot's memory from one lend to the next, so
+    that a chunk lent every step makes them once (`HostBuffer.kept`); like any view of a lent chunk, they are the
+    holder's only while it is lent, and `view` fails once the chunk is given back."""
+
+    __slots__ = ("store", "entry", "slot", "k", "copy_s", "source", "source_slot")
 
     def __init__(self, data: torch.Tensor, nbytes: int, store: "TensorStore", entry: Entry, slot: int, k: int,
-                 copy_s: float = 0.0, source: torch.Tensor | None = None) -> None:
+                 copy_s: float = 0.0, source: torch.Tensor | None = None, source_slot: int | None = None) -> None:
         super().__init__(data, nbytes, None)
         self.store, self.entry, self.slot, self.k = store, entry, slot, k
         self.copy_s = copy_s  # seconds spent copying the active chunk into the shadow slot (CPU work of the lend)
-        self.source = source
+        self.source, self.source_slot = source, source_slot
+
+    def kept(self, key: object, make: Callable[[], Any]) -> Any:
+        """``make()`` (views of this chunk) once for the chunk's memory, as `HostBuffer.kept`."""
+        if self.data is None:
+            raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was given back; its views are not yours")
+        return self.entry.memory[self.slot].kept((self.k, "lent", key), make)
+
+    def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return self.kept(dtype, lambda: HostBuffer.view(self, dtype))
+
+    def source_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """``source`` as ``dtype`` (kept with the active slot's memory, as `view`)."""
+        if self.source is None:
+            raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was lent filled; it has no source")
+        return self.entry.memory[self.source_slot].kept((self.k, "source", dtype), lambda: self.source.view(dtype))
 
     def written(self) -> None:
         """Back in place: the write that `read_chunk` began is done."""
