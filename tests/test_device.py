@@ -99,6 +99,71 @@ def test_late_copies_catch_an_update_that_reads_its_device_gradient_before_the_c
     assert not _equal(mutant, reference), "the update read the poisoned host copy"
 
 
+def _exact_steps(tmp_path, update_kernel, *, skip_at=None):
+    """A tiny Llama's weights after 3 exact (``next_forward``) `FuyouAdamW` steps with clipping that bites, and
+    the pool's lent bytes before and after each step() (``skip_at``: the step whose gradients hold an inf,
+    skipped)."""
+    from fuyou_strategy import FuyouAdamW
+
+    model = tiny_causal_lm("llama")
+    tmp_path.mkdir()
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB",
+                         optimizer_schedule="next_forward", update_kernel=update_kernel)
+    lent = []
+    with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
+        for step in range(3):
+            ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step == skip_at:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            before = opt.adam_state.store.pool.lent
+            opt.step()
+            lent.append((before, opt.adam_state.store.pool.lent))
+            opt.zero_grad()
+        assert opt.stats.skips == (skip_at is not None) and opt.stats.clipped >= 1, opt.stats
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, lent
+
+
+@pytest.mark.parametrize("update_kernel", ["auto", "torch"])
+def test_an_exact_step_copies_each_device_gradient_to_the_host_once_for_its_norm_and_its_update(tmp_path,
+                                                                                                   monkeypatch,
+                                                                                                   update_kernel):
+    """At step() of the next_forward schedule a gradient on an accelerator that the host updates is copied to the
+    host once (`Gradients.resident_norms`): its norm is taken from the copy, which is kept for its update
+    (`at_step`); it was copied for each. In the late-copy mode a CPU gradient takes that path: the weights are the
+    normal mode's bit for bit, clipping biting, with one copy per gradient a step, whichever takes the norms (the
+    one pass's kernel, or torch's). A pool without room for every copy copies each twice, as before, with the same
+    bits; a skipped step's copies all go back to the pool."""
+    from fuyou_strategy.optim.gradients import StreamedGradients
+    from fuyou_strategy.storage import HostBufferPool
+
+    monkeypatch.setattr(device, "_late", None)  # normal copies here, also in CI's FUYOU_ASYNC_DEVICE pass
+    reference, _ = _exact_steps(tmp_path / "normal", update_kernel)
+    copies = []
+    real_copy_out = StreamedGradients.copy_out
+
+    def copy_out(self, tensor, **kw):
+        made = real_copy_out(self, tensor, **kw)
+        copies.extend([tensor.numel()] if made is not None else [])
+        return made
+
+    monkeypatch.setattr(StreamedGradients, "copy_out", copy_out)
+    gradients = len(reference)
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        once, _ = _exact_steps(tmp_path / "late", update_kernel)
+    assert _equal(once, reference)
+    assert len(copies) == 3 * gradients, f"{len(copies)} copies of {gradients} gradients in 3 steps"
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        _skipped, lent = _exact_steps(tmp_path / "skip", update_kernel, skip_at=1)
+    assert lent[1][1] == lent[1][0], "the skipped step's copies went back to the pool"
+    copies.clear()
+    monkeypatch.setattr(HostBufferPool, "try_acquire", lambda self, nbytes, keep_free=0: None)  # never room now
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        twice, _ = _exact_steps(tmp_path / "full", update_kernel)
+    assert _equal(twice, reference)
+    assert len(copies) == 2 * 3 * gradients, "copied for its norm, then for its update"
+
+
 def test_a_late_copy_poisons_its_destination_reads_its_source_when_it_runs_and_lands_on_wait():
     src = torch.arange(1024, dtype=torch.float32)
     dst = torch.zeros(1024)

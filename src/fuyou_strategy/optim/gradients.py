@@ -20,7 +20,8 @@ accelerator is read by the host's update, so it is first copied whole
 into a host pool buffer (`Gradients.staged`): the copy starts where the gradient is handed over (autograd's
 thread, DDP's hook, or ``step()``), ordered after the kernels that computed it, and the job waits for it
 before its first read. The norm is then taken on the host, as ``clip_grad_norm_`` takes it of host
-gradients, and the chunks are slices of the host copy (slicing the device tensor and multiplying it by the
+gradients (at ``step()`` of the ``next_forward`` schedule from the same copy, made once for both:
+`Gradients.resident_norms`), and the chunks are slices of the host copy (slicing the device tensor and multiplying it by the
 host's clip coefficient fails on the first clipped step).
 
 Threads: `StreamedGradients.take` runs on the autograd thread, during backward; the jobs it queues run on
@@ -98,7 +99,8 @@ class Grad:
         self.host, self.entry = host, entry
         # ``staging``: the host copy of a device gradient (``tensor`` is a view of it), released with the
         # Grad; ``landing``: its copy, waited for before the first read. Set before the Grad is handed to
-        # the worker, then read and cleared by the worker alone (the job queue orders the two threads).
+        # the worker, then read and cleared by the worker alone (the job queue orders the two threads), or
+        # by the thread that made it before it hands it over (`Gradients.resident_norms`).
         self.staging, self.landing = staging, landing
         # False: a job queued on the worker before the update still adds to the bytes (a streamed gradient's
         # partial sum), so that only the update's own job may read them (`ready`).
@@ -284,12 +286,16 @@ class StreamedGradients:
         self.state.run(ChunkJob(None, ps.nchunks, keep))
         return None
 
-    def copy_out(self, tensor: torch.Tensor) -> tuple[HostBuffer, Copy]:
+    def copy_out(self, tensor: torch.Tensor, *, wait: bool = True) -> tuple[HostBuffer, Copy] | None:
         """Start copying ``tensor`` (a gradient, on any device) into a host pool buffer lent for it, leaving the
         worker room to read ahead (``keep_free``); the buffer (``tensor``'s bytes at its head once the copy
-        landed) and the copy. A copy that cannot start gives the buffer back."""
-        host = self.state.pool.acquire(tensor.numel() * tensor.element_size(), timeout=self.timeout,
-                                       keep_free=self.keep_free)
+        landed) and the copy. ``wait=False``: ``None`` if the pool has no room for it now. A copy that cannot
+        start gives the buffer back."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if wait:
+            host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=self.keep_free)
+        elif (host := self.state.pool.try_acquire(nbytes, keep_free=self.keep_free)) is None:
+            return None
         try:
             return host, start_copy(host.view(tensor.dtype)[: tensor.numel()], tensor.detach().reshape(-1))
         except BaseException:
@@ -315,6 +321,10 @@ class Gradients:
         self.norm_kernel = norm_kernel  # takes the resident gradients' norms it reads (`resident_norms`)
         # Whether a parameter's update runs on its device (`OptimizerState.updates_on_device`): its gradient stays.
         self.updates_on_device = updates_on_device
+        # Host copies of accelerator gradients made at step() for their norms and kept for their updates
+        # (`resident_norms` fills it, `at_step` takes each, `drop_staged` releases what is left): the training
+        # thread's alone, within one step().
+        self._staged: dict[int, Grad] = {}
 
     def on_backward(self, ps: "ParamState", *, speculating: bool,
                     inv_scale: Callable[[], torch.Tensor | None]) -> Grad | None:
@@ -336,20 +346,42 @@ class Gradients:
             return None
         return self.staged(ps, ps.param.grad)
 
-    def staged(self, ps: "ParamState", tensor: torch.Tensor, kind: str = "resident") -> Grad:
+    def staged(self, ps: "ParamState", tensor: torch.Tensor, kind: str = "resident", *,
+               wait: bool = True) -> Grad | None:
         """A `Grad` of ``tensor`` that the host can read: ``tensor`` itself on the CPU; from an accelerator,
         a host pool buffer that a copy started now fills (ordered after the kernels the calling thread's
         stream queued, which computed the gradient), waited for at the update's first read. The buffer
         is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
-        Grad. A gradient whose update runs on its device is never copied."""
+        Grad. A gradient whose update runs on its device is never copied. ``wait=False``: ``None`` where the
+        pool has no room for the copy now."""
         if not read_on_host(tensor) or self.updates_on_device(ps):
             return Grad(ps, tensor, kind=kind)
-        host, landing = self.streamed.copy_out(tensor)
+        copy = self.streamed.copy_out(tensor, wait=wait)
+        if copy is None:
+            return None
+        host, landing = copy
         return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)
 
     def at_step(self, ps: "ParamState") -> Grad:
-        """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo)."""
+        """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo): the host copy
+        `resident_norms` made of it in this step(), if it made one."""
+        kept = self._staged.pop(ps.index, None)
+        if kept is not None:
+            return kept
         return Grad.stored(ps) if ps.grads is not None else self.staged(ps, ps.param.grad)
+
+    def drop_staged(self) -> None:
+        """Release the host copies `resident_norms` made that no update took (a skipped step, another rank's
+        parameters, a step that failed); at the end of the step() that made them."""
+        staged, self._staged = self._staged, {}
+        error = None
+        for grad in staged.values():
+            try:
+                grad.release()
+            except BaseException as exc:  # noqa: BLE001 - every copy is released; the first error is raised
+                error = error or exc
+        if error is not None:
+            raise error
 
     def set_by_hand(self, params: list["ParamState"]) -> list["ParamState"]:
         """The resident parameters with a gradient but no update queued: set without backward hooks firing."""
@@ -358,21 +390,51 @@ class Gradients:
     def resident_norms(self, params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept), on the
         host: those the norm kernel reads all at once, shared out among the calling thread's intra-op threads (torch's
-        norm of one tensor is one thread's); one on an accelerator is copied for its norm, one at a time (the
-        update copies it again)."""
+        norm of one tensor is one thread's).
+
+        A gradient on an accelerator whose update runs on the host is copied to the host once: every such copy is
+        started first, its norm taken from it, and the copy kept for the update (`at_step`; `drop_staged` releases
+        the copies no update took). If the pool has no room now for every copy (``keep_free`` left for the
+        worker), the copies made go back once their norms are taken, and each of the rest is copied for its norm
+        alone, one at a time, and again for its update: a copy kept for a later update could otherwise hold the
+        room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device."""
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
+        copied = {ps.index for ps in resident if read_on_host(ps.param.grad) and not self.updates_on_device(ps)}
+        every = True  # whether every gradient the host updates found room for its copy
+        for ps in resident:
+            grad = ps.param.grad
+            if ps.index in copied and ps.index not in self._staged:
+                kept = self.staged(ps, grad, wait=False)
+                if kept is None:
+                    every = False
+                    break
+                self._staged[ps.index] = kept
         kernel = self.norm_kernel
-        read = [ps for ps in resident if kernel is not None and kernel.reads(ps.param.grad)]
+        held = {}  # index -> the gradient on the host: its own tensor, or its kept copy once landed
+        for ps in resident:
+            kept = self._staged.get(ps.index)
+            if kept is not None:
+                kept._landed()  # not handed to the worker yet: this thread's to wait for
+                held[ps.index] = kept.flat
+            elif ps.index not in copied:
+                held[ps.index] = ps.param.grad
+        read = [i for i, g in held.items() if kernel is not None and kernel.reads(g)]
         norms = {}
         if read:
-            norms = dict(zip((ps.index for ps in read), kernel.norms([ps.param.grad for ps in read], inv_scale)))
+            norms = dict(zip(read, kernel.norms([held[i] for i in read], inv_scale)))
+        for i, kept in self._staged.items():
+            if i not in norms:
+                norms[i] = kept.norm(inv_scale)
+        if not every:
+            self.drop_staged()
         for ps in resident:
-            if ps.index not in norms:
-                grad = self.staged(ps, ps.param.grad)
-                try:
-                    norms[ps.index] = grad.norm(inv_scale)
-                finally:
-                    grad.release()
+            if ps.index in norms:
+                continue
+            grad = self.staged(ps, ps.param.grad)
+            try:
+                norms[ps.index] = grad.norm(inv_scale)
+            finally:
+                grad.release()
         return norms
 
     def handed_over(self, ps: "ParamState") -> None:

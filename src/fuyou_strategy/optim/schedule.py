@@ -540,28 +540,31 @@ class Exact:
         norms, _late = window.take()
         window.partial.clear()
         sharding.sum_at_step(p.order.params, norms, p.updates.inv_scale())  # each gradient, averaged, onto its owner
-        norms.update(p.gradients.resident_norms(p.order.params, p.updates.inv_scale()))
-        norms = sharding.share_norms(norms, p.order.params)
-        counted = [ps for ps in p.order.norm if ps.index in norms]
-        if not counted:
-            return None
-        total = p.total_norm(norms, counted)
-        if total is None:
-            return Outcome("skip")  # nothing was written: state and weights are as they were
-        coef = p.clip_coef(total)
+        try:  # the gradients copied to the host for their norms are kept for their updates until queue_many
+            norms.update(p.gradients.resident_norms(p.order.params, p.updates.inv_scale()))
+            norms = sharding.share_norms(norms, p.order.params)
+            counted = [ps for ps in p.order.norm if ps.index in norms]
+            if not counted:
+                return None
+            total = p.total_norm(norms, counted)
+            if total is None:
+                return Outcome("skip")  # nothing was written: state and weights are as they were
+            coef = p.clip_coef(total)
 
-        def queued(ps: "ParamState", job: ChunkJob) -> None:
-            p.landing.add(ps.param, job, lambda: f"the update of {ps.describe()}")
-            p.gradients.handed_over(ps)
+            def queued(ps: "ParamState", job: ChunkJob) -> None:
+                p.landing.add(ps.param, job, lambda: f"the update of {ps.describe()}")
+                p.gradients.handed_over(ps)
 
-        try:
-            stepped = [ps for ps in p.order.update if ps.index in norms]
-            owned = [ps for ps in stepped if sharding.owns(ps)]  # the others' owners update them
-            p.updates.queue_many(owned, p.gradients.at_step, coef=coef, exact=True, queued=queued)
-            p.advance(stepped)  # after queueing: each update read the step it completes
-        except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
-            p.landing.failed = exc
-            raise
+            try:
+                stepped = [ps for ps in p.order.update if ps.index in norms]
+                owned = [ps for ps in stepped if sharding.owns(ps)]  # the others' owners update them
+                p.updates.queue_many(owned, p.gradients.at_step, coef=coef, exact=True, queued=queued)
+                p.advance(stepped)  # after queueing: each update read the step it completes
+            except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
+                p.landing.failed = exc
+                raise
+        finally:
+            p.gradients.drop_staged()  # the copies no update took
         p.stats.deferred += 1
         p.stats.clipped += coef is not None
         p.updated(norms)
