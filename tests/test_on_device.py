@@ -272,3 +272,19 @@ def test_the_device_tier_updates_on_the_device_bitwise_adamw_fused_there(tmp_pat
             assert torch.equal(p.detach(), m.detach().to(p.device))
     finally:
         opt.close()
+
+
+def test_a_host_tensor_sent_to_the_device_without_waiting_lands_whole_though_its_source_is_dropped(compute_device):
+    """`device.to_device` (the step counts and factors a device-tier update takes): on an accelerator a pinned copy
+    queued without the thread waiting for the device; each lands with its value and dtype though the host tensor
+    it came from is dropped at once and the next one made (the caching host allocator must not hand its block
+    out again before the copy ran). On the CPU the tensor itself."""
+    from fuyou_strategy.device import to_device
+
+    busy = torch.randn(512, 512, device=compute_device)
+    landed = []
+    for i in range(64):
+        busy = busy @ busy / 512  # queued work the copies need not wait for
+        landed.append(to_device(torch.tensor([float(i), i + 0.5]), compute_device))
+    assert all(t.device.type == compute_device.type and t.dtype == torch.float32 for t in landed)
+    assert torch.equal(torch.stack(landed).cpu(), torch.tensor([[float(i), i + 0.5] for i in range(64)]))

@@ -36,7 +36,7 @@ import torch
 __all__ = ["PAGE_SIZE", "accelerator_type", "cuda_available", "accelerator", "alloc_host_buffer", "HostBufferUsage",
            "host_buffer_usage", "reset_host_buffer_high_water", "Copy", "start_copy", "transfer", "Upload",
            "resize_for_copies", "claim_for_current_stream", "late_copies", "COPY_TIMEOUT", "read_on_host",
-           "computes_on_host", "to_host", "usable_cores", "use_intra_op_threads", "current_stream", "on_stream"]
+           "computes_on_host", "to_device", "to_host", "usable_cores", "use_intra_op_threads", "current_stream", "on_stream"]
 
 log = logging.getLogger("fuyou_strategy")
 
@@ -80,6 +80,17 @@ def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
         for i, value in zip(where, torch.stack([values[i] for i in where]).to("cpu").unbind()):
             out[i] = value
     return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (step counts, a clip or unscale factor) on ``device`` without the calling thread waiting
+    for the device: ``.to(device)`` from pageable memory synchronises with the device's current stream, so a
+    thread queueing updates during backward would wait for every kernel queued before. On an accelerator it is
+    pinned and copied ``non_blocking`` on the current stream (torch's caching host allocator keeps the pinned block
+    until the copy has run); otherwise ``t.to(device)``."""
+    if not _accelerated(device) or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def computes_on_host(params: list[torch.Tensor]) -> bool:

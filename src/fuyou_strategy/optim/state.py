@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 import torch
 
 from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig, format_bytes
-from ..device import current_stream, on_stream
+from ..device import current_stream, on_stream, to_device
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.aio import DONE
@@ -451,7 +451,8 @@ class OptimizerState:
         # kernels follow too); the master and moments stay on the device.
         stream = current_stream(ps.param.device) if on_device else None
         if on_device:
-            step, coef, inv_scale = (t.to(ps.param.device) if t is not None else None for t in (step, coef, inv_scale))
+            step, coef, inv_scale = (to_device(t, ps.param.device) if t is not None else None
+                                     for t in (step, coef, inv_scale))
 
         # The chunks of state in host RAM or on the device are lent in place and take no pool buffer: a one-pass
         # update of the one, or any update of the other, takes them all in one call (`ChunkJob.batch`), so that the
@@ -593,8 +594,8 @@ class OptimizerState:
         if on_device:
             device = pss[0].param.device
             stream = current_stream(device)
-            counts = counts.to(device).unbind()
-            coef, inv_scale = (t.to(device) if t is not None else None for t in (coef, inv_scale))
+            counts = to_device(counts, device).unbind()
+            coef, inv_scale = (to_device(t, device) if t is not None else None for t in (coef, inv_scale))
             into = None
         else:
             stream = None
