@@ -171,8 +171,8 @@ MUTANTS = [
            "optim/csrc/adamw_pass.cpp", "      total = std::fma(x, x, total);", "      total = total + x * x;",
            ("test_onepass.py",)),
     Mutant("norms-unscaled", "step()'s norms of the resident gradients leave out the loss scale",
-           "optim/gradients.py", "kernel.norms([ps.param.grad for ps in read], inv_scale)",
-           "kernel.norms([ps.param.grad for ps in read], None)", ("test_schedule.py", "test_device_state.py")),
+           "optim/gradients.py", "kernel.norms([held[i] for i in read], inv_scale)",
+           "kernel.norms([held[i] for i in read], None)", ("test_schedule.py", "test_device_state.py")),
 ]
 
 
