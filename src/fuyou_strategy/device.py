@@ -64,8 +64,9 @@ def _on_accelerator(t: torch.Tensor) -> bool:
 
 def read_on_host(t: torch.Tensor) -> bool:
     """Whether the host must copy ``t`` into a host buffer (`start_copy`) before it reads it: ``t`` is on an
-    accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there."""
-    return _on_accelerator(t) or _late is not None
+    accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there. (Asked of
+    every gradient a step: `_accelerated` inline.)"""
+    return _late is not None or t.device.type not in ("cpu", "meta")
 
 
 def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -177,11 +177,11 @@ class Updater:
         with self._run_lock:
             if self._run:
                 raise RuntimeError("Updater.queue_many: speculative updates are still held; flush() them first")
+            publish = self.publisher()
             try:
                 for ps in params:
                     grad = grad_of(ps)
-                    kind = self.state.group_kind(ps, grad, fused=self.fused, publish=self.publisher(),
-                                                 one_pass=self.one_pass)
+                    kind = self.state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=self.one_pass)
                     self._join(kind, queued, coef=coef, exact=exact)
                     if kind is None:
                         job = self.queue(ps, grad, coef=coef, exact=exact)
