@@ -6,7 +6,6 @@ import threading
 import time
 from collections import defaultdict
 from typing import Any, Callable
-from typing import Any, Callable
 
 import torch
 
