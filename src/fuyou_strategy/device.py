@@ -86,10 +86,10 @@ def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor (step counts, a clip or unscale factor) on ``device`` without the calling thread waiting
     for the device: ``.to(device)`` from pageable memory synchronises with the device's current stream, so a
-    thread queueing updates during backward would wait for every kernel queued before. On an accelerator it is
+    thread queueing updates during backward would wait for every kernel queued before. On a CUDA device it is
     pinned and copied ``non_blocking`` on the current stream (torch's caching host allocator keeps the pinned block
-    until the copy has run); otherwise ``t.to(device)``."""
-    if not _accelerated(device) or t.device.type != "cpu":
+    until the copy has run); otherwise ``t.to(device)`` (another accelerator's pinned memory is not assumed)."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
