@@ -102,6 +102,12 @@ class Entry:
         memory = self.memory[slot]
         return memory.kept((k, "chunk"), lambda: memory.data[k * self.stride : k * self.stride + self.chunk_len(k)])
 
+    def chunk_view(self, k: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """`chunk_memory` as ``dtype``, kept likewise (a `LentChunk`'s `view` and `source_as`)."""
+        if dtype == torch.uint8:
+            return self.chunk_memory(k, slot)
+        return self.memory[slot].kept((k, dtype), lambda: self.chunk_memory(k, slot).view(dtype))
+
     def chunk_buffer(self, k: int, slot: int) -> torch.Tensor:
         """`chunk_memory` rounded up to a page, as a pool buffer for the chunk would be (what a `LentChunk` holds)."""
         memory = self.memory[slot]
@@ -1039,13 +1045,15 @@ class LentChunk(HostBuffer):
         return self.entry.memory[self.slot].kept((self.k, "lent", key), make)
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        return self.kept(dtype, lambda: HostBuffer.view(self, dtype))
+        if self.data is None:
+            raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was given back; its views are not yours")
+        return self.entry.chunk_view(self.k, self.slot, dtype)  # the chunk's first nbytes, as `HostBuffer.view`
 
     def source_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """``source`` as ``dtype`` (kept with the active slot's memory, as `view`)."""
+        """``source`` as ``dtype`` (the active slot's chunk, kept as `view`'s)."""
         if self.source is None:
             raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was lent filled; it has no source")
-        return self.entry.memory[self.source_slot].kept((self.k, "source", dtype), lambda: self.source.view(dtype))
+        return self.entry.chunk_view(self.k, self.source_slot, dtype)
 
     def written(self) -> None:
         """Back in place: the write that `read_chunk` began is done."""
