@@ -4,6 +4,7 @@ host RAM, so every split of the state between the device, host RAM and the SSD t
 across splits; the tier moves between steps; a device-tier gradient is never copied to the host (the late-copy
 mode, where every host copy of a CPU tensor runs late, would show one)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -343,3 +344,73 @@ def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothi
     losses, _ = train(model, opt)
     opt.close()
     assert_torchs(model, ref_model, losses, ref_losses)
+
+
+def run_on_the_device_tier(tmp_path, monkeypatch, *, late, steps=range(STEPS), opt_from=None):
+    """The tiny Llama with all its state on the device tier, ``next_forward``, clipping and a non-finite step
+    (test_schedule's run), in the late-copy mode (``late``: the device's work queued, as on an accelerator) or not.
+    Returns (model, optimizer, losses, how many times step() read the global norm on the host)."""
+    from fuyou_strategy.device import late_copies
+    from fuyou_strategy.optim.schedule import Parts
+
+    host_reads = []
+    real = Parts.total_norm
+    monkeypatch.setattr(Parts, "total_norm", lambda self, *a: host_reads.append(1) or real(self, *a))
+    model = tiny_causal_lm("llama")
+    opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                     config=config(tmp_path, "next_forward", **SPLITS["device"]))
+    assert set(placement(opt)) == {"device"}
+    with late_copies(max_delay_ms=2.0, seed=1) if late else contextlib.nullcontext():
+        losses, _ = train(model, opt, steps=steps)
+    return model, opt, losses, len(host_reads)
+
+
+def test_a_step_of_the_device_tier_is_decided_on_the_device_read_later_and_bitwise_torch(tmp_path, monkeypatch):
+    """Every update on the device: step() queues them with the clip coefficient and the non-finite flag as device
+    tensors and never reads the norm on the host (`Parts.decide`). The weights are torch's; the statistics, once
+    read, are those of the same run decided on the host: the same clipped steps, the non-finite one a skip, its
+    step counts not advanced."""
+    ref_model, ref_losses = beside_torch()[1:]
+    (tmp_path / "host").mkdir()
+    (tmp_path / "device").mkdir()
+    host_model, host_opt, host_losses, host_reads = run_on_the_device_tier(tmp_path / "host", monkeypatch, late=False)
+    model, opt, losses, reads = run_on_the_device_tier(tmp_path / "device", monkeypatch, late=True)
+    try:
+        assert reads == 0 and host_reads == STEPS
+        assert opt._parts.unsettled, "the last step's outcome is read only when asked for"
+        assert_torchs(model, ref_model, losses, ref_losses)
+        stats, host_stats = opt.stats.to_dict(), host_opt.stats.to_dict()
+        assert not opt._parts.unsettled
+        assert stats == host_stats, (stats, host_stats)
+        assert stats["skips"] == 1 and stats["clipped"] >= 1 and stats["history"][2] == ["next_forward", "skip"]
+        assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in model.parameters())
+    finally:
+        opt.close()
+        host_opt.close()
+
+
+def test_a_save_right_after_a_non_finite_step_decided_on_the_device_resumes_exactly(tmp_path, monkeypatch):
+    """The save reads the unread outcome first: the skipped step's counts are saved as they were before it, and the
+    run resumed from the save goes on bitwise as torch's."""
+    ref_model, ref_losses = beside_torch()[1:]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model, opt, losses, _ = run_on_the_device_tier(tmp_path / "a", monkeypatch, late=True, steps=range(3))
+    try:
+        assert opt._parts.unsettled  # step 2, the non-finite one, not read yet
+        sd = opt.state_dict(tmp_path / "ckpt")
+        assert {float(s["step"]) for s in sd["state"].values()} == {2.0}
+    finally:
+        opt.close()
+    from fuyou_strategy.device import late_copies
+
+    resumed = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                         config=config(tmp_path / "b", "next_forward", **SPLITS["device"]))
+    try:
+        resumed.load_state_dict(sd)
+        with late_copies(max_delay_ms=2.0, seed=2):
+            more, _ = train(model, resumed, steps=range(3, STEPS))
+        assert_torchs(model, ref_model, losses + more, ref_losses)
+        assert resumed.stats.skips == 1 and resumed.stats.steps == STEPS - 1
+    finally:
+        resumed.close()

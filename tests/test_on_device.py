@@ -274,6 +274,52 @@ def test_the_device_tier_updates_on_the_device_bitwise_adamw_fused_there(tmp_pat
         opt.close()
 
 
+@pytest.mark.parametrize("max_norm", [MAX_NORM, None])
+def test_a_step_decided_on_the_device_tier_is_clip_grad_norm_and_adamw_fused_there_bitwise(tmp_path, compute_device,
+                                                                                          max_norm):
+    """All the state on the device tier, ``next_forward``: on an accelerator (and in the late-copy mode) step() keeps
+    the global norm, the clip coefficient and the non-finite flag on the device (`Parts.decide`). The reference is
+    torch there: ``clip_grad_norm_`` taking the per-tensor norms one by one (``foreach=False``, the norms fuyou takes)
+    and ``AdamW(fused=True)``, the step skipped when the norm is not finite (GradScaler's rule). Clipping bites on
+    some steps; one step's gradient is infinite."""
+    import math
+
+    from fuyou_strategy.device import read_on_host
+    from test_device_state import placement
+
+    model = tiny_causal_lm("llama").to(compute_device)
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=max_norm, fused=True, release_grads=False,
+                     config=config(tmp_path, optimizer_schedule="next_forward", device_state="1MiB", host_state=0))
+    assert set(placement(opt)) == {"device"}
+    scales = [*LOSS_SCALE, math.inf, 1.0]
+    try:
+        for step, scale in enumerate(scales):
+            x = ids(step, compute_device)
+            (model(input_ids=x, labels=x).loss * scale).backward()
+            for m, p in zip(masters, model.parameters()):
+                m.grad = p.grad.detach().clone()
+            opt.step()
+            opt.zero_grad()
+            if max_norm is None:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, foreach=False)
+            if math.isfinite(norm):
+                ref.step()
+            ref.zero_grad()
+        # decided on the device where its work is queued (an accelerator; the late-copy mode), else on the host
+        assert bool(opt._parts.unsettled) == read_on_host(masters[0])
+        assert opt.stats.skips == 1 and opt.stats.steps == len(scales) - 1
+        assert (opt.stats.clipped >= 1) == (max_norm is not None), opt.stats
+        for p, m in zip(model.parameters(), masters):
+            assert torch.equal(p.detach(), m.detach())
+            assert float(opt.state[p]["step"]) == float(ref.state[m]["step"])
+    finally:
+        opt.close()
+
+
 def test_a_host_tensor_sent_to_the_device_without_waiting_lands_whole_though_its_source_is_dropped(compute_device):
     """`device.to_device` (the step counts and factors a device-tier update takes): on an accelerator a pinned copy
     queued without the thread waiting for the device; each lands with its value and dtype though the host tensor

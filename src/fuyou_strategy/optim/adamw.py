@@ -142,7 +142,7 @@ class FuyouAdamW(torch.optim.Optimizer):
         super().__init__(_trainable(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.max_grad_norm, self.fused = max_grad_norm, bool(fused)
         self.scaler = LossScaler.resolve(loss_scaling)
-        self.stats = StepStats()
+        self._stats = StepStats()
         # Called, on the training thread, after a checkpoint was loaded (`load_folder`, `load_state_dict`):
         # the run's reporting takes the restored counts as its new starting point.
         self.on_loaded: list[Callable[[], None]] = []
@@ -210,7 +210,8 @@ class FuyouAdamW(torch.optim.Optimizer):
                                        updates_on_device=self.adam_state.updates_on_device, norm_kernel=kernel[0])
             self._order = Order(self._params)
             parts = Parts(self.adam_state, self.updates, self.gradients, self.sharding, self.window, self._order,
-                          self.landing, self.stats, self.state, max_grad_norm)
+                          self.landing, self._stats, self.state, max_grad_norm)
+            self._parts = parts
             # The engine's and the planner's handle (`OptimizerControl`): it chooses the first window's schedule
             # and writes the masters of the parameters that have memory.
             self.control = OptimizerControl(self._params, parts, config, can_speculate=config.state_slots == 2 and (
@@ -233,6 +234,13 @@ class FuyouAdamW(torch.optim.Optimizer):
         return self.memory.store
 
     @property
+    def stats(self) -> StepStats:
+        """What happened to the steps so far (`StepStats`). A step decided on the device (`schedule.Unsettled`) is
+        read first: that waits for the device to reach the step's gradient norm."""
+        self._parts.settle()
+        return self._stats
+
+    @property
     def shards(self) -> Shards | None:
         """Data parallel: who owns each parameter's state; ``None`` in one process."""
         return self.sharding.shards
@@ -248,6 +256,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         # every rank, so every rank enters the collective here alike).
         if self.sharding.pending():
             self.sharding.land()
+        if self._parts.unsettled:  # the last step's counts are read before this backward's updates read them
+            self._parts.settle()
         ps, schedule = self._by_param[param], self.window.schedule
         grad = self.gradients.on_backward(ps, speculating=schedule.speculates, inv_scale=self.updates.inv_scale)
         if grad is not None:
@@ -284,6 +294,8 @@ class FuyouAdamW(torch.optim.Optimizer):
         self.chooser.end_step(schedule, rolled=outcome.name == "skip" or stats.clipped > clipped,
                               rollback_s=outcome.rollback_s)
         stats.record(schedule, outcome.name)
+        if outcome.unsettled is not None:  # decided on the device: clipped, or a skip after all, once read
+            outcome.unsettled.when_settled(self._settled)
         reason = self.control.choose(agree=True)  # each rank's chooser measured its own windows: rank 0's choice holds
         if window.schedule.name != schedule or reason != stats.last_reason:
             level = logging.INFO if window.schedule.name != schedule else logging.DEBUG
@@ -291,6 +303,13 @@ class FuyouAdamW(torch.optim.Optimizer):
         stats.last_reason = reason
         log.debug("FuyouAdamW: step %d used %s: %s", stats.steps + stats.skips, schedule, outcome.name)
         return loss
+
+    def _settled(self, outcome: str, clipped: bool) -> None:
+        """A step decided on the device was read (`schedule.Unsettled`): what `step` recorded of it, amended."""
+        if outcome == "skip" and self._stats.history:
+            self._stats.history[-1] = (self._stats.history[-1][0], outcome)
+        if outcome == "skip" or clipped:
+            self.chooser.amend_last(rolled=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; between backward and `step()` this also discards the speculative updates

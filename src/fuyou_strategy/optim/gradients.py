@@ -126,7 +126,8 @@ class Grad:
 
     def norm(self, inv_scale: torch.Tensor | None, kernel: "OnePass | None" = None) -> torch.Tensor:
         """The gradient's norm (`grad_norm`, with ``kernel``), taken where the gradient is: a device tier's stays on
-        the device (the worker does not wait for it; `Parts.total_norm` brings the norms to the host at ``step()``)."""
+        the device (the worker does not wait for it; at ``step()`` `Parts.total_norm` brings the norms to the host, or
+        `Parts.decide` keeps them there)."""
         self._landed()
         return grad_norm(self.flat.view(self.shape), inv_scale, kernel)
 

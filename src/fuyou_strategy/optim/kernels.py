@@ -38,10 +38,14 @@ def fp32_gradients(raws: list[torch.Tensor], inv_scale: torch.Tensor | None,
 
 
 def fused_adamw(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                exp_avg_sqs: list[torch.Tensor], counts: list[torch.Tensor], **hyper: Any) -> None:
+                exp_avg_sqs: list[torch.Tensor], counts: list[torch.Tensor], *, found_inf: torch.Tensor | None = None,
+                **hyper: Any) -> None:
     """torch's fused AdamW in place over lists, as ``torch.optim.AdamW(fused=True)`` calls it (one multi-tensor call);
-    ``counts``: the step count each update completes (the count *before* it, plus one)."""
-    torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, maximize=False, **hyper)
+    ``counts``: the step count each update completes (the count *before* it, plus one). ``found_inf`` (a one-element
+    fp32 tensor where the kernel runs, as ``GradScaler`` passes it): where it is 1, the kernel leaves every tensor as
+    it was (the step skipped on the device, without the host reading the flag)."""
+    torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, maximize=False,
+                        found_inf=found_inf, **hyper)
 
 
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -45,12 +45,14 @@ class Saves:
         self.updates, self.order, self.max_grad_norm = parts.updates, parts.order, parts.max_grad_norm
         self.state_format, self.scaler, self.on_loaded = state_format, scaler, on_loaded
         self.chooser = control.chooser
+        self.settle = parts.settle  # a step decided on the device is read before its counts are saved or replaced
         self._by_param = {ps.param: ps for ps in params}
 
     def write(self, folder: str | os.PathLike, param_groups: list[dict], *, keep_previous: bool,
               record: dict[str, Any] | None) -> dict[str, Any]:
         """Stream this rank's state into a new save in ``folder`` (`checkpoint.save`, or `checkpoint.save_version`
         with ``keep_previous``); returns what the state dict records of it (``sd["fuyou"]``)."""
+        self.settle()
         owned = self.sharding.owned(self.params)
         steps = {ps.index: float(self.steps[ps.param]["step"]) for ps in owned}
         save = checkpoint.save_version if keep_previous else checkpoint.save
@@ -62,6 +64,7 @@ class Saves:
 
     def describe(self, param_groups: list[dict]) -> dict[str, Any]:
         """The optimizer's own fields, as a save records them (the keys and values of every earlier version)."""
+        self.settle()
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._by_param[p].index for p in g["params"]]}
                   for g in param_groups]
         return {"steps": self.stats.steps, "state_format": self.state_format.name, "param_groups": groups,
@@ -71,6 +74,7 @@ class Saves:
 
     def load_dict(self, state_dict: dict[str, Any], param_groups: list[dict]) -> None:
         """Restore a dict from `FuyouAdamW.state_dict` (module docstring of `checkpoint`: the save it names)."""
+        self.settle()
         folder = state_dict.get("fuyou", {}).get("folder")
         if folder is None and any(float(s.get("step", 0)) for s in state_dict.get("state", {}).values()):
             raise checkpoint.CheckpointError(
@@ -92,6 +96,7 @@ class Saves:
         """Stream the save at ``path`` back: masters, moments, steps, hyper-parameters, statistics, the chooser's
         costs, the loss scale, then the weights (checksums verified first; a bad save changes nothing); returns
         its metadata."""
+        self.settle()
         owned = self.sharding.owned(self.params)
         with checkpoint.SaveReader(path, group=self.sharding) as reader:
             reader.check_shapes([list(ps.param.shape) for ps in self.params])

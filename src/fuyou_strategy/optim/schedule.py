@@ -11,7 +11,10 @@ between backward and ``step()``):
   anything) or skips.
 - `Exact` (``"next_forward"``): backward only moves gradients out of the way; ``step()`` knows the global
   norm, queues every exact update in forward order and returns; the next forward waits, module by
-  module, only for the updates of the weights it is about to use (`PendingUpdates`).
+  module, only for the updates of the weights it is about to use (`PendingUpdates`). Where every update
+  runs on one accelerator (the device tier), the norm stays there: the updates take the clip coefficient
+  and a ``found_inf`` flag as device tensors, and the host reads the outcome later (`Parts.decide`,
+  `Unsettled`), so ``step()`` never waits for the end of backward.
 
 Both work with the same parts (`Parts`): the state, the updater, the gradients, the window, the sharding
 (a do-nothing `Solo` in one process), and neither asks which kind of gradient or process it has.
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..device import to_host
+from ..device import read_on_host, to_host
 from .gradients import Grad
 from .pipeline import ChunkJob, ChunkPipeline, named
 
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from .window import Window
 
 __all__ = ["BACKWARD", "NEXT_FORWARD", "Exact", "Order", "Outcome", "Parts", "PendingUpdates", "ScheduleChooser",
-           "Speculative", "StepStats"]
+           "Speculative", "StepStats", "Unsettled"]
 
 BACKWARD, NEXT_FORWARD = "backward", "next_forward"
 TAIL_SHARE = 0.1  # the last tenth of a window's gradient arrivals: the tail whose state is read ahead
@@ -256,6 +259,11 @@ class ScheduleChooser:
         if rollback_s is not None:
             self.rollback_s = rollback_s if self.rollback_s is None else (self.rollback_s + rollback_s) / 2
 
+    def amend_last(self, *, rolled: bool) -> None:
+        """The last window's `record` learnt late (a step decided on the device, `Unsettled`)."""
+        if self.rolled:
+            self.rolled[-1] = rolled
+
     def record_wait(self, schedule: str, seconds: float) -> None:
         """One window of ``schedule`` took ``seconds`` (what `end_step` records; tests give it directly)."""
         self.window_s[schedule].append(seconds)
@@ -348,12 +356,43 @@ class Order:
         return sorted(params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
 
 
+class Unsettled:
+    """An exact step decided on the device (`Parts.decide`) whose outcome the host has not read yet.
+
+    Its global norm and clip coefficient are device tensors. Its updates were queued with the fused kernel's
+    ``found_inf`` flag, and its step counts advanced on the host as if it applied. `Parts.settle` reads the norm: a
+    non-finite one makes the step a skip (the counts go back, the statistics move from ``deferred`` to ``skips``);
+    then it runs what `when_settled` was given, with the outcome (``"deferred"`` or ``"skip"``) and whether clipping
+    bit. Threads: built and settled under `Parts`'s lock; `when_settled` is the training thread's."""
+
+    def __init__(self, total: torch.Tensor, coef: torch.Tensor | None, stepped: list["ParamState"]) -> None:
+        self.total, self.coef, self.stepped = total, coef, stepped
+        self.outcome: str | None = None  # once settled
+        self.clipped = False
+        self._then: list[Callable[[str, bool], None]] = []
+
+    def when_settled(self, then: Callable[[str, bool], None]) -> None:
+        """Call ``then(outcome, clipped)`` once the outcome is read (now, if it was)."""
+        if self.outcome is not None:
+            then(self.outcome, self.clipped)
+        else:
+            self._then.append(then)
+
+    def settled(self, outcome: str, clipped: bool) -> None:
+        self.outcome, self.clipped = outcome, clipped
+        then, self._then = self._then, []
+        for f in then:
+            f(outcome, clipped)
+
+
 @dataclass
 class Outcome:
-    """How a window ended: ``commit``, ``redo``, ``skip`` or ``deferred``; ``rollback_s``: what undoing took."""
+    """How a window ended: ``commit``, ``redo``, ``skip`` or ``deferred``; ``rollback_s``: what undoing took;
+    ``unsettled``: a ``deferred`` step decided on the device, which may still turn out a ``skip`` (`Unsettled`)."""
 
     name: str
     rollback_s: float | None = None
+    unsettled: Unsettled | None = None
 
 
 @dataclass
@@ -370,6 +409,11 @@ class Parts:
     stats: StepStats
     steps: Mapping[torch.nn.Parameter, dict]  # the optimizer's state: steps[param]["step"]
     max_grad_norm: float | None
+    # The step decided on the device whose outcome is unread (`decide`, `settle`): at most one, as `settle` runs
+    # before anything reads the counts or the statistics (the next step() or backward, a save or a load, a read of
+    # ``FuyouAdamW.stats``). Appended and popped under `_settling` (a backward hook may settle on autograd's thread).
+    unsettled: list[Unsettled] = field(default_factory=list)
+    _settling: threading.Lock = field(default_factory=threading.Lock)
 
     def total_norm(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]) -> torch.Tensor | None:
         """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms, on the host:
@@ -381,6 +425,65 @@ class Parts:
             self.stats.skips += 1
             return None
         return total
+
+    def decides_on_device(self, stepped: list["ParamState"]) -> bool:
+        """Whether this exact step is decided on the device (`decide`), not on the host (`total_norm`): one
+        process, no loss scaling, and every stepped parameter's update a device-tier group's (`group_job`: the fused
+        kernel on fp32 moments) on one device whose work is queued, not done (an accelerator's; the late-copy test
+        mode's CPU). Its norm need not reach the host before the updates are queued: on an accelerator that read
+        waits for the end of backward, and the device idles while the host then queues the updates."""
+        if not stepped or self.sharding.shards is not None or self.updates.scaler is not None or not self.updates.fused:
+            return False
+        device = stepped[0].param.device
+        for ps in stepped:
+            grad, layout = ps.param.grad, ps.layout
+            if (ps.grads is not None or grad is None or not self.state.updates_on_device(ps) or grad.device != device
+                    or not read_on_host(grad) or layout.kernel != "torch" or layout.moments != "fp32"):
+                return False
+        return True
+
+    def decide(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step's global norm, clip coefficient and ``found_inf`` flag, on the device, read by no one yet.
+
+        As ``clip_grad_norm_`` computes them there: the norm of the per-tensor norms, and its clamped coefficient
+        (``None`` without a clip norm), which the updates always apply (1 leaves every gradient's bits as they are,
+        as torch's own multiply does). The flag is 1 where the norm is not finite: the fused kernel then leaves
+        everything as it was, and `settle` makes the step a skip."""
+        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in counted]), 2)
+        found_inf = torch.isfinite(total).logical_not().to(torch.float32)
+        coef = None if self.max_grad_norm is None else torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        return total, coef, found_inf
+
+    def unsettle(self, total: torch.Tensor, coef: torch.Tensor | None, stepped: list["ParamState"]) -> Unsettled:
+        """Keep a step decided on the device (`decide`) for `settle`, its updates queued and counts advanced."""
+        unsettled = Unsettled(total, coef, stepped)
+        with self._settling:
+            if self.unsettled:
+                raise RuntimeError("Parts.unsettle: the step before was never settled")
+            self.unsettled.append(unsettled)
+        return unsettled
+
+    def settle(self) -> None:
+        """Read the outcome of the step decided on the device, if one is unread (`Unsettled`); waits for the device
+        to reach its norm, which by the next step() it has long passed."""
+        with self._settling:
+            if not self.unsettled:
+                return
+            u = self.unsettled.pop()
+            value = float(u.total)
+            stats = self.stats
+            stats.last_grad_norm = value
+            if math.isfinite(value):
+                outcome, clipped = "deferred", u.coef is not None and bool(u.coef < 1.0)
+                stats.clipped += clipped
+            else:  # the kernels left the state as it was: so do the counts
+                outcome, clipped = "skip", False
+                stats.deferred -= 1
+                stats.skips += 1
+                counts = [self.steps[ps.param]["step"] for ps in u.stepped]
+                torch._foreach_sub_(counts, 1)
+        u.settled(outcome, clipped)
 
     def clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
         """``clip_grad_norm_``'s clamped coefficient when it scales the gradients down, else ``None``."""
@@ -546,19 +649,24 @@ class Exact:
             counted = [ps for ps in p.order.norm if ps.index in norms]
             if not counted:
                 return None
-            total = p.total_norm(norms, counted)
-            if total is None:
-                return Outcome("skip")  # nothing was written: state and weights are as they were
-            coef = p.clip_coef(total)
+            stepped = [ps for ps in p.order.update if ps.index in norms]
+            found_inf = None  # the device's flag, where the step is decided there
+            if p.decides_on_device(stepped):
+                total, coef, found_inf = p.decide(norms, counted)
+            else:
+                total = p.total_norm(norms, counted)
+                if total is None:
+                    return Outcome("skip")  # nothing was written: state and weights are as they were
+                coef = p.clip_coef(total)
 
             def queued(ps: "ParamState", job: ChunkJob) -> None:
                 p.landing.add(ps.param, job, lambda: f"the update of {ps.describe()}")
                 p.gradients.handed_over(ps)
 
             try:
-                stepped = [ps for ps in p.order.update if ps.index in norms]
                 owned = [ps for ps in stepped if sharding.owns(ps)]  # the others' owners update them
-                p.updates.queue_many(owned, p.gradients.at_step, coef=coef, exact=True, queued=queued)
+                p.updates.queue_many(owned, p.gradients.at_step, coef=coef, exact=True, queued=queued,
+                                     found_inf=found_inf)
                 p.advance(stepped)  # after queueing: each update read the step it completes
             except Exception as exc:  # (a dead worker): the step is half queued, so what it queued must not land
                 p.landing.failed = exc
@@ -566,9 +674,13 @@ class Exact:
         finally:
             p.gradients.drop_staged()  # the copies no update took
         p.stats.deferred += 1
-        p.stats.clipped += coef is not None
+        unsettled = None
+        if found_inf is not None:
+            unsettled = p.unsettle(total, coef, stepped)  # clipped, or a skip: known once settled
+        else:
+            p.stats.clipped += coef is not None
         p.updated(norms)
-        return Outcome("deferred")
+        return Outcome("deferred", unsettled=unsettled)
 
     def discard(self, queued: list["ParamState"]) -> None:
         """``zero_grad`` between backward and ``step()``: nothing was written yet."""

@@ -566,11 +566,13 @@ class OptimizerState:
 
     def group_job(self, members: list[tuple[ParamState, "Grad", torch.Tensor]], *, exact: bool,
                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
-                  one_pass: OnePass | None, norms: list[Callable[[], None] | None] | None = None) -> ChunkJob:
+                  one_pass: OnePass | None, norms: list[Callable[[], None] | None] | None = None,
+                  found_inf: torch.Tensor | None = None) -> ChunkJob:
         """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad, step)``
         as `update_job` takes them (a step count before the update each; ``norms``: each one's `update_job`
         ``norm``, or None), speculative or with the clip coefficient ``coef`` (a redo) or exact; the same bits as a
-        job per parameter. What it saves is the worker's and the queueing thread's bookkeeping per parameter (a
+        job per parameter. ``found_inf`` (the device tier's exact updates of a step decided on the device,
+        `schedule.Parts.decide`): the fused kernel's flag, where 1 leaves the state and weights as they were. What it saves is the worker's and the queueing thread's bookkeeping per parameter (a
         job, its closures and futures, the pipeline's per-job work), which a transformer's many small parameters
         pay more for than for their arithmetic.
 
@@ -587,6 +589,9 @@ class OptimizerState:
         hyper = _hyper(pss[0].group)
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
         on_device = pss[0].index in self.on_device
+        if found_inf is not None and not on_device:
+            raise ValueError("OptimizerState.group_job: found_inf is for the device tier's kernel; a host update "
+                             "is queued once the step's decision is known on the host")
         self._hold(pss, exact)
         elems = sum(ps.numel for ps in pss)
         before = torch.stack([step for _ps, _grad, step in members])  # the counts now (the caller advances them next)
@@ -664,7 +669,8 @@ class OptimizerState:
                 published.append((ps, k, master))
             if fill:
                 torch._foreach_copy_(fill, sources)
-            fused_adamw(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, steps, **hyper)
+            fused_adamw(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, steps, found_inf=found_inf,
+                        **hyper)
             publish.many(published)
 
         return ChunkJob(None, 1, update, done=Future() if exact else None)

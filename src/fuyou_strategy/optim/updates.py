@@ -144,16 +144,16 @@ class Updater:
             grad.release()
 
     def _join(self, kind: tuple | None, queued: Callable[[ParamState, ChunkJob], None] | None = None, *,
-              coef: torch.Tensor | None = None, exact: bool = False) -> None:
+              coef: torch.Tensor | None = None, exact: bool = False, found_inf: torch.Tensor | None = None) -> None:
         """Before an update of `OptimizerState.group_kind` ``kind`` (None: one of a job of its own) joins the held
         run: queue the run first where the update cannot join it (another kind, or the run is full). Under
         ``_run_lock``."""
         if kind is None or kind != self._run_kind or self._run_elems >= GROUP_ELEMENTS:
-            self._flush_run(queued, coef=coef, exact=exact)
+            self._flush_run(queued, coef=coef, exact=exact, found_inf=found_inf)
             self._run_kind = kind
 
     def _flush_run(self, queued: Callable[[ParamState, ChunkJob], None] | None, *, coef: torch.Tensor | None = None,
-                   exact: bool = False) -> None:
+                   exact: bool = False, found_inf: torch.Tensor | None = None) -> None:
         """Queue the held run (`speculate`'s, or `queue_many`'s) as one job, and empty it."""
         run, self._run, self._run_elems = self._run, [], 0
         if not run:
@@ -161,19 +161,21 @@ class Updater:
         job = self.state.run(self.state.group_job([member[:3] for member in run], exact=exact, coef=coef,
                                                   inv_scale=self.inv_scale(), publish=self.publisher(),
                                                   one_pass=self.one_pass,
-                                                  norms=[member[3] for member in run]))
+                                                  norms=[member[3] for member in run], found_inf=found_inf))
         if queued is not None:
             for ps, *_rest in run:
                 queued(ps, job)
 
     def queue_many(self, params: Iterable[ParamState], grad_of: Callable[[ParamState], "Grad"], *,
                    coef: torch.Tensor | None, exact: bool,
-                   queued: Callable[[ParamState, ChunkJob], None] | None = None) -> None:
+                   queued: Callable[[ParamState, ChunkJob], None] | None = None,
+                   found_inf: torch.Tensor | None = None) -> None:
         """Queue the updates of ``params``, in this order, with the clip coefficient known (``coef``: a redo, or
         ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(ps, job)`` once its job is.
         Consecutive parameters of one `OptimizerState.group_kind` share a job (`OptimizerState.group_job`) until it
         holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way.
-        The training thread, with no speculative run held (`flush`)."""
+        ``found_inf``: the device's flag of a step decided there (`OptimizerState.group_job`), for device-tier
+        updates that all group. The training thread, with no speculative run held (`flush`)."""
         with self._run_lock:
             if self._run:
                 raise RuntimeError("Updater.queue_many: speculative updates are still held; flush() them first")
@@ -182,15 +184,18 @@ class Updater:
                 for ps in params:
                     grad = grad_of(ps)
                     kind = self.state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=self.one_pass)
-                    self._join(kind, queued, coef=coef, exact=exact)
+                    self._join(kind, queued, coef=coef, exact=exact, found_inf=found_inf)
                     if kind is None:
+                        if found_inf is not None:
+                            raise RuntimeError(f"Updater.queue_many: {ps.describe()} cannot take the device's "
+                                               "found_inf flag (its update is not a device-tier group's)")
                         job = self.queue(ps, grad, coef=coef, exact=exact)
                         if queued is not None:
                             queued(ps, job)
                         continue
                     self._run.append((ps, grad, self.steps[ps.param]["step"], None))  # read as its job is built
                     self._run_elems += ps.numel
-                self._flush_run(queued, coef=coef, exact=exact)
+                self._flush_run(queued, coef=coef, exact=exact, found_inf=found_inf)
             finally:  # a step that failed half-queued (a dead worker) leaves no run for a later step to queue
                 self._run, self._run_kind, self._run_elems = [], None, 0
 
