@@ -378,3 +378,34 @@ def test_the_worker_takes_the_cores_the_training_thread_leaves_and_the_numbers_d
         for w, v, r in zip(weights, moments, ref.parameters()):
             assert torch.equal(w, r), threads
             assert torch.equal(v, ref_opt.state[r]["exp_avg_sq"]), threads
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_update(tmp_path, schedule):
+    """``state[p]["step"]`` as torch keeps it (a 0-d fp32 tensor, in the state dict too): a parameter with no
+    gradient in a step keeps its count while the others' advance, and the weights stay torch's."""
+    import io
+
+    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    masters = [p.detach().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    opt = FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule))
+    try:
+        for step, given in enumerate([range(4), [0, 2], [2, 3], range(4)]):
+            for i in given:
+                g = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
+                params[i].grad, masters[i].grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+        counts = [opt.state[p]["step"] for p in params]
+        assert all(c.dtype == torch.float32 and c.dim() == 0 for c in counts)
+        assert [float(c) for c in counts] == [float(ref.state[m]["step"]) for m in masters] == [3.0, 2.0, 4.0, 3.0]
+        assert all(torch.equal(p, m) for p, m in zip(params, masters))
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        saved = torch.load(io.BytesIO(buffer.getvalue()))
+        assert [float(saved["state"][i]["step"]) for i in range(4)] == [3.0, 2.0, 4.0, 3.0]
+    finally:
+        opt.close()

@@ -198,19 +198,23 @@ class FuyouAdamW(torch.optim.Optimizer):
                 shards, self._params, config, self.landing, self.adam_state.store, gradients_averaged=gradients_averaged)
             if shards is not None:
                 self._workers.append(self.sharding)  # its sender
+            # Torch's contract: ``state[param]["step"]``, a 0-d fp32 tensor. Here a view of the parameter's count in
+            # `Parts.counts`, which the updates read and advance in one op: to be read, not replaced (a tensor put in
+            # its place would not be read or advanced; a load restores the counts).
+            self._counts = torch.zeros(len(self._params))
             for ps in self._params:
-                self.state[ps.param]["step"] = torch.tensor(0.0)
+                self.state[ps.param]["step"] = self._counts[ps.index]
             self.window = Window()
             streamed = StreamedGradients(self.adam_state, self.window, keep_free=shares.optimizer_readahead,
                                          timeout=config.io_timeout, norm_kernel=kernel[0])
-            self.updates = Updater(self.adam_state, self.state, self.window, streamed, fused=self.fused,
+            self.updates = Updater(self.adam_state, self._counts, self.window, streamed, fused=self.fused,
                                    release_grads=release_grads and max_grad_norm is None and shards is None,
                                    clipping=max_grad_norm is not None, scaler=self.scaler, one_pass=kernel[0])
             self.gradients = Gradients(streamed, self.window, sharded=shards is not None,
                                        updates_on_device=self.adam_state.updates_on_device, norm_kernel=kernel[0])
             self._order = Order(self._params)
             parts = Parts(self.adam_state, self.updates, self.gradients, self.sharding, self.window, self._order,
-                          self.landing, self._stats, self.state, max_grad_norm)
+                          self.landing, self._stats, max_grad_norm, self._counts)
             self._parts = parts
             # The engine's and the planner's handle (`OptimizerControl`): it chooses the first window's schedule
             # and writes the masters of the parameters that have memory.

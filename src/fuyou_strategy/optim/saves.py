@@ -41,10 +41,11 @@ class Saves:
     def __init__(self, params: list[ParamState], parts: Parts, control: OptimizerControl, config: Any, *,
                  state_format: StateFormat, scaler: LossScaler | None, on_loaded: list[Callable[[], None]]) -> None:
         self.params, self.config, self.control = params, config, control
-        self.state, self.sharding, self.stats, self.steps = parts.state, parts.sharding, parts.stats, parts.steps
+        self.state, self.sharding, self.stats = parts.state, parts.sharding, parts.stats
         self.updates, self.order, self.max_grad_norm = parts.updates, parts.order, parts.max_grad_norm
         self.state_format, self.scaler, self.on_loaded = state_format, scaler, on_loaded
         self.chooser = control.chooser
+        self.counts = parts.counts
         self.settle = parts.settle  # a step decided on the device is read before its counts are saved or replaced
         self._by_param = {ps.param: ps for ps in params}
 
@@ -54,7 +55,7 @@ class Saves:
         with ``keep_previous``); returns what the state dict records of it (``sd["fuyou"]``)."""
         self.settle()
         owned = self.sharding.owned(self.params)
-        steps = {ps.index: float(self.steps[ps.param]["step"]) for ps in owned}
+        steps = {ps.index: float(self.counts[ps.index]) for ps in owned}
         save = checkpoint.save_version if keep_previous else checkpoint.save
         meta = save(folder, lambda writer: self.state.export(owned, lambda ps, data: writer.chunk(
             ps.index, list(ps.param.shape), ps.numel, steps[ps.index], data)), lambda: self.describe(param_groups),
@@ -111,7 +112,7 @@ class Saves:
                             progress=self.config.progress)
         meta = reader.meta
         for ps, step in zip(self.params, reader.steps()):
-            self.steps[ps.param]["step"] = torch.tensor(step)
+            self.counts[ps.index] = step  # into the view ``state[param]["step"]`` is
         restore_groups(param_groups, meta["param_groups"])
         if "stats" in meta:
             self.stats.load(meta["stats"])  # commit / redo / skip counts carry on

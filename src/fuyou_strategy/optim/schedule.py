@@ -407,8 +407,11 @@ class Parts:
     order: Order
     landing: PendingUpdates
     stats: StepStats
-    steps: Mapping[torch.nn.Parameter, dict]  # the optimizer's state: steps[param]["step"]
     max_grad_norm: float | None
+    # Every parameter's step count, by `ParamState.index` (fp32, as torch keeps one), the one the updates read. The
+    # optimizer's ``state[param]["step"]`` is a 0-d view of its element, so that a step's counts advance in one op
+    # (`advance`).
+    counts: torch.Tensor
     # The step decided on the device whose outcome is unread (`decide`, `settle`): at most one, as `settle` runs
     # before anything reads the counts or the statistics (the next step() or backward, a save or a load, a read of
     # ``FuyouAdamW.stats``). Appended and popped under `_settling` (a backward hook may settle on autograd's thread).
@@ -481,8 +484,7 @@ class Parts:
                 outcome, clipped = "skip", False
                 stats.deferred -= 1
                 stats.skips += 1
-                counts = [self.steps[ps.param]["step"] for ps in u.stepped]
-                torch._foreach_sub_(counts, 1)
+                self.advance(u.stepped, -1.0)
         u.settled(outcome, clipped)
 
     def clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
@@ -492,12 +494,15 @@ class Parts:
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         return coef if coef < 1.0 else None
 
-    def advance(self, params: Iterable["ParamState"]) -> None:
-        """The step counts of ``params`` after their updates were queued (each update read the count it completes):
-        one multi-tensor add, each count as ``+= 1`` adds."""
-        counts = [self.steps[ps.param]["step"] for ps in params]
-        if counts:
-            torch._foreach_add_(counts, 1)
+    def advance(self, params: Iterable["ParamState"], by: float = 1.0) -> None:
+        """The step counts of ``params`` after their updates were queued (each update read the count it completes),
+        each as ``+= by`` adds it (``-1``: a step that turned out skipped), in one op on `counts`: a multi-tensor
+        add over one 0-d tensor per parameter costs microseconds each on the CPU."""
+        index = [ps.index for ps in params]
+        if len(index) == self.counts.numel():
+            self.counts.add_(by)  # every parameter (each index once)
+        elif index:
+            self.counts.index_add_(0, torch.tensor(index), torch.full((len(index),), by))
 
     def updated(self, norms: Iterable[int]) -> None:
         """The weights with these indices changed: make them every rank's (`Sharding.updated`; in one

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -46,7 +46,8 @@ class Updater:
 
     Args:
         state: the masters and moments, and the worker.
-        steps: the optimizer's per-parameter state (``steps[param]["step"]``, the count before the update).
+        counts: every parameter's step count by `ParamState.index` (`schedule.Parts.counts`), the count before the
+            update.
         window: where a speculative update records its gradient's norm.
         streamed: the streamed gradients (a redo under clipping keeps a streamed gradient in its entry).
         fused: the kernel (`adamw_kernel`).
@@ -56,10 +57,10 @@ class Updater:
         one_pass: the one-pass update (`onepass`), used with ``fused`` on fp32 moments; None: torch's kernel.
     """
 
-    def __init__(self, state: OptimizerState, steps: Mapping[torch.nn.Parameter, dict], window: "Window",
+    def __init__(self, state: OptimizerState, counts: torch.Tensor, window: "Window",
                  streamed: "StreamedGradients", *, fused: bool, release_grads: bool, clipping: bool,
                  scaler: "LossScaler | None", one_pass: "OnePass | None" = None) -> None:
-        self.state, self.steps, self.window, self.streamed = state, steps, window, streamed
+        self.state, self.counts, self.window, self.streamed = state, counts, window, streamed
         self.one_pass = one_pass
         self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
         self.weights: StreamedWeights | None = None  # the WeightStreamer whose tier copies take streamed parameters' weights
@@ -81,7 +82,7 @@ class Updater:
         # its norm goes into the window's, for step(): taken on the worker, before the first chunk
         norm = self._recorder(ps, grad) if speculative and grad.kind != "stored" else None
         keep = self.streamed.write if grad.host is not None and self.clipping else None
-        job = self.state.update_job(ps, grad, step=self.steps[ps.param]["step"].clone(), fused=self.fused,
+        job = self.state.update_job(ps, grad, step=self.counts[ps.index].clone(), fused=self.fused,
                                     exact=exact, coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(),
                                     keep=keep, norm=norm, finished=grad.release, one_pass=self.one_pass)
         if speculative:
@@ -126,7 +127,7 @@ class Updater:
             if kind is None:
                 self.queue(ps, grad)
                 return
-            self._run.append((ps, grad, self.steps[ps.param]["step"], self._recorder(ps, grad)))
+            self._run.append((ps, grad, self.counts[ps.index], self._recorder(ps, grad)))
             self._run_elems += ps.numel
             self._release(ps)
 
@@ -193,7 +194,7 @@ class Updater:
                         if queued is not None:
                             queued(ps, job)
                         continue
-                    self._run.append((ps, grad, self.steps[ps.param]["step"], None))  # read as its job is built
+                    self._run.append((ps, grad, self.counts[ps.index], None))  # read as its job is built
                     self._run_elems += ps.numel
                 self._flush_run(queued, coef=coef, exact=exact, found_inf=found_inf)
             finally:  # a step that failed half-queued (a dead worker) leaves no run for a later step to queue
