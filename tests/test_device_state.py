@@ -346,7 +346,7 @@ def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothi
     assert_torchs(model, ref_model, losses, ref_losses)
 
 
-def run_on_the_device_tier(tmp_path, monkeypatch, *, late, steps=range(STEPS), opt_from=None):
+def run_on_the_device_tier(tmp_path, monkeypatch, *, late, steps=range(STEPS), **overrides):
     """The tiny Llama with all its state on the device tier, ``next_forward``, clipping and a non-finite step
     (test_schedule's run), in the late-copy mode (``late``: the device's work queued, as on an accelerator) or not.
     Returns (model, optimizer, losses, how many times step() read the global norm on the host)."""
@@ -358,7 +358,7 @@ def run_on_the_device_tier(tmp_path, monkeypatch, *, late, steps=range(STEPS), o
     monkeypatch.setattr(Parts, "total_norm", lambda self, *a: host_reads.append(1) or real(self, *a))
     model = tiny_causal_lm("llama")
     opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
-                     config=config(tmp_path, "next_forward", **SPLITS["device"]))
+                     config=config(tmp_path, "next_forward", **SPLITS["device"], **overrides))
     assert set(placement(opt)) == {"device"}
     with late_copies(max_delay_ms=2.0, seed=1) if late else contextlib.nullcontext():
         losses, _ = train(model, opt, steps=steps)
@@ -414,3 +414,23 @@ def test_a_save_right_after_a_non_finite_step_decided_on_the_device_resumes_exac
         assert resumed.stats.skips == 1 and resumed.stats.steps == STEPS - 1
     finally:
         resumed.close()
+
+
+def test_the_device_tiers_gradient_norms_at_a_step_are_one_call_per_device_and_dtype(tmp_path, monkeypatch):
+    """Without the one pass's kernel (which reads a CPU gradient itself), step() takes the device tier's gradient norms
+    as ``clip_grad_norm_`` does by default: one ``_foreach_norm`` over the list (`gradients.device_norms`; on an
+    accelerator one kernel, not a launch per tensor), none one by one; and the run stays torch's."""
+    from fuyou_strategy.optim.gradients import Grad
+
+    ref_model, ref_losses = beside_torch()[1:]
+    calls = {"foreach": 0, "one": 0}
+    real_foreach, real_norm = torch._foreach_norm, Grad.norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.__setitem__("foreach", calls["foreach"] + 1)
+                        or real_foreach(*a, **k))
+    monkeypatch.setattr(Grad, "norm", lambda *a, **k: calls.__setitem__("one", calls["one"] + 1) or real_norm(*a, **k))
+    model, opt, losses, _ = run_on_the_device_tier(tmp_path, monkeypatch, late=True, update_kernel="torch")
+    try:
+        assert_torchs(model, ref_model, losses, ref_losses)
+        assert calls == {"foreach": STEPS, "one": 0}, calls
+    finally:
+        opt.close()

@@ -274,14 +274,16 @@ def test_the_device_tier_updates_on_the_device_bitwise_adamw_fused_there(tmp_pat
         opt.close()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("max_norm", [MAX_NORM, None])
 def test_a_step_decided_on_the_device_tier_is_clip_grad_norm_and_adamw_fused_there_bitwise(tmp_path, compute_device,
-                                                                                          max_norm):
+                                                                                          max_norm, kernel):
     """All the state on the device tier, ``next_forward``: on an accelerator (and in the late-copy mode) step() keeps
     the global norm, the clip coefficient and the non-finite flag on the device (`Parts.decide`). The reference is
-    torch there: ``clip_grad_norm_`` taking the per-tensor norms one by one (``foreach=False``, the norms fuyou takes)
-    and ``AdamW(fused=True)``, the step skipped when the norm is not finite (GradScaler's rule). Clipping bites on
-    some steps; one step's gradient is infinite."""
+    torch there: ``clip_grad_norm_`` as it runs by default (on an accelerator ``_foreach_norm``, one call for the
+    list, as `gradients.device_norms` takes them; on the CPU a norm per tensor, or the one pass's kernel with torch's
+    bits) and ``AdamW(fused=True)``, the step skipped when the norm is not finite (GradScaler's rule). Clipping bites
+    on some steps; one step's gradient is infinite."""
     import math
 
     from fuyou_strategy.device import read_on_host
@@ -291,7 +293,8 @@ def test_a_step_decided_on_the_device_tier_is_clip_grad_norm_and_adamw_fused_the
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
     opt = FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=max_norm, fused=True, release_grads=False,
-                     config=config(tmp_path, optimizer_schedule="next_forward", device_state="1MiB", host_state=0))
+                     config=config(tmp_path, optimizer_schedule="next_forward", device_state="1MiB", host_state=0,
+                                   update_kernel=kernel))
     assert set(placement(opt)) == {"device"}
     scales = [*LOSS_SCALE, math.inf, 1.0]
     try:
@@ -305,7 +308,7 @@ def test_a_step_decided_on_the_device_tier_is_clip_grad_norm_and_adamw_fused_the
             if max_norm is None:
                 norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
             else:
-                norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, foreach=False)
+                norm = torch.nn.utils.clip_grad_norm_(masters, max_norm)
             if math.isfinite(norm):
                 ref.step()
             ref.zero_grad()

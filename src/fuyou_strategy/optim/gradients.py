@@ -82,6 +82,25 @@ def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None, kernel: "OnePa
     return torch.linalg.vector_norm(g, 2, dtype=torch.float32)
 
 
+def device_norms(params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """The norms of these resident gradients where they are (the device tier's), as ``clip_grad_norm_`` takes them
+    by default: one ``torch._foreach_norm`` per device and dtype (on an accelerator one kernel for the list, where a
+    norm per tensor is a launch each; on the CPU each tensor's ``vector_norm``, the same bits). In fp32: an fp32
+    gradient's as torch's call takes it, a bf16 or fp16 one's widened (``dtype=float32``, `grad_norm`'s), an unscaled
+    one's of its fp32 product (`unscaled`). Keyed by `ParamState.index`."""
+    groups: dict[tuple, list["ParamState"]] = {}
+    for ps in params:
+        grad = ps.param.grad
+        groups.setdefault((grad.device, grad.dtype), []).append(ps)
+    norms = {}
+    for (_device, dtype), members in groups.items():
+        grads = [unscaled(ps.param.grad, inv_scale) for ps in members]
+        values = (torch._foreach_norm(grads, 2) if inv_scale is not None or dtype == torch.float32
+                  else torch._foreach_norm(grads, 2, dtype=torch.float32))
+        norms.update(zip((ps.index for ps in members), values))
+    return norms
+
+
 class Grad:
     """One gradient an update reads, chunk by chunk.
 
@@ -398,7 +417,8 @@ class Gradients:
         the copies no update took). If the pool has no room now for every copy (``keep_free`` left for the
         worker), the copies made go back once their norms are taken, and each of the rest is copied for its norm
         alone, one at a time, and again for its update: a copy kept for a later update could otherwise hold the
-        room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device."""
+        room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device, those of one device
+        and dtype in one call (`device_norms`)."""
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
         copied = {ps.index for ps in resident if read_on_host(ps.param.grad) and not self.updates_on_device(ps)}
         every = True  # whether every gradient the host updates found room for its copy
@@ -428,6 +448,8 @@ class Gradients:
                 norms[i] = kept.norm(inv_scale)
         if not every:
             self.drop_staged()
+        norms.update(device_norms([ps for ps in resident if ps.index not in norms and self.updates_on_device(ps)],
+                                  inv_scale))
         for ps in resident:
             if ps.index in norms:
                 continue
