@@ -59,14 +59,15 @@ def _accelerated(device: torch.device) -> bool:
 
 
 def _on_accelerator(t: torch.Tensor) -> bool:
-    return _accelerated(t.device)
+    """`_accelerated` of ``t``'s device, from the tensor's flags (a tenth of the time of making its ``device``)."""
+    return not (t.is_cpu or t.is_meta)
 
 
 def read_on_host(t: torch.Tensor) -> bool:
     """Whether the host must copy ``t`` into a host buffer (`start_copy`) before it reads it: ``t`` is on an
     accelerator; or, in the late-copy test mode, on the CPU too, so that the copy and its wait run there. (Asked of
-    every gradient a step: `_accelerated` inline.)"""
-    return _late is not None or t.device.type not in ("cpu", "meta")
+    every gradient a step: `_on_accelerator` inline.)"""
+    return _late is not None or not (t.is_cpu or t.is_meta)
 
 
 def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
