@@ -363,7 +363,9 @@ class Unsettled:
     ``found_inf`` flag, and its step counts advanced on the host as if it applied. `Parts.settle` reads the norm: a
     non-finite one makes the step a skip (the counts go back, the statistics move from ``deferred`` to ``skips``);
     then it runs what `when_settled` was given, with the outcome (``"deferred"`` or ``"skip"``) and whether clipping
-    bit. Threads: built and settled under `Parts`'s lock; `when_settled` is the training thread's."""
+    bit. Threads: made by the training thread in ``step()``, which then calls `when_settled`; settled by the thread
+    that reads it first, under `Parts`'s lock: the training thread, or autograd's at the next backward's first
+    hook, while the training thread waits in that backward (one process: `Parts.decides_on_device`)."""
 
     def __init__(self, total: torch.Tensor, coef: torch.Tensor | None, stepped: list["ParamState"]) -> None:
         self.total, self.coef, self.stepped = total, coef, stepped
