@@ -4,14 +4,13 @@ host RAM, so every split of the state between the device, host RAM and the SSD t
 across splits; the tier moves between steps; a device-tier gradient is never copied to the host (the late-copy
 mode, where every host copy of a CPU tensor runs late, would show one)."""
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
 from conftest import decay_groups, tiny_causal_lm
-from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine
+from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine, device
 from fuyou_strategy.optim import updates
 from fuyou_strategy.optim.gradients import Gradients
 from fuyou_strategy.optim.state import OptimizerState
@@ -360,16 +359,21 @@ def run_on_the_device_tier(tmp_path, monkeypatch, *, late, steps=range(STEPS), *
     opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
                      config=config(tmp_path, "next_forward", **SPLITS["device"], **overrides))
     assert set(placement(opt)) == {"device"}
-    with late_copies(max_delay_ms=2.0, seed=1) if late else contextlib.nullcontext():
+    with late_copies(max_delay_ms=2.0, seed=1) if late else monkeypatch.context() as mode:
+        if not late:  # copies as they are, even in a run with FUYOU_ASYNC_DEVICE set
+            mode.setattr(device, "_late", None)
         losses, _ = train(model, opt, steps=steps)
     return model, opt, losses, len(host_reads)
 
 
-def test_a_step_of_the_device_tier_is_decided_on_the_device_read_later_and_bitwise_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("jobs", ["grouped", "each"])
+def test_a_step_of_the_device_tier_is_decided_on_the_device_read_later_and_bitwise_torch(tmp_path, monkeypatch, jobs):
     """Every update on the device: step() queues them with the clip coefficient and the non-finite flag as device
     tensors and never reads the norm on the host (`Parts.decide`). The weights are torch's; the statistics, once
     read, are those of the same run decided on the host: the same clipped steps, the non-finite one a skip, its
-    step counts not advanced."""
+    step counts not advanced. Grouped updates (`group_job`) or a job per parameter (`update_job`) alike."""
+    if jobs == "each":
+        monkeypatch.setattr(OptimizerState, "group_kind", lambda *args, **kwargs: None)
     ref_model, ref_losses = beside_torch()[1:]
     (tmp_path / "host").mkdir()
     (tmp_path / "device").mkdir()

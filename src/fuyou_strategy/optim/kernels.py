@@ -49,11 +49,14 @@ def fused_adamw(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
 
 
 def adamw_kernel(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: torch.Tensor, *, fused: bool, **hyper: Any) -> None:
+                 step: torch.Tensor, *, fused: bool, found_inf: torch.Tensor | None = None, **hyper: Any) -> None:
     """One AdamW update in place, ``step`` being the count *before* it: torch's fused CPU kernel or
-    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them."""
+    its for-loop one (``AdamW()``'s default on the CPU), bitwise as ``torch.optim.AdamW`` applies them.
+    ``found_inf``: the fused kernel's flag (`fused_adamw`)."""
     if fused:
-        fused_adamw([master], [grad], [exp_avg], [exp_avg_sq], [step + 1], **hyper)
+        fused_adamw([master], [grad], [exp_avg], [exp_avg_sq], [step + 1], found_inf=found_inf, **hyper)
+    elif found_inf is not None:
+        raise ValueError("adamw_kernel: found_inf is the fused kernel's; the for-loop kernel takes none")
     else:  # the for-loop kernel increments its step tensor: give it a copy
         adamw_for_loop([master], [grad], [exp_avg], [exp_avg_sq], [], [step.clone()], foreach=False, fused=False,
                        amsgrad=False, maximize=False, **hyper)

@@ -433,9 +433,9 @@ class Parts:
 
     def decides_on_device(self, stepped: list["ParamState"]) -> bool:
         """Whether this exact step is decided on the device (`decide`), not on the host (`total_norm`): one
-        process, no loss scaling, and every stepped parameter's update a device-tier group's (`group_job`: the fused
-        kernel on fp32 moments) on one device whose work is queued, not done (an accelerator's; the late-copy test
-        mode's CPU). Its norm need not reach the host before the updates are queued: on an accelerator that read
+        process, no loss scaling, and every stepped parameter's update a device tier's with the fused kernel on fp32
+        moments (`group_job`, `update_job`: the kernel takes the flag) on one device whose work is queued, not done
+        (an accelerator's; the late-copy test mode's CPU). Its norm need not reach the host before the updates are queued: on an accelerator that read
         waits for the end of backward, and the device idles while the host then queues the updates."""
         if not stepped or self.sharding.shards is not None or self.updates.scaler is not None or not self.updates.fused:
             return False

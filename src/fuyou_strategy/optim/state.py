@@ -145,13 +145,17 @@ class ParamState:
 
 
 def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, fused: bool,
-                 **hyper: Any) -> None:
+                 found_inf: torch.Tensor | None = None, **hyper: Any) -> None:
     """One AdamW update of a chunk's ``state`` (`Layout.views`) in place, as its layout says: torch's kernel
     (`adamw_kernel`) on fp32 moments, or on fp32 copies of bf16 moments rounded back to bf16 (round to
-    nearest even, as ``Tensor.copy_`` casts), or torchao's update (`formats.update_compact`)."""
+    nearest even, as ``Tensor.copy_`` casts), or torchao's update (`formats.update_compact`). ``found_inf``: the
+    fused kernel's flag, on fp32 moments only (`schedule.Parts.decides_on_device`)."""
     if layout.kernel != "torchao" and layout.moments == "fp32":
-        adamw_kernel(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step, fused=fused, **hyper)
+        adamw_kernel(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step, fused=fused,
+                     found_inf=found_inf, **hyper)
         return
+    if found_inf is not None:
+        raise ValueError(f"apply_update: found_inf is the fused kernel's on fp32 moments, not {layout}'s")
     for part, g in tiles(state, grad):  # cache-sized tiles: a compact update passes over its elements many times
         if layout.kernel == "torchao":
             update_compact(part, g, step, **hyper)
@@ -410,7 +414,8 @@ class OptimizerState:
                    coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
                    keep: Callable[[ParamState, int, torch.Tensor], Future] | None = None,
                    norm: Callable[[], None] | None = None,
-                   finished: Callable[[], None] | None = None, one_pass: OnePass | None = None) -> ChunkJob:
+                   finished: Callable[[], None] | None = None, one_pass: OnePass | None = None,
+                   found_inf: torch.Tensor | None = None) -> ChunkJob:
         """A job applying ``ps``'s AdamW update chunk by chunk on the worker.
 
         ``grad`` gives each chunk of the gradient (`Grad`); ``step`` is the count before the update.
@@ -427,12 +432,15 @@ class OptimizerState:
         shadow slot, or the parameter holding the master), the gradient in its dtype, and the new weight written
         straight into a resident host parameter (``publish.into``) in the same pass. A one-pass update of state in
         host RAM, and an update of state on the device, takes all its chunks in one call of the job's function
-        (`ChunkJob.batch`)."""
+        (`ChunkJob.batch`). ``found_inf``: as `group_job`'s, on the device tier only."""
         hyper = _hyper(ps.group)
         last, store, slot, meter = ps.nchunks - 1, self.store, ACTIVE if exact else SHADOW, self.meter
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
         on_device = ps.index in self.on_device
+        if found_inf is not None and not on_device:
+            raise ValueError("OptimizerState.update_job: found_inf is for the device tier's kernel; a host update "
+                             "is queued once the step's decision is known on the host")
         with self._holds_lock:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
         self._hold([ps], exact)
@@ -526,7 +534,7 @@ class OptimizerState:
                 if flat is not None:  # the chunk's master bytes were left unread (`read_chunk`'s ``skip``)
                     state["master"].copy_(flat[start : start + n])
                 g = fp32_gradient(raw, inv_scale, coef)  # on the host: a device gradient was staged
-                apply_update(ps.layout, state, g, step, fused=fused, **hyper)
+                apply_update(ps.layout, state, g, step, fused=fused, found_inf=found_inf, **hyper)
                 futures.append(publish(ps, k, state["master"]))
                 del g
             # With the copy that lent a host-tier chunk's shadow slot (`backward` schedule): CPU work of this update.

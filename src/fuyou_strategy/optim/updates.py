@@ -75,16 +75,19 @@ class Updater:
         """``1 / scale`` of this window under loss scaling (the scale is fixed for a window), else None."""
         return self.scaler.inv_scale() if self.scaler is not None else None
 
-    def queue(self, ps: ParamState, grad: "Grad", *, coef: torch.Tensor | None = None, exact: bool = False) -> ChunkJob:
+    def queue(self, ps: ParamState, grad: "Grad", *, coef: torch.Tensor | None = None, exact: bool = False,
+              found_inf: torch.Tensor | None = None) -> ChunkJob:
         """Queue ``ps``'s update with ``grad`` as a job of its own; ``coef`` is the clip coefficient of a redo or an
-        exact update. Returns the job (an exact one's ``done`` completes once it landed)."""
+        exact update, ``found_inf`` the device's flag of an exact one decided there (`queue_many`). Returns the job
+        (an exact one's ``done`` completes once it landed)."""
         speculative = coef is None and not exact
         # its norm goes into the window's, for step(): taken on the worker, before the first chunk
         norm = self._recorder(ps, grad) if speculative and grad.kind != "stored" else None
         keep = self.streamed.write if grad.host is not None and self.clipping else None
         job = self.state.update_job(ps, grad, step=self.counts[ps.index].clone(), fused=self.fused,
                                     exact=exact, coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(),
-                                    keep=keep, norm=norm, finished=grad.release, one_pass=self.one_pass)
+                                    keep=keep, norm=norm, finished=grad.release, one_pass=self.one_pass,
+                                    found_inf=found_inf)
         if speculative:
             self._release(ps)
         return self.state.run(job)
@@ -175,8 +178,8 @@ class Updater:
         ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(ps, job)`` once its job is.
         Consecutive parameters of one `OptimizerState.group_kind` share a job (`OptimizerState.group_job`) until it
         holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way.
-        ``found_inf``: the device's flag of a step decided there (`OptimizerState.group_job`), for device-tier
-        updates that all group. The training thread, with no speculative run held (`flush`)."""
+        ``found_inf``: the device's flag of a step decided there (`OptimizerState.group_job`, `update_job`), for
+        device-tier updates. The training thread, with no speculative run held (`flush`)."""
         with self._run_lock:
             if self._run:
                 raise RuntimeError("Updater.queue_many: speculative updates are still held; flush() them first")
@@ -187,10 +190,7 @@ class Updater:
                     kind = self.state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=self.one_pass)
                     self._join(kind, queued, coef=coef, exact=exact, found_inf=found_inf)
                     if kind is None:
-                        if found_inf is not None:
-                            raise RuntimeError(f"Updater.queue_many: {ps.describe()} cannot take the device's "
-                                               "found_inf flag (its update is not a device-tier group's)")
-                        job = self.queue(ps, grad, coef=coef, exact=exact)
+                        job = self.queue(ps, grad, coef=coef, exact=exact, found_inf=found_inf)
                         if queued is not None:
                             queued(ps, job)
                         continue
