@@ -153,6 +153,9 @@ MUTANTS = [
     Mutant("decided-found-inf-each", "a device-tier update in a job of its own ignores the found_inf flag of a step "
            "decided on the device", "optim/state.py", "step, fused=fused, found_inf=found_inf, **hyper)",
            "step, fused=fused, found_inf=None, **hyper)", ("test_device_state.py",)),
+    Mutant("auto-device-exact", "auto measures backward first though the whole state is on an accelerator's device tier",
+           "optim/control.py", "        if owned and all(read_on_host(ps.param) for ps in owned) and",
+           "        if False and all(read_on_host(ps.param) for ps in owned) and", ("test_device_state.py",)),
     Mutant("decided-save-unread", "a save reads the step counts before the outcome of a step decided on the device",
            "optim/saves.py", "        self.settle()\n        owned = self.sharding.owned(self.params)\n        steps",
            "        owned = self.sharding.owned(self.params)\n        steps", ("test_device_state.py",)),

@@ -438,3 +438,23 @@ def test_the_device_tiers_gradient_norms_at_a_step_are_one_call_per_device_and_d
         assert calls == {"foreach": STEPS, "one": 0}, calls
     finally:
         opt.close()
+
+
+def test_auto_takes_next_forward_at_once_where_the_whole_state_is_on_an_accelerators_device_tier(tmp_path):
+    """``auto`` measures neither schedule first where every update runs on the accelerator's device tier
+    (`OptimizerControl._exact_first`): ``next_forward`` decides each step on the device, ``backward`` would read the
+    norm on the host. The late-copy mode stands in for the accelerator; the run stays torch's."""
+    from fuyou_strategy.device import late_copies
+
+    model, ref_model, ref_losses = beside_torch()
+    with late_copies(max_delay_ms=2.0, seed=3):
+        opt = FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
+                         config=config(tmp_path, "auto", **SPLITS["device"]))
+        try:
+            assert opt.stats.last_reason.startswith("the whole state is on the device tier"), opt.stats.last_reason
+            losses, _ = train(model, opt)
+            assert opt.stats.schedules == {"backward": 0, "next_forward": STEPS}
+            assert opt.stats.skips == 1 and opt.stats.clipped >= 1
+        finally:
+            opt.close()
+    assert_torchs(model, ref_model, losses, ref_losses)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..config import ConfigError, FuyouConfig
-from ..device import computes_on_host
+from ..device import computes_on_host, read_on_host
 from ..storage import TensorStore
 from .schedule import BACKWARD, Exact, Parts, ScheduleChooser, Speculative
 from .state import ParamState
@@ -81,6 +81,7 @@ class OptimizerControl:
                  finalizer: weakref.finalize) -> None:
         self.params, self.config = params, config
         self.state, self.updates, self.gradients = parts.state, parts.updates, parts.gradients
+        self._parts = parts
         self.sharding, self.window, self.stats = parts.sharding, parts.window, parts.stats
         self.threads_asked, self.threads_reason = threads  # `FuyouEngine` announces them
         self.kernel = "one_pass" if kernel[0] is not None else "torch"  # and this, with its reason
@@ -128,8 +129,13 @@ class OptimizerControl:
     def _exact_first(self) -> str | None:
         """Why ``"auto"`` takes ``next_forward`` without measuring ``backward`` (`ScheduleChooser`), or ``None``:
         the model computes on the CPU, and every state chunk of this rank is in host RAM with no streamed weight
-        (whose gradients ``next_forward`` would park on the SSD)."""
+        (whose gradients ``next_forward`` would park on the SSD); or the model computes on an accelerator with the
+        whole state on the device tier, where ``next_forward`` decides each step there (`Parts.decides_on_device`)
+        and ``backward`` reads the norm on the host at ``step()``."""
         owned, state = self.state.owned, self.state
+        if owned and all(read_on_host(ps.param) for ps in owned) and self._parts.can_decide_on_device(owned):
+            return ("the whole state is on the device tier: next_forward decides each step on the device without "
+                    "waiting for it, where backward reads the gradient norm on the host at step()")
         if not owned or not computes_on_host([ps.param for ps in owned]):
             return None
         if any(ps.index not in state.in_memory or ps.grads is not None for ps in owned):

@@ -437,15 +437,24 @@ class Parts:
         moments (`group_job`, `update_job`: the kernel takes the flag) on one device whose work is queued, not done
         (an accelerator's; the late-copy test mode's CPU). Its norm need not reach the host before the updates are queued: on an accelerator that read
         waits for the end of backward, and the device idles while the host then queues the updates."""
-        if not stepped or self.sharding.shards is not None or self.updates.scaler is not None or not self.updates.fused:
+        if not self.can_decide_on_device(stepped):
             return False
         device = stepped[0].param.device
         for ps in stepped:
-            grad, layout = ps.param.grad, ps.layout
-            if (ps.grads is not None or grad is None or not self.state.updates_on_device(ps) or grad.device != device
-                    or not read_on_host(grad) or layout.kernel != "torch" or layout.moments != "fp32"):
+            grad = ps.param.grad
+            if grad is None or grad.device != device or not read_on_host(grad):
                 return False
         return True
+
+    def can_decide_on_device(self, params: list["ParamState"]) -> bool:
+        """What `decides_on_device` asks of the parameters before their gradients exist: one process, no loss
+        scaling, and each one resident with its state on the device tier, updated by the fused kernel on fp32
+        moments."""
+        if not params or self.sharding.shards is not None or self.updates.scaler is not None or not self.updates.fused:
+            return False
+        on_device = self.state.updates_on_device
+        return all(ps.grads is None and on_device(ps) and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"
+                   for ps in params)
 
     def decide(self, norms: dict[int, torch.Tensor], counted: list["ParamState"]
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
