@@ -435,8 +435,9 @@ class Parts:
         """Whether this exact step is decided on the device (`decide`), not on the host (`total_norm`): one
         process, no loss scaling, and every stepped parameter's update a device tier's with the fused kernel on fp32
         moments (`group_job`, `update_job`: the kernel takes the flag) on one device whose work is queued, not done
-        (an accelerator's; the late-copy test mode's CPU). Its norm need not reach the host before the updates are queued: on an accelerator that read
-        waits for the end of backward, and the device idles while the host then queues the updates."""
+        (an accelerator's; the late-copy test mode's CPU). Its norm need not reach the host before the updates are
+        queued: on an accelerator that read waits for the end of backward, and the device idles while the host then
+        queues the updates."""
         if not self.can_decide_on_device(stepped):
             return False
         device = stepped[0].param.device
