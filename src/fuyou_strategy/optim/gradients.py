@@ -417,8 +417,8 @@ class Gradients:
         the copies no update took). If the pool has no room now for every copy (``keep_free`` left for the
         worker), the copies made go back once their norms are taken, and each of the rest is copied for its norm
         alone, one at a time, and again for its update: a copy kept for a later update could otherwise hold the
-        room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device, those of one device
-        and dtype in one call (`device_norms`)."""
+        room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device, those of one
+        device and dtype in one call (`device_norms`)."""
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
         copied = {ps.index for ps in resident if read_on_host(ps.param.grad) and not self.updates_on_device(ps)}
         every = True  # whether every gradient the host updates found room for its copy
