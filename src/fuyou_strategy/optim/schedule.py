@@ -467,8 +467,7 @@ class Parts:
         everything as it was, and `settle` makes the step a skip."""
         total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in counted]), 2)
         found_inf = torch.isfinite(total).logical_not().to(torch.float32)
-        coef = None if self.max_grad_norm is None else torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        return total, coef, found_inf
+        return total, self.clamped_coef(total), found_inf
 
     def unsettle(self, total: torch.Tensor, coef: torch.Tensor | None, stepped: list["ParamState"]) -> Unsettled:
         """Keep a step decided on the device (`decide`) for `settle`, its updates queued and counts advanced."""
@@ -499,12 +498,17 @@ class Parts:
                 self.advance(u.stepped, -1.0)
         u.settled(outcome, clipped)
 
-    def clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
-        """``clip_grad_norm_``'s clamped coefficient when it scales the gradients down, else ``None``."""
+    def clamped_coef(self, total: torch.Tensor) -> torch.Tensor | None:
+        """``clip_grad_norm_``'s clamped coefficient of the global norm ``total``, where ``total`` is (``None``
+        without a clip norm)."""
         if self.max_grad_norm is None:
             return None
-        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        return coef if coef < 1.0 else None
+        return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+
+    def clip_coef(self, total: torch.Tensor) -> torch.Tensor | None:
+        """`clamped_coef` when it scales the gradients down, else ``None`` (on the host: the test reads it)."""
+        coef = self.clamped_coef(total)
+        return coef if coef is not None and coef < 1.0 else None
 
     def advance(self, params: Iterable["ParamState"], by: float = 1.0) -> None:
         """The step counts of ``params`` after their updates were queued (each update read the count it completes),

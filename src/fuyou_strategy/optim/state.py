@@ -169,6 +169,13 @@ def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step
         exp_avg_sq.copy_(v)
 
 
+def _device_flag(found_inf: torch.Tensor | None, on_device: bool, job: str) -> None:
+    """Refuse a step's ``found_inf`` flag for a host update: it is the device tier's kernel's (`Parts.decide`)."""
+    if found_inf is not None and not on_device:
+        raise ValueError(f"OptimizerState.{job}: found_inf is for the device tier's kernel; a host update is queued "
+                         "once the step's decision is known on the host")
+
+
 def _hyper(group: dict) -> dict[str, Any]:
     """A param group's AdamW hyperparameters as the kernels take them."""
     beta1, beta2 = group["betas"]
@@ -438,9 +445,7 @@ class OptimizerState:
         # The master from the parameter, not the SSD, where the parameter holds it (``param_holds``); from here on
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
         on_device = ps.index in self.on_device
-        if found_inf is not None and not on_device:
-            raise ValueError("OptimizerState.update_job: found_inf is for the device tier's kernel; a host update "
-                             "is queued once the step's decision is known on the host")
+        _device_flag(found_inf, on_device, "update_job")
         with self._holds_lock:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
         self._hold([ps], exact)
@@ -580,9 +585,10 @@ class OptimizerState:
         as `update_job` takes them (a step count before the update each; ``norms``: each one's `update_job`
         ``norm``, or None), speculative or with the clip coefficient ``coef`` (a redo) or exact; the same bits as a
         job per parameter. ``found_inf`` (the device tier's exact updates of a step decided on the device,
-        `schedule.Parts.decide`): the fused kernel's flag, where 1 leaves the state and weights as they were. What it saves is the worker's and the queueing thread's bookkeeping per parameter (a
-        job, its closures and futures, the pipeline's per-job work), which a transformer's many small parameters
-        pay more for than for their arithmetic.
+        `schedule.Parts.decide`): the fused kernel's flag, where 1 leaves the state and weights as they were. What
+        it saves is the worker's and the queueing thread's bookkeeping per parameter (a job, its closures and
+        futures, the pipeline's per-job work), which a transformer's many small parameters pay more for than for
+        their arithmetic.
 
         State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
         updated by the one pass, the new weight written into the parameter in the same pass; every chunk of the run
@@ -597,9 +603,7 @@ class OptimizerState:
         hyper = _hyper(pss[0].group)
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
         on_device = pss[0].index in self.on_device
-        if found_inf is not None and not on_device:
-            raise ValueError("OptimizerState.group_job: found_inf is for the device tier's kernel; a host update "
-                             "is queued once the step's decision is known on the host")
+        _device_flag(found_inf, on_device, "group_job")
         self._hold(pss, exact)
         elems = sum(ps.numel for ps in pss)
         before = torch.stack([step for _ps, _grad, step in members])  # the counts now (the caller advances them next)

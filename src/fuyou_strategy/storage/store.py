@@ -1040,14 +1040,17 @@ class LentChunk(HostBuffer):
 
     def kept(self, key: object, make: Callable[[], Any]) -> Any:
         """``make()`` (views of this chunk) once for the chunk's memory, as `HostBuffer.kept`."""
-        if self.data is None:
-            raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was given back; its views are not yours")
+        self._held()
         return self.entry.memory[self.slot].kept((self.k, "lent", key), make)
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        self._held()
+        return self.entry.chunk_view(self.k, self.slot, dtype)  # the chunk's first nbytes, as `HostBuffer.view`
+
+    def _held(self) -> None:
+        """Raise unless the chunk is still lent: a given-back chunk's views are not its former holder's."""
         if self.data is None:
             raise StorageError(f"entry {self.entry.name!r}: chunk {self.k} was given back; its views are not yours")
-        return self.entry.chunk_view(self.k, self.slot, dtype)  # the chunk's first nbytes, as `HostBuffer.view`
 
     def source_as(self, dtype: torch.dtype) -> torch.Tensor:
         """``source`` as ``dtype`` (the active slot's chunk, kept as `view`'s)."""
