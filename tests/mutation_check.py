@@ -153,6 +153,13 @@ MUTANTS = [
     Mutant("decided-found-inf-each", "a device-tier update in a job of its own ignores the found_inf flag of a step "
            "decided on the device", "optim/state.py", "step, fused=fused, found_inf=found_inf, **hyper)",
            "step, fused=fused, found_inf=None, **hyper)", ("test_device_state.py",)),
+    Mutant("clip-in-place-speculative", "a speculative grouped device-tier update clips its gradients in place, "
+           "though its redo reads them again", "optim/state.py",
+           "grads = fp32_gradients(raws, inv_scale, coef, consume=exact)",
+           "grads = fp32_gradients(raws, inv_scale, coef, consume=True)", ("test_device_state.py",)),
+    Mutant("clip-in-place-raw", "gradients the caller reads again are unscaled and clipped in place",
+           "optim/kernels.py", "fresh = consume or all(g is not raw for g, raw in zip(grads, raws))",
+           "fresh = True", ("test_device_state.py",)),
     Mutant("auto-device-exact", "auto measures backward first though the whole state is on an accelerator's device tier",
            "optim/control.py", "        if owned and all(read_on_host(ps.param) for ps in owned) and",
            "        if False and all(read_on_host(ps.param) for ps in owned) and", ("test_device_state.py",)),

@@ -268,11 +268,14 @@ def test_a_device_tier_gradient_is_read_where_it_is_never_copied_to_the_host(tmp
     assert copied == {p for p, w in where.items() if w != "device"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("schedule", ["backward", "next_forward"])
-def test_fp16_loss_scaling_with_a_device_tier_is_gradscaler_and_adamw_bitwise(tmp_path, schedule):
-    """fp16 weights: the device tier's updates unscale (and clip) on the device as the host's do, and a step with
-    an inf skips there too; weights, masters and the scale's course are GradScaler's with AdamW's."""
-    model = tiny_causal_lm("llama", dtype=torch.float16)
+def test_fp16_loss_scaling_with_a_device_tier_is_gradscaler_and_adamw_bitwise(tmp_path, schedule, dtype):
+    """fp16 weights, or fp32 ones under a scaled loss (as mixed precision's autocast trains): the device tier's
+    updates unscale (and clip) on the device as the host's do, and a step with an inf skips there too; weights,
+    masters and the scale's course are GradScaler's with AdamW's. With fp32 gradients, a speculative update's
+    unscale leaves them as they were for its redo."""
+    model = tiny_causal_lm("llama", dtype=dtype)
     ref_model = copy.deepcopy(model)
     masters, ref_scales = gradscaler_reference(ref_model)
     with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, loss_scaling=SCALER,
@@ -458,3 +461,28 @@ def test_auto_takes_next_forward_at_once_where_the_whole_state_is_on_an_accelera
         finally:
             opt.close()
     assert_torchs(model, ref_model, losses, ref_losses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("consume", [False, True])
+def test_gradients_unscaled_and_clipped_in_one_call_per_factor_are_each_fp32_product_and_in_place_only_when_consumed(
+        dtype, consume):
+    """`kernels.fp32_gradients` (the device tier's grouped updates): each result is `fp32_gradient`'s bits; an fp32
+    gradient is multiplied in place only when the caller consumes it (an exact update), as ``clip_grad_norm_`` does,
+    and otherwise left as it was (a speculative update's redo reads it again); an upcast one is never touched."""
+    from fuyou_strategy.optim.kernels import fp32_gradient, fp32_gradients
+
+    gen = torch.Generator().manual_seed(5)
+    raws = [(torch.randn(n, generator=gen) * 10 ** e).to(dtype) for n, e in ((1, 0), (37, -3), (1000, 2))]
+    kept = [g.clone() for g in raws]
+    inv_scale, coef = torch.tensor(2.0 ** -13), torch.tensor(0.3183)
+    for factors in ((None, None), (inv_scale, None), (None, coef), (inv_scale, coef)):
+        raws = [g.clone() for g in kept]
+        want = [fp32_gradient(g, *factors) for g in kept]
+        got = fp32_gradients(raws, *factors, consume=consume)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32 and torch.equal(g, w)
+        in_place = consume and dtype == torch.float32 and factors != (None, None)
+        for raw, g, before in zip(raws, got, kept):
+            assert (raw is g) == (dtype == torch.float32 and (consume or factors == (None, None)))
+            assert torch.equal(raw, before) != in_place

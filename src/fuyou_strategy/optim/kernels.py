@@ -25,15 +25,21 @@ def fp32_gradient(raw: torch.Tensor, inv_scale: torch.Tensor | None, coef: torch
     return g
 
 
-def fp32_gradients(raws: list[torch.Tensor], inv_scale: torch.Tensor | None,
-                   coef: torch.Tensor | None) -> list[torch.Tensor]:
+def fp32_gradients(raws: list[torch.Tensor], inv_scale: torch.Tensor | None, coef: torch.Tensor | None, *,
+                   consume: bool = False) -> list[torch.Tensor]:
     """`fp32_gradient` of each of ``raws``, bitwise, with one multi-tensor multiply per factor (on an accelerator,
-    one kernel for the list rather than one per tensor): each the same fp32 product."""
+    one kernel for the list rather than one per tensor): each the same fp32 product. ``consume``: the caller reads
+    none of ``raws`` again, so an fp32 one is multiplied in place, as ``GradScaler.unscale_`` and
+    ``clip_grad_norm_`` do (no second gradient's worth of memory, one pass fewer); an upcast copy always is."""
     grads = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in raws]
-    if inv_scale is not None:
-        grads = torch._foreach_mul(grads, inv_scale)
-    if coef is not None:
-        grads = torch._foreach_mul(grads, coef)
+    fresh = consume or all(g is not raw for g, raw in zip(grads, raws))
+    for factor in (inv_scale, coef):
+        if factor is None:
+            continue
+        if fresh:
+            torch._foreach_mul_(grads, factor)
+        else:  # the first multiply makes the list the rest multiply in place; ``raws`` stay as they are
+            grads, fresh = torch._foreach_mul(grads, factor), True
     return grads
 
 

@@ -681,8 +681,10 @@ class OptimizerState:
                 published.append((ps, k, master))
             if fill:
                 torch._foreach_copy_(fill, sources)
-            fused_adamw(masters, fp32_gradients(raws, inv_scale, coef), avgs, sqs, steps, found_inf=found_inf,
-                        **hyper)
+            # exact: the gradients are final and read by nothing after this, so they are unscaled and clipped in
+            # place, as ``clip_grad_norm_`` does (a speculative update's may be read again by its redo)
+            grads = fp32_gradients(raws, inv_scale, coef, consume=exact)
+            fused_adamw(masters, grads, avgs, sqs, steps, found_inf=found_inf, **hyper)
             publish.many(published)
 
         return ChunkJob(None, 1, update, done=Future() if exact else None)
