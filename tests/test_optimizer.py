@@ -409,3 +409,29 @@ def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_upda
         assert [float(saved["state"][i]["step"]) for i in range(4)] == [3.0, 2.0, 4.0, 3.0]
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("tier", [dict(device_state="1MiB", host_state=0), dict(host_state="512KiB"), dict(host_state=0)],
+                         ids=["device", "ram", "ssd"])
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+def test_new_weights_reach_a_parameter_whose_memory_was_replaced_between_steps(tmp_path, tier, schedule):
+    """``param.data = ...`` (what ``module.to`` does) between steps: each later update's new weight lands in the
+    parameter's new memory, not in the old one a kept view still holds; bitwise torch's AdamW."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 300, 5000)]
+    refs = [p.detach().clone().requires_grad_() for p in params]
+    opt = FuyouAdamW(params, lr=0.1, max_grad_norm=1.0, fused=True,
+                     config=small_config(tmp_path, optimizer_schedule=schedule, **tier))
+    ref_opt = torch.optim.AdamW(refs, lr=0.1, fused=True)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, r, g in zip(params, refs, grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        opt.flush()
+        torch.nn.utils.clip_grad_norm_(refs, 1.0)
+        ref_opt.step()
+        for p, r in zip(params, refs):
+            assert torch.equal(p, r), (step, p.numel())
+            p.data = p.data.clone()  # the old memory, still alive, must not be the one written next
+    opt.close()

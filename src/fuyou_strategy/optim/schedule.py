@@ -91,11 +91,14 @@ class PendingUpdates:
         jobs = self.jobs
         if not jobs:
             return
+        landed = None  # the job waited for last, which landed: the parameters of a group share one
         for p in params:
             entry = jobs.pop(p, None)
             if entry is None:
                 continue
             job, what = entry
+            if job is landed:
+                continue
             if self.failed is not None:
                 raise RuntimeError(f"FuyouAdamW: {named(what)} cannot land, because an earlier update failed "
                                    f"({self.failed}); resume from the last checkpoint") from self.failed
@@ -106,6 +109,7 @@ class PendingUpdates:
                 raise RuntimeError(
                     f"FuyouAdamW: {named(what)} failed, so the optimizer state on SSD is partly updated; resume from "
                     f"the last checkpoint (the cause: {type(exc).__name__}: {exc})") from exc
+            landed = job
 
     def wait_all(self) -> None:
         self.wait(list(self.jobs))

@@ -99,6 +99,21 @@ class ParamState:
 
     def __post_init__(self) -> None:
         self.numel = self.param.numel()  # elements; fixed, as the state's size is (read per chunk: kept, not asked)
+        # (the parameter's data pointer, its flat detached view): `flat_weight`'s. Replaced whole by any thread
+        # (one attribute store) and read whole: a race only makes the view twice.
+        self._flat: tuple[int, torch.Tensor] | None = None
+
+    def flat_weight(self) -> torch.Tensor:
+        """The parameter's elements, flat and detached (``param.detach().view(-1)``), kept from call to call while
+        the parameter's memory is the same: made afresh once ``param.data`` was replaced (``module.to`` does
+        that), which moves the data pointer, since the kept view holds the old memory. A run of small parameters
+        asks for hundreds a step, and each torch call is a handoff of the GIL. Until then the kept view holds the
+        old memory too: until the parameter's next update or publish, after a ``module.to`` in the middle of a run."""
+        ptr, flat = self._flat or (None, None)
+        if ptr != self.param.data_ptr() or flat is None:
+            flat = self.param.detach().view(-1)
+            self._flat = (flat.data_ptr(), flat)
+        return flat
 
     @property
     def stride(self) -> int:
@@ -285,7 +300,7 @@ class OptimizerState:
         which `publish` sets to every new master, bit for bit (the CPU's fp32 compute; on an accelerator or
         in another dtype the parameter is a copy, and the state keeps the only master)."""
         p = ps.param
-        return ps.grads is None and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+        return ps.grads is None and p.is_cpu and p.dtype == torch.float32 and p.is_contiguous()
 
     def _hold(self, params: Iterable[ParamState], holds: bool) -> None:
         """Record that these parameters hold (or no longer hold) their active master (``param_holds``)."""
@@ -619,7 +634,7 @@ class OptimizerState:
             counts = counts.tolist()  # `step_count`'s floats
             # `publish.into` (`group_kind` checked `writes_into`); a whole parameter as it is: the compiled pass takes
             # its contiguous elements by pointer, outside autograd, so no detached flat view need be made for it
-            into = [ps.param if ps.nchunks == 1 else ps.param.detach().view(-1) for ps in pss]
+            into = [ps.param if ps.nchunks == 1 else ps.flat_weight() for ps in pss]
 
         chunks = [(i, k) for i, ps in enumerate(pss) for k in range(ps.nchunks)]  # (member, chunk), in order
 

@@ -220,7 +220,7 @@ class Publisher:
         # asynchronous one (a cast into a pinned buffer, copied on the side stream, landed by a helper thread) is
         # faster alone (benchmarks/update_phases_bench.py --device cuda) but slower in the update pipeline. A
         # device-tier master is on the device already: a copy there, on the update's stream.
-        ps.param.detach().view(-1)[start : start + n].copy_(master)
+        ps.flat_weight()[start : start + n].copy_(master)
         return None
 
     def many(self, chunks: list[tuple[ParamState, int, torch.Tensor]]) -> None:
@@ -231,14 +231,14 @@ class Publisher:
         for ps, k, _master in chunks:
             if ps.grads is not None:
                 raise ValueError(f"Publisher.many: {ps.describe()} is streamed; its weights go to its tier copy")
-            targets.append(ps.of_chunk(ps.param.detach().view(-1), k))
+            targets.append(ps.of_chunk(ps.flat_weight(), k))
         torch._foreach_copy_(targets, [master for _ps, _k, master in chunks])
 
     def into(self, ps: ParamState) -> torch.Tensor | None:
         """A resident parameter's elements (flat) when they are in host memory (a one-pass update writes each
         chunk's in its pass); ``None`` for a streamed one, one on an accelerator, or one whose weights are
         `staged`."""
-        return ps.param.detach().view(-1) if self.writes_into(ps) else None
+        return ps.flat_weight() if self.writes_into(ps) else None
 
     def writes_into(self, ps: ParamState) -> bool:
         """Whether `into` gives ``ps``'s elements (without making the view)."""
@@ -261,4 +261,4 @@ class Publisher:
         once it is there. Ordered after the kernels already queued on the worker's current stream, which may
         still read the old weight, as ``copy_`` on that stream is (`device.transfer`'s ``after_compute``)."""
         start, n = ps.span(k)
-        transfer(ps.param.detach().view(-1)[start : start + n], weight, after_compute=True)
+        transfer(ps.flat_weight()[start : start + n], weight, after_compute=True)
