@@ -166,8 +166,8 @@ def test_an_update_of_state_in_ram_or_on_the_device_takes_its_chunks_in_one_call
         fn = job.fn
 
         def counted(k, *bufs):
-            grouped.append([ps.entry for ps, _grad, _step in members])
-            for ps, _grad, _step in members:  # each member's chunks all in this one call
+            grouped.append([ps.entry for ps, *_rest in members])
+            for ps, *_rest in members:  # each member's chunks all in this one call
                 calls.setdefault(ps.entry, set()).add((0, ps.nchunks))
             return fn(k, *bufs)
 

@@ -592,13 +592,14 @@ class OptimizerState:
             return ("ram", id(ps.group))
         return None
 
-    def group_job(self, members: list[tuple[ParamState, "Grad", torch.Tensor]], *, exact: bool,
+    def group_job(self, members: list[tuple[ParamState, "Grad"]], counts: torch.Tensor, *, exact: bool,
                   coef: torch.Tensor | None, inv_scale: torch.Tensor | None, publish: Publish,
                   one_pass: OnePass | None, norms: list[Callable[[], None] | None] | None = None,
                   found_inf: torch.Tensor | None = None) -> ChunkJob:
-        """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad, step)``
-        as `update_job` takes them (a step count before the update each; ``norms``: each one's `update_job`
-        ``norm``, or None), speculative or with the clip coefficient ``coef`` (a redo) or exact; the same bits as a
+        """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad)`` as
+        `update_job` takes them (``counts``: every parameter's step count, each member's read at its ``ps.index``
+        now, before its update; ``norms``: each one's `update_job` ``norm``, or None), speculative or with the clip
+        coefficient ``coef`` (a redo) or exact; the same bits as a
         job per parameter. ``found_inf`` (the device tier's exact updates of a step decided on the device,
         `schedule.Parts.decide`): the fused kernel's flag, where 1 leaves the state and weights as they were. What
         it saves is the worker's and the queueing thread's bookkeeping per parameter (a job, its closures and
@@ -614,14 +615,15 @@ class OptimizerState:
         the job. ``exact``: into the active slot in place, the job's ``done`` completing once it landed; else the
         shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's).
         A failure part-way gives back every chunk still lent, marked failed."""
-        pss = [ps for ps, _grad, _step in members]
+        pss = [ps for ps, _grad in members]
         hyper = _hyper(pss[0].group)
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
         on_device = pss[0].index in self.on_device
         _device_flag(found_inf, on_device, "group_job")
         self._hold(pss, exact)
         elems = sum(ps.numel for ps in pss)
-        before = torch.stack([step for _ps, _grad, step in members])  # the counts now (the caller advances them next)
+        # the counts now, read in one op (the caller advances them next)
+        before = counts[torch.tensor([ps.index for ps in pss])]
         counts = before + 1  # each count the update completes, in one op
         if on_device:
             device = pss[0].param.device
@@ -654,7 +656,7 @@ class OptimizerState:
                     store.give_back(bufs)  # written in place: each chunk's write is done
                 if not on_device:  # the host's CPU time: the device's kernels are only queued here
                     meter.add(took, elems)
-                for _ps, grad, _step in members:
+                for _ps, grad in members:
                     grad.release()
             except BaseException:
                 for buf in bufs:  # no-op for a chunk already given back
@@ -665,7 +667,7 @@ class OptimizerState:
         def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
             outs, sources, grads, weights, ns, steps, chunk_counts = [], [], [], [], [], [], []
             for i, k, buf in lent:
-                ps, grad, _step = members[i]
+                ps, grad = members[i]
                 outs.append(buf.view(torch.float32))
                 sources.append(buf.source_as(torch.float32) if buf.source is not None else None)
                 start, n = ps.span(k)
@@ -680,7 +682,7 @@ class OptimizerState:
         def device_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
             masters, avgs, sqs, raws, steps, fill, sources, published = [], [], [], [], [], [], [], []
             for i, k, buf in lent:
-                ps, grad, _step = members[i]
+                ps, grad = members[i]
                 start, n = ps.span(k)
                 # the fp32 layout: master, exp_avg, exp_avg_sq, n each (3n values), kept with the chunk's memory
                 master, exp_avg, exp_avg_sq = buf.kept("fp32 state", lambda buf=buf, n=n: buf.view(torch.float32)

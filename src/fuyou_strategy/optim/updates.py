@@ -67,7 +67,7 @@ class Updater:
         # The run of updates held for one grouped job (`speculate`, `queue_many`): (param, gradient, its step count
         # tensor, what takes its norm or None), their `OptimizerState.group_kind` and elements. Under _run_lock.
         self._run_lock = threading.Lock()
-        self._run: list[tuple[ParamState, Grad, torch.Tensor, Callable[[], None] | None]] = []
+        self._run: list[tuple[ParamState, Grad, Callable[[], None] | None]] = []
         self._run_kind: tuple | None = None
         self._run_elems = 0
 
@@ -130,7 +130,7 @@ class Updater:
             if kind is None:
                 self.queue(ps, grad)
                 return
-            self._run.append((ps, grad, self.counts[ps.index], self._recorder(ps, grad)))
+            self._run.append((ps, grad, self._recorder(ps, grad)))
             self._run_elems += ps.numel
             self._release(ps)
 
@@ -144,7 +144,7 @@ class Updater:
         ``step()``: the window's updates are discarded)."""
         with self._run_lock:
             run, self._run, self._run_kind, self._run_elems = self._run, [], None, 0
-        for _ps, grad, _step, _norm in run:
+        for _ps, grad, _norm in run:
             grad.release()
 
     def _join(self, kind: tuple | None, queued: Callable[[ParamState, ChunkJob], None] | None = None, *,
@@ -162,10 +162,10 @@ class Updater:
         run, self._run, self._run_elems = self._run, [], 0
         if not run:
             return
-        job = self.state.run(self.state.group_job([member[:3] for member in run], exact=exact, coef=coef,
-                                                  inv_scale=self.inv_scale(), publish=self.publisher(),
-                                                  one_pass=self.one_pass,
-                                                  norms=[member[3] for member in run], found_inf=found_inf))
+        job = self.state.run(self.state.group_job([member[:2] for member in run], self.counts, exact=exact,
+                                                  coef=coef, inv_scale=self.inv_scale(), publish=self.publisher(),
+                                                  one_pass=self.one_pass, norms=[member[2] for member in run],
+                                                  found_inf=found_inf))
         if queued is not None:
             for ps, *_rest in run:
                 queued(ps, job)
@@ -194,7 +194,7 @@ class Updater:
                         if queued is not None:
                             queued(ps, job)
                         continue
-                    self._run.append((ps, grad, self.counts[ps.index], None))  # read as its job is built
+                    self._run.append((ps, grad, None))  # its count is read as its job is built
                     self._run_elems += ps.numel
                 self._flush_run(queued, coef=coef, exact=exact, found_inf=found_inf)
             finally:  # a step that failed half-queued (a dead worker) leaves no run for a later step to queue
