@@ -149,7 +149,7 @@ def test_the_list_form_gives_each_chunks_bits_in_one_call(factors):
         weights.append(torch.empty(n, dtype=(torch.float32, torch.bfloat16)[t % 2]))
         steps.append(step)
         wants.append(want)
-    one.update_chunks(outs, sources, grads, weights, list(lengths), steps=steps,
+    one.update_chunks(outs, sources, grads, weights, list(lengths),
                       counts=[onepass.step_count(s) for s in steps], inv_scale=inv_scale, coef=coef, **hyper)
     for t, (out, want, weight, source) in enumerate(zip(outs, wants, weights, sources)):
         assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), t
@@ -157,7 +157,7 @@ def test_the_list_form_gives_each_chunks_bits_in_one_call(factors):
         if source is not None:
             assert torch.equal(source, kept[t]), (t, "a source is read, never written")
     with pytest.raises(RuntimeError, match="must be lists of one length"):
-        one.update_chunks(outs[:2], sources[:1], grads[:2], weights[:2], [1, 1], steps=steps[:2], counts=[1.0, 1.0],
+        one.update_chunks(outs[:2], sources[:1], grads[:2], weights[:2], [1, 1], counts=[1.0, 1.0],
                           inv_scale=None, coef=None, **hyper)
 
 

@@ -17,6 +17,8 @@ ACCUMULATE = 3
 MAX_NORM = 0.5
 # Loss scale per optimizer step: large-scale steps make clipping bite, small ones do not.
 LOSS_SCALE = [0.01, 1.0, 0.01, 1.0, 1.0]
+# Where `small_config`'s optimizer state lives: the device tier, host RAM, the SSD.
+TIERS = [dict(device_state="1MiB", host_state=0), dict(host_state="512KiB"), dict(host_state=0)]
 
 
 def small_config(tmp_path, **overrides):
@@ -381,15 +383,17 @@ def test_the_worker_takes_the_cores_the_training_thread_leaves_and_the_numbers_d
 
 
 @pytest.mark.parametrize("schedule", ["next_forward", "backward"])
-def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_update(tmp_path, schedule):
+@pytest.mark.parametrize("tier", TIERS, ids=["device", "ram", "ssd"])
+def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_update(tmp_path, schedule, tier):
     """``state[p]["step"]`` as torch keeps it (a 0-d fp32 tensor, in the state dict too): a parameter with no
-    gradient in a step keeps its count while the others' advance, and the weights stay torch's."""
+    gradient in a step keeps its count while the others' advance, and the weights stay torch's; in RAM and on the
+    device tier, where the updates of a step share a job, each reads its own count."""
     import io
 
     params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i))) for i in range(4)]
     masters = [p.detach().clone().requires_grad_() for p in params]
     ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
-    opt = FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule))
+    opt = FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule, **tier))
     try:
         for step, given in enumerate([range(4), [0, 2], [2, 3], range(4)]):
             for i in given:
@@ -411,8 +415,29 @@ def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_upda
         opt.close()
 
 
-@pytest.mark.parametrize("tier", [dict(device_state="1MiB", host_state=0), dict(host_state="512KiB"), dict(host_state=0)],
-                         ids=["device", "ram", "ssd"])
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+@pytest.mark.parametrize("tier", TIERS[:2], ids=["device", "ram"])
+def test_updates_sharing_a_job_each_read_their_own_step_count(tmp_path, schedule, tier):
+    """In RAM and on the device tier the updates of consecutive parameters share a job (`group_job`): with the
+    parameters' counts apart (some had no gradient in some steps), each update's bias correction takes its own
+    count, so the weights and counts stay torch's."""
+    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i))) for i in range(5)]
+    masters = [p.detach().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
+    with FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule, **tier)) as opt:
+        for step, given in enumerate([[0, 2, 4], [1, 2], [0, 1, 3], [2, 3, 4], range(5), [1, 3, 4]]):
+            for i in given:
+                g = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
+                params[i].grad, masters[i].grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+            assert all(torch.equal(p, m) for p, m in zip(params, masters)), step
+        assert [float(opt.state[p]["step"]) for p in params] == [float(ref.state[m]["step"]) for m in masters]
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=["device", "ram", "ssd"])
 @pytest.mark.parametrize("schedule", ["next_forward", "backward"])
 def test_new_weights_reach_a_parameter_whose_memory_was_replaced_between_steps(tmp_path, tier, schedule):
     """``param.data = ...`` (what ``module.to`` does) between steps: each later update's new weight lands in the

@@ -73,7 +73,7 @@ def grad_norm(grad: torch.Tensor, inv_scale: torch.Tensor | None, kernel: "OnePa
     one on an accelerator (the scratch is host memory)."""
     if kernel is not None and kernel.reads(grad):
         return kernel.norms([grad], inv_scale)[0]
-    if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX or grad.device.type != "cpu":
+    if grad.dtype == torch.float32 or grad.numel() * 4 > NORM_UPCAST_MAX or not grad.is_cpu:
         return torch.linalg.vector_norm(unscaled(grad, inv_scale), 2, dtype=torch.float32)
     g = scratch(grad.numel(), torch.float32)[0].view(grad.shape)
     g.copy_(grad)

@@ -92,7 +92,7 @@ class OnePass:
     def reads(self, grad: torch.Tensor) -> bool:
         """Whether `norms` takes ``grad``: its layout was found, and ``grad`` is a contiguous fp32, bf16 or fp16
         CPU tensor."""
-        return (self.norm_layout is not None and grad.device.type == "cpu" and grad.dtype in _NORM_DTYPES
+        return (self.norm_layout is not None and grad.is_cpu and grad.dtype in _NORM_DTYPES
                 and grad.is_contiguous())
 
     def norms(self, grads: list[torch.Tensor], inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
@@ -133,20 +133,23 @@ class OnePass:
                              coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
 
     def update_chunks(self, outs: list[torch.Tensor], sources: list[torch.Tensor | None], grads: list[torch.Tensor],
-                      weights: list[torch.Tensor], ns: list[int], *, steps: list[torch.Tensor], counts: list[float],
+                      weights: list[torch.Tensor], ns: list[int], *, counts: list[float],
                       inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
                       beta2: float, weight_decay: float, eps: float) -> None:
         """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place; each new
         weight into ``weights``), in one call of the compiled pass without the GIL: a run of parameters
         (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for their
         arithmetic. The same bits, chunk for chunk. A weight is any contiguous tensor of its chunk's elements, in
-        order: a whole parameter may be given as it is (shaped; the pass writes it by pointer, outside autograd)."""
+        order: a whole parameter may be given as it is (shaped; the pass writes it by pointer, outside autograd).
+        ``counts``: the step count each chunk's update completes (`step_count`); a ragged end's tail gives torch's
+        kernel the count before it as its step tensor, made only then (whole numbers: exact in fp32)."""
         scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
         done = self.module.adamw_chunks(outs, sources, grads, weights, ns, counts, *scalars[:5], *scalars[6:])
         for i, n in enumerate(ns):
             if done[i] < n:
                 weight = weights[i].detach().view(-1) if weights[i] is not None else None  # the tail's slices: flat
-                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weight, n, step=steps[i],
+                step = torch.tensor(counts[i] - 1.0, dtype=torch.float32)
+                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weight, n, step=step,
                                  inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
                                  weight_decay=weight_decay, eps=eps)
 

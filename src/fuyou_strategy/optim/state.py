@@ -525,7 +525,7 @@ class OptimizerState:
             raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
             source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
-            if one_pass is not None and raw.device.type == "cpu" and raw.is_contiguous():
+            if one_pass is not None and raw.is_cpu and raw.is_contiguous():
                 state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
                 weight = into[start : start + n] if into is not None else None
                 # None when the pool spares no buffer now: the publisher copies the master in, as without staging
@@ -587,7 +587,7 @@ class OptimizerState:
         if ps.index in self.on_device:
             return ("device", ps.param.device, id(ps.group))
         flat = grad.flat
-        if (one_pass is not None and ps.index in self.in_memory and flat.device.type == "cpu" and flat.is_contiguous()
+        if (one_pass is not None and ps.index in self.in_memory and flat.is_cpu and flat.is_contiguous()
                 and publish.writes_into(ps)):
             return ("ram", id(ps.group))
         return None
@@ -622,9 +622,8 @@ class OptimizerState:
         _device_flag(found_inf, on_device, "group_job")
         self._hold(pss, exact)
         elems = sum(ps.numel for ps in pss)
-        # the counts now, read in one op (the caller advances them next)
-        before = counts[torch.tensor([ps.index for ps in pss])]
-        counts = before + 1  # each count the update completes, in one op
+        # each count the update completes: the count now (the caller advances them next) plus one, in one op
+        counts = counts[torch.tensor([ps.index for ps in pss])] + 1
         if on_device:
             device = pss[0].param.device
             stream = current_stream(device)
@@ -665,7 +664,7 @@ class OptimizerState:
             return DONE if exact else Later(None, DONE)
 
         def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
-            outs, sources, grads, weights, ns, steps, chunk_counts = [], [], [], [], [], [], []
+            outs, sources, grads, weights, ns, chunk_counts = [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad = members[i]
                 outs.append(buf.view(torch.float32))
@@ -674,9 +673,8 @@ class OptimizerState:
                 grads.append(grad.chunk(start, n, None))
                 weights.append(ps.of_chunk(into[i], k))
                 ns.append(n)
-                steps.append(before[i])
                 chunk_counts.append(counts[i])
-            one_pass.update_chunks(outs, sources, grads, weights, ns, steps=steps, counts=chunk_counts,
+            one_pass.update_chunks(outs, sources, grads, weights, ns, counts=chunk_counts,
                                    inv_scale=inv_scale, coef=coef, **hyper)
 
         def device_pass(lent: list[tuple[int, int, LentChunk]]) -> None:

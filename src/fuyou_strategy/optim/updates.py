@@ -243,7 +243,7 @@ class Publisher:
     def writes_into(self, ps: ParamState) -> bool:
         """Whether `into` gives ``ps``'s elements (without making the view)."""
         p = ps.param
-        return ps.grads is None and p.device.type == "cpu" and p.is_contiguous() and not self.staged(ps)
+        return ps.grads is None and p.is_cpu and p.is_contiguous() and not self.staged(ps)
 
     @staticmethod
     def staged(ps: ParamState) -> bool:

@@ -679,11 +679,13 @@ class TensorStore:
     def _wait_behind(self, entry: Entry, phys: int, k: int | None) -> None:
         """Under the lock: wait until chunk ``k`` (None: every chunk) of physical slot ``phys`` has no write in
         flight that `commit` left behind, up to ``io_timeout`` seconds (then `StorageError`)."""
+        behind = entry.behind[phys]
+        if not behind or (k is not None and k not in behind):  # nothing committed behind a write here: no wait
+            return
+
         def landed() -> bool:
             return not entry.behind[phys] if k is None else k not in entry.behind[phys]
 
-        if landed():
-            return
         self.waits_behind += 1
         if not self._landed.wait_for(landed, timeout=self.config.io_timeout):
             what = f"chunk {k}" if k is not None else f"{len(entry.behind[phys])} chunk(s)"
@@ -800,13 +802,15 @@ class TensorStore:
         out = []
         try:
             for entry, k, src, dst in plan:
-                began, copied = time.perf_counter(), dst != src and fill
-                if copied:  # the shadow slot starts as a copy of the active one
+                copy_s, source = 0.0, None
+                if dst != src and fill:  # the shadow slot starts as a copy of the active one
+                    began = time.perf_counter()
                     entry.chunk_memory(k, dst).copy_(entry.chunk_memory(k, src))
-                source = entry.chunk_memory(k, src) if dst != src and not fill else None
+                    copy_s = time.perf_counter() - began
+                elif dst != src:
+                    source = entry.chunk_memory(k, src)
                 out.append(LentChunk(entry.chunk_buffer(k, dst), entry.chunk_len(k), self, entry, dst, k,
-                                     copy_s=time.perf_counter() - began if copied else 0.0, source=source,
-                                     source_slot=src))
+                                     copy_s=copy_s, source=source, source_slot=src))
         except BaseException as exc:
             with self._lock:
                 for entry, k, _src, dst in plan:
