@@ -76,7 +76,7 @@ def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
     out = list(values)
     by_device: dict[torch.device, list[int]] = {}
     for i, value in enumerate(values):
-        if _accelerated(value.device):
+        if _on_accelerator(value):
             by_device.setdefault(value.device, []).append(i)
     for where in by_device.values():
         for i, value in zip(where, torch.stack([values[i] for i in where]).to("cpu").unbind()):
