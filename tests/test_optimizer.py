@@ -382,6 +382,18 @@ def test_the_worker_takes_the_cores_the_training_thread_leaves_and_the_numbers_d
             assert torch.equal(v, ref_opt.state[r]["exp_avg_sq"]), threads
 
 
+def step_some(opt, ref, params, masters, step, given):
+    """One step of fuyou's ``opt`` and torch's ``ref`` where only the parameters ``given`` (indices) have a gradient,
+    the same one on both sides, drawn from the step and the index."""
+    for i in given:
+        g = torch.randn(params[i].shape, generator=torch.Generator().manual_seed(100 * step + i))
+        params[i].grad, masters[i].grad = g.clone(), g.clone()
+    opt.step()
+    ref.step()
+    opt.zero_grad()
+    ref.zero_grad()
+
+
 @pytest.mark.parametrize("schedule", ["next_forward", "backward"])
 @pytest.mark.parametrize("tier", TIERS, ids=["device", "ram", "ssd"])
 def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_update(tmp_path, schedule, tier):
@@ -396,13 +408,7 @@ def test_each_step_count_is_torchs_0d_tensor_and_advances_only_with_its_own_upda
     opt = FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule, **tier))
     try:
         for step, given in enumerate([range(4), [0, 2], [2, 3], range(4)]):
-            for i in given:
-                g = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
-                params[i].grad, masters[i].grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
-            opt.zero_grad()
-            ref.zero_grad()
+            step_some(opt, ref, params, masters, step, given)
         counts = [opt.state[p]["step"] for p in params]
         assert all(c.dtype == torch.float32 and c.dim() == 0 for c in counts)
         assert [float(c) for c in counts] == [float(ref.state[m]["step"]) for m in masters] == [3.0, 2.0, 4.0, 3.0]
@@ -426,13 +432,7 @@ def test_updates_sharing_a_job_each_read_their_own_step_count(tmp_path, schedule
     ref = torch.optim.AdamW(masters, lr=3e-3, fused=True)
     with FuyouAdamW(params, lr=3e-3, config=small_config(tmp_path, optimizer_schedule=schedule, **tier)) as opt:
         for step, given in enumerate([[0, 2, 4], [1, 2], [0, 1, 3], [2, 3, 4], range(5), [1, 3, 4]]):
-            for i in given:
-                g = torch.randn(64, generator=torch.Generator().manual_seed(100 * step + i))
-                params[i].grad, masters[i].grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
-            opt.zero_grad()
-            ref.zero_grad()
+            step_some(opt, ref, params, masters, step, given)
             assert all(torch.equal(p, m) for p, m in zip(params, masters)), step
         assert [float(opt.state[p]["step"]) for p in params] == [float(ref.state[m]["step"]) for m in masters]
 
