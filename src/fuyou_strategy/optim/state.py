@@ -105,10 +105,9 @@ class ParamState:
 
     def flat_weight(self) -> torch.Tensor:
         """The parameter's elements, flat and detached (``param.detach().view(-1)``), kept from call to call while
-        the parameter's memory is the same: made afresh once ``param.data`` was replaced (``module.to`` does
-        that), which moves the data pointer, since the kept view holds the old memory. A run of small parameters
-        asks for hundreds a step, and each torch call is a handoff of the GIL. Until then the kept view holds the
-        old memory too: until the parameter's next update or publish, after a ``module.to`` in the middle of a run."""
+        the parameter's data pointer is the same: a run of small parameters asks for hundreds a step, and each torch
+        call is a handoff of the GIL. Made afresh once ``param.data`` was replaced (``module.to`` does that): the kept
+        view holds the old memory, which can therefore not come back at the same address, until the next call."""
         ptr, flat = self._flat or (None, None)
         if ptr != self.param.data_ptr() or flat is None:
             flat = self.param.detach().view(-1)
@@ -599,22 +598,22 @@ class OptimizerState:
         """One job applying the AdamW updates of several parameters of one `group_kind`, each ``(ps, grad)`` as
         `update_job` takes them (``counts``: every parameter's step count, each member's read at its ``ps.index``
         now, before its update; ``norms``: each one's `update_job` ``norm``, or None), speculative or with the clip
-        coefficient ``coef`` (a redo) or exact; the same bits as a
-        job per parameter. ``found_inf`` (the device tier's exact updates of a step decided on the device,
-        `schedule.Parts.decide`): the fused kernel's flag, where 1 leaves the state and weights as they were. What
-        it saves is the worker's and the queueing thread's bookkeeping per parameter (a job, its closures and
-        futures, the pipeline's per-job work), which a transformer's many small parameters pay more for than for
-        their arithmetic.
+        coefficient ``coef`` (a redo) or exact; the same bits as a job per parameter. ``found_inf`` (the device
+        tier's exact updates of a step decided on the device, `schedule.Parts.decide`): the fused kernel's flag,
+        where 1 leaves the state and weights as they were. What it saves is the worker's and the queueing thread's
+        bookkeeping per parameter (a job, its closures and futures, the pipeline's per-job work), which a
+        transformer's many small parameters pay more for than for their arithmetic.
 
         State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
         updated by the one pass, the new weight written into the parameter in the same pass; every chunk of the run
         in one call of the compiled pass (`OnePass.update_chunks`). On the device tier:
         every chunk's update in one call of torch's fused kernel over the lists of chunks (torch's own
-        multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), the shadow chunks filled
-        and the new weights published by one ``_foreach_copy_`` each, all on the stream of the thread that queues
-        the job. ``exact``: into the active slot in place, the job's ``done`` completing once it landed; else the
-        shadow slot (a speculative update's shadow chunk, lent unfilled, read from the active one, as a redo's).
-        A failure part-way gives back every chunk still lent, marked failed."""
+        multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), an exact update's gradients
+        unscaled and clipped in place, the shadow chunks filled and the new weights published by one
+        ``_foreach_copy_`` each, all on the stream of the thread that queues the job. ``exact``: into the active
+        slot in place, the job's ``done`` completing once it landed; else the shadow slot (a speculative update's
+        shadow chunk, lent unfilled, read from the active one, as a redo's). A failure part-way gives back every
+        chunk still lent, marked failed."""
         pss = [ps for ps, _grad in members]
         hyper = _hyper(pss[0].group)
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW

@@ -64,8 +64,9 @@ class Updater:
         self.one_pass = one_pass
         self.fused, self.release_grads, self.clipping, self.scaler = fused, release_grads, clipping, scaler
         self.weights: StreamedWeights | None = None  # the WeightStreamer whose tier copies take streamed parameters' weights
-        # The run of updates held for one grouped job (`speculate`, `queue_many`): (param, gradient, its step count
-        # tensor, what takes its norm or None), their `OptimizerState.group_kind` and elements. Under _run_lock.
+        # The run of updates held for one grouped job (`speculate`, `queue_many`): (param, gradient, what takes its
+        # norm or None), their `OptimizerState.group_kind` and elements (each step count is read as the job is built).
+        # Under _run_lock.
         self._run_lock = threading.Lock()
         self._run: list[tuple[ParamState, Grad, Callable[[], None] | None]] = []
         self._run_kind: tuple | None = None
