@@ -40,3 +40,6 @@ for round in 1 2; do for policy in default ACTIVE PASSIVE; do
   if [ $policy = default ]; then PYTHONPATH=src $PY $R/worker_phases.py 2 2>/dev/null
   else OMP_WAIT_POLICY=$policy PYTHONPATH=src $PY $R/worker_phases.py 2 2>/dev/null; fi
 done; done > $R/omp_policy.txt
+# GPT-2 350M training, both trees and torch (about 13 minutes)
+$PY -m benchmarks.ab --old-src $B --system fuyou-lightning --size 350M --rounds 3 --out $R/ab_350M_fuyou-lightning \
+  > $R/ab_350M_fuyou-lightning.txt 2>&1
