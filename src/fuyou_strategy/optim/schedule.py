@@ -360,6 +360,12 @@ class Order:
         return sorted(params, key=lambda ps: (rank.get(ps.param, len(rank)), ps.index))
 
 
+def _global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The global norm as ``clip_grad_norm_`` computes it from the per-tensor norms (0-d, on one device): their norm,
+    where they are."""
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
 class Unsettled:
     """An exact step decided on the device (`Parts.decide`) whose outcome the host has not read yet.
 
@@ -428,7 +434,7 @@ class Parts:
         """The global norm exactly as ``clip_grad_norm_`` computes it (the norm of per-tensor norms, on the host:
         a device-tier gradient's norm is brought there, those of one device in one copy); ``None`` (and the step
         counted as skipped) when it is not finite."""
-        total = torch.linalg.vector_norm(torch.stack(to_host([norms[ps.index] for ps in counted])), 2)
+        total = _global_norm(to_host([norms[ps.index] for ps in counted]))
         self.stats.last_grad_norm = float(total)
         if not math.isfinite(self.stats.last_grad_norm):
             self.stats.skips += 1
@@ -469,7 +475,7 @@ class Parts:
         (``None`` without a clip norm), which the updates always apply (1 leaves every gradient's bits as they are,
         as torch's own multiply does). The flag is 1 where the norm is not finite: the fused kernel then leaves
         everything as it was, and `settle` makes the step a skip."""
-        total = torch.linalg.vector_norm(torch.stack([norms[ps.index] for ps in counted]), 2)
+        total = _global_norm([norms[ps.index] for ps in counted])
         found_inf = torch.isfinite(total).logical_not().to(torch.float32)
         return total, self.clamped_coef(total), found_inf
 

@@ -463,7 +463,7 @@ class OptimizerState:
         with self._holds_lock:
             from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
         self._hold([ps], exact)
-        flat = ps.param.detach().view(-1) if from_param else None
+        flat = ps.flat_weight() if from_param else None
         if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
             one_pass = None  # its arithmetic is the fused kernel's on fp32 moments, on the host
         # Once per parameter, not per chunk: the count the update completes, and the parameter's elements a one-pass

@@ -679,15 +679,10 @@ class TensorStore:
     def _wait_behind(self, entry: Entry, phys: int, k: int | None) -> None:
         """Under the lock: wait until chunk ``k`` (None: every chunk) of physical slot ``phys`` has no write in
         flight that `commit` left behind, up to ``io_timeout`` seconds (then `StorageError`)."""
-        behind = entry.behind[phys]
-        if not behind or (k is not None and k not in behind):  # nothing committed behind a write here: no wait
+        if _landed_behind(entry.behind[phys], k):  # the usual case: no wait, and no closure made for one
             return
-
-        def landed() -> bool:
-            return not entry.behind[phys] if k is None else k not in entry.behind[phys]
-
         self.waits_behind += 1
-        if not self._landed.wait_for(landed, timeout=self.config.io_timeout):
+        if not self._landed.wait_for(lambda: _landed_behind(entry.behind[phys], k), timeout=self.config.io_timeout):
             what = f"chunk {k}" if k is not None else f"{len(entry.behind[phys])} chunk(s)"
             raise StorageError(f"entry {entry.name!r}: the write of {what}, committed while in flight, did not land "
                                f"within io_timeout={self.config.io_timeout:g} s; the drive may be hung (check dmesg), "
@@ -1069,6 +1064,12 @@ class LentChunk(HostBuffer):
     def release(self) -> None:
         self.store._close_lends([self], StorageError(
             f"entry {self.entry.name!r}: chunk {self.k} was lent for an update that did not finish"))
+
+
+def _landed_behind(behind: set[int], k: int | None) -> bool:
+    """Whether chunk ``k`` (None: every chunk) of a slot whose chunks committed behind their writes are ``behind``
+    has no such write in flight (`TensorStore._wait_behind`)."""
+    return not behind if k is None else k not in behind
 
 
 def _copy(entry: Entry, dst: torch.Tensor, src: torch.Tensor) -> None:
