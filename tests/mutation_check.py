@@ -212,6 +212,17 @@ MUTANTS = [
     Mutant("norms-unscaled", "step()'s norms of the resident gradients leave out the loss scale",
            "optim/gradients.py", "kernel.norms([held[i] for i in read], inv_scale)",
            "kernel.norms([held[i] for i in read], None)", ("test_schedule.py", "test_device_state.py")),
+    Mutant("metrics-read-at-step-end", "the step's end reads a step decided on the device (waits for the device)",
+           "run_report.py", "            stats, unread = self._optimizer.recorded()\n",
+           "            stats, unread = self._optimizer.stats, None\n", ("test_metrics.py",)),
+    Mutant("metrics-counts-carried", "a step read after its end passes its clipped and skipped counts to the next",
+           "run_report.py", '            self._counted["clipped"] += clipped\n            self._counted["skipped"] += skipped\n',
+           "", ("test_metrics.py",)),
+    Mutant("metrics-unread", "metrics() gives a step decided on the device as it was at its end, unread",
+           "run_report.py", "            _ = self._optimizer.stats  # reads it", "            pass  # reads it",
+           ("test_metrics.py",)),
+    Mutant("metrics-every-step", "the Lightning strategy reads the metrics in steps its loggers do not write",
+           "integrations/lightning.py", " or not _logs_this_step(trainer)):", "):", ("test_metrics.py",)),
 ]
 
 

@@ -53,3 +53,14 @@ def test_a_missing_internal_fails_at_import_naming_it_and_the_versions(monkeypat
     message = str(error.value)
     assert "_init_dist_connection" in message and internals.CHECKED_WITH in message
     assert f"lightning {metadata.version('lightning')}" in message and 'pip install "fuyou-strategy[lightning]"' in message
+
+
+def test_the_logger_connector_says_whether_this_step_is_logged():
+    """`_logs_this_step` asks ``trainer._logger_connector.should_update_logs`` (a property of this Lightning, not the
+    fallback); tests/test_metrics.py checks the steps it picks in a fit."""
+    import lightning.pytorch as L
+
+    trainer = L.Trainer(logger=False, log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    assert isinstance(getattr(type(trainer._logger_connector), "should_update_logs", None), property)
+    assert internals._logs_this_step(trainer) is True  # outside a loop, Lightning logs

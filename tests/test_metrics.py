@@ -161,3 +161,88 @@ def test_hf_reporting_integrations_see_the_metrics_once_the_callback_is_placed_b
         assert all((KEYS <= k) == placed for k in step_logs)
     with pytest.raises(Exception, match="not one of the Trainer's callbacks"):
         FuyouCallback().place_before_integrations(trainer)
+
+
+def test_lightning_reads_the_metrics_only_in_the_steps_its_loggers_write(tmp_path, monkeypatch):
+    """A read of the metrics can wait for the device (a step decided there): the strategy reads them only in the steps
+    whose ``on_step`` values the loggers write (``log_every_n_steps``), and every such step's row carries them."""
+    from lightning.pytorch.loggers import CSVLogger
+    from test_lightning import fit
+
+    reads = []
+    real = FuyouEngine.metrics
+    monkeypatch.setattr(FuyouEngine, "metrics", lambda self: reads.append(1) or real(self))
+    logger = CSVLogger(str(tmp_path / "logs"), name="run")
+    fit(FuyouStrategy(swap_dirs=[str(tmp_path)], chunk_size="8KiB", optimizer_schedule="backward", host_state=0),
+        logger=logger, log_every_n_steps=2)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("fuyou/grad_norm")]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5], "every second of the 6 optimizer steps"
+    assert len(reads) == 3 and all(KEYS <= set(r) and float(r["fuyou/grad_norm"]) > 0 for r in rows)
+
+
+# The steps (test_schedule's run: LOSS_SCALE) the late-copy run below decides on the device; the others it decides on
+# the host. And those whose metrics it reads: steps 1 and 4 (clipped) stay unread until the next step's backward,
+# and the step after each (2: a skip, 5: clipped) is decided on the host, whose counts must not carry theirs.
+ON_DEVICE, READ = {0, 1, 3, 4}, {0, 2, 3, 5}
+
+
+def test_metrics_of_a_step_decided_on_the_device_are_read_when_asked_for_and_are_the_hosts(tmp_path, monkeypatch):
+    """With the whole state on the device tier under ``next_forward`` a step is decided on the device (the late-copy
+    mode stands in for an accelerator, test_device_state.py). Its end reads nothing of it: the engine's reporting
+    leaves it unread. ``metrics()``, read in some steps and not others, gives each read step the grad_norm, clipped
+    and skipped of the same run decided on the host, and a step left unread passes none of its counts to the next."""
+    from fuyou_strategy import device
+    from fuyou_strategy.device import late_copies
+    from fuyou_strategy.optim.schedule import Parts
+    from test_device_state import SPLITS
+    from test_schedule import MAX_NORM, STEPS, config, train
+
+    from conftest import decay_groups
+
+    real = Parts.decides_on_device
+
+    def run(tmp, late):
+        steps = []
+
+        def decides_on_device(self, stepped):  # once a step: the steps of ON_DEVICE where the late run could
+            steps.append(len(steps))
+            return real(self, stepped) and (not late or steps[-1] in ON_DEVICE)
+
+        monkeypatch.setattr(Parts, "decides_on_device", decides_on_device)
+        model = tiny_causal_lm("llama")
+        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
+                             max_grad_norm=MAX_NORM, config=config(tmp, "next_forward", **SPLITS["device"]))
+        opt, unread, seen = engine.optimizer, [], {}
+
+        def after_step(*_args):  # after the engine's own hook: the step's end as the run reported it
+            unread.append(opt.recorded()[1] is not None)
+            if len(unread) - 1 in READ or not late:
+                seen[len(unread) - 1] = engine.metrics()
+
+        opt.register_step_post_hook(after_step)
+        try:
+            with late_copies(max_delay_ms=2.0, seed=1) if late else monkeypatch.context() as mode:
+                if not late:  # copies as they are, even in a run with FUYOU_ASYNC_DEVICE set
+                    mode.setattr(device, "_late", None)
+                train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+            return unread, seen, engine.summary()
+        finally:
+            engine.close()
+
+    (tmp_path / "host").mkdir()
+    (tmp_path / "device").mkdir()
+    host_unread, host, host_summary = run(tmp_path / "host", late=False)
+    unread, seen, summary = run(tmp_path / "device", late=True)
+    assert host_unread == [False] * STEPS
+    assert unread == [i in ON_DEVICE for i in range(STEPS)]
+    assert [host[i]["fuyou/skipped"] for i in range(STEPS)] == [0, 0, 1, 0, 0, 0]
+    assert host[1]["fuyou/clipped"] == host[4]["fuyou/clipped"] == host[5]["fuyou/clipped"] == 1
+    assert sorted(seen) == sorted(READ)
+    for i in READ:
+        for key in ("fuyou/grad_norm", "fuyou/clipped", "fuyou/skipped", "fuyou/rolled_back"):
+            a, b = seen[i][key], host[i][key]
+            assert a == b or (i == 2 and key == "fuyou/grad_norm" and not math.isfinite(a) and not math.isfinite(b)), \
+                (i, key, a, b)
+    for key in ("optimizer_steps", "skips", "clipped", "deferred", "last_grad_norm"):
+        assert summary[key] == host_summary[key], key

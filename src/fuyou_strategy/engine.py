@@ -535,8 +535,11 @@ class FuyouEngine:
     # -- reporting (`run_report.RunReport`) ---------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """The last optimizer step's figures, for a training logger (keys under ``fuyou/``; empty
-        before the first step). Plain floats read from counters the step keeps anyway: reading
-        them never waits for the device or the drive.
+        before the first step). Plain floats from counters the step keeps anyway, taken at its end
+        without waiting for the drive or the device. A step decided on the device (the whole state on
+        an accelerator's device tier, docs/device-state.md) is read here, not at its end: that waits for the
+        device to reach the step's gradient norm, so read them at the logger's interval (the Lightning
+        strategy and the HF callback do).
 
         Per step (since the previous step ended): ``step_seconds``; ``ssd_read_bytes`` and
         ``ssd_write_bytes`` (completed transfers of every kind: optimizer state, activations,

@@ -3,13 +3,14 @@ costs the compute, the step trace, and the planner's predicted against measured 
 
 The engine owns one and calls it at the loop's events (`begin_window`, `before_step`, `after_step`); it
 reads the engine's parts (snapshots of the optimizer's and the memory tiers' counters, the swapper, the streamer,
-the plan) and never changes them. Everything here runs on the training thread.
+the plan) and never changes them. Everything here runs on the training thread, but for `_amend` (see `_lock`).
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 import warnings
 from typing import Any, Callable, Protocol
@@ -19,7 +20,7 @@ from .activations import discover_blocks
 from .activations.spans import BlockSpans
 from .config import format_bytes
 from .optim.control import OptimizerFigures
-from .optim.schedule import NEXT_FORWARD
+from .optim.schedule import NEXT_FORWARD, StepStats, Unsettled
 from .storage.probe import cpu_shares, cpu_times
 from .storage.tiers import TierFigures
 from .storage.wear import TB, Wear, drive_capacity
@@ -43,7 +44,7 @@ class Run(Protocol):
     config: Any
     model: Any
     memory: Any  # `storage.MemoryTiers`: `figures()`
-    optimizer: Any  # `FuyouAdamW`: ``control.figures()``, ``stats``
+    optimizer: Any  # `FuyouAdamW`: ``control.figures()``, ``stats``, ``recorded()``
     swapper: Any
     streamer: Any
     profiler: Any
@@ -76,11 +77,17 @@ class RunReport:
         self._written_per_step: list[float] = []
         self._moved_per_step: list[float] = []  # read + written
         self._cpu_from: list[int] | None = None  # `cpu_times` at the first step's end: the sample's CPU time starts
-        self._counted = self._counters(engine.memory.figures())  # cumulative counters at the last step's end
+        # `_counted`, `_metrics` and `_unread` are amended (`_amend`) by the thread that reads a step decided on the
+        # device: this one, or autograd's at the next backward's first hook while this one waits in that backward.
+        self._lock = threading.Lock()
+        self._counted = self._counters(engine.memory.figures(), self._optimizer.stats)  # at the last step's end
         # A resumed run's first step reports its own counts, not the checkpoint's (restored clipped and
         # rollback counts) nor the bytes the load wrote into the store.
         self._optimizer.on_loaded.append(self._rebase)
         self._metrics: dict[str, float] = {}
+        # The step of `_metrics` while it is decided on the device and unread: its clipped, skipped and grad_norm
+        # are known once it is read (`metrics`, or the next step), not at its end, which never waits for the device.
+        self._unread: Unsettled | None = None
 
     @property
     def _optimizer(self) -> Any:
@@ -110,8 +117,13 @@ class RunReport:
         now = time.perf_counter()
         if self._last_step_end is not None:
             self.step_times.append(now - self._last_step_end)
-            self._metrics = self._step_metrics(now - self._last_step_end)
-            self._measure_wear(self._metrics["fuyou/ssd_write_bytes"], self._metrics["fuyou/ssd_read_bytes"])
+            stats, unread = self._optimizer.recorded()
+            metrics = self._step_metrics(now - self._last_step_end, stats, unread is not None)
+            with self._lock:
+                self._metrics, self._unread = metrics, unread
+            if unread is not None:
+                unread.when_settled(lambda outcome, clipped: self._amend(unread, outcome, clipped))
+            self._measure_wear(metrics["fuyou/ssd_write_bytes"], metrics["fuyou/ssd_read_bytes"])
         self._last_step_end = now
         self._window_open = False
         if self._tracer is not None:
@@ -136,8 +148,10 @@ class RunReport:
 
     # -- the trace ------------------------------------------------------------------------------------
     def _trace_window(self) -> None:
-        """At the first micro-batch of a step: start the trace, or end it after ``trace_steps`` steps."""
-        steps = self._optimizer.stats.steps
+        """At the first micro-batch of a step: start the trace, or end it after ``trace_steps`` steps. The trace
+        counts the steps as recorded (`FuyouAdamW.recorded`): reading a step decided on the device would wait for it
+        in every traced step."""
+        steps = self._optimizer.recorded()[0].steps
         if self._tracer is None:
             first = self._planned_at_step + 1 if self._planned_at_step is not None else 1
             if self.engine.profiler is not None or steps < first:
@@ -156,13 +170,12 @@ class RunReport:
         self._trace_marks["window"] = self._tracer.now()
 
     def _trace_step(self) -> None:
-        tracer, marks = self._tracer, self._trace_marks
-        now, n = tracer.now(), self._optimizer.stats.steps
+        tracer, marks, stats = self._tracer, self._trace_marks, self._optimizer.recorded()[0]
+        now, n = tracer.now(), stats.steps
         if "step" in marks:
             tracer.add("compute", "optimizer.step()", marks.pop("step"), now)
         if "window" in marks:
-            tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n,
-                       schedule=self._optimizer.stats.last_schedule)
+            tracer.add("steps", f"step {n}", marks.pop("window"), now, step=n, schedule=stats.last_schedule)
 
     def end_trace(self) -> None:
         """Write the trace now if one is recording (training ended inside the traced steps: those
@@ -274,11 +287,15 @@ class RunReport:
 
     # -- metrics and the summary --------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """`FuyouEngine.metrics`."""
-        return dict(self._metrics)
+        """`FuyouEngine.metrics`. A step decided on the device is read first (`_amend` completes its figures)."""
+        with self._lock:
+            unread = self._unread
+        if unread is not None:
+            _ = self._optimizer.stats  # reads it: waits for the device to reach the step's gradient norm
+        with self._lock:
+            return dict(self._metrics)
 
-    def _counters(self, tiers: TierFigures) -> dict[str, float]:
-        stats = self._optimizer.stats
+    def _counters(self, tiers: TierFigures, stats: StepStats) -> dict[str, float]:
         swapper = self.engine.swapper
         swap = swapper.stats if swapper is not None else None
         return {"ssd_read_bytes": tiers.ssd_read_bytes, "ssd_write_bytes": tiers.ssd_write_bytes,
@@ -287,16 +304,21 @@ class RunReport:
                 "clipped": stats.clipped, "skipped": stats.skips, "rolled_back": stats.rollbacks}
 
     def _rebase(self) -> None:
-        self._counted = self._counters(self.engine.memory.figures())
+        counted = self._counters(self.engine.memory.figures(), self._optimizer.stats)
+        with self._lock:
+            self._counted = counted
 
-    def _step_metrics(self, seconds: float) -> dict[str, float]:
+    def _step_metrics(self, seconds: float, stats: StepStats, unread: bool) -> dict[str, float]:
+        """The step's metrics from the statistics as recorded (`FuyouAdamW.recorded`): a step decided on the device is
+        not read here (``unread``), which would wait for the device; `_amend` fills in its clipped, skipped and
+        grad_norm once it is."""
         tiers = self.engine.memory.figures()
-        now = self._counters(tiers)
-        # A swapper installed by the planner starts its own counts: never a negative difference.
-        delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
-        self._counted = now
         opt = self._optimizer
-        stats = opt.stats
+        now = self._counters(tiers, stats)
+        with self._lock:
+            # A swapper installed by the planner starts its own counts: never a negative difference.
+            delta = {k: max(0, v - self._counted.get(k, 0)) for k, v in now.items()}
+            self._counted = now
         out = {"step_seconds": seconds, **delta,
                "ssd_read_gbps": delta["ssd_read_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                "ssd_write_gbps": delta["ssd_write_bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
@@ -311,7 +333,21 @@ class RunReport:
             out["device_peak_bytes"] = self.engine.streamer.device_peak_bytes
         if self.engine.plan is not None:
             out["plan_predicted_step_seconds"] = self.engine.plan.predicted_step_s
+        if unread:
+            out["grad_norm"] = float("nan")  # until it is read
         return {f"fuyou/{k}": float(v) for k, v in out.items()}
+
+    def _amend(self, step: Unsettled, outcome: str, clipped: bool) -> None:
+        """A step decided on the device was read (`schedule.Unsettled`): the counts it added go into `_counted`,
+        taken before it was read (else the next step's metrics would carry them), and into its metrics."""
+        skipped = outcome == "skip"
+        with self._lock:
+            self._counted["clipped"] += clipped
+            self._counted["skipped"] += skipped
+            if self._unread is step:
+                self._unread = None
+                self._metrics.update({"fuyou/clipped": float(clipped), "fuyou/skipped": float(skipped),
+                                      "fuyou/grad_norm": step.grad_norm})
 
     def summary(self) -> dict[str, Any]:
         """`FuyouEngine.summary`."""

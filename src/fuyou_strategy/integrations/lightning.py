@@ -63,7 +63,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only  # noqa: E402
 from typing_extensions import override  # noqa: E402 (a dependency of lightning)
 
-from .lightning_internals import (_default_backend, _init_dist_connection, _MultiProcessingLauncher,
+from .lightning_internals import (_default_backend, _init_dist_connection, _logs_this_step, _MultiProcessingLauncher,
                                   _SubprocessScriptLauncher, _sync_ddp_if_available)
 
 from ..cleanup import undo_after
@@ -482,12 +482,16 @@ class FuyouStrategy(_EngineOwner, ParallelStrategy):
         return out
 
     def _log_metrics(self) -> None:
-        """The step's `FuyouEngine.metrics` to the Trainer's loggers (every ``log_every_n_steps``, as
-        Lightning logs ``on_step`` values); none on the progress bar, which has room for the user's own."""
+        """The step's `FuyouEngine.metrics` to the Trainer's loggers, read only in the steps whose ``on_step`` values
+        they write (every ``log_every_n_steps``): a read can wait for the device (a step decided there). None on the
+        progress bar, which has room for the user's own."""
         module, trainer = self.lightning_module, self._trainer
-        metrics = self.engine.metrics() if self.engine is not None and self.log_metrics else {}
-        if not metrics or module is None or trainer is None or not trainer.training or not trainer.loggers:
-            return  # no step yet, outside the training loop, or no logger (Lightning would warn on every key)
+        if (self.engine is None or not self.log_metrics or module is None or trainer is None or not trainer.training
+                or not trainer.loggers or not _logs_this_step(trainer)):
+            return  # outside the training loop, no logger (Lightning would warn on every key), or not logged now
+        metrics = self.engine.metrics()
+        if not metrics:
+            return  # no step yet
         for name, value in metrics.items():
             module.log(name, value, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 

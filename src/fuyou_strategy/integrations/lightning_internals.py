@@ -13,6 +13,10 @@
 - ``_sync_ddp_if_available`` (same module): ``reduce`` with the meanings ``LightningModule.log(sync_dist=True)``
   expects (``"mean"``/``"sum"``/...).
 
+And from a running Trainer, as Lightning's own ``LearningRateMonitor`` and ``DeviceStatsMonitor`` ask it:
+``trainer._logger_connector.should_update_logs``, whether the loggers write this step's ``on_step`` values
+(`_logs_this_step`).
+
 Checked against lightning 2.6.6 (``tests/test_lightning_internals.py`` names each one and fails, with
 the installed version, if one moves). A missing one fails at import with the same message.
 """
@@ -20,6 +24,7 @@ the installed version, if one moves). A missing one fails at import with the sam
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 import torch
 
@@ -53,9 +58,17 @@ except ImportError as error:  # pragma: no cover
                    "_sync_ddp_if_available)", error) from error
 
 __all__ = ["CHECKED_WITH", "_MultiProcessingLauncher", "_SubprocessScriptLauncher", "_default_backend",
-           "_init_dist_connection", "_sync_ddp_if_available"]
+           "_init_dist_connection", "_logs_this_step", "_sync_ddp_if_available"]
 
 
 def _default_backend(device: torch.device) -> str:
     """The process-group backend for ``device`` (``nccl`` for CUDA, ``gloo`` for the CPU), from torch's own map."""
     return torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")
+
+
+def _logs_this_step(trainer: Any) -> bool:
+    """Whether ``trainer``'s loggers write the ``on_step`` values logged in this optimizer step (every
+    ``log_every_n_steps``: ``trainer._logger_connector.should_update_logs``); True where a Lightning lacks it, so
+    that every step is logged rather than none."""
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))

@@ -64,7 +64,7 @@ from .control import OptimizerControl
 from .distributed import Sharding, Shards, Solo
 from .gradients import Gradients, StreamedGradients
 from .scaler import LossScaler
-from .schedule import BACKWARD, Order, Parts, PendingUpdates, StepStats
+from .schedule import BACKWARD, Order, Parts, PendingUpdates, StepStats, Unsettled
 from .formats import StateFormat
 from .saves import Saves
 from .state import ELEMENT_BYTES, OptimizerState, ParamState, adamw_kernel, balanced_chunk
@@ -243,6 +243,13 @@ class FuyouAdamW(torch.optim.Optimizer):
         read first: that waits for the device to reach the step's gradient norm."""
         self._parts.settle()
         return self._stats
+
+    def recorded(self) -> tuple[StepStats, Unsettled | None]:
+        """The statistics as recorded so far, and the last step if it was decided on the device and is unread; waits
+        for nothing. Until that step is read (`stats`, the next step() or backward), it counts as applied and unclipped,
+        and ``last_grad_norm`` is the step's before it; `Unsettled.when_settled` tells what it was. Between steps,
+        on the training thread: the same object `stats` returns."""
+        return self._stats, self._parts.pending()
 
     @property
     def shards(self) -> Shards | None:

@@ -381,6 +381,7 @@ class Unsettled:
         self.total, self.coef, self.stepped = total, coef, stepped
         self.outcome: str | None = None  # once settled
         self.clipped = False
+        self.grad_norm = math.nan  # once settled: the global norm, before clipping
         self._then: list[Callable[[str, bool], None]] = []
 
     def when_settled(self, then: Callable[[str, bool], None]) -> None:
@@ -488,6 +489,11 @@ class Parts:
             self.unsettled.append(unsettled)
         return unsettled
 
+    def pending(self) -> Unsettled | None:
+        """The step decided on the device whose outcome is unread, if there is one; waits for nothing."""
+        with self._settling:
+            return self.unsettled[-1] if self.unsettled else None
+
     def settle(self) -> None:
         """Read the outcome of the step decided on the device, if one is unread (`Unsettled`); waits for the device
         to reach its norm, which by the next step() it has long passed."""
@@ -495,7 +501,7 @@ class Parts:
             if not self.unsettled:
                 return
             u = self.unsettled.pop()
-            value = float(u.total)
+            value = u.grad_norm = float(u.total)
             stats = self.stats
             stats.last_grad_norm = value
             if math.isfinite(value):
