@@ -13,7 +13,9 @@ run) rather than from the cache, on the worker's kind of thread (a Python thread
   update does, and a cast into a pinned buffer followed by an asynchronous copy;
 - ``one pass``: the one-pass update (`optim.onepass`, ``update_kernel="one_pass"``) of the chunk, from the state
   into the shadow (a speculative update, out of place) with the host gradient in its dtype, the compute weight
-  written in the pass (on the CPU into the parameter; on a GPU into a pinned buffer, then copied to the device).
+  written in the pass (on the CPU into the parameter; on a GPU into a pinned buffer, then copied to the device);
+- ``one pass, copy beside the next`` (GPU only): the same, each chunk's copy to the device left running beside the
+  next chunk's pass, two pinned buffers taking turns, as `OptimizerState.update_job` runs a parameter's chunks.
 
 The last rows compare a chunk as torch's kernel runs it (stage + upcast + shadow + kernel + publish) with the
 one pass (stage + one pass).
@@ -74,6 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     pin = dict(pin_memory=True) if cuda else {}
     staging = torch.empty(n, dtype=gd, **pin)
     pinned_out = torch.empty(n, dtype=gd, **pin)
+    turns = [pinned_out, torch.empty(n, dtype=gd, **pin)]  # `one_pass_beside`'s two buffers
+    copied: list = [None, None]  # each buffer's last copy to the device (a CUDA event), not waited for yet
     kept = torch.empty(n)
     host_grads = [torch.randn(n).to(gd) for _ in range(chunks)]
     step = torch.tensor(1.0)
@@ -112,10 +116,23 @@ def run(args: argparse.Namespace) -> dict:
             params[i].copy_(pinned_out, non_blocking=True)
             sync()
 
+    def one_pass_beside(i):  # as `one_pass`, the copy waited for only before its buffer's next pass
+        b = i % 2
+        if copied[b] is not None:
+            copied[b].synchronize()
+        m, a, s = state[i][:n], state[i][n:2 * n], state[i][2 * n:]
+        one.update(m, a, s, host_grads[i], shadow[i][:n], shadow[i][n:2 * n], shadow[i][2 * n:], turns[b],
+                   step=step, inv_scale=None, coef=None, **hyper)
+        params[i].copy_(turns[b], non_blocking=True)
+        copied[b] = torch.cuda.Event()
+        copied[b].record()
+
     phases = {"stage": stage, "upcast (fresh)": upcast_fresh, "upcast (kept)": upcast_kept, "shadow": shadow_copy,
               "kernel": kernel, "publish (sync copy_)": publish_sync, "publish (pinned, async)": publish_pinned}
     if one is not None:
         phases["one pass"] = one_pass
+        if cuda:
+            phases["one pass, copy beside the next"] = one_pass_beside
     times: dict[str, list[float]] = {k: [] for k in phases}
     for r in range(args.rounds + 1):  # round 0 warms up (page faults, allocator)
         for name, fn in phases.items():  # interleaved: each phase over every chunk, once per round

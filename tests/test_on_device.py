@@ -71,20 +71,20 @@ def test_fp16_on_the_device_is_gradscaler_and_adamw_bitwise(tmp_path, compute_de
 def test_a_half_precision_weight_on_the_device_is_written_by_the_pass_into_a_host_buffer(tmp_path, compute_device,
                                                                                           monkeypatch, pool):
     """An fp16 (or bf16) parameter on an accelerator (on the CPU, in the late-copy mode) gets each chunk's new weight
-    from the one pass, written in its dtype into a host buffer and copied in (`Publisher.land`); a parameter in host
+    from the one pass, written in its dtype into a host buffer and copied in (`Publisher.start_land`); one in host
     memory gets it in place. When the pool spares no buffer, the fp32 master is copied in as before. The weights
     are GradScaler's and AdamW's bitwise either way."""
     from fuyou_strategy.device import read_on_host
     from fuyou_strategy.optim.updates import Publisher
     from fuyou_strategy.storage import HostBufferPool
 
-    landed, land = [], Publisher.land
+    landed, land = [], Publisher.start_land
 
     def counted(ps, k, weight):
         landed.append(weight.dtype)
-        land(ps, k, weight)
+        return land(ps, k, weight)
 
-    monkeypatch.setattr(Publisher, "land", staticmethod(counted))
+    monkeypatch.setattr(Publisher, "start_land", staticmethod(counted))
     if pool == "full":  # the read-ahead's try_acquire too: it reads nothing ahead, which changes no bit
         monkeypatch.setattr(HostBufferPool, "try_acquire", lambda self, nbytes, keep_free=0: None)
     kernel = fp16_beside_gradscaler(tmp_path, compute_device)
@@ -337,3 +337,45 @@ def test_a_host_tensor_sent_to_the_device_without_waiting_lands_whole_though_its
         landed.append(to_device(torch.tensor([float(i), i + 0.5]), compute_device))
     assert all(t.device.type == compute_device.type and t.dtype == torch.float32 for t in landed)
     assert torch.equal(torch.stack(landed).cpu(), torch.tensor([[float(i), i + 0.5] for i in range(64)]))
+
+
+def test_a_staged_weight_copies_in_beside_the_next_chunks_pass_and_lands_before_step_returns(tmp_path, monkeypatch):
+    """A bf16 parameter of several chunks with its state in RAM, on the CPU in the late-copy mode where every copy lands
+    20 ms after it starts: each chunk's new weight, written by the one pass into a host buffer, is copied in while the
+    next chunk's pass runs (`OptimizerState.update_job`); a buffer goes back to the pool only once its copy landed
+    (the next chunk's pass would write into it), and the last one has landed when step() returns. The weights are
+    AdamW(fused=True)'s masters in bf16, bitwise, after every step."""
+    from fuyou_strategy import device
+    from fuyou_strategy.device import late_copies
+    from fuyou_strategy.optim.updates import Publisher
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8 * 2048).to(torch.bfloat16))
+    master = param.detach().float().clone().requires_grad_()
+    ref = torch.optim.AdamW([master], lr=1e-2, fused=True)
+    started, in_flight, start_land = [], [], Publisher.start_land
+
+    def start(ps, k, weight):  # records whether the chunk before's copy into the parameter is still landing
+        started.append(k)
+        in_flight.append(device._late._pending.get(param.untyped_storage().data_ptr(), 0) > 0)
+        return start_land(ps, k, weight)
+
+    monkeypatch.setattr(Publisher, "start_land", staticmethod(start))
+    with late_copies(max_delay_ms=20.0, min_delay_ms=20.0, seed=0):
+        opt = FuyouAdamW([param], lr=1e-2, fused=True,
+                         config=config(tmp_path, optimizer_schedule="next_forward", host_memory_budget="8MiB"))
+        try:
+            chunks = opt._params[0].nchunks
+            for step in range(3):
+                param.grad = torch.randn(param.shape).to(torch.bfloat16)
+                master.grad = param.grad.float()
+                opt.step()
+                opt.zero_grad()
+                ref.step()
+                ref.zero_grad()
+                assert torch.equal(param.detach(), master.detach().to(torch.bfloat16)), step
+            kernel = opt.control.figures().update_kernel
+        finally:
+            opt.close()
+    assert chunks >= 4 and started == (list(range(chunks)) * 3 if kernel == "one_pass" else []), (kernel, started)
+    assert in_flight == ([False] + [True] * (chunks - 1)) * 3 if kernel == "one_pass" else [], in_flight

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 import torch
 
 from ..config import STATE_BYTES_PER_PARAM, STATE_CHUNK_ELEMENTS, FuyouConfig, format_bytes
-from ..device import current_stream, on_stream, to_device
+from ..device import Copy, current_stream, on_stream, to_device
 from ..progress import Progress
 from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_view, gather
 from ..storage.aio import DONE
@@ -214,10 +214,12 @@ class Publish(Protocol):
         """Whether `into` gives ``ps``'s elements."""
 
     def staged(self, ps: ParamState) -> bool:
-        """Whether a one-pass update writes the new weights into a host buffer in the parameter's dtype, for `land`."""
+        """Whether a one-pass update writes the new weights into a host buffer in the parameter's dtype, for
+        `start_land`."""
 
-    def land(self, ps: ParamState, k: int, weight: torch.Tensor) -> None:
-        """Copy chunk ``k``'s new weight, written into a host buffer, into the parameter; returns once it is there."""
+    def start_land(self, ps: ParamState, k: int, weight: torch.Tensor) -> Copy:
+        """Start copying chunk ``k``'s new weight, written into a host buffer, into the parameter; `Copy.wait` before
+        the buffer is reused or the update is done."""
 
 
 class GradChunks(Protocol):
@@ -494,6 +496,8 @@ class OptimizerState:
             futures: list[Future] = []
             writes: list[Future] = []
             seconds, elems = 0.0, 0
+            # Staged weights still copying in, the newest first: at most one between two chunks (`compute`)
+            landing: list[tuple[HostBuffer, Copy]] = []
             with on_stream(stream):
                 if k == 0 and norm is not None:
                     norm()
@@ -501,10 +505,13 @@ class OptimizerState:
                     calls = [(k + i, buf, None) for i, buf in enumerate(bufs)]
                 else:  # chunk k, with the stored gradient's chunk when there is one (`ChunkJob.extra`)
                     calls = [(k, bufs[0], bufs[1] if len(bufs) > 1 else None)]
-                for j, buf, stored in calls:
-                    took, n = compute(j, buf, stored, futures)
-                    writes.append(store.write_chunk(ps.entry, j, buf, slot=slot))
-                    seconds, elems = seconds + took, elems + n
+                try:
+                    for j, buf, stored in calls:
+                        took, n = compute(j, buf, stored, futures, landing)
+                        writes.append(store.write_chunk(ps.entry, j, buf, slot=slot))
+                        seconds, elems = seconds + took, elems + n
+                finally:  # the last chunk's weight is in the parameter before the update is done (or fails)
+                    land(landing)
                 if not on_device:  # the host's CPU time: the device's kernels are only queued here
                     meter.add(seconds, elems)
                 if j == last and finished is not None:
@@ -517,9 +524,20 @@ class OptimizerState:
             # for it only where the chunk is read next (`TensorStore.commit`'s ``writes_behind``).
             return Later(gather(futures), written)
 
-        def compute(k: int, buf: HostBuffer, stored: HostBuffer | None, futures: list[Future]) -> tuple[float, int]:
+        def land(landing: list[tuple[HostBuffer, Copy]]) -> None:
+            """Wait for the oldest staged weight still copying in, then give its buffer back. A copy that timed out
+            may still read the buffer: it is kept out of the pool."""
+            if landing:
+                staged, copy = landing.pop()
+                copy.wait()
+                staged.release()
+
+        def compute(k: int, buf: HostBuffer, stored: HostBuffer | None, futures: list[Future],
+                    landing: list[tuple[HostBuffer, Copy]]) -> tuple[float, int]:
             """Chunk ``k``'s update into ``buf``, which `update` then writes back: the publish's and the kept
-            gradient's futures go into ``futures``; returns the seconds of CPU work and the chunk's elements."""
+            gradient's futures go into ``futures``; a staged weight's copy into ``landing``, where it runs beside
+            the next chunk's pass (`land` waits for it after that pass, or at the end of the call); returns the
+            seconds of CPU work and the chunk's elements."""
             start, n = ps.span(k)
             raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
@@ -529,6 +547,10 @@ class OptimizerState:
                 weight = into[start : start + n] if into is not None else None
                 # None when the pool spares no buffer now: the publisher copies the master in, as without staging
                 staged = store.pool.try_acquire(staging) if staging else None
+                if staged is None and landing:  # the buffer the pool would lend is still copying in: that first
+                    land(landing)
+                    staged = store.pool.try_acquire(staging)
+                copying = False  # ``staged`` is copying in: `land` gives it back
                 try:
                     if staged is not None:
                         weight = staged.view(ps.param.dtype)[:n]
@@ -536,13 +558,13 @@ class OptimizerState:
                                           flat[start : start + n] if flat is not None else None, raw, weight, n=n,
                                           step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
                     if staged is not None:
-                        publish.land(ps, k, weight)
-                except TimeoutError:
-                    staged = None  # a copy that timed out may still read the buffer: kept out of the pool
-                    raise
+                        landing.insert(0, (staged, publish.start_land(ps, k, weight)))
+                        copying = True
+                        if len(landing) > 1:
+                            land(landing)  # the chunk before's copy, which ran beside this chunk's pass
                 finally:
                     del weight  # no view may outlive its buffer
-                    if staged is not None:
+                    if staged is not None and not copying:
                         staged.release()
                 if into is None and staged is None:
                     futures.append(publish(ps, k, state[:n]))  # None: nothing to wait for

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..device import read_on_host, transfer
+from ..device import Copy, read_on_host, start_copy
 from .pipeline import ChunkJob
 from .state import OptimizerState, ParamState
 
@@ -257,9 +257,11 @@ class Publisher:
         return ps.grads is None and p.dtype != torch.float32 and p.is_contiguous() and read_on_host(p)
 
     @staticmethod
-    def land(ps: ParamState, k: int, weight: torch.Tensor) -> None:
-        """Copy chunk ``k``'s new ``weight`` (a host buffer's, in the parameter's dtype) into the parameter; returns
-        once it is there. Ordered after the kernels already queued on the worker's current stream, which may
-        still read the old weight, as ``copy_`` on that stream is (`device.transfer`'s ``after_compute``)."""
+    def start_land(ps: ParamState, k: int, weight: torch.Tensor) -> Copy:
+        """Start copying chunk ``k``'s new ``weight`` (a host buffer's, in the parameter's dtype) into the parameter;
+        `Copy.wait` before the buffer is reused, and before the update counts as done. Ordered after the kernels
+        already queued on the worker's current stream, which may still read the old weight, as ``copy_`` on that
+        stream is (`device.start_copy`'s ``after_compute``). On an accelerator the copy runs on the side stream while
+        the worker's next pass runs on the host."""
         start, n = ps.span(k)
-        transfer(ps.flat_weight()[start : start + n], weight, after_compute=True)
+        return start_copy(ps.flat_weight()[start : start + n], weight, after_compute=True)
