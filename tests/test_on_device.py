@@ -339,19 +339,21 @@ def test_a_host_tensor_sent_to_the_device_without_waiting_lands_whole_though_its
     assert torch.equal(torch.stack(landed).cpu(), torch.tensor([[float(i), i + 0.5] for i in range(64)]))
 
 
-def test_a_staged_weight_copies_in_beside_the_next_chunks_pass_and_lands_before_step_returns(tmp_path, monkeypatch):
-    """A bf16 parameter of several chunks with its state in RAM, on the CPU in the late-copy mode where every copy lands
-    20 ms after it starts: each chunk's new weight, written by the one pass into a host buffer, is copied in while the
-    next chunk's pass runs (`OptimizerState.update_job`); a buffer goes back to the pool only once its copy landed
-    (the next chunk's pass would write into it), and the last one has landed when step() returns. The weights are
-    AdamW(fused=True)'s masters in bf16, bitwise, after every step."""
+def test_a_staged_weight_copies_in_beside_the_next_chunks_pass_and_lands_before_step_returns(tmp_path, compute_device,
+                                                                                                  monkeypatch):
+    """A bf16 parameter of several chunks with its state in RAM, in the late-copy mode where every copy lands 20 ms
+    after it starts (on the CPU, as on an accelerator, the copy runs on the mode's thread): each chunk's new weight,
+    written by the one pass into a host buffer, is copied in while the next chunk's pass runs
+    (`OptimizerState.update_job`); a buffer goes back to the pool only once its copy landed (the next chunk's pass
+    would write into it), and the last one has landed when step() returns. The weights are AdamW(fused=True)'s
+    masters in bf16, bitwise, after every step."""
     from fuyou_strategy import device
     from fuyou_strategy.device import late_copies
     from fuyou_strategy.optim.updates import Publisher
 
     torch.manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(8 * 2048).to(torch.bfloat16))
-    master = param.detach().float().clone().requires_grad_()
+    param = torch.nn.Parameter(torch.randn(8 * 2048).to(torch.bfloat16).to(compute_device))
+    master = param.detach().float().cpu().requires_grad_()
     ref = torch.optim.AdamW([master], lr=1e-2, fused=True)
     started, in_flight, start_land = [], [], Publisher.start_land
 
@@ -367,13 +369,13 @@ def test_a_staged_weight_copies_in_beside_the_next_chunks_pass_and_lands_before_
         try:
             chunks = opt._params[0].nchunks
             for step in range(3):
-                param.grad = torch.randn(param.shape).to(torch.bfloat16)
-                master.grad = param.grad.float()
+                param.grad = torch.randn(param.shape).to(torch.bfloat16).to(compute_device)
+                master.grad = param.grad.float().cpu()
                 opt.step()
                 opt.zero_grad()
                 ref.step()
                 ref.zero_grad()
-                assert torch.equal(param.detach(), master.detach().to(torch.bfloat16)), step
+                assert torch.equal(param.detach().cpu(), master.detach().to(torch.bfloat16)), step
             kernel = opt.control.figures().update_kernel
         finally:
             opt.close()
