@@ -496,7 +496,7 @@ class OptimizerState:
             futures: list[Future] = []
             writes: list[Future] = []
             seconds, elems = 0.0, 0
-            # Staged weights still copying in, the newest first: at most one between two chunks (`compute`)
+            # Staged weights still copying in, the oldest first: at most one between two chunks (`compute`)
             landing: list[tuple[HostBuffer, Copy]] = []
             with on_stream(stream):
                 if k == 0 and norm is not None:
@@ -528,7 +528,7 @@ class OptimizerState:
             """Wait for the oldest staged weight still copying in, then give its buffer back. A copy that timed out
             may still read the buffer: it is kept out of the pool."""
             if landing:
-                staged, copy = landing.pop()
+                staged, copy = landing.pop(0)
                 copy.wait()
                 staged.release()
 
@@ -558,7 +558,7 @@ class OptimizerState:
                                           flat[start : start + n] if flat is not None else None, raw, weight, n=n,
                                           step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
                     if staged is not None:
-                        landing.insert(0, (staged, publish.start_land(ps, k, weight)))
+                        landing.append((staged, publish.start_land(ps, k, weight)))
                         copying = True
                         if len(landing) > 1:
                             land(landing)  # the chunk before's copy, which ran beside this chunk's pass
