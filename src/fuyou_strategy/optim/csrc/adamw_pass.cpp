@@ -193,50 +193,50 @@ inline void rounded_here(V& v) {
   }
 }
 
-// The elements [0, m) of `g` as fp32 (times `inv` when `has_inv`): `g` itself when nothing changes, else widened into
-// `buf` (a vector at a time, the last few one by one; both exact but for the fp32 multiply, rounded alike).
-template <typename T>
-const float* widened(const T* g, int64_t m, bool has_inv, float inv, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (!has_inv) return g;
-  }
-  int64_t k = 0;
-  for (; k + kBlock <= m; k += kBlock) {
-    fVec a, b;
-    load2(g + k, a, b);
-    if (has_inv) {
-      a = a * fVec(inv);
-      b = b * fVec(inv);
-    }
-    a.store(buf + k);
-    b.store(buf + k + fVec::size());
-  }
-  for (; k < m; k++) buf[k] = has_inv ? static_cast<float>(g[k]) * inv : static_cast<float>(g[k]);
-  return buf;
-}
-
 // The accumulators, one vector of L floats (GCC's vector extension: its + and * are per lane).
 typedef float Lanes8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float Lanes16 __attribute__((vector_size(16 * sizeof(float))));
+
+// Add the squares of the `m` fp32 values at `x` (a multiple of L) into the accumulators, lane j the elements at j
+// modulo L, in order.
+template <typename Lanes, int64_t L>
+inline void add_squares(Lanes& acc, const float* x, int64_t m) {
+  for (int64_t d = 0; d < m; d += L) {
+    Lanes v;
+    std::memcpy(&v, x + d, sizeof(Lanes));
+    Lanes sq = v * v;
+    rounded_here(sq);
+    acc = acc + sq;
+  }
+}
 
 template <typename T, int64_t L>
 float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_group) {
   using Lanes = std::conditional_t<L == 8, Lanes8, Lanes16>;
   static_assert(sizeof(Lanes) == L * sizeof(float), "one accumulator per lane");
-  constexpr int64_t kWiden = 64 * kBlock;  // elements widened at a time: 8 KiB of fp32, in the L1 cache
-  alignas(64) float buf[kWiden];
+  static_assert(kBlock % L == 0, "a block fills whole accumulator vectors");
   Lanes acc = {};
-  const int64_t whole = size - size % L;
-  for (int64_t d0 = 0; d0 < whole; d0 += kWiden) {
-    const int64_t m = std::min(kWiden, whole - d0);  // a multiple of L
-    const float* x = widened(g + d0, m, has_inv, inv, buf);
-    for (int64_t d = 0; d < m; d += L) {
-      Lanes v;
-      std::memcpy(&v, x + d, sizeof(Lanes));
-      Lanes sq = v * v;
-      rounded_here(sq);
-      acc = acc + sq;
+  const int64_t whole = size - size % L, blocks = whole - whole % kBlock;
+  if (std::is_same_v<T, float> && !has_inv) {
+    add_squares<Lanes, L>(acc, reinterpret_cast<const float*>(g), whole);
+  } else {
+    // A block at a time widened (and unscaled) just before its squares are added, in the L1 cache: widening a
+    // long run into a buffer first cost as much as the sum (docs/one-pass-update.md). Same values, same order.
+    alignas(64) float x[kBlock];
+    for (int64_t d = 0; d < blocks; d += kBlock) {
+      fVec a, b;
+      load2(g + d, a, b);
+      if (has_inv) {
+        a = a * fVec(inv);
+        b = b * fVec(inv);
+      }
+      a.store(x);
+      b.store(x + fVec::size());
+      add_squares<Lanes, L>(acc, x, kBlock);
     }
+    const int64_t m = whole - blocks;  // fewer than a block, a multiple of L
+    for (int64_t k = 0; k < m; k++) x[k] = has_inv ? static_cast<float>(g[blocks + k]) * inv : static_cast<float>(g[blocks + k]);
+    add_squares<Lanes, L>(acc, x, m);
   }
   float lanes[L];
   std::memcpy(lanes, &acc, sizeof(Lanes));
