@@ -10,6 +10,6 @@ def adv(*a, **k):
     finally: W.append(time.perf_counter() - w); C.append(time.thread_time() - c)
 S.Parts.advance = adv
 sys.argv = ["phases.py"]
-runpy.run_path("/work/norm/docs/history/results/small_step_phases_2026-12-07/phases.py")
+runpy.run_path(str(__import__("pathlib").Path(__file__).parent / "phases.py"))
 import statistics
 print(f"advance: wall {statistics.median(W[10:])*1e3:.2f} ms, its thread's CPU {statistics.median(C[10:])*1e3:.3f} ms")
