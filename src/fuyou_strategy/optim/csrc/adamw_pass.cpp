@@ -217,7 +217,7 @@ float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_gr
   static_assert(kBlock % L == 0, "a block fills whole accumulator vectors");
   Lanes acc = {};
   const int64_t whole = size - size % L, blocks = whole - whole % kBlock;
-  if (std::is_same_v<T, float> && !has_inv) {
+  if (std::is_same_v<T, float> && !has_inv) {  // the gradient's own values: read where they are (T is float here)
     add_squares<Lanes, L>(acc, reinterpret_cast<const float*>(g), whole);
   } else {
     // A block at a time widened (and unscaled) just before its squares are added, in the L1 cache: widening a
@@ -235,7 +235,10 @@ float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_gr
       add_squares<Lanes, L>(acc, x, kBlock);
     }
     const int64_t m = whole - blocks;  // fewer than a block, a multiple of L
-    for (int64_t k = 0; k < m; k++) x[k] = has_inv ? static_cast<float>(g[blocks + k]) * inv : static_cast<float>(g[blocks + k]);
+    for (int64_t k = 0; k < m; k++) {
+      const float v = static_cast<float>(g[blocks + k]);
+      x[k] = has_inv ? v * inv : v;
+    }
     add_squares<Lanes, L>(acc, x, m);
   }
   float lanes[L];
