@@ -161,6 +161,47 @@ def test_the_list_form_gives_each_chunks_bits_in_one_call(factors):
                           inv_scale=None, coef=None, **hyper)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_run_of_small_chunks_is_shared_among_the_threads_each_chunk_updated_once(threads, monkeypatch):
+    """`OnePass.update_chunks` over a run of many small chunks (each one thread's in its own pass, so shared out among
+    the threads a chunk at a time) with large ones among them (each shared by its own pass): every chunk gets torch's
+    fused kernel's bits, as alone. A chunk skipped, updated twice, or updated by two threads at once would not. The
+    compiled pass does every whole block: torch's kernel takes only the ragged ends."""
+    one = one_pass()
+    tails = []  # (elements the pass did, the chunk's length) of each chunk torch's kernel finished
+    real_tail = one._chunk_tail
+    monkeypatch.setattr(one, "_chunk_tail", lambda done, *a, **k: tails.append((done, a[5])) or real_tail(done, *a, **k))
+    gen = torch.Generator().manual_seed(13)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    big = one.module.grain_blocks() * one.block + 3  # shared by its own pass (and a ragged end)
+    lengths = [big if t in (5, 40) else one.block * (1 + t % 9) + (t % 4) for t in range(64)]
+    outs, grads, weights, counts, wants = [], [], [], [], []
+    for t, n in enumerate(lengths):
+        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
+                           torch.rand(n, generator=gen) * 1e-4])
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3])
+        step = torch.tensor(float(1 + t % 5))
+        want = [x.clone() for x in state.split(n)]
+        torch_update(*want, grad, step=step, inv_scale=None, coef=None, **hyper)
+        outs.append(state)
+        grads.append(grad)
+        weights.append(torch.empty(n))
+        counts.append(onepass.step_count(step))
+        wants.append(want)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one.update_chunks(outs, [None] * len(outs), grads, weights, lengths, counts=counts, inv_scale=None, coef=None,
+                          **hyper)
+    finally:
+        torch.set_num_threads(before)
+    wrong = [t for t, (out, want, weight) in enumerate(zip(outs, wants, weights))
+             if not (torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32))
+                     and torch.equal(weight, want[0]))]
+    assert not wrong, wrong
+    assert sorted(tails) == sorted((n - n % one.block, n) for n in lengths if n % one.block)
+
+
 def test_queued_gradients_norms_are_taken_together_with_torchs_bits():
     """`PendingNorms`: the first update's `take` takes its gradient's norm with every other kept one the kernel reads,
     whose bytes are in place, under the same unscale factor: one call of the kernel, each norm `grad_norm`'s torch

@@ -110,6 +110,9 @@ class Grad:
     ``kind`` names where it came from (for tests and traces).
     """
 
+    # One is made per parameter per step: slots make it smaller and quicker to make than a dict-backed object.
+    __slots__ = ("shape", "dtype", "kind", "flat", "host", "entry", "staging", "landing", "final")
+
     def __init__(self, ps: "ParamState", tensor: torch.Tensor | None = None, *, host: HostBuffer | None = None,
                  entry: str | None = None, kind: str = "resident", staging: HostBuffer | None = None,
                  landing: Copy | None = None, final: bool = True) -> None:

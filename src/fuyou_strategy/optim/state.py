@@ -603,7 +603,7 @@ class OptimizerState:
         kept gradient). The kind: the tier, the device and the param group (one set of hyperparameters)."""
         layout = ps.layout
         if (not fused or layout.kernel != "torch" or layout.moments != "fp32" or ps.grads is not None
-                or grad.flat is None or grad.extra or grad.host is not None or grad.staging is not None):
+                or grad.flat is None or grad.entry is not None or grad.host is not None or grad.staging is not None):
             return None
         if ps.index in self.on_device:
             return ("device", ps.param.device, id(ps.group))

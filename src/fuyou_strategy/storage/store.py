@@ -106,13 +106,16 @@ class Entry:
         """`chunk_memory` as ``dtype``, kept likewise (a `LentChunk`'s `view` and `source_as`)."""
         if dtype == torch.uint8:
             return self.chunk_memory(k, slot)
-        return self.memory[slot].kept((k, dtype), lambda: self.chunk_memory(k, slot).view(dtype))
+        memory = self.memory[slot]
+        made = memory.memo.get((k, dtype)) if memory.memo is not None else None  # kept: no closure made
+        return made if made is not None else memory.kept((k, dtype), lambda: self.chunk_memory(k, slot).view(dtype))
 
     def chunk_buffer(self, k: int, slot: int) -> torch.Tensor:
         """`chunk_memory` rounded up to a page, as a pool buffer for the chunk would be (what a `LentChunk` holds)."""
         memory = self.memory[slot]
-        return memory.kept((k, "buffer"), lambda: memory.data[k * self.stride : k * self.stride
-                                                               + round_up(self.chunk_len(k))])
+        made = memory.memo.get((k, "buffer")) if memory.memo is not None else None  # kept: no closure made
+        return made if made is not None else memory.kept(
+            (k, "buffer"), lambda: memory.data[k * self.stride : k * self.stride + round_up(self.chunk_len(k))])
 
     def location(self, k: int, slot: int) -> tuple[int, int]:
         """(directory index, file offset) of chunk ``k`` in physical slot ``slot``."""
@@ -782,14 +785,18 @@ class TensorStore:
         Every chunk is checked before any is lent; a copy that fails (``fill``) gives back every chunk, each
         marked failed, and raises. `StorageError` if an entry is on the SSD."""
         plan = []  # (entry, k, the slot read, the slot lent)
+        entries = self._entries
         with self._lock:
             for name, k in chunks:
-                entry = self.entry(name)
-                src = self._slot(entry, slot)
-                self._readable(entry, src, k)
+                entry = entries.get(name) or self.entry(name)  # (raises for a name it lacks)
+                src = entry.active if slot == ACTIVE else self._slot(entry, slot)
+                # `_readable`'s checks, asked inline first: it is called, to wait or raise, only where one fails
+                if (k in entry.behind[src] or entry.failed[src] is not None or k not in entry.written[src]
+                        or k in entry.writing[src]):
+                    self._readable(entry, src, k)
                 if entry.memory is None:
                     raise StorageError(f"entry {name!r} is on the SSD: only an in-memory entry lends its chunks")
-                plan.append((entry, k, src, self._slot(entry, lend)))
+                plan.append((entry, k, src, src if lend == slot else self._slot(entry, lend)))
             if len({(id(entry), dst, k) for entry, k, _src, dst in plan}) < len(plan):
                 raise StorageError("lend_chunks: a chunk is named twice; each is lent to one holder at a time")
             for entry, k, _src, dst in plan:

@@ -344,6 +344,10 @@ int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& sour
 // `adamw_chunk` on each chunk of a list, in one call: a run of parameters (`OptimizerState.group_job`), whose many
 // small chunks would each pay for a call from Python. Every chunk has its own length and step count, the same
 // hyperparameters and factors; returns each chunk's elements done (its ragged end is the caller's, as above).
+// A chunk of at least kGrainBlocks blocks is shared among the threads by its own pass, one such chunk after another;
+// the smaller ones, which one pass would give to one thread, are shared out among the threads a chunk at a time
+// (each thread taking the next one left), so that a run of small parameters is not one thread's. Every element's
+// arithmetic is the same either way.
 std::vector<int64_t> adamw_chunks(const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
                                   const std::vector<at::Tensor>& grads,
                                   const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
@@ -353,11 +357,25 @@ std::vector<int64_t> adamw_chunks(const std::vector<at::Tensor>& outs, const std
   const size_t n = outs.size();
   TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n,
               "adamw_chunks: outs, sources, grads, weights, ns and steps must be lists of one length");
-  std::vector<int64_t> done(n);
-  for (size_t i = 0; i < n; i++) {
+  std::vector<int64_t> done(n);  // each index written by the one thread that took its chunk
+  auto update = [&](size_t i) {
     done[i] = adamw_chunk(outs[i], sources[i], c10::nullopt, grads[i], weights[i], ns[i], lr, beta1, beta2,
                           weight_decay, eps, steps[i], inv_scale, coef);
+  };
+  std::vector<size_t> small;  // the chunks one pass would run on one thread
+  for (size_t i = 0; i < n; i++) {
+    if (ns[i] / kBlock >= kGrainBlocks) update(i);
+    else small.push_back(i);
   }
+  const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(small.size()), at::get_num_threads());
+  if (tasks <= 1) {
+    for (size_t i : small) update(i);
+    return done;
+  }
+  std::atomic<size_t> next{0};  // the next small chunk to take: shared by the threads, each taken once
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {  // an error in one is raised here, after the others end
+    for (size_t j = next.fetch_add(1); j < small.size(); j = next.fetch_add(1)) update(small[j]);
+  });
   return done;
 }
 
@@ -392,6 +410,7 @@ at::Tensor grad_norms(const std::vector<at::Tensor>& grads, c10::optional<double
 }
 
 int64_t block_elements() { return kBlock; }
+int64_t grain_blocks() { return kGrainBlocks; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the pass runs on the optimizer's worker while the training thread runs Python (forward,
@@ -405,4 +424,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_elements", &block_elements, "Elements per block");
+  m.def("grain_blocks", &grain_blocks, "Blocks per parallel task (a chunk of fewer is one thread's in its own pass)");
 }
