@@ -189,8 +189,7 @@ class Updater:
                 for ps in params:
                     grad = grad_of(ps)
                     kind = self.state.group_kind(ps, grad, fused=self.fused, publish=publish, one_pass=self.one_pass)
-                    if kind is None or kind != self._run_kind or self._run_elems >= GROUP_ELEMENTS:  # `_join`'s test
-                        self._join(kind, queued, coef=coef, exact=exact, found_inf=found_inf)
+                    self._join(kind, queued, coef=coef, exact=exact, found_inf=found_inf)
                     if kind is None:
                         job = self.queue(ps, grad, coef=coef, exact=exact, found_inf=found_inf)
                         if queued is not None:
