@@ -702,6 +702,9 @@ class TensorStore:
 
     def _readable(self, entry: Entry, phys: int, k: int | None) -> None:
         """`_check_readable` under the lock."""
+        if (k is not None and k not in entry.behind[phys] and entry.failed[phys] is None and k in entry.written[phys]
+                and k not in entry.writing[phys]):
+            return  # the usual case, asked first: a chunk with nothing to wait for, written, not being written
         self._wait_behind(entry, phys, k)
         if entry.failed[phys] is not None:
             raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid (resume from the "
@@ -790,10 +793,7 @@ class TensorStore:
             for name, k in chunks:
                 entry = entries.get(name) or self.entry(name)  # (raises for a name it lacks)
                 src = entry.active if slot == ACTIVE else self._slot(entry, slot)
-                # `_readable`'s checks, asked inline first: it is called, to wait or raise, only where one fails
-                if (k in entry.behind[src] or entry.failed[src] is not None or k not in entry.written[src]
-                        or k in entry.writing[src]):
-                    self._readable(entry, src, k)
+                self._readable(entry, src, k)
                 if entry.memory is None:
                     raise StorageError(f"entry {name!r} is on the SSD: only an in-memory entry lends its chunks")
                 plan.append((entry, k, src, src if lend == slot else self._slot(entry, lend)))
