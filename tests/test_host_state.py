@@ -646,10 +646,13 @@ def test_a_chunk_lent_again_gives_the_views_it_made_before_of_its_own_slot_and_n
         views = first.view(torch.float32), first.source_as(torch.float32), pair(first)
         assert views[0].data_ptr() == entry.chunk_memory(0, shadow).data_ptr() and views[0].numel() == 2048
         assert torch.equal(views[1], x[:2048]) and views[1].data_ptr() == entry.chunk_memory(0, entry.active).data_ptr()
+        assert first.known("pair") is views[2] and first.known("never made") is None  # what `kept` made, asked alone
         views[0].copy_(views[1] * 3)
         store.give_back([first])
         with pytest.raises(StorageError, match="given back"):
             first.view()
+        with pytest.raises(StorageError, match="given back"):
+            first.known("pair")
         with pytest.raises(StorageError, match="given back"):
             pair(first)
         again, = store.lend_chunks([("a", 0)], lend="shadow", fill=False)  # the same physical slot, no commit
@@ -673,6 +676,7 @@ def test_a_chunk_lent_again_gives_the_views_it_made_before_of_its_own_slot_and_n
         assert all(m.memo for m in memory)
         store.to_ssd("a")
         assert all(m.memo is None and m.data is None for m in memory), "released with the memory"
+        assert all(m.known((0, "buffer")) is None for m in memory)
         assert torch.equal(store.read("a").result(), torch.cat([3 * x[:2048], x[2048:]]))
 
 

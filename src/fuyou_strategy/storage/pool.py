@@ -59,6 +59,11 @@ class HostBuffer:
             made = memo[key] = make()
         return made
 
+    def known(self, key: object) -> Any:
+        """What `kept` made for ``key``, or ``None``: asked first, a caller makes no ``make`` closure for a kept key."""
+        memo = self.memo
+        return memo.get(key) if memo is not None else None
+
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         data = self.data if self.nbytes == self.capacity else self.data[: self.nbytes]  # no view where none is needed
         return data if dtype == torch.uint8 else data.view(dtype)

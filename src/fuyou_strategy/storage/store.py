@@ -107,13 +107,13 @@ class Entry:
         if dtype == torch.uint8:
             return self.chunk_memory(k, slot)
         memory = self.memory[slot]
-        made = memory.memo.get((k, dtype)) if memory.memo is not None else None  # kept: no closure made
+        made = memory.known((k, dtype))
         return made if made is not None else memory.kept((k, dtype), lambda: self.chunk_memory(k, slot).view(dtype))
 
     def chunk_buffer(self, k: int, slot: int) -> torch.Tensor:
         """`chunk_memory` rounded up to a page, as a pool buffer for the chunk would be (what a `LentChunk` holds)."""
         memory = self.memory[slot]
-        made = memory.memo.get((k, "buffer")) if memory.memo is not None else None  # kept: no closure made
+        made = memory.known((k, "buffer"))
         return made if made is not None else memory.kept(
             (k, "buffer"), lambda: memory.data[k * self.stride : k * self.stride + round_up(self.chunk_len(k))])
 
@@ -1048,6 +1048,11 @@ class LentChunk(HostBuffer):
         """``make()`` (views of this chunk) once for the chunk's memory, as `HostBuffer.kept`."""
         self._held()
         return self.entry.memory[self.slot].kept((self.k, "lent", key), make)
+
+    def known(self, key: object) -> Any:
+        """What `kept` made for ``key``, or ``None`` (as `HostBuffer.known`)."""
+        self._held()
+        return self.entry.memory[self.slot].known((self.k, "lent", key))
 
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         self._held()
