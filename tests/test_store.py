@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -674,6 +675,38 @@ def _held_writes(monkeypatch, fail=False):
 
     monkeypatch.setattr(aio, "_pwritev", held)
     return release
+
+
+def test_a_chunk_with_two_writes_in_flight_is_read_only_once_both_have_landed(small_config, monkeypatch):
+    """One chunk written twice at once (rewritten before its first write landed): once the first lands the chunk is
+    still refused to a reader, since the second is in flight; a commit that flips it behind the second makes a read
+    wait for that write and get its bytes."""
+    n = small_config.chunk_size // 4  # one chunk
+    with TensorStore(small_config) as store:
+        store.create("w", (n,), torch.float32)
+        store.write("w", torch.zeros(n)).result(timeout=10)
+        release = {1.0: threading.Event(), 2.0: threading.Event()}  # each write held by its value until released
+        real = aio._pwritev
+
+        def held(fd, bufs, off):
+            release[struct.unpack("<f", bytes(bufs[0][:4]))[0]].wait(30)
+            return real(fd, bufs, off)
+
+        monkeypatch.setattr(aio, "_pwritev", held)
+        writes = []
+        for value in (1.0, 2.0):
+            buf = store.pool.acquire(small_config.chunk_size)
+            buf.view(torch.float32).fill_(value)
+            writes.append(store.write_chunk("w", 0, buf, slot="shadow"))
+        release[1.0].set()
+        writes[0].result(timeout=10)
+        with pytest.raises(StorageError, match="chunk 0 not written yet"):  # the second write is still in flight
+            store.read_chunk("w", 0, slot="shadow")
+        assert store.commit(writes_behind=True) == 1 and store.writes_behind == 1
+        threading.Timer(0.3, release[2.0].set).start()
+        with store.read_chunk("w", 0).result(timeout=10) as chunk:  # waits for the second write
+            assert torch.equal(chunk.view(torch.float32), torch.full((n,), 2.0))
+        assert writes[1].done() and store.waits_behind == 1
 
 
 def test_a_commit_with_writes_behind_flips_and_reads_wait_for_the_writes(small_config, monkeypatch):

@@ -702,9 +702,8 @@ class TensorStore:
 
     def _readable(self, entry: Entry, phys: int, k: int | None) -> None:
         """`_check_readable` under the lock."""
-        if (k is not None and k not in entry.behind[phys] and entry.failed[phys] is None and k in entry.written[phys]
-                and k not in entry.writing[phys]):
-            return  # the usual case, asked first: a chunk with nothing to wait for, written, not being written
+        if k is not None and entry.failed[phys] is None and k in entry.written[phys] and k not in entry.writing[phys]:
+            return  # the usual case, asked first: written and not being written (so not committed behind a write)
         self._wait_behind(entry, phys, k)
         if entry.failed[phys] is not None:
             raise StorageError(f"entry {entry.name!r}: its last write failed, the data is not valid (resume from the "
