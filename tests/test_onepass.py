@@ -255,6 +255,102 @@ def test_queued_gradients_norms_are_taken_together_with_torchs_bits():
         assert torch.equal(got[i].view(torch.int32), want.view(torch.int32)), (i, g.dtype)
 
 
+def keep_gradients(pending, gen, sizes, dtypes, inv):
+    """Gradients kept in ``pending`` (`PendingNorms.keep`) under the unscale factor ``inv``; returns them and where
+    each one's norm is recorded (index -> norm)."""
+    from types import SimpleNamespace
+
+    from fuyou_strategy.optim.gradients import Grad
+
+    grads = [(torch.randn(n, generator=gen) * 10.0).to(d) for n, d in zip(sizes, dtypes)]
+    got = {}
+    for i, g in enumerate(grads):
+        grad = Grad(SimpleNamespace(param=torch.nn.Parameter(torch.empty(g.shape, dtype=g.dtype))), g)
+        pending.keep(i, grad, inv, lambda v, i=i: got.__setitem__(i, v))
+    return grads, got
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norms_taken_beside_a_runs_passes_have_torchs_bits_and_leave_each_chunks(threads):
+    """`OnePass.update_chunks` with ``beside`` (`gradients.Beside`: norms claimed from `PendingNorms` for two updates,
+    the first claim taking every kept gradient): in the same parallel region, each norm is `grad_norm`'s torch bits
+    and every chunk torch's fused kernel's, on 1 and 2 threads. Nothing is left kept, so a later take computes
+    nothing; a claim recorded is not given back."""
+    from fuyou_strategy.optim.gradients import Beside, NormTake, PendingNorms
+
+    one = one_pass()
+    if one.norm_layout is None:
+        pytest.skip("torch's norm order here is none the kernel knows: the norms are torch's own")
+    gen = torch.Generator().manual_seed(29)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    inv = torch.tensor(2.0 ** -7)
+    pending = PendingNorms()
+    sizes = (300_001, 4097, 33, 20000, 77)
+    grads, got = keep_gradients(pending, gen, sizes, (torch.float32, torch.bfloat16, torch.float16, torch.float32,
+                                                      torch.bfloat16), inv)
+    beside = Beside.claim([NormTake(pending, 0, one), None, NormTake(pending, 3, one)], one)
+    assert [len(claim.batch) for claim in beside.claims] == [5]  # the second was taken with the first
+    big = one.module.grain_blocks() * one.block * 2 + 5  # three grains (and a ragged end)
+    lengths = [big, one.block * 3 + 1, one.block * 7, 5]
+    outs, wants, weights, counts = [], [], [], []
+    for t, n in enumerate(lengths):
+        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
+                           torch.rand(n, generator=gen) * 1e-4])
+        step = torch.tensor(float(1 + t))
+        want = [x.clone() for x in state.split(n)]
+        outs.append(state)
+        wants.append((want, step))
+        weights.append(torch.empty(n, dtype=torch.bfloat16))
+        counts.append(onepass.step_count(step))
+    chunk_grads = [(torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3]) for t, n in enumerate(lengths)]
+    for (want, step), g in zip(wants, chunk_grads):
+        torch_update(*want, g, step=step, inv_scale=inv, coef=None, **hyper)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        taken = one.update_chunks(outs, [None] * len(outs), chunk_grads, weights, lengths, counts=counts,
+                                  inv_scale=inv, coef=None, beside=beside, **hyper)
+    finally:
+        torch.set_num_threads(before)
+    beside.record(taken)
+    for t, (out, (want, _step), weight) in enumerate(zip(outs, wants, weights)):
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), t
+        assert torch.equal(weight, want[0].to(torch.bfloat16)), t
+    assert sorted(got) == list(range(len(sizes)))
+    for i, g in enumerate(grads):
+        assert torch.equal(got[i].view(torch.int32), grad_norm(g, inv).view(torch.int32)), (i, g.dtype)
+    beside.give_back()  # recorded: nothing goes back
+    got.clear()
+    for i in range(len(sizes)):
+        pending.take(i, one)
+    assert got == {}
+
+
+def test_a_claim_given_back_leaves_the_others_norms_to_their_own_updates():
+    """An update that claimed other updates' norms to take beside its pass and failed gives them back
+    (`Beside.give_back`): its own is not kept again, each other one is taken by its own update's `take`, once, with
+    torch's bits."""
+    from fuyou_strategy.optim.gradients import Beside, NormTake, PendingNorms
+
+    one = one_pass()
+    if one.norm_layout is None:
+        pytest.skip("torch's norm order here is none the kernel knows: the norms are torch's own")
+    pending = PendingNorms()
+    grads, got = keep_gradients(pending, torch.Generator().manual_seed(5), (1000, 333, 4096),
+                                (torch.float32, torch.bfloat16, torch.float32), None)
+    beside = Beside.claim([NormTake(pending, 1, one)], one)
+    assert sorted(beside.claims[0].batch) == [0, 1, 2]
+    beside.give_back()
+    beside.give_back()  # once only
+    for i in (0, 2):
+        pending.take(i, one)
+    assert sorted(got) == [0, 2]  # 0's take took 2's beside it; 1 was the failed update's own
+    for i in (0, 2):
+        assert torch.equal(got[i].view(torch.int32), grad_norm(grads[i], None).view(torch.int32)), i
+    pending.take(1, one)
+    assert sorted(got) == [0, 2]
+
+
 @pytest.mark.parametrize("schedule,split", [("backward", "all"), ("next_forward", "all"), ("backward", "none"),
                                             ("next_forward", "none"), ("auto", "mixed")])
 def test_training_with_the_one_pass_is_bitwise_torchs_and_the_same_as_torchs_kernel(tmp_path, schedule, split):
@@ -284,6 +380,46 @@ def test_training_with_the_one_pass_is_bitwise_torchs_and_the_same_as_torchs_ker
         assert losses == ref_losses, kernel
         for (name, p), q in zip(run_model.named_parameters(), ref_model.parameters()):
             assert torch.equal(p, q), (kernel, name)
+
+
+@pytest.mark.parametrize("split", ["all", "none"])
+def test_a_speculative_updates_norm_is_taken_beside_its_pass_with_torchs_bits(tmp_path, monkeypatch, split):
+    """test_schedule's run under the ``backward`` schedule, state in RAM (grouped jobs, `OptimizerState.group_job`)
+    and on the SSD (a job per parameter, `update_job`): every speculative update's gradient norm is taken by its
+    pass, beside the updates (`OnePass.update_chunks`'s ``beside``), none by the norm kernel alone before it; and the
+    run is torch's AdamW(fused=True) after ``clip_grad_norm_`` bit for bit (clipping bites: the norms decide it)."""
+    one_pass()
+    model = tiny_causal_lm("llama")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    calls = {"beside": 0, "norms beside": 0, "alone": 0}
+    real_chunks, real_norms = onepass.OnePass.update_chunks, onepass.OnePass.norms
+
+    def update_chunks(self, *args, beside=None, **kwargs):
+        taken = real_chunks(self, *args, beside=beside, **kwargs)
+        calls["beside"] += beside is not None
+        calls["norms beside"] += len(taken)
+        return taken
+
+    def norms(self, *args, **kwargs):
+        calls["alone"] += 1
+        return real_norms(self, *args, **kwargs)
+
+    monkeypatch.setattr(onepass.OnePass, "update_chunks", update_chunks)
+    monkeypatch.setattr(onepass.OnePass, "norms", norms)
+    host_state = {"all": "768KiB", "none": 0}[split]
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=host_state, update_kernel="one_pass"))
+    losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
+    stats = engine.optimizer.stats
+    engine.close()
+    assert stats.skips == 1 and stats.clipped >= 1
+    params = len(list(model.parameters()))
+    assert calls["beside"] >= 1 and calls["alone"] == 0, calls
+    assert calls["norms beside"] == params * STEPS, calls  # every parameter's, every step, once
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_bf16_weights_and_gradients_take_the_one_pass_and_match_torch_on_their_upcast(tmp_path):

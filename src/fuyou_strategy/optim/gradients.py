@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from .weights import StreamedWeights
     from .window import Window
 
-__all__ = ["Grad", "Gradients", "PendingNorms", "StreamedGradients", "grad_norm", "unscaled"]
+__all__ = ["Beside", "Grad", "Gradients", "NormClaim", "NormTake", "PendingNorms", "StreamedGradients",
+           "grad_norm", "unscaled"]
 
 
 def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -190,9 +191,10 @@ class Grad:
 
 class PendingNorms:
     """The gradients of one window's queued speculative updates whose norms are still to be taken, for the worker
-    to take several at once (`take`). torch's norm of one gradient is one thread's, so one taken per update ran on
-    one of the worker's threads while its others waited; the norm kernel shares several gradients out among them,
-    one thread each, with the same bits.
+    to take several at once (`take`), or beside an update's pass (`claim`, `Beside`). torch's norm of one gradient
+    is one thread's, so one taken per update ran on one of the worker's threads while its others waited; the norm
+    kernel shares several gradients out among them, one thread each, and the pass takes them in its own parallel
+    region, its other threads updating meanwhile, with the same bits.
 
     Threads: `keep` runs on the thread that queues the update, before the job is submitted; `take` on the worker.
     ``_lock`` guards ``_kept`` (index -> gradient, unscale factor, that factor as a float, and where its norm
@@ -214,28 +216,164 @@ class PendingNorms:
         """Record the norm of gradient ``index`` (`Grad.norm`) unless an earlier `take` did. With ``kernel`` and a
         gradient it reads, every other kept one it reads under the same unscale factor whose bytes are in place
         (`Grad.ready`) is taken in the same call of the kernel."""
+        claim = self.claim(index, kernel)
+        if claim is not None:
+            claim.take(kernel)
+
+    def claim(self, index: int, kernel: "OnePass | None") -> "NormClaim | None":
+        """Take gradient ``index`` out of what is kept, with the others `take` would take beside it; ``None`` if an
+        earlier claim took it. The caller takes their norms (`NormClaim.landed`, then `NormClaim.record`), or
+        gives the others back (`NormClaim.give_back`)."""
         with self._lock:
             mine = self._kept.pop(index, None)
             if mine is None:
-                return  # taken with an earlier update's
-            grad, inv_scale, scale, record = mine
+                return None  # taken with an earlier update's
+            grad, _inv_scale, scale, _record = mine
             batch = {index: mine}
             if kernel is not None and kernel.reads(grad.flat):
                 for i, (g, _t, s, _r) in list(self._kept.items()):
                     if s == scale and kernel.reads(g.flat) and g.ready():
                         batch[i] = self._kept.pop(i)
-        if len(batch) == 1:
-            record(grad.norm(inv_scale, kernel))
+        return NormClaim(self, index, batch)
+
+    def _restore(self, batch: dict) -> None:
+        """Keep these again (`NormClaim.give_back`)."""
+        with self._lock:
+            self._kept.update(batch)
+
+
+class NormClaim:
+    """Gradients `PendingNorms.claim` took out for one update's worker to take the norms of, its own first. The
+    worker's alone, from the claim to `record` or `give_back`."""
+
+    __slots__ = ("pending", "index", "batch", "settled")
+
+    def __init__(self, pending: PendingNorms, index: int, batch: dict) -> None:
+        self.pending, self.index, self.batch = pending, index, batch
+        self.settled = False  # recorded or given back: a claim does either once
+
+    @property
+    def mine(self) -> Grad:
+        """The claiming update's own gradient."""
+        return self.batch[self.index][0]
+
+    @property
+    def inv_scale(self) -> torch.Tensor | None:
+        """The unscale factor every gradient of the claim shares."""
+        return self.batch[self.index][1]
+
+    @property
+    def scale(self) -> float | None:
+        """`inv_scale` as a float (what `PendingNorms.claim` compares)."""
+        return self.batch[self.index][2]
+
+    def take(self, kernel: "OnePass | None") -> None:
+        """Take the norms now, on this thread (the kernel's threads for several), and `record` them; on an error
+        `give_back` the others."""
+        if len(self.batch) == 1:
+            self.record([self.mine.norm(self.inv_scale, kernel)])
             return
         try:
-            grad._landed()
-            norms = kernel.norms([kept[0].flat for kept in batch.values()], inv_scale)
+            norms = kernel.norms(self.landed(), self.inv_scale)
         except BaseException:
-            with self._lock:  # the others' updates take their own (and raise their own errors)
-                self._kept.update((i, kept) for i, kept in batch.items() if i != index)
+            self.give_back()
             raise
-        for kept, value in zip(batch.values(), norms):
+        self.record(norms)
+
+    def landed(self) -> list[torch.Tensor]:
+        """The gradients (flat), in the claim's order, once the claiming update's own is in place (the others were
+        when claimed)."""
+        self.mine._landed()
+        return [kept[0].flat for kept in self.batch.values()]
+
+    def record(self, norms: list[torch.Tensor]) -> None:
+        """Hand each gradient's norm, in the claim's order, to where it goes."""
+        self.settled = True
+        for kept, value in zip(self.batch.values(), norms):
             kept[3](value)
+
+    def give_back(self) -> None:
+        """The others' norms were not taken (the claiming update failed): keep them again, for their own updates
+        to take (and raise their own errors). Nothing once recorded or given back."""
+        if not self.settled:
+            self.settled = True
+            self.pending._restore({i: kept for i, kept in self.batch.items() if i != self.index})
+
+
+class Beside:
+    """The norms a pass takes beside its updates (`onepass.OnePass.update_chunks`): the gradients claimed for one
+    job's updates (`claim`), all under one unscale factor. The job's worker's alone."""
+
+    __slots__ = ("claims",)
+
+    def __init__(self, claims: list[NormClaim]) -> None:
+        self.claims = claims
+
+    @classmethod
+    def claim(cls, takes: "list[Callable[[], None] | None]", kernel: "OnePass | None") -> "Beside | None":
+        """The norms of these speculative updates' gradients (each one's ``norm``: a `NormTake`, or what takes it
+        alone) that ``kernel``'s pass can take beside the job's updates: the kept gradients it reads, under one
+        unscale factor; ``None`` if none. The rest are taken now. On an error, the claims made so far are given
+        back."""
+        claims: list[NormClaim] = []
+        try:
+            for take in takes:
+                if take is None:
+                    continue
+                if kernel is None or not isinstance(take, NormTake):
+                    take()
+                    continue
+                claim = take.claim()
+                if claim is None:
+                    continue  # taken with an earlier update's
+                if claims and claim.scale != claims[0].scale:
+                    claim.take(kernel)
+                    continue
+                claims.append(claim)
+        except BaseException:
+            for claim in claims:
+                claim.give_back()
+            raise
+        return cls(claims) if claims else None
+
+    @property
+    def inv_scale(self) -> torch.Tensor | None:
+        """The unscale factor of every gradient."""
+        return self.claims[0].inv_scale
+
+    def grads(self) -> list[torch.Tensor]:
+        """Every claimed gradient (flat), in order, once in place (`NormClaim.landed`)."""
+        return [g for claim in self.claims for g in claim.landed()]
+
+    def record(self, norms: list[torch.Tensor]) -> None:
+        """Hand each norm (in `grads`' order) to where it goes."""
+        at = 0
+        for claim in self.claims:
+            claim.record(norms[at : at + len(claim.batch)])
+            at += len(claim.batch)
+
+    def give_back(self) -> None:
+        """Give back every claim not recorded (`NormClaim.give_back`)."""
+        for claim in self.claims:
+            claim.give_back()
+
+
+class NormTake:
+    """What takes a queued speculative update's gradient norm on the worker, beside other kept ones
+    (`PendingNorms`): called, it takes them now; `claim`, for the update's pass to take them beside it
+    (`onepass.OnePass.update_chunks`'s ``beside``)."""
+
+    __slots__ = ("pending", "index", "kernel")
+
+    def __init__(self, pending: PendingNorms, index: int, kernel: "OnePass") -> None:
+        self.pending, self.index, self.kernel = pending, index, kernel
+
+    def __call__(self) -> None:
+        self.pending.take(self.index, self.kernel)
+
+    def claim(self) -> NormClaim | None:
+        """`PendingNorms.claim` of this update's gradient."""
+        return self.pending.claim(self.index, self.kernel)
 
 
 class StreamedGradients:

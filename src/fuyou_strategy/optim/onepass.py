@@ -20,9 +20,11 @@ not fill a vector block go through torch's own kernel (torch's scalar tail).
 
 The same build takes the gradients' norms (`OnePass.norms`): torch's ``vector_norm`` order, which is sequential
 and so single-threaded in torch, on one thread per gradient with the gradients shared out among the caller's
-threads, and a bf16 or fp16 gradient read in its own dtype rather than upcast first. Its order depends on how torch
-was built (how many accumulators, how the compiler built the last elements' loop), so `find_norm_layout` tries the
-known layouts against torch at load; with none matching, the norms are torch's own.
+threads, and a bf16 or fp16 gradient read in its own dtype rather than upcast first. A speculative update's norms
+are taken in its pass's own parallel region (`OnePass.update_chunks`'s ``beside``): each on one thread while the
+others update. Its order depends on how torch was built (how many accumulators, how the compiler built the last
+elements' loop), so `find_norm_layout` tries the known layouts against torch at load; with none matching, the
+norms are torch's own.
 
 ``FuyouConfig.update_kernel`` chooses: ``"auto"`` takes the pass when it builds and checks out on this
 machine (else torch's kernel, saying why), ``"one_pass"`` requires it, ``"torch"`` never builds it.
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from .gradients import grad_norm
+from .gradients import Beside, grad_norm
 from .kernels import adamw_kernel, fp32_gradient
 
 __all__ = ["OnePass", "choose", "load", "step_count", "CAPABILITY_FLAGS", "NORM_LAYOUTS"]
@@ -120,38 +122,57 @@ class OnePass:
     def update_chunk(self, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
                      grad: torch.Tensor, weight: torch.Tensor | None, *, n: int, step: torch.Tensor, count: float,
                      inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
-                     beta2: float, weight_decay: float, eps: float) -> None:
+                     beta2: float, weight_decay: float, eps: float,
+                     beside: Beside | None = None) -> list[torch.Tensor]:
         """`update` of one state chunk as the store holds it (`formats.Layout` ``"fp32"``), with no view made here
         but for a ragged end: ``out`` is the chunk's fp32 values, the master, ``exp_avg`` and ``exp_avg_sq`` of
         ``n`` elements each in turn, written from ``source`` (the same layout; ``None``: ``out``, in place), the
         master read from ``master_in`` when given; ``count`` is ``step + 1`` as a float (`step_count`), taken once
-        per parameter."""
+        per parameter. ``beside``: norms taken in the same call (`update_chunks`), returned; else ``[]``."""
+        if beside is not None:
+            return self.update_chunks([out], [source], [grad], [weight], [n], counts=[count], inv_scale=inv_scale,
+                                      coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                                      master_ins=[master_in], beside=beside)
         done = self.module.adamw_chunk(out, source, master_in, grad, weight, n,
                                        *_scalars(lr, beta1, beta2, weight_decay, eps, count, inv_scale, coef))
         if done < n:
             self._chunk_tail(done, out, source, master_in, grad, weight, n, step=step, inv_scale=inv_scale,
                              coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+        return []
 
     def update_chunks(self, outs: list[torch.Tensor], sources: list[torch.Tensor | None], grads: list[torch.Tensor],
                       weights: list[torch.Tensor], ns: list[int], *, counts: list[float],
                       inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
-                      beta2: float, weight_decay: float, eps: float) -> None:
-        """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place; each new
-        weight into ``weights``), in one call of the compiled pass without the GIL: a run of parameters
-        (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for their
-        arithmetic. The same bits, chunk for chunk. A weight is any contiguous tensor of its chunk's elements, in
-        order: a whole parameter may be given as it is (shaped; the pass writes it by pointer, outside autograd).
+                      beta2: float, weight_decay: float, eps: float, master_ins: list[torch.Tensor | None] | None = None,
+                      beside: Beside | None = None) -> list[torch.Tensor]:
+        """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place, or from
+        ``master_ins``; each new weight into ``weights``), in one call of the compiled pass without the GIL: a run of
+        parameters (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for
+        their arithmetic. The same bits, chunk for chunk. A weight is any contiguous tensor of its chunk's elements,
+        in order: a whole parameter may be given as it is (shaped; the pass writes it by pointer, outside autograd).
         ``counts``: the step count each chunk's update completes (`step_count`); a ragged end's tail gives torch's
-        kernel the count before it as its step tensor, made only then (whole numbers: exact in fp32)."""
+        kernel the count before it as its step tensor, made only then (whole numbers: exact in fp32).
+
+        ``beside`` (`gradients.Beside`): gradients whose norms (`norms`, each a gradient it `reads`) are taken in the
+        same parallel region as the passes, each on one thread while the others update; returned in its order (else
+        ``[]``), for the caller to record. The norm a speculative update takes before it then leaves none of the
+        worker's other threads waiting."""
         scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
-        done = self.module.adamw_chunks(outs, sources, grads, weights, ns, counts, *scalars[:5], *scalars[6:])
+        if beside is not None:
+            lanes, group = self.norm_layout
+            norm_grads, norm_scale = beside.grads(), None if beside.inv_scale is None else float(beside.inv_scale)
+        else:
+            lanes, group, norm_grads, norm_scale = 8, 1, [], None
+        done, norms = self.module.adamw_chunks(outs, sources, master_ins or [], grads, weights, ns, counts,
+                                               *scalars[:5], *scalars[6:], norm_grads, norm_scale, lanes, group)
         for i, n in enumerate(ns):
             if done[i] < n:
                 weight = weights[i].detach().view(-1) if weights[i] is not None else None  # the tail's slices: flat
                 step = torch.tensor(counts[i] - 1.0, dtype=torch.float32)
-                self._chunk_tail(done[i], outs[i], sources[i], None, grads[i], weight, n, step=step,
-                                 inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
+                self._chunk_tail(done[i], outs[i], sources[i], master_ins[i] if master_ins else None, grads[i], weight,
+                                 n, step=step, inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
                                  weight_decay=weight_decay, eps=eps)
+        return list(norms.unbind()) if norm_grads else []
 
     def _chunk_tail(self, done: int, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
                     grad: torch.Tensor, weight: torch.Tensor | None, n: int, **kwargs: Any) -> None:

@@ -57,6 +57,7 @@ from ..storage import ACTIVE, SHADOW, HostBuffer, LentChunk, TensorStore, byte_v
 from ..storage.aio import DONE
 from ..storage.pool import round_up
 from .formats import KINDS, Layout, fp32_values, scratch, tiles, update_compact
+from .gradients import Beside
 from .kernels import adamw_kernel, fp32_gradient, fp32_gradients, fused_adamw
 from .onepass import OnePass, step_count
 from .pipeline import ChunkJob, ChunkPipeline, Later
@@ -447,8 +448,9 @@ class OptimizerState:
         landed. Per chunk: the gradient is unscaled (``inv_scale``, `GradScaler.unscale_`) and clipped
         (``coef``, ``clip_grad_norm_``'s in-place multiply) in fp32, the kernel runs, the new master goes
         to ``publish`` and, with ``keep``, the raw gradient chunk to ``keep`` (a redo may need it again).
-        ``norm`` takes the gradient's norm (`gradients.PendingNorms.take`) before the first chunk; ``finished``
-        runs after the last chunk (it releases what the gradient held).
+        ``norm`` takes the gradient's norm (`gradients.NormTake`): beside the first chunk's one pass
+        (`gradients.Beside`), else before it; ``finished`` runs after the last chunk (it releases what the gradient
+        held).
 
         ``one_pass`` (`onepass.OnePass`; with ``fused`` and fp32 moments): each chunk is one pass over memory,
         the same bits: the master and moments read where they are (the active chunk, lent unfilled into the
@@ -499,17 +501,22 @@ class OptimizerState:
             # Staged weights still copying in, the oldest first: at most one between two chunks (`compute`)
             landing: list[tuple[HostBuffer, Copy]] = []
             with on_stream(stream):
-                if k == 0 and norm is not None:
-                    norm()
+                # the norm, taken beside the first chunk's pass where it is the one pass's (else now)
+                beside = Beside.claim([norm], one_pass) if k == 0 and norm is not None else None
                 if lent:  # chunks k, k + 1, ... (no stored gradient: `ChunkJob.lent` takes no extra entry)
                     calls = [(k + i, buf, None) for i, buf in enumerate(bufs)]
                 else:  # chunk k, with the stored gradient's chunk when there is one (`ChunkJob.extra`)
                     calls = [(k, bufs[0], bufs[1] if len(bufs) > 1 else None)]
                 try:
                     for j, buf, stored in calls:
-                        took, n = compute(j, buf, stored, futures, landing)
+                        took, n = compute(j, buf, stored, futures, landing, beside)
+                        beside = None
                         writes.append(store.write_chunk(ps.entry, j, buf, slot=slot))
                         seconds, elems = seconds + took, elems + n
+                except BaseException:
+                    if beside is not None:  # not taken: the others go back for their own updates to take
+                        beside.give_back()
+                    raise
                 finally:  # the last chunk's weight is in the parameter before the update is done (or fails)
                     land(landing)
                 if not on_device:  # the host's CPU time: the device's kernels are only queued here
@@ -533,15 +540,19 @@ class OptimizerState:
                 staged.release()
 
         def compute(k: int, buf: HostBuffer, stored: HostBuffer | None, futures: list[Future],
-                    landing: list[tuple[HostBuffer, Copy]]) -> tuple[float, int]:
+                    landing: list[tuple[HostBuffer, Copy]], beside: Beside | None) -> tuple[float, int]:
             """Chunk ``k``'s update into ``buf``, which `update` then writes back: the publish's and the kept
             gradient's futures go into ``futures``; a staged weight's copy into ``landing``, where it runs beside
-            the next chunk's pass (`land` waits for it after that pass, or at the end of the call); returns the
-            seconds of CPU work and the chunk's elements."""
+            the next chunk's pass (`land` waits for it after that pass, or at the end of the call); ``beside``'s
+            norms taken beside the pass (or first, without one) and recorded. Returns the seconds of CPU work and
+            the chunk's elements."""
             start, n = ps.span(k)
             raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
             source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
+            if beside is not None and not (one_pass is not None and raw.is_cpu and raw.is_contiguous()):
+                beside.record(one_pass.norms(beside.grads(), beside.inv_scale))
+                beside = None
             if one_pass is not None and raw.is_cpu and raw.is_contiguous():
                 state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
                 weight = into[start : start + n] if into is not None else None
@@ -554,9 +565,12 @@ class OptimizerState:
                 try:
                     if staged is not None:
                         weight = staged.view(ps.param.dtype)[:n]
-                    one_pass.update_chunk(state, buf.source_as(torch.float32) if source is not None else None,
-                                          flat[start : start + n] if flat is not None else None, raw, weight, n=n,
-                                          step=step, count=count, inv_scale=inv_scale, coef=coef, **hyper)
+                    taken = one_pass.update_chunk(state, buf.source_as(torch.float32) if source is not None else None,
+                                                  flat[start : start + n] if flat is not None else None, raw, weight,
+                                                  n=n, step=step, count=count, inv_scale=inv_scale, coef=coef,
+                                                  beside=beside, **hyper)
+                    if beside is not None:
+                        beside.record(taken)
                     if staged is not None:
                         landing.append((staged, publish.start_land(ps, k, weight)))
                         copying = True
@@ -628,7 +642,8 @@ class OptimizerState:
 
         State in host RAM: each chunk lent in place (a redo's shadow chunk unfilled, read from the active one) and
         updated by the one pass, the new weight written into the parameter in the same pass; every chunk of the run
-        in one call of the compiled pass (`OnePass.update_chunks`). On the device tier:
+        in one call of the compiled pass (`OnePass.update_chunks`), the members' norms taken beside it
+        (`gradients.Beside`). On the device tier:
         every chunk's update in one call of torch's fused kernel over the lists of chunks (torch's own
         multi-tensor call: its ``AdamW(fused=True)`` arithmetic, element for element), an exact update's gradients
         unscaled and clipped in place, the shadow chunks filled and the new weights published by one
@@ -662,16 +677,18 @@ class OptimizerState:
 
         def update(_k: int) -> Future | Later:
             bufs: list[LentChunk] = []
+            beside: Beside | None = None  # the norms the host pass takes beside its updates; the others first, here
             try:
                 with on_stream(stream):
-                    for take in norms or ():
-                        if take is not None:
-                            take()
+                    beside = Beside.claim(norms or (), None if on_device else one_pass)
                     bufs = store.lend_chunks([(pss[i].entry, k) for i, k in chunks], slot=ACTIVE, lend=slot,
                                              fill=False)
                     lent = [(i, k, buf) for (i, k), buf in zip(chunks, bufs)]
                     began = time.perf_counter()
-                    (device_pass if on_device else host_pass)(lent)
+                    if on_device:
+                        device_pass(lent)
+                    else:
+                        host_pass(lent, beside)
                     took = time.perf_counter() - began
                     store.give_back(bufs)  # written in place: each chunk's write is done
                 if not on_device:  # the host's CPU time: the device's kernels are only queued here
@@ -679,12 +696,14 @@ class OptimizerState:
                 for _ps, grad in members:
                     grad.release()
             except BaseException:
+                if beside is not None:  # not taken: the other updates' norms go back for their own updates to take
+                    beside.give_back()
                 for buf in bufs:  # no-op for a chunk already given back
                     buf.release()
                 raise
             return DONE if exact else Later(None, DONE)
 
-        def host_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
+        def host_pass(lent: list[tuple[int, int, LentChunk]], beside: Beside | None) -> None:
             outs, sources, grads, weights, ns, chunk_counts = [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad = members[i]
@@ -695,8 +714,10 @@ class OptimizerState:
                 weights.append(ps.of_chunk(into[i], k))
                 ns.append(n)
                 chunk_counts.append(counts[i])
-            one_pass.update_chunks(outs, sources, grads, weights, ns, counts=chunk_counts,
-                                   inv_scale=inv_scale, coef=coef, **hyper)
+            taken = one_pass.update_chunks(outs, sources, grads, weights, ns, counts=chunk_counts,
+                                           inv_scale=inv_scale, coef=coef, beside=beside, **hyper)
+            if beside is not None:
+                beside.record(taken)
 
         def device_pass(lent: list[tuple[int, int, LentChunk]]) -> None:
             masters, avgs, sqs, raws, steps, fill, sources, published = [], [], [], [], [], [], [], []

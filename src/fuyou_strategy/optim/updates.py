@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from ..device import Copy, read_on_host, start_copy
+from .gradients import NormTake
 from .pipeline import ChunkJob
 from .state import OptimizerState, ParamState
 
@@ -106,7 +107,7 @@ class Updater:
         if kernel is not None and kernel.reads(grad.flat):
             unmeasured = self.window.unmeasured
             unmeasured.keep(ps.index, grad, inv_scale, put)
-            return lambda: unmeasured.take(ps.index, kernel)
+            return NormTake(unmeasured, ps.index, kernel)  # the update's pass may take it beside (`claim`)
         return lambda: put(grad.norm(inv_scale, kernel))
 
     def _release(self, ps: ParamState) -> None:

@@ -28,7 +28,7 @@ namespace {
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
 constexpr int64_t kBlock = 2 * fVec::size();  // elements per step: one Vectorized<BFloat16> widens to two fVec
-constexpr int64_t kGrainBlocks = 2048;        // blocks per parallel task: ~64K elements, ~1 MiB of traffic
+constexpr int64_t kGrainBlocks = 2048;        // blocks a thread takes at a time: ~64K elements, ~1 MiB of traffic
 
 struct Hyper {
   double lr, weight_decay, beta2, exp_avg_grad_coefficient, exp_avg_sq_grad_coefficient, bias_correction2_sqrt,
@@ -110,49 +110,62 @@ inline void adamw_vec(fVec& param_vec, fVec grad_vec, fVec& exp_avg_vec, fVec& e
   param_vec = param_vec + fVec(float(-h.step_size)) * exp_avg_vec / denom_vec;
 }
 
+// One chunk's pass as the threads share it: its pointers, the gradient's and the weight's dtype (none: no weight
+// written), its whole blocks and its constants. `run_blocks` updates blocks [b0, b1) of it.
+struct Chunk {
+  const float *master_in, *exp_avg_in, *exp_avg_sq_in;
+  const void* grad;
+  float *master_out, *exp_avg_out, *exp_avg_sq_out;
+  void* weight_out;
+  at::ScalarType grad_type, weight_type;
+  bool has_weight;
+  int64_t blocks;
+  Hyper h;
+};
+
 template <typename G, typename W>
-void pass(const float* master_in, const float* exp_avg_in, const float* exp_avg_sq_in, const G* grad,
-          float* master_out, float* exp_avg_out, float* exp_avg_sq_out, W* weight_out, int64_t blocks,
-          const Hyper& h) {
+void blocks_of(const Chunk& c, int64_t b0, int64_t b1) {
+  const float *master_in = c.master_in, *exp_avg_in = c.exp_avg_in, *exp_avg_sq_in = c.exp_avg_sq_in;
+  float *master_out = c.master_out, *exp_avg_out = c.exp_avg_out, *exp_avg_sq_out = c.exp_avg_sq_out;
+  const G* grad = static_cast<const G*>(c.grad);
+  W* weight_out = static_cast<W*>(c.weight_out);
   const bool sm = streams(master_out, master_in), sa = streams(exp_avg_out, exp_avg_in),
              ss = streams(exp_avg_sq_out, exp_avg_sq_in), sw = streams(weight_out, master_in);
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    // A copy the stores below cannot alias (the caller's `h` could be written through a float*, for all the
-    // compiler knows), so its constants are loaded and converted once, not at every block.
-    const Hyper hl = h;
-    for (int64_t d = b0 * kBlock; d < b1 * kBlock; d += kBlock) {
-      fVec g1, g2;
-      load2(grad + d, g1, g2);
-      fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
-      fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
-      fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
-      adamw_vec(p1, g1, m1, v1, hl);
-      adamw_vec(p2, g2, m2, v2, hl);
-      store2(master_out + d, p1, p2, sm);
-      store2(exp_avg_out + d, m1, m2, sa);
-      store2(exp_avg_sq_out + d, v1, v2, ss);
-      if constexpr (!std::is_same_v<W, void>) {
-        store2(weight_out + d, p1, p2, sw);
-      }
+  // A copy the stores below cannot alias (`c.h` could be written through a float*, for all the compiler knows),
+  // so its constants are loaded and converted once, not at every block.
+  const Hyper hl = c.h;
+  for (int64_t d = b0 * kBlock; d < b1 * kBlock; d += kBlock) {
+    fVec g1, g2;
+    load2(grad + d, g1, g2);
+    fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
+    fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
+    fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
+    adamw_vec(p1, g1, m1, v1, hl);
+    adamw_vec(p2, g2, m2, v2, hl);
+    store2(master_out + d, p1, p2, sm);
+    store2(exp_avg_out + d, m1, m2, sa);
+    store2(exp_avg_sq_out + d, v1, v2, ss);
+    if constexpr (!std::is_same_v<W, void>) {
+      store2(weight_out + d, p1, p2, sw);
     }
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    _mm_sfence();  // non-temporal stores are weakly ordered: visible before this task reports done
-#endif
-  });
+  }
 }
 
 template <typename G>
-void dispatch_weight(const float* a, const float* b, const float* c, const G* g, float* x, float* y, float* z,
-                     const c10::optional<at::Tensor>& w, int64_t blocks, const Hyper& h) {
-  if (!w.has_value()) {
-    pass<G, void>(a, b, c, g, x, y, z, nullptr, blocks, h);
-    return;
+void blocks_weight(const Chunk& c, int64_t b0, int64_t b1) {
+  if (!c.has_weight) return blocks_of<G, void>(c, b0, b1);
+  switch (c.weight_type) {
+    case at::kFloat: return blocks_of<G, float>(c, b0, b1);
+    case at::kBFloat16: return blocks_of<G, at::BFloat16>(c, b0, b1);
+    default: return blocks_of<G, at::Half>(c, b0, b1);  // checked by make_chunk
   }
-  switch (w->scalar_type()) {
-    case at::kFloat: pass<G, float>(a, b, c, g, x, y, z, w->data_ptr<float>(), blocks, h); break;
-    case at::kBFloat16: pass<G, at::BFloat16>(a, b, c, g, x, y, z, w->data_ptr<at::BFloat16>(), blocks, h); break;
-    case at::kHalf: pass<G, at::Half>(a, b, c, g, x, y, z, w->data_ptr<at::Half>(), blocks, h); break;
-    default: TORCH_CHECK(false, "adamw_pass: weight_out must be float32, bfloat16 or float16, got ", w->scalar_type());
+}
+
+void run_blocks(const Chunk& c, int64_t b0, int64_t b1) {
+  switch (c.grad_type) {
+    case at::kFloat: return blocks_weight<float>(c, b0, b1);
+    case at::kBFloat16: return blocks_weight<at::BFloat16>(c, b0, b1);
+    default: return blocks_weight<at::Half>(c, b0, b1);  // checked by make_chunk
   }
 }
 
@@ -280,30 +293,128 @@ float norm_one(const at::Tensor& t, bool has_inv, float inv, int64_t lanes, int6
 }
 
 
-}  // namespace
+// As torch's kernel: the bias corrections in double, from the step count as a float.
+Hyper make_hyper(double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+                 c10::optional<double> inv_scale, c10::optional<double> coef) {
+  double bias_correction1 = 1 - std::pow(beta1, step);
+  double bias_correction2 = 1 - std::pow(beta2, step);
+  return Hyper{lr, weight_decay, beta2, 1 - beta1, 1 - beta2, std::sqrt(bias_correction2), eps, lr / bias_correction1,
+               inv_scale.has_value(), coef.has_value(), float(inv_scale.value_or(1.0)), float(coef.value_or(1.0))};
+}
 
 // The pass over the first `n` elements of the fp32 master, moments (in: a, b, c; out: x, y, z; checked by the
-// caller) and of the gradient and the weight; returns the elements done (whole blocks).
+// caller) and of the gradient and the weight, checked here: its whole blocks (the rest is the caller's).
+Chunk make_chunk(const float* a, const float* b, const float* c, const at::Tensor& grad, float* x, float* y, float* z,
+                 const c10::optional<at::Tensor>& weight_out, int64_t n, const Hyper& h) {
+  check(grad, "grad", n, false);
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf,
+              "adamw_pass: grad must be float32, bfloat16 or float16, got ", gt);
+  at::ScalarType wt = at::kFloat;
+  if (weight_out.has_value()) {
+    check(*weight_out, "weight_out", n, false);
+    wt = weight_out->scalar_type();
+    TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf,
+                "adamw_pass: weight_out must be float32, bfloat16 or float16, got ", wt);
+  }
+  return Chunk{a, b, c, grad.data_ptr(), x, y, z, weight_out.has_value() ? weight_out->data_ptr() : nullptr, gt, wt,
+               weight_out.has_value(), n / kBlock, h};
+}
+
+// The norms to take beside the chunks' passes (`run`): each gradient's (checked here: an error in a parallel task
+// would name no tensor), unscaled by `inv_scale` when given, in the order `lanes`, `tail_group` (see above).
+struct Norms {
+  const std::vector<at::Tensor>& grads;
+  bool has_inv;
+  float inv;
+  int64_t lanes, tail_group;
+  float* out;
+
+  Norms(const std::vector<at::Tensor>& g, c10::optional<double> inv_scale, int64_t l, int64_t t, float* o)
+      : grads(g), has_inv(inv_scale.has_value()), inv(static_cast<float>(inv_scale.value_or(1.0))), lanes(l),
+        tail_group(t), out(o) {
+    if (grads.empty()) return;
+    for (const auto& g : grads) {
+      TORCH_CHECK(g.device().is_cpu() && g.is_contiguous(), "grad_norms: every gradient must be a contiguous CPU tensor");
+      const auto dtype = g.scalar_type();
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                  "grad_norms: a gradient must be float32, bfloat16 or float16, got ", dtype);
+    }
+    TORCH_CHECK(lanes == 8 || lanes == 16, "grad_norms: lanes must be 8 or 16, got ", lanes);
+    TORCH_CHECK(tail_group >= 1, "grad_norms: tail_group must be at least 1, got ", tail_group);
+  }
+};
+
+// Every chunk's whole blocks and every norm, shared among the caller's intra-op threads in one parallel region:
+// a norm is one thread's (its order is sequential); a chunk's blocks go kGrainBlocks at a time (a smaller chunk
+// whole). Each thread takes the next norm left, then the next grain left, so that while a norm holds one thread the
+// others update, and a run of small chunks is not one thread's. Which thread takes what changes no element's
+// arithmetic: each block is updated once, as torch's kernel updates it, and each norm summed in torch's order.
+void run(const std::vector<Chunk>& chunks, const Norms& norms) {
+  struct Grain {
+    size_t chunk;
+    int64_t b0, b1;
+  };
+  std::vector<Grain> grains;
+  for (size_t i = 0; i < chunks.size(); i++) {
+    for (int64_t b = 0; b < chunks[i].blocks; b += kGrainBlocks) {
+      grains.push_back({i, b, std::min(b + kGrainBlocks, chunks[i].blocks)});
+    }
+  }
+  const size_t nnorms = norms.grads.size();
+  // The next norm and the next grain to take: shared by the threads, each index taken once.
+  std::atomic<size_t> next_norm{0}, next_grain{0};
+  auto take = [&]() {
+    for (size_t j = next_norm.fetch_add(1); j < nnorms; j = next_norm.fetch_add(1)) {
+      norms.out[j] = norm_one(norms.grads[j], norms.has_inv, norms.inv, norms.lanes, norms.tail_group);
+    }
+    for (size_t j = next_grain.fetch_add(1); j < grains.size(); j = next_grain.fetch_add(1)) {
+      run_blocks(chunks[grains[j].chunk], grains[j].b0, grains[j].b1);
+    }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    _mm_sfence();  // non-temporal stores are weakly ordered: visible before this task reports done
+#endif
+  };
+  const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(nnorms + grains.size()), at::get_num_threads());
+  if (tasks <= 1) {
+    take();
+    return;
+  }
+  // One task per thread, each taking until nothing is left; an error in one is raised here, after the others end.
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { take(); });
+}
+
+const std::vector<at::Tensor> kNoGrads;
+const Norms kNoNorms(kNoGrads, c10::nullopt, 8, 1, nullptr);
+
+// `run` of one chunk's pass (see `make_chunk`); returns the elements done (whole blocks).
 int64_t pass_over(const float* a, const float* b, const float* c, const at::Tensor& grad, float* x, float* y,
                   float* z, const c10::optional<at::Tensor>& weight_out, int64_t n, double lr, double beta1,
                   double beta2, double weight_decay, double eps, double step, c10::optional<double> inv_scale,
                   c10::optional<double> coef) {
-  check(grad, "grad", n, false);
-  if (weight_out.has_value()) check(*weight_out, "weight_out", n, false);
-  // As torch's kernel: the bias corrections in double, from the step count as a float.
-  double bias_correction1 = 1 - std::pow(beta1, step);
-  double bias_correction2 = 1 - std::pow(beta2, step);
-  Hyper h{lr, weight_decay, beta2, 1 - beta1, 1 - beta2, std::sqrt(bias_correction2), eps, lr / bias_correction1,
-          inv_scale.has_value(), coef.has_value(), float(inv_scale.value_or(1.0)), float(coef.value_or(1.0))};
-  int64_t blocks = n / kBlock;
-  switch (grad.scalar_type()) {
-    case at::kFloat: dispatch_weight(a, b, c, grad.data_ptr<float>(), x, y, z, weight_out, blocks, h); break;
-    case at::kBFloat16: dispatch_weight(a, b, c, grad.data_ptr<at::BFloat16>(), x, y, z, weight_out, blocks, h); break;
-    case at::kHalf: dispatch_weight(a, b, c, grad.data_ptr<at::Half>(), x, y, z, weight_out, blocks, h); break;
-    default: TORCH_CHECK(false, "adamw_pass: grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
-  }
-  return blocks * kBlock;
+  const Chunk chunk = make_chunk(a, b, c, grad, x, y, z, weight_out, n,
+                                 make_hyper(lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef));
+  run({chunk}, kNoNorms);
+  return chunk.blocks * kBlock;
 }
+
+// One state chunk as the store holds it (`formats.Layout("fp32")`), checked: `out` is the chunk's fp32 values,
+// master, exp_avg and exp_avg_sq of `n` elements each, one after the other, written from `source` (the same
+// layout; none: `out` itself, in place), the master read from `master_in` when given (a parameter holding it).
+Chunk state_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& source,
+                  const c10::optional<at::Tensor>& master_in, const at::Tensor& grad,
+                  const c10::optional<at::Tensor>& weight_out, int64_t n, const Hyper& h) {
+  const at::Tensor& in = source.has_value() ? *source : out;
+  check(out, "out", 3 * n, true);
+  check(in, "source", 3 * n, true);
+  if (master_in.has_value()) check(*master_in, "master_in", n, true);
+  const float* i = in.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  return make_chunk(master_in.has_value() ? master_in->data_ptr<float>() : i, i + n, i + 2 * n, grad, o, o + n,
+                    o + 2 * n, weight_out, n, h);
+}
+
+}  // namespace
 
 // Updates the first `blocks * block_elements()` elements; returns that count.
 int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, const at::Tensor& exp_avg_sq_in,
@@ -322,90 +433,57 @@ int64_t adamw_pass(const at::Tensor& master_in, const at::Tensor& exp_avg_in, co
                    weight_out, n, lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef);
 }
 
-// `adamw_pass` on one state chunk as the store holds it (`formats.Layout("fp32")`): `out` is the chunk's fp32 values,
-// master, exp_avg and exp_avg_sq of `n` elements each, one after the other, written from `source` (the same layout;
-// none: `out` itself, in place) and `grad`, the master read from `master_in` when given (a parameter holding it).
-// One call, and no view made at all (a view costs a microsecond even in C++, several per chunk).
+// `adamw_pass` on one state chunk as the store holds it (`state_chunk`). One call, and no view made at all (a view
+// costs a microsecond even in C++, several per chunk).
 int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& source,
                     const c10::optional<at::Tensor>& master_in, const at::Tensor& grad,
                     const c10::optional<at::Tensor>& weight_out, int64_t n, double lr, double beta1, double beta2,
                     double weight_decay, double eps, double step, c10::optional<double> inv_scale,
                     c10::optional<double> coef) {
-  const at::Tensor& in = source.has_value() ? *source : out;
-  check(out, "out", 3 * n, true);
-  check(in, "source", 3 * n, true);
-  if (master_in.has_value()) check(*master_in, "master_in", n, true);
-  const float* i = in.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  return pass_over(master_in.has_value() ? master_in->data_ptr<float>() : i, i + n, i + 2 * n, grad, o, o + n,
-                   o + 2 * n, weight_out, n, lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef);
+  const Chunk chunk = state_chunk(out, source, master_in, grad, weight_out, n,
+                                  make_hyper(lr, beta1, beta2, weight_decay, eps, step, inv_scale, coef));
+  run({chunk}, kNoNorms);
+  return chunk.blocks * kBlock;
 }
 
-// `adamw_chunk` on each chunk of a list, in one call: a run of parameters (`OptimizerState.group_job`), whose many
-// small chunks would each pay for a call from Python. Every chunk has its own length and step count, the same
-// hyperparameters and factors; returns each chunk's elements done (its ragged end is the caller's, as above).
-// A chunk of at least kGrainBlocks blocks is shared among the threads by its own pass, one such chunk after another;
-// the smaller ones, which one pass would give to one thread, are shared out among the threads a chunk at a time
-// (each thread taking the next one left), so that a run of small parameters is not one thread's. Every element's
-// arithmetic is the same either way.
-std::vector<int64_t> adamw_chunks(const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
-                                  const std::vector<at::Tensor>& grads,
-                                  const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
-                                  const std::vector<double>& steps, double lr, double beta1, double beta2,
-                                  double weight_decay, double eps, c10::optional<double> inv_scale,
-                                  c10::optional<double> coef) {
+// `adamw_chunk` on each chunk of a list, and the norms of `norm_grads` (unscaled by `norm_inv_scale`, in the order
+// `lanes`, `tail_group`: `grad_norms`), all in one parallel region (`run`): a run of parameters
+// (`OptimizerState.group_job`), whose many small chunks would each pay for a call from Python, and the norms a
+// speculative update takes before it, which would otherwise hold one thread while the others wait. Every chunk has
+// its own length and step count, the same hyperparameters and factors; `master_ins` is empty or one per chunk.
+// Returns each chunk's elements done (its ragged end is the caller's, as above) and the norms.
+std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
+    const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
+    const std::vector<c10::optional<at::Tensor>>& master_ins, const std::vector<at::Tensor>& grads,
+    const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
+    const std::vector<double>& steps, double lr, double beta1, double beta2, double weight_decay, double eps,
+    c10::optional<double> inv_scale, c10::optional<double> coef, const std::vector<at::Tensor>& norm_grads,
+    c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group) {
   const size_t n = outs.size();
-  TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n,
-              "adamw_chunks: outs, sources, grads, weights, ns and steps must be lists of one length");
-  std::vector<int64_t> done(n);  // each index written by the one thread that took its chunk
-  auto update = [&](size_t i) {
-    done[i] = adamw_chunk(outs[i], sources[i], c10::nullopt, grads[i], weights[i], ns[i], lr, beta1, beta2,
-                          weight_decay, eps, steps[i], inv_scale, coef);
-  };
-  std::vector<size_t> small;  // the chunks one pass would run on one thread
+  TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n &&
+                  (master_ins.empty() || master_ins.size() == n),
+              "adamw_chunks: outs, sources, grads, weights, ns, steps (and master_ins, unless empty) must be lists of "
+              "one length");
+  std::vector<Chunk> chunks;
+  chunks.reserve(n);
+  std::vector<int64_t> done(n);
   for (size_t i = 0; i < n; i++) {
-    if (ns[i] / kBlock >= kGrainBlocks) update(i);
-    else small.push_back(i);
+    chunks.push_back(state_chunk(outs[i], sources[i], master_ins.empty() ? c10::nullopt : master_ins[i], grads[i],
+                                 weights[i], ns[i],
+                                 make_hyper(lr, beta1, beta2, weight_decay, eps, steps[i], inv_scale, coef)));
+    done[i] = chunks.back().blocks * kBlock;
   }
-  const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(small.size()), at::get_num_threads());
-  if (tasks <= 1) {
-    for (size_t i : small) update(i);
-    return done;
-  }
-  std::atomic<size_t> next{0};  // the next small chunk to take: shared by the threads, each taken once
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {  // an error in one is raised here, after the others end
-    for (size_t j = next.fetch_add(1); j < small.size(); j = next.fetch_add(1)) update(small[j]);
-  });
-  return done;
+  at::Tensor out = at::empty({static_cast<int64_t>(norm_grads.size())}, at::kFloat);
+  run(chunks, Norms(norm_grads, norm_inv_scale, lanes, tail_group, out.data_ptr<float>()));
+  return {done, out};
 }
 
 // Each tensor's norm (above), into an fp32 tensor of as many elements. Each norm is one thread's (its order is
 // sequential); the tensors are shared out among the caller's intra-op threads, each taking the next one left.
 at::Tensor grad_norms(const std::vector<at::Tensor>& grads, c10::optional<double> inv_scale, int64_t lanes,
                       int64_t tail_group) {
-  for (const auto& t : grads) {  // checked here: an error in a parallel task would name no tensor
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "grad_norms: every gradient must be a contiguous CPU tensor");
-    const auto dtype = t.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "grad_norms: a gradient must be float32, bfloat16 or float16, got ", dtype);
-  }
-  TORCH_CHECK(lanes == 8 || lanes == 16, "grad_norms: lanes must be 8 or 16, got ", lanes);
-  TORCH_CHECK(tail_group >= 1, "grad_norms: tail_group must be at least 1, got ", tail_group);
-  const int64_t n = static_cast<int64_t>(grads.size());
-  at::Tensor out = at::empty({n}, at::kFloat);
-  float* o = out.data_ptr<float>();
-  const bool has_inv = inv_scale.has_value();
-  const float inv = static_cast<float>(inv_scale.value_or(1.0));
-  if (n == 1) {
-    o[0] = norm_one(grads[0], has_inv, inv, lanes, tail_group);
-    return out;
-  }
-  std::atomic<int64_t> next{0};  // the next tensor to take: shared by the threads, each index taken once
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      o[i] = norm_one(grads[i], has_inv, inv, lanes, tail_group);
-    }
-  });
+  at::Tensor out = at::empty({static_cast<int64_t>(grads.size())}, at::kFloat);
+  run({}, Norms(grads, inv_scale, lanes, tail_group, out.data_ptr<float>()));
   return out;
 }
 
@@ -419,10 +497,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("adamw_chunk", &adamw_chunk, "adamw_pass on one fp32 state chunk (see adamw_chunk)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("adamw_chunks", &adamw_chunks, "adamw_chunk on each chunk of a list (see adamw_chunks)",
+  m.def("adamw_chunks", &adamw_chunks, "adamw_chunk on each chunk of a list, and norms beside (see adamw_chunks)",
         py::call_guard<py::gil_scoped_release>());
   m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_elements", &block_elements, "Elements per block");
-  m.def("grain_blocks", &grain_blocks, "Blocks per parallel task (a chunk of fewer is one thread's in its own pass)");
+  m.def("grain_blocks", &grain_blocks, "Blocks per parallel task (a chunk of fewer is one thread's)");
 }
