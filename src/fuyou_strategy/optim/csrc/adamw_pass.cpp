@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 
 namespace {
@@ -347,9 +348,10 @@ struct Norms {
 
 // Every chunk's whole blocks and every norm, shared among the caller's intra-op threads in one parallel region:
 // a norm is one thread's (its order is sequential); a chunk's blocks go kGrainBlocks at a time (a smaller chunk
-// whole). Each thread takes the next norm left, then the next grain left, so that while a norm holds one thread the
-// others update, and a run of small chunks is not one thread's. Which thread takes what changes no element's
-// arithmetic: each block is updated once, as torch's kernel updates it, and each norm summed in torch's order.
+// whole). Each thread takes the next norm left (the largest first), then the next grain left, so that while a norm
+// holds one thread the others update, and a run of small chunks is not one thread's. Which thread takes what changes
+// no element's arithmetic: each block is updated once, as torch's kernel updates it, and each norm summed in torch's
+// order.
 void run(const std::vector<Chunk>& chunks, const Norms& norms) {
   struct Grain {
     size_t chunk;
@@ -362,11 +364,18 @@ void run(const std::vector<Chunk>& chunks, const Norms& norms) {
     }
   }
   const size_t nnorms = norms.grads.size();
+  // The norms the largest first: a norm is one thread's, so a large one taken last (a model's output layer, the
+  // last gradient of the list) would run alone after the others ended; taken first, it runs while they are shared.
+  std::vector<size_t> order(nnorms);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return norms.grads[a].numel() > norms.grads[b].numel(); });
   // The next norm and the next grain to take: shared by the threads, each index taken once.
   std::atomic<size_t> next_norm{0}, next_grain{0};
   auto take = [&]() {
     for (size_t j = next_norm.fetch_add(1); j < nnorms; j = next_norm.fetch_add(1)) {
-      norms.out[j] = norm_one(norms.grads[j], norms.has_inv, norms.inv, norms.lanes, norms.tail_group);
+      const size_t i = order[j];
+      norms.out[i] = norm_one(norms.grads[i], norms.has_inv, norms.inv, norms.lanes, norms.tail_group);
     }
     for (size_t j = next_grain.fetch_add(1); j < grains.size(); j = next_grain.fetch_add(1)) {
       run_blocks(chunks[grains[j].chunk], grains[j].b0, grains[j].b1);
