@@ -2,6 +2,7 @@
 a chunk's memory, in place and out of place, every gradient and weight dtype; the unfilled lend of the shadow slot
 it reads the active chunk through; the choice and its fallbacks; and the gradient norm's upcast."""
 
+import contextlib
 import copy
 import os
 import re
@@ -382,12 +383,16 @@ def test_training_with_the_one_pass_is_bitwise_torchs_and_the_same_as_torchs_ker
             assert torch.equal(p, q), (kernel, name)
 
 
-@pytest.mark.parametrize("split", ["all", "none"])
+@pytest.mark.parametrize("split", ["all", "none", "all-late"])
 def test_a_speculative_updates_norm_is_taken_beside_its_pass_with_torchs_bits(tmp_path, monkeypatch, split):
-    """test_schedule's run under the ``backward`` schedule, state in RAM (grouped jobs, `OptimizerState.group_job`)
-    and on the SSD (a job per parameter, `update_job`): every speculative update's gradient norm is taken by its
-    pass, beside the updates (`OnePass.update_chunks`'s ``beside``), none by the norm kernel alone before it; and the
-    run is torch's AdamW(fused=True) after ``clip_grad_norm_`` bit for bit (clipping bites: the norms decide it)."""
+    """test_schedule's run under the ``backward`` schedule, state in RAM (grouped jobs, `OptimizerState.group_job`),
+    on the SSD (a job per parameter, `update_job`, chunks one at a time) and in RAM with staged gradients and weights
+    (``all-late``: the late-copy mode, as on a GPU: a job per parameter, its chunks lent together and passed one call
+    each): every speculative update's gradient norm is taken by its pass, beside the updates
+    (`OnePass.update_chunks`'s ``beside``), none by the norm kernel alone before it; and the run is torch's
+    AdamW(fused=True) after ``clip_grad_norm_`` bit for bit (clipping bites: the norms decide it)."""
+    from fuyou_strategy.device import late_copies
+
     one_pass()
     model = tiny_causal_lm("llama")
     ref_model = copy.deepcopy(model)
@@ -407,12 +412,14 @@ def test_a_speculative_updates_norm_is_taken_beside_its_pass_with_torchs_bits(tm
 
     monkeypatch.setattr(onepass.OnePass, "update_chunks", update_chunks)
     monkeypatch.setattr(onepass.OnePass, "norms", norms)
-    host_state = {"all": "768KiB", "none": 0}[split]
-    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=config(tmp_path, "backward", host_state=host_state, update_kernel="one_pass"))
-    losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
-    stats = engine.optimizer.stats
-    engine.close()
+    host_state = {"all": "768KiB", "none": 0, "all-late": "768KiB"}[split]
+    with late_copies() if split == "all-late" else contextlib.nullcontext():
+        engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True),
+                             max_grad_norm=MAX_NORM,
+                             config=config(tmp_path, "backward", host_state=host_state, update_kernel="one_pass"))
+        losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
+        stats = engine.optimizer.stats
+        engine.close()
     assert stats.skips == 1 and stats.clipped >= 1
     params = len(list(model.parameters()))
     assert calls["beside"] >= 1 and calls["alone"] == 0, calls
