@@ -550,10 +550,11 @@ class OptimizerState:
             raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
             source = buf.source if isinstance(buf, LentChunk) else None  # lent unfilled: the active chunk
-            if beside is not None and not (one_pass is not None and raw.is_cpu and raw.is_contiguous()):
+            by_pass = one_pass is not None and raw.is_cpu and raw.is_contiguous()
+            if beside is not None and not by_pass:
                 beside.record(one_pass.norms(beside.grads(), beside.inv_scale))
                 beside = None
-            if one_pass is not None and raw.is_cpu and raw.is_contiguous():
+            if by_pass:
                 state = buf.view(torch.float32)  # the fp32 layout: master, exp_avg, exp_avg_sq, n each
                 weight = into[start : start + n] if into is not None else None
                 # None when the pool spares no buffer now: the publisher copies the master in, as without staging

@@ -511,5 +511,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_norms", &grad_norms, "Each gradient's L2 norm in torch's order (see grad_norms)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_elements", &block_elements, "Elements per block");
-  m.def("grain_blocks", &grain_blocks, "Blocks per parallel task (a chunk of fewer is one thread's)");
+  m.def("grain_blocks", &grain_blocks, "Blocks a thread takes at a time (a chunk of fewer is one thread's)");
 }
