@@ -271,6 +271,27 @@ def keep_gradients(pending, gen, sizes, dtypes, inv):
     return grads, got
 
 
+def chunks_and_reference(gen, lengths, inv, hyper):
+    """A state chunk of each length as the store holds it (master, ``exp_avg``, ``exp_avg_sq``), its step, bf16
+    weight and gradient (the dtypes in turn), and torch's update of a copy (`torch_update`) to compare with: returns
+    the chunks, the references (with each step), the weights, the step counts (`onepass.step_count`) and the
+    gradients."""
+    outs, wants, weights, counts = [], [], [], []
+    for t, n in enumerate(lengths):
+        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
+                           torch.rand(n, generator=gen) * 1e-4])
+        step = torch.tensor(float(1 + t))
+        want = [x.clone() for x in state.split(n)]
+        outs.append(state)
+        wants.append((want, step))
+        weights.append(torch.empty(n, dtype=torch.bfloat16))
+        counts.append(onepass.step_count(step))
+    chunk_grads = [(torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3]) for t, n in enumerate(lengths)]
+    for (want, step), g in zip(wants, chunk_grads):
+        torch_update(*want, g, step=step, inv_scale=inv, coef=None, **hyper)
+    return outs, wants, weights, counts, chunk_grads
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_norms_taken_beside_a_runs_passes_have_torchs_bits_and_leave_each_chunks(threads):
     """`OnePass.update_chunks` with ``beside`` (`gradients.Beside`: norms claimed from `PendingNorms` for two updates,
@@ -293,19 +314,7 @@ def test_norms_taken_beside_a_runs_passes_have_torchs_bits_and_leave_each_chunks
     assert [len(claim.batch) for claim in beside.claims] == [5]  # the second was taken with the first
     big = one.module.grain_blocks() * one.block * 2 + 5  # three grains (and a ragged end)
     lengths = [big, one.block * 3 + 1, one.block * 7, 5]
-    outs, wants, weights, counts = [], [], [], []
-    for t, n in enumerate(lengths):
-        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
-                           torch.rand(n, generator=gen) * 1e-4])
-        step = torch.tensor(float(1 + t))
-        want = [x.clone() for x in state.split(n)]
-        outs.append(state)
-        wants.append((want, step))
-        weights.append(torch.empty(n, dtype=torch.bfloat16))
-        counts.append(onepass.step_count(step))
-    chunk_grads = [(torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3]) for t, n in enumerate(lengths)]
-    for (want, step), g in zip(wants, chunk_grads):
-        torch_update(*want, g, step=step, inv_scale=inv, coef=None, **hyper)
+    outs, wants, weights, counts, chunk_grads = chunks_and_reference(gen, lengths, inv, hyper)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -325,6 +334,69 @@ def test_norms_taken_beside_a_runs_passes_have_torchs_bits_and_leave_each_chunks
     for i in range(len(sizes)):
         pending.take(i, one)
     assert got == {}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norms_carried_across_calls_pause_where_the_passes_end_and_keep_torchs_bits(threads):
+    """`OnePass.update_chunks` with ``last=False`` (a job's chunks one call each, `update_job`): a norm goes on only
+    while the call's blocks last and is carried on by the next call from where it paused (`Beside.progress`), the
+    last call finishing every norm, and the norms come back from the call that finished them, none before (the
+    caller then takes none in its later calls); each norm is `grad_norm`'s torch bits and each chunk torch's fused
+    kernel's.
+    Deterministic where it pauses: a call with no whole block takes the largest norm one step further on one thread
+    (the last thread takes no norm before the last call), and on one thread no norm is taken before the last call."""
+    from fuyou_strategy.optim.gradients import Beside, NormTake, PendingNorms
+
+    one = one_pass()
+    if one.norm_layout is None:
+        pytest.skip("torch's norm order here is none the kernel knows: the norms are torch's own")
+    gen = torch.Generator().manual_seed(31)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    inv = torch.tensor(2.0 ** -7)
+    pending = PendingNorms()
+    sizes = (2_000_003, 700_001, 4097)  # the largest first in the pass, whatever the claim's order
+    dtypes = (torch.bfloat16, torch.float32, torch.float16)
+    grads, got = keep_gradients(pending, gen, sizes, dtypes, inv)
+    beside = Beside.claim([NormTake(pending, 1, one)], one)
+    order = list(beside.claims[0].batch)  # the claiming update's own first
+    largest = order.index(0)
+    # chunks of fewer elements than a block (no whole block: the pass has nothing to share), then of a grain each
+    lengths = [5, 7, 3] + [one.module.grain_blocks() * one.block] * 4 + [one.block * 3 + 1]
+    outs, wants, weights, counts, chunk_grads = chunks_and_reference(gen, lengths, inv, hyper)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    positions = []
+    try:
+        for t in range(len(lengths)):
+            taking = beside if not beside.settled else None
+            taken = one.update_chunk(outs[t], None, None, chunk_grads[t], weights[t], n=lengths[t],
+                                     step=wants[t][1], count=counts[t], inv_scale=inv, coef=None, beside=taking,
+                                     last=t == len(lengths) - 1, **hyper)
+            if taking is not None:
+                assert (taken != []) == all(p.done for p in beside.progress), t
+                if taken:
+                    beside.record(taken)
+            if t < len(lengths) - 1:
+                positions.append([p.position for p in beside.progress])
+                assert not any(p.done for p in beside.progress) or threads == 2, t  # one thread: none taken yet
+    finally:
+        torch.set_num_threads(before)
+    assert beside.settled
+    if threads == 1:
+        assert all(p == [0, 0, 0] for p in positions), positions
+    else:
+        # the calls without a whole block: the largest norm one step further each, the others untouched
+        steps = [p[largest] for p in positions[:3]]
+        assert 0 < steps[0] < steps[1] < steps[2] < sizes[0], positions
+        assert steps[1] == 2 * steps[0] and steps[2] == 3 * steps[0], positions
+        assert all(p[i] == 0 for p in positions[:3] for i in range(3) if i != largest), positions
+    assert all(p.done for p in beside.progress)
+    for t, (out, (want, _step), weight) in enumerate(zip(outs, wants, weights)):
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), t
+        assert torch.equal(weight, want[0].to(torch.bfloat16)), t
+    assert sorted(got) == [0, 1, 2]
+    for i, g in enumerate(grads):
+        assert torch.equal(got[i].view(torch.int32), grad_norm(g, inv).view(torch.int32)), (i, g.dtype)
 
 
 def test_a_claim_given_back_leaves_the_others_norms_to_their_own_updates():
@@ -389,21 +461,29 @@ def test_a_speculative_updates_norm_is_taken_beside_its_pass_with_torchs_bits(tm
     on the SSD (a job per parameter, `update_job`, chunks one at a time) and in RAM with staged gradients and weights
     (``all-late``: the late-copy mode, as on a GPU: a job per parameter, its chunks lent together and passed one call
     each): every speculative update's gradient norm is taken by its pass, beside the updates
-    (`OnePass.update_chunks`'s ``beside``), none by the norm kernel alone before it; and the run is torch's
-    AdamW(fused=True) after ``clip_grad_norm_`` bit for bit (clipping bites: the norms decide it)."""
-    from fuyou_strategy.device import late_copies
+    (`OnePass.update_chunks`'s ``beside``), none by the norm kernel alone before it; with the chunks lent together,
+    beside every chunk's pass, finished by the last (``last``); and the run is torch's AdamW(fused=True) after
+    ``clip_grad_norm_`` bit for bit (clipping bites: the norms decide it)."""
+    from fuyou_strategy.device import late_copies, late_copies_enabled
 
     one_pass()
     model = tiny_causal_lm("llama")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
     calls = {"beside": 0, "norms beside": 0, "alone": 0}
+    passes: dict[int, list[int]] = {}  # each Beside's calls: how many norms each returned
+    held = []  # each Beside, so that no id is reused
     real_chunks, real_norms = onepass.OnePass.update_chunks, onepass.OnePass.norms
 
-    def update_chunks(self, *args, beside=None, **kwargs):
-        taken = real_chunks(self, *args, beside=beside, **kwargs)
+    def update_chunks(self, *args, beside=None, last=True, **kwargs):
+        taken = real_chunks(self, *args, beside=beside, last=last, **kwargs)
         calls["beside"] += beside is not None
         calls["norms beside"] += len(taken)
+        if beside is not None:
+            assert not beside.settled  # recorded by the caller once returned, and not passed again
+            passes.setdefault(id(beside), []).append(len(taken))
+            held.append(beside)
+            assert taken or not last  # the last call finishes them
         return taken
 
     def norms(self, *args, **kwargs):
@@ -419,11 +499,17 @@ def test_a_speculative_updates_norm_is_taken_beside_its_pass_with_torchs_bits(tm
                              config=config(tmp_path, "backward", host_state=host_state, update_kernel="one_pass"))
         losses, _ = train(model, engine.optimizer, lambda last: engine.begin_micro_batch(update=last))
         stats = engine.optimizer.stats
+        late = late_copies_enabled()  # also for "all" where FUYOU_ASYNC_DEVICE sets the mode for the whole run
         engine.close()
     assert stats.skips == 1 and stats.clipped >= 1
     params = len(list(model.parameters()))
     assert calls["beside"] >= 1 and calls["alone"] == 0, calls
     assert calls["norms beside"] == params * STEPS, calls  # every parameter's, every step, once
+    # each Beside's norms came back once, from the last call it was passed to; with the chunks lent together, carried
+    # across calls (on the worker's one thread here, `"auto"` on a CPU: every norm in the job's last call)
+    assert all(seq[-1] and not any(seq[:-1]) for seq in passes.values()), passes
+    carried = max(len(seq) for seq in passes.values())
+    assert carried > 1 if late and split != "none" else carried == 1, passes
     assert losses == ref_losses
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), name

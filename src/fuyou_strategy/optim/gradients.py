@@ -304,10 +304,15 @@ class Beside:
     """The norms a pass takes beside its updates (`onepass.OnePass.update_chunks`): the gradients claimed for one
     job's updates (`claim`), all under one unscale factor. The job's worker's alone."""
 
-    __slots__ = ("claims",)
+    __slots__ = ("claims", "_grads", "progress")
 
     def __init__(self, claims: list[NormClaim]) -> None:
         self.claims = claims
+        self._grads: list[torch.Tensor] | None = None
+        # How far each norm got (the compiled pass's ``NormProgress``, one per gradient in `grads`' order), made by
+        # the first pass that takes them, carried on by each later one until the last finishes them
+        # (`onepass.OnePass.update_chunks`' ``last``).
+        self.progress: list | None = None
 
     @classmethod
     def claim(cls, takes: "list[Callable[[], None] | None]", kernel: "OnePass | None") -> "Beside | None":
@@ -342,8 +347,10 @@ class Beside:
         return self.claims[0].inv_scale
 
     def grads(self) -> list[torch.Tensor]:
-        """Every claimed gradient (flat), in order, once in place (`NormClaim.landed`)."""
-        return [g for claim in self.claims for g in claim.landed()]
+        """Every claimed gradient (flat), in order, once in place (`NormClaim.landed`; asked once)."""
+        if self._grads is None:
+            self._grads = [g for claim in self.claims for g in claim.landed()]
+        return self._grads
 
     def record(self, norms: list[torch.Tensor]) -> None:
         """Hand each norm (in `grads`' order) to where it goes."""
@@ -351,6 +358,11 @@ class Beside:
         for claim in self.claims:
             claim.record(norms[at : at + len(claim.batch)])
             at += len(claim.batch)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the norms were recorded (or given back)."""
+        return all(claim.settled for claim in self.claims)
 
     def give_back(self) -> None:
         """Give back every claim not recorded (`NormClaim.give_back`)."""

@@ -123,16 +123,17 @@ class OnePass:
                      grad: torch.Tensor, weight: torch.Tensor | None, *, n: int, step: torch.Tensor, count: float,
                      inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
                      beta2: float, weight_decay: float, eps: float,
-                     beside: Beside | None = None) -> list[torch.Tensor]:
+                     beside: Beside | None = None, last: bool = True) -> list[torch.Tensor]:
         """`update` of one state chunk as the store holds it (`formats.Layout` ``"fp32"``), with no view made here
         but for a ragged end: ``out`` is the chunk's fp32 values, the master, ``exp_avg`` and ``exp_avg_sq`` of
         ``n`` elements each in turn, written from ``source`` (the same layout; ``None``: ``out``, in place), the
         master read from ``master_in`` when given; ``count`` is ``step + 1`` as a float (`step_count`), taken once
-        per parameter. ``beside``: norms taken in the same call (`update_chunks`), returned; else ``[]``."""
+        per parameter. ``beside``, ``last``: norms taken in the same call (`update_chunks`), returned once
+        finished; else ``[]``."""
         if beside is not None:
             return self.update_chunks([out], [source], [grad], [weight], [n], counts=[count], inv_scale=inv_scale,
                                       coef=coef, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                                      master_ins=[master_in], beside=beside)
+                                      master_ins=[master_in], beside=beside, last=last)
         done = self.module.adamw_chunk(out, source, master_in, grad, weight, n,
                                        *_scalars(lr, beta1, beta2, weight_decay, eps, count, inv_scale, coef))
         if done < n:
@@ -144,7 +145,7 @@ class OnePass:
                       weights: list[torch.Tensor], ns: list[int], *, counts: list[float],
                       inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
                       beta2: float, weight_decay: float, eps: float, master_ins: list[torch.Tensor | None] | None = None,
-                      beside: Beside | None = None) -> list[torch.Tensor]:
+                      beside: Beside | None = None, last: bool = True) -> list[torch.Tensor]:
         """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place, or from
         ``master_ins``; each new weight into ``weights``), in one call of the compiled pass without the GIL: a run of
         parameters (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for
@@ -156,15 +157,24 @@ class OnePass:
         ``beside`` (`gradients.Beside`): gradients whose norms (`norms`, each a gradient it `reads`) are taken in the
         same parallel region as the passes, each on one thread while the others update; returned in its order (else
         ``[]``), for the caller to record. The norm a speculative update takes before it then leaves none of the
-        worker's other threads waiting."""
+        worker's other threads waiting. ``last=False``: the norms go on only while this call's blocks last, each
+        carried on from where it paused by the next call with the same ``beside`` (`gradients.Beside.progress`), the
+        last one finishing them; they are returned by the call that finished the last of them (``[]`` before): a job
+        whose chunks come one call each (`state.OptimizerState.update_job`) takes a large gradient's norm beside all
+        of its passes, not only beside the first chunk's, where it would outlast that pass with the other threads
+        waiting. The same bits: each norm is summed in one order, wherever it pauses."""
         scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
         if beside is not None:
             lanes, group = self.norm_layout
             norm_grads, norm_scale = beside.grads(), None if beside.inv_scale is None else float(beside.inv_scale)
+            if beside.progress is None:
+                beside.progress = [self.module.NormProgress() for _ in norm_grads]
+            progress = beside.progress
         else:
-            lanes, group, norm_grads, norm_scale = 8, 1, [], None
+            lanes, group, norm_grads, norm_scale, progress = 8, 1, [], None, []
         done, norms = self.module.adamw_chunks(outs, sources, master_ins or [], grads, weights, ns, counts,
-                                               *scalars[:5], *scalars[6:], norm_grads, norm_scale, lanes, group)
+                                               *scalars[:5], *scalars[6:], norm_grads, norm_scale, lanes, group,
+                                               progress, last)
         for i, n in enumerate(ns):
             if done[i] < n:
                 weight = weights[i].detach().view(-1) if weights[i] is not None else None  # the tail's slices: flat
@@ -172,7 +182,9 @@ class OnePass:
                 self._chunk_tail(done[i], outs[i], sources[i], master_ins[i] if master_ins else None, grads[i], weight,
                                  n, step=step, inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
                                  weight_decay=weight_decay, eps=eps)
-        return list(norms.unbind()) if norm_grads else []
+        if not norm_grads or not (last or all(p.done for p in progress)):
+            return []
+        return list(norms.unbind())
 
     def _chunk_tail(self, done: int, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
                     grad: torch.Tensor, weight: torch.Tensor | None, n: int, **kwargs: Any) -> None:

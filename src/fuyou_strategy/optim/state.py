@@ -448,9 +448,9 @@ class OptimizerState:
         landed. Per chunk: the gradient is unscaled (``inv_scale``, `GradScaler.unscale_`) and clipped
         (``coef``, ``clip_grad_norm_``'s in-place multiply) in fp32, the kernel runs, the new master goes
         to ``publish`` and, with ``keep``, the raw gradient chunk to ``keep`` (a redo may need it again).
-        ``norm`` takes the gradient's norm (`gradients.NormTake`): beside the first chunk's one pass
-        (`gradients.Beside`), else before it; ``finished`` runs after the last chunk (it releases what the gradient
-        held).
+        ``norm`` takes the gradient's norm (`gradients.NormTake`): beside the one passes of the first call's
+        chunks (`gradients.Beside`; every chunk's where they are lent in one call), else before them; ``finished``
+        runs after the last chunk (it releases what the gradient held).
 
         ``one_pass`` (`onepass.OnePass`; with ``fused`` and fp32 moments): each chunk is one pass over memory,
         the same bits: the master and moments read where they are (the active chunk, lent unfilled into the
@@ -501,7 +501,8 @@ class OptimizerState:
             # Staged weights still copying in, the oldest first: at most one between two chunks (`compute`)
             landing: list[tuple[HostBuffer, Copy]] = []
             with on_stream(stream):
-                # the norm, taken beside the first chunk's pass where it is the one pass's (else now)
+                # The norm, taken beside this call's passes where they are the one pass's (else now): from the first
+                # chunk's to the last's of the call, going on only while each pass lasts until the last (`compute`).
                 beside = Beside.claim([norm], one_pass) if k == 0 and norm is not None else None
                 if lent:  # chunks k, k + 1, ... (no stored gradient: `ChunkJob.lent` takes no extra entry)
                     calls = [(k + i, buf, None) for i, buf in enumerate(bufs)]
@@ -509,8 +510,9 @@ class OptimizerState:
                     calls = [(k, bufs[0], bufs[1] if len(bufs) > 1 else None)]
                 try:
                     for j, buf, stored in calls:
-                        took, n = compute(j, buf, stored, futures, landing, beside)
-                        beside = None
+                        took, n = compute(j, buf, stored, futures, landing, beside, last=j == calls[-1][0])
+                        if beside is not None and beside.settled:
+                            beside = None
                         writes.append(store.write_chunk(ps.entry, j, buf, slot=slot))
                         seconds, elems = seconds + took, elems + n
                 except BaseException:
@@ -540,12 +542,14 @@ class OptimizerState:
                 staged.release()
 
         def compute(k: int, buf: HostBuffer, stored: HostBuffer | None, futures: list[Future],
-                    landing: list[tuple[HostBuffer, Copy]], beside: Beside | None) -> tuple[float, int]:
+                    landing: list[tuple[HostBuffer, Copy]], beside: Beside | None, *,
+                    last: bool) -> tuple[float, int]:
             """Chunk ``k``'s update into ``buf``, which `update` then writes back: the publish's and the kept
             gradient's futures go into ``futures``; a staged weight's copy into ``landing``, where it runs beside
             the next chunk's pass (`land` waits for it after that pass, or at the end of the call); ``beside``'s
-            norms taken beside the pass (or first, without one) and recorded. Returns the seconds of CPU work and
-            the chunk's elements."""
+            norms taken beside the pass and recorded once finished (by the ``last`` of the call's passes at the
+            latest; before it they pause where each pass ends, for the next to carry on), or taken first and
+            recorded without a pass. Returns the seconds of CPU work and the chunk's elements."""
             start, n = ps.span(k)
             raw = grad.chunk(start, n, stored)
             began = time.perf_counter()
@@ -569,8 +573,8 @@ class OptimizerState:
                     taken = one_pass.update_chunk(state, buf.source_as(torch.float32) if source is not None else None,
                                                   flat[start : start + n] if flat is not None else None, raw, weight,
                                                   n=n, step=step, count=count, inv_scale=inv_scale, coef=coef,
-                                                  beside=beside, **hyper)
-                    if beside is not None:
+                                                  beside=beside, last=last, **hyper)
+                    if taken:  # the norms finished: recorded, and the next calls take none
                         beside.record(taken)
                     if staged is not None:
                         landing.append((staged, publish.start_land(ps, k, weight)))

@@ -224,31 +224,63 @@ inline void add_squares(Lanes& acc, const float* x, int64_t m) {
   }
 }
 
-template <typename T, int64_t L>
-float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_group) {
+// A norm's progress between calls (`adamw_chunks` called with `finish_norms` false: a job's chunks one call each):
+// the accumulators and how many elements they hold, so that the next call goes on where this one paused, adding
+// the same squares in the same order. Python holds one per gradient (`gradients.Beside`); each is one thread's at a
+// time (the call's thread that takes it).
+struct NormProgress {
+  float acc[16] = {};    // the first L lanes' sums
+  int64_t position = 0;  // the elements summed into `acc`: whole blocks, from the first
+  bool done = false;     // `value` is the norm
+  float value = 0.f;
+};
+
+// Elements summed between two looks at whether to pause.
+constexpr int64_t kNormStep = 256 * kBlock;
+
+// Go on with the norm of `g` (`size` elements) from `p`, in torch's order (above), a kNormStep at a time, until it
+// is done or `pause()` says to stop: then its accumulators and position are left in `p` for a later call.
+template <typename T, int64_t L, typename Pause>
+void norm_on(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_group, NormProgress& p, Pause&& pause) {
   using Lanes = std::conditional_t<L == 8, Lanes8, Lanes16>;
   static_assert(sizeof(Lanes) == L * sizeof(float), "one accumulator per lane");
-  static_assert(kBlock % L == 0, "a block fills whole accumulator vectors");
-  Lanes acc = {};
+  static_assert(kBlock % L == 0 && kNormStep % kBlock == 0, "a block fills whole accumulator vectors");
+  if (p.done) return;
+  Lanes acc;
+  std::memcpy(&acc, p.acc, sizeof(Lanes));
   const int64_t whole = size - size % L, blocks = whole - whole % kBlock;
-  if (std::is_same_v<T, float> && !has_inv) {  // the gradient's own values: read where they are (T is float here)
-    add_squares<Lanes, L>(acc, reinterpret_cast<const float*>(g), whole);
-  } else {
-    // A block at a time widened (and unscaled) just before its squares are added, in the L1 cache: widening a
-    // long run into a buffer first cost as much as the sum (docs/one-pass-update.md). Same values, same order.
-    alignas(64) float x[kBlock];
-    for (int64_t d = 0; d < blocks; d += kBlock) {
-      fVec a, b;
-      load2(g + d, a, b);
-      if (has_inv) {
-        a = a * fVec(inv);
-        b = b * fVec(inv);
-      }
-      a.store(x);
-      b.store(x + fVec::size());
-      add_squares<Lanes, L>(acc, x, kBlock);
+  const bool direct = std::is_same_v<T, float> && !has_inv;  // the gradient's own values: read where they are
+  // A block at a time widened (and unscaled) just before its squares are added, in the L1 cache: widening a long
+  // run into a buffer first cost as much as the sum (docs/one-pass-update.md). Same values, same order.
+  alignas(64) float x[kBlock];
+  for (int64_t d = p.position; d < blocks;) {
+    if (d > p.position && pause()) {
+      std::memcpy(p.acc, &acc, sizeof(Lanes));
+      p.position = d;
+      return;
     }
-    const int64_t m = whole - blocks;  // fewer than a block, a multiple of L
+    const int64_t e = std::min(d + kNormStep, blocks);
+    if (direct) {
+      add_squares<Lanes, L>(acc, reinterpret_cast<const float*>(g) + d, e - d);
+    } else {
+      for (; d < e; d += kBlock) {
+        fVec a, b;
+        load2(g + d, a, b);
+        if (has_inv) {
+          a = a * fVec(inv);
+          b = b * fVec(inv);
+        }
+        a.store(x);
+        b.store(x + fVec::size());
+        add_squares<Lanes, L>(acc, x, kBlock);
+      }
+    }
+    d = e;
+  }
+  const int64_t m = whole - blocks;  // fewer than a block, a multiple of L
+  if (direct) {
+    add_squares<Lanes, L>(acc, reinterpret_cast<const float*>(g) + blocks, m);
+  } else {
     for (int64_t k = 0; k < m; k++) {
       const float v = static_cast<float>(g[blocks + k]);
       x[k] = has_inv ? v * inv : v;
@@ -261,34 +293,39 @@ float norm_of(const T* g, int64_t size, bool has_inv, float inv, int64_t tail_gr
   for (int64_t j = 1; j < L; j++) total = total + lanes[j];
   const int64_t tail = size - whole, rounded = tail - tail % tail_group;
   for (int64_t d = whole; d < size; d++) {
-    float x = static_cast<float>(g[d]);
-    if (has_inv) x = x * inv;
+    float v = static_cast<float>(g[d]);
+    if (has_inv) v = v * inv;
     if (d - whole < rounded) {
-      float sq = x * x;
+      float sq = v * v;
       rounded_here(sq);
       total = total + sq;
     } else {
-      total = std::fma(x, x, total);
+      total = std::fma(v, v, total);
     }
   }
-  return std::sqrt(total);
+  p.value = std::sqrt(total);
+  p.done = true;
 }
 
-
-template <typename T>
-float norm_lanes(const T* g, int64_t size, bool has_inv, float inv, int64_t lanes, int64_t tail_group) {
+template <typename T, typename Pause>
+void norm_lanes(const T* g, int64_t size, bool has_inv, float inv, int64_t lanes, int64_t tail_group,
+                NormProgress& p, Pause&& pause) {
   switch (lanes) {
-    case 8: return norm_of<T, 8>(g, size, has_inv, inv, tail_group);
-    case 16: return norm_of<T, 16>(g, size, has_inv, inv, tail_group);
+    case 8: return norm_on<T, 8>(g, size, has_inv, inv, tail_group, p, pause);
+    case 16: return norm_on<T, 16>(g, size, has_inv, inv, tail_group, p, pause);
     default: TORCH_CHECK(false, "grad_norms: lanes must be 8 or 16, got ", lanes);  // checked by grad_norms
   }
 }
 
-float norm_one(const at::Tensor& t, bool has_inv, float inv, int64_t lanes, int64_t tail_group) {
+// `norm_on` of one gradient tensor (checked by `Norms`).
+template <typename Pause>
+void norm_one(const at::Tensor& t, bool has_inv, float inv, int64_t lanes, int64_t tail_group, NormProgress& p,
+              Pause&& pause) {
   switch (t.scalar_type()) {
-    case at::kFloat: return norm_lanes(t.data_ptr<float>(), t.numel(), has_inv, inv, lanes, tail_group);
-    case at::kBFloat16: return norm_lanes(t.data_ptr<at::BFloat16>(), t.numel(), has_inv, inv, lanes, tail_group);
-    case at::kHalf: return norm_lanes(t.data_ptr<at::Half>(), t.numel(), has_inv, inv, lanes, tail_group);
+    case at::kFloat: return norm_lanes(t.data_ptr<float>(), t.numel(), has_inv, inv, lanes, tail_group, p, pause);
+    case at::kBFloat16:
+      return norm_lanes(t.data_ptr<at::BFloat16>(), t.numel(), has_inv, inv, lanes, tail_group, p, pause);
+    case at::kHalf: return norm_lanes(t.data_ptr<at::Half>(), t.numel(), has_inv, inv, lanes, tail_group, p, pause);
     default: TORCH_CHECK(false, "grad_norms: a gradient must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
@@ -323,26 +360,39 @@ Chunk make_chunk(const float* a, const float* b, const float* c, const at::Tenso
 }
 
 // The norms to take beside the chunks' passes (`run`): each gradient's (checked here: an error in a parallel task
-// would name no tensor), unscaled by `inv_scale` when given, in the order `lanes`, `tail_group` (see above).
+// would name no tensor), unscaled by `inv_scale` when given, in the order `lanes`, `tail_group` (see above), each
+// carried on from its `progress`. `finish`: every norm is finished in this call; else each goes on only while the
+// chunks' blocks last (`run`), and the next call carries it on.
 struct Norms {
   const std::vector<at::Tensor>& grads;
   bool has_inv;
   float inv;
   int64_t lanes, tail_group;
-  float* out;
+  std::vector<NormProgress*> progress;
+  bool finish;
 
-  Norms(const std::vector<at::Tensor>& g, c10::optional<double> inv_scale, int64_t l, int64_t t, float* o)
+  Norms(const std::vector<at::Tensor>& g, c10::optional<double> inv_scale, int64_t l, int64_t t,
+        std::vector<NormProgress*> p, bool f)
       : grads(g), has_inv(inv_scale.has_value()), inv(static_cast<float>(inv_scale.value_or(1.0))), lanes(l),
-        tail_group(t), out(o) {
+        tail_group(t), progress(std::move(p)), finish(f) {
+    TORCH_CHECK(progress.size() == grads.size(), "grad_norms: one progress per gradient, got ", progress.size(),
+                " for ", grads.size());
     if (grads.empty()) return;
-    for (const auto& g : grads) {
+    for (size_t i = 0; i < grads.size(); i++) {
+      const auto& g = grads[i];
       TORCH_CHECK(g.device().is_cpu() && g.is_contiguous(), "grad_norms: every gradient must be a contiguous CPU tensor");
       const auto dtype = g.scalar_type();
       TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                   "grad_norms: a gradient must be float32, bfloat16 or float16, got ", dtype);
+      TORCH_CHECK(progress[i] != nullptr, "grad_norms: a progress is None");
     }
     TORCH_CHECK(lanes == 8 || lanes == 16, "grad_norms: lanes must be 8 or 16, got ", lanes);
     TORCH_CHECK(tail_group >= 1, "grad_norms: tail_group must be at least 1, got ", tail_group);
+  }
+
+  // Each norm's value (NaN where not done) into `out`, `grads.size()` floats.
+  void values(float* out) const {
+    for (size_t i = 0; i < progress.size(); i++) out[i] = progress[i]->done ? progress[i]->value : NAN;
   }
 };
 
@@ -352,6 +402,10 @@ struct Norms {
 // holds one thread the others update, and a run of small chunks is not one thread's. Which thread takes what changes
 // no element's arithmetic: each block is updated once, as torch's kernel updates it, and each norm summed in torch's
 // order.
+//
+// Unless `norms.finish`, a norm goes on only while there are blocks to update: its thread pauses it once every grain
+// is done (so that no thread waits for a norm at the end of the call), and the next call goes on from there. One
+// thread then never takes a norm, so that the grains are always done; a call on one thread takes none.
 void run(const std::vector<Chunk>& chunks, const Norms& norms) {
   struct Grain {
     size_t chunk;
@@ -370,15 +424,18 @@ void run(const std::vector<Chunk>& chunks, const Norms& norms) {
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return norms.grads[a].numel() > norms.grads[b].numel(); });
-  // The next norm and the next grain to take: shared by the threads, each index taken once.
-  std::atomic<size_t> next_norm{0}, next_grain{0};
-  auto take = [&]() {
-    for (size_t j = next_norm.fetch_add(1); j < nnorms; j = next_norm.fetch_add(1)) {
-      const size_t i = order[j];
-      norms.out[i] = norm_one(norms.grads[i], norms.has_inv, norms.inv, norms.lanes, norms.tail_group);
+  // The next norm and the next grain to take, and the grains done: shared by the threads, each index taken once.
+  std::atomic<size_t> next_norm{0}, next_grain{0}, grains_done{0};
+  auto pause = [&]() { return !norms.finish && grains_done.load(std::memory_order_relaxed) == grains.size(); };
+  auto take = [&](bool with_norms) {
+    for (size_t j = with_norms ? next_norm.fetch_add(1) : nnorms; j < nnorms; j = next_norm.fetch_add(1)) {
+      const size_t i = order[j];  // at least a step of it, so that each call takes a norm further
+      norm_one(norms.grads[i], norms.has_inv, norms.inv, norms.lanes, norms.tail_group, *norms.progress[i], pause);
+      if (!norms.progress[i]->done) break;  // paused: every grain is done
     }
     for (size_t j = next_grain.fetch_add(1); j < grains.size(); j = next_grain.fetch_add(1)) {
       run_blocks(chunks[grains[j].chunk], grains[j].b0, grains[j].b1);
+      if (!norms.finish) grains_done.fetch_add(1, std::memory_order_relaxed);  // counted where a norm may pause
     }
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     _mm_sfence();  // non-temporal stores are weakly ordered: visible before this task reports done
@@ -386,15 +443,19 @@ void run(const std::vector<Chunk>& chunks, const Norms& norms) {
   };
   const int64_t tasks = std::min<int64_t>(static_cast<int64_t>(nnorms + grains.size()), at::get_num_threads());
   if (tasks <= 1) {
-    take();
+    take(norms.finish);
     return;
   }
   // One task per thread, each taking until nothing is left; an error in one is raised here, after the others end.
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { take(); });
+  // The last task takes no norm unless they are finished here; a thread given several tasks (fewer threads than
+  // asked, or a nested region run inline) takes them as one call on one thread would.
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    take(norms.finish || (end - begin == 1 && end < tasks));
+  });
 }
 
 const std::vector<at::Tensor> kNoGrads;
-const Norms kNoNorms(kNoGrads, c10::nullopt, 8, 1, nullptr);
+const Norms kNoNorms(kNoGrads, c10::nullopt, 8, 1, {}, true);
 
 // `run` of one chunk's pass (see `make_chunk`); returns the elements done (whole blocks).
 int64_t pass_over(const float* a, const float* b, const float* c, const at::Tensor& grad, float* x, float* y,
@@ -460,14 +521,17 @@ int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& sour
 // (`OptimizerState.group_job`), whose many small chunks would each pay for a call from Python, and the norms a
 // speculative update takes before it, which would otherwise hold one thread while the others wait. Every chunk has
 // its own length and step count, the same hyperparameters and factors; `master_ins` is empty or one per chunk.
-// Returns each chunk's elements done (its ragged end is the caller's, as above) and the norms.
+// Each norm goes on from its `norm_progress` (one per gradient); `finish_norms` false: only while the chunks' blocks
+// last, for a job whose chunks come one call each (`OptimizerState.update_job`), the last call finishing them.
+// Returns each chunk's elements done (its ragged end is the caller's, as above) and the norms (NaN: not done yet).
 std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
     const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
     const std::vector<c10::optional<at::Tensor>>& master_ins, const std::vector<at::Tensor>& grads,
     const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
     const std::vector<double>& steps, double lr, double beta1, double beta2, double weight_decay, double eps,
     c10::optional<double> inv_scale, c10::optional<double> coef, const std::vector<at::Tensor>& norm_grads,
-    c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group) {
+    c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group,
+    const std::vector<NormProgress*>& norm_progress, bool finish_norms) {
   const size_t n = outs.size();
   TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n &&
                   (master_ins.empty() || master_ins.size() == n),
@@ -482,8 +546,10 @@ std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
                                  make_hyper(lr, beta1, beta2, weight_decay, eps, steps[i], inv_scale, coef)));
     done[i] = chunks.back().blocks * kBlock;
   }
+  const Norms norms(norm_grads, norm_inv_scale, lanes, tail_group, norm_progress, finish_norms);
+  run(chunks, norms);
   at::Tensor out = at::empty({static_cast<int64_t>(norm_grads.size())}, at::kFloat);
-  run(chunks, Norms(norm_grads, norm_inv_scale, lanes, tail_group, out.data_ptr<float>()));
+  norms.values(out.data_ptr<float>());
   return {done, out};
 }
 
@@ -491,8 +557,13 @@ std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
 // sequential); the tensors are shared out among the caller's intra-op threads, each taking the next one left.
 at::Tensor grad_norms(const std::vector<at::Tensor>& grads, c10::optional<double> inv_scale, int64_t lanes,
                       int64_t tail_group) {
+  std::vector<NormProgress> fresh(grads.size());
+  std::vector<NormProgress*> progress;
+  for (auto& p : fresh) progress.push_back(&p);
+  const Norms norms(grads, inv_scale, lanes, tail_group, std::move(progress), true);
+  run({}, norms);
   at::Tensor out = at::empty({static_cast<int64_t>(grads.size())}, at::kFloat);
-  run({}, Norms(grads, inv_scale, lanes, tail_group, out.data_ptr<float>()));
+  norms.values(out.data_ptr<float>());
   return out;
 }
 
@@ -500,6 +571,12 @@ int64_t block_elements() { return kBlock; }
 int64_t grain_blocks() { return kGrainBlocks; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<NormProgress>(m, "NormProgress", "A norm's progress between calls of adamw_chunks (see NormProgress)")
+      .def(py::init<>())
+      .def_readonly("position", &NormProgress::position, "Elements summed so far")
+      .def_readonly("done", &NormProgress::done, "Whether the norm is finished")
+      .def_property_readonly("value", [](const NormProgress& p) { return p.done ? p.value : NAN; },
+                             "The norm, once done (else NaN)");
   // Without the GIL: the pass runs on the optimizer's worker while the training thread runs Python (forward,
   // backward's hooks); holding it would stop that thread for the whole pass. The tensors' owners are the caller's.
   m.def("adamw_pass", &adamw_pass, "One out-of-place AdamW pass over whole blocks (see the file's comment)",
