@@ -2,8 +2,9 @@
 # The GPU check that fits one lease of this project's device tool (15 minutes of device time, start included):
 # the environment, the device-dependent suite on CUDA, then the peers harness at one size with a step trace of
 # each fuyou system (one with its optimizer state on the device: device_state), after the one-pass update's phases
-# on CUDA (its build and bitwise check included). Everything
-# lands under $OUT (default ./gpu-quick): env.txt, update_phases.{log,json}, tests.log, bench.log and results.tgz
+# on CUDA (its build and bitwise check included) and a large gradient's norm beside its job's calls on the host's
+# threads (first call only, and carried across them). Everything lands under $OUT (default ./gpu-quick): env.txt,
+# update_phases.{log,json}, norms_carried.log, tests.log, bench.log and results.tgz
 # (the harness's table, JSON and PNG, the traces, each run's stderr log). About 7 minutes on an H200.
 #   bash benchmarks/gpu_quick.sh                      # on the GPU machine, from the repository root
 #   T_TESTS=150 T_BENCH=270 SIZE=350M SYSTEMS=torch,fuyou-hf bash benchmarks/gpu_quick.sh
@@ -26,6 +27,12 @@ echo "== the one-pass update: build, check, an update's phases on cuda (at $(( $
 timeout -k 5 "${T_PASS:-90}" $PY benchmarks/update_phases_bench.py --device cuda --params "${PASS_PARAMS:-355e6}" \
   --rounds 1 --out "$OUT/update_phases.json" > "$OUT/update_phases.log" 2>&1
 echo "phases exit $?"; tail -14 "$OUT/update_phases.log"
+echo "== a speculative update's norm beside its job's calls, $(nproc) threads (at $(( $(date +%s) - S )) s)"
+for calls in first carried first carried; do  # GPT-2's embedding in 1.4M-element chunks; docs/one-pass-update.md
+  timeout -k 5 "${T_NORMS:-30}" $PY docs/history/results/norms_carried_2026-12-07/carried.py --threads "$(nproc)" \
+    --elems 51463168 --calls $calls --steps 20 --per-call
+done > "$OUT/norms_carried.log" 2>&1
+echo "norms exit $?"; cat "$OUT/norms_carried.log"
 echo "== tests on cuda (at $(( $(date +%s) - S )) s)"
 FUYOU_TEST_DEVICE=cuda timeout -k 5 "${T_TESTS:-150}" $PY -m pytest -q -p no:cacheprovider -rfs -m "device and not late_copies" --durations=15 > "$OUT/tests.log" 2>&1
 echo "tests exit $?"; tail -25 "$OUT/tests.log"
