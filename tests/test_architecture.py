@@ -47,7 +47,8 @@ def test_every_import_points_down_or_sideways():
 
 def test_the_optimizer_and_its_checkpoints_read_no_private_field_of_each_other():
     optim = [a for a in private_accesses() if a[0].startswith("fuyou_strategy.optim.")]
-    allowed = {"ddp_model._fuyou_hook_target"}  # our own mark on the DDP model (one comm hook per lifetime)
+    allowed = {"ddp_model._fuyou_hook_target",  # our own mark on the DDP model (one comm hook per lifetime)
+               "tensor._version"}  # torch's version counter of a tensor, which has no public name (`gradients.version`)
     assert [a for a in optim if a[2] not in allowed] == []
 
 

@@ -101,8 +101,9 @@ def test_late_copies_catch_an_update_that_reads_its_device_gradient_before_the_c
 
 def _exact_steps(tmp_path, update_kernel, *, skip_at=None):
     """A tiny Llama's weights after 3 exact (``next_forward``) `FuyouAdamW` steps with clipping that bites, and
-    the pool's lent bytes before and after each step() (``skip_at``: the step whose gradients hold an inf,
-    skipped)."""
+    the pool's lent bytes before each backward and after its step() (``skip_at``: the step whose gradients hold an
+    inf, set in place after backward, skipped). Before the backward, not the step(): backward's hook starts the
+    copies (`Gradients.copy_ahead`)."""
     from fuyou_strategy import FuyouAdamW
 
     model = tiny_causal_lm("llama")
@@ -113,15 +114,32 @@ def _exact_steps(tmp_path, update_kernel, *, skip_at=None):
     with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
         for step in range(3):
             ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
+            before = opt.adam_state.store.pool.lent
             model(input_ids=ids, labels=ids).loss.backward()
             if step == skip_at:
                 next(model.parameters()).grad[0, 0] = float("inf")
-            before = opt.adam_state.store.pool.lent
             opt.step()
             lent.append((before, opt.adam_state.store.pool.lent))
             opt.zero_grad()
         assert opt.stats.skips == (skip_at is not None) and opt.stats.clipped >= 1, opt.stats
     return {name: p.detach().clone() for name, p in model.named_parameters()}, lent
+
+
+def _count_copies(monkeypatch):
+    """A list that gets the elements of each gradient copy to a host pool buffer made from now on
+    (`StreamedGradients.copy_out`; not one that found no room)."""
+    from fuyou_strategy.optim.gradients import StreamedGradients
+
+    copies = []
+    real_copy_out = StreamedGradients.copy_out
+
+    def copy_out(self, tensor, **kwargs):
+        made = real_copy_out(self, tensor, **kwargs)
+        copies.extend([tensor.numel()] if made is not None else [])
+        return made
+
+    monkeypatch.setattr(StreamedGradients, "copy_out", copy_out)
+    return copies
 
 
 @pytest.mark.parametrize("update_kernel", ["auto", "torch"])
@@ -134,20 +152,11 @@ def test_an_exact_step_copies_each_device_gradient_to_the_host_once_for_its_norm
     normal mode's bit for bit, clipping biting, with one copy per gradient a step, whichever takes the norms (the
     one pass's kernel, or torch's). A pool without room for every copy copies each twice, as before, with the same
     bits; a skipped step's copies all go back to the pool."""
-    from fuyou_strategy.optim.gradients import StreamedGradients
     from fuyou_strategy.storage import HostBufferPool
 
     monkeypatch.setattr(device, "_late", None)  # normal copies here, also in CI's FUYOU_ASYNC_DEVICE pass
     reference, _ = _exact_steps(tmp_path / "normal", update_kernel)
-    copies = []
-    real_copy_out = StreamedGradients.copy_out
-
-    def copy_out(self, tensor, **kw):
-        made = real_copy_out(self, tensor, **kw)
-        copies.extend([tensor.numel()] if made is not None else [])
-        return made
-
-    monkeypatch.setattr(StreamedGradients, "copy_out", copy_out)
+    copies = _count_copies(monkeypatch)
     gradients = len(reference)
     with late_copies(max_delay_ms=4, min_delay_ms=2):
         once, _ = _exact_steps(tmp_path / "late", update_kernel)
@@ -162,6 +171,68 @@ def test_an_exact_step_copies_each_device_gradient_to_the_host_once_for_its_norm
         twice, _ = _exact_steps(tmp_path / "full", update_kernel)
     assert _equal(twice, reference)
     assert len(copies) == 2 * 3 * gradients, "copied for its norm, then for its update"
+
+
+def _exact_window(tmp_path, *, backwards=1, change=None, discard=False):
+    """A tiny Llama's weights after 2 exact (``next_forward``) steps with clipping, each window ``backwards``
+    backwards (no `no_update`: each backward may end it), then ``change(model)`` (in place on the gradients) or, with
+    ``discard``, a `zero_grad` and one backward more before the second step; and the pool's lent bytes before the
+    first backward, after the first backward (before its step) and after the first step."""
+    from fuyou_strategy import FuyouAdamW
+
+    model = tiny_causal_lm("llama")
+    tmp_path.mkdir()
+    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB",
+                         optimizer_schedule="next_forward")
+    lent = []
+    with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
+        pool = opt.adam_state.store.pool
+        for step in range(2):
+            for micro in range(backwards):
+                if step == 0 and micro == 0:
+                    lent.append(pool.lent)
+                ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(10 * step + micro))
+                model(input_ids=ids, labels=ids).loss.backward()
+                if step == 0 and micro == 0:
+                    lent.append(pool.lent)
+            if change is not None:
+                change(model)
+            if discard and step == 0:
+                opt.zero_grad()
+                assert pool.lent == lent[0], "zero_grad gave the copies backward started back"
+                ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(99))
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            if step == 0:
+                lent.append(pool.lent)
+            opt.zero_grad()
+        assert opt.stats.clipped >= 1, opt.stats
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, lent
+
+
+@pytest.mark.parametrize("case", ["plain", "accumulated", "changed", "discarded"])
+def test_an_exact_steps_gradients_are_copied_during_backward_and_one_changed_since_is_copied_again(tmp_path,
+                                                                                                   monkeypatch, case):
+    """Under ``next_forward`` backward's hook starts each device gradient's copy to the host
+    (`Gradients.copy_ahead`), so that it runs beside the rest of backward, not at step(); in the late-copy mode a
+    CPU gradient takes that path. The weights are the normal mode's bit for bit (which test_schedule checks against
+    torch) when the window's gradients are accumulated over two backwards (the first's copies given back and made
+    again), changed in place after backward (the copy no longer the gradient: made again at step()), or discarded
+    by `zero_grad` between backward and step() (its copies given back); every copy goes back to the pool by the end
+    of the step."""
+    monkeypatch.setattr(device, "_late", None)  # normal copies here, also in CI's FUYOU_ASYNC_DEVICE pass
+    kw = {"plain": {}, "accumulated": {"backwards": 2}, "discarded": {"discard": True},
+          "changed": {"change": lambda model: [p.grad.mul_(3.0) for p in model.parameters()]}}[case]
+    reference, _ = _exact_window(tmp_path / "normal", **kw)
+    copies = _count_copies(monkeypatch)
+    with late_copies(max_delay_ms=4, min_delay_ms=2):
+        weights, lent = _exact_window(tmp_path / "late", **kw)
+    assert _equal(weights, reference)
+    gradients = len(reference)
+    assert lent[1] > lent[0], "the first backward started its gradients' copies"
+    assert lent[2] == lent[0], "the step gave every copy back"
+    made = {"plain": 2, "accumulated": 2 * 2, "changed": 2 * 2, "discarded": 3}[case] * gradients
+    assert len(copies) == made, f"{len(copies)} copies of {gradients} gradients"
 
 
 def test_a_late_copy_poisons_its_destination_reads_its_source_when_it_runs_and_lands_on_wait():

@@ -333,7 +333,10 @@ class FuyouAdamW(torch.optim.Optimizer):
             finally:
                 window.forget()
                 window.schedule.discard(queued)
-        super().zero_grad(set_to_none=set_to_none)
+        try:
+            self.gradients.drop_staged()  # the copies backward's hook started for a step() that will not come
+        finally:
+            super().zero_grad(set_to_none=set_to_none)
 
     @property
     def updates_enabled(self) -> bool:

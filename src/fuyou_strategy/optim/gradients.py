@@ -58,6 +58,12 @@ def unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor
     return grad if inv_scale is None else grad.to(torch.float32) * inv_scale
 
 
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: autograd's, bumped by every in-place change of its elements (torch has no
+    public name for it; autograd reads it to refuse a saved tensor changed since)."""
+    return tensor._version
+
+
 NORM_UPCAST_MAX = 64 * 2**20  # bytes of fp32: a bf16/fp16 gradient up to this size is upcast for its norm
 
 
@@ -498,6 +504,12 @@ class Gradients:
         # (`resident_norms` fills it, `at_step` takes each, `drop_staged` releases what is left): the training
         # thread's alone, within one step().
         self._staged: dict[int, Grad] = {}
+        # Host copies started by backward's hook under the next_forward schedule (`copy_ahead`), for `resident_norms`
+        # to take if the gradient is still the one copied: index -> (the parameter, the copy, the ``.grad`` tensor
+        # it copied, that tensor's version then). Written by the thread that runs backward's hooks (autograd's),
+        # read and emptied by the training thread in `resident_norms` or `drop_staged`: backward returns only once
+        # every hook ran, and neither runs during a backward, so one thread at a time.
+        self._early: dict[int, tuple["ParamState", Grad, torch.Tensor, int]] = {}
 
     def on_backward(self, ps: "ParamState", *, speculating: bool,
                     inv_scale: Callable[[], torch.Tensor | None]) -> Grad | None:
@@ -513,6 +525,8 @@ class Gradients:
                 return None
             return self.streamed.take(ps, now=now, norm=not speculating, inv_scale=inv_scale())
         if self.sharded or not now:
+            if not self.sharded and not speculating and window.updates:
+                self.copy_ahead(ps)
             return None  # the ranks' average comes later; or it waits on the parameter for step()
         if window.queued(ps):
             window.mark_late(ps)
@@ -535,6 +549,36 @@ class Gradients:
         host, landing = copy
         return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)
 
+    def copy_ahead(self, ps: "ParamState") -> None:
+        """Under ``next_forward``, in the backward that ends the window: start copying ``ps``'s resident gradient to
+        the host now, so that the copy runs beside the rest of backward rather than at ``step()`` (the device idles
+        there until the next forward), for `resident_norms` to take. Only a gradient the host updates and can read
+        once copied (an accelerator's; `staged`), and only where the pool has room now beyond ``keep_free``; a model
+        with streamed weights copies none ahead (their gradients take the pool during backward). A copy made
+        earlier in this window is released first: the gradient was accumulated again since (the window's micro-
+        batches ran without `FuyouAdamW.no_update`)."""
+        old = self._early.pop(ps.index, None)
+        if old is not None:
+            old[1].release()
+        grad = ps.param.grad
+        if (grad is None or self.streamed.streamer is not None or not read_on_host(grad)
+                or self.updates_on_device(ps)):
+            return
+        kept = self.staged(ps, grad, wait=False)
+        if kept is not None:
+            self._early[ps.index] = (ps, kept, grad, version(grad))
+
+    def _take_early(self) -> None:
+        """Keep each copy `copy_ahead` made whose gradient is still the tensor it copied, unchanged since (its
+        version: an in-place change between backward and ``step()``, by the user or another library, bumps it), for
+        `resident_norms`; release the others, whose gradients are then copied afresh."""
+        early, self._early = self._early, {}
+        for ps, kept, tensor, copied in early.values():
+            if ps.index not in self._staged and ps.param.grad is tensor and version(tensor) == copied:
+                self._staged[ps.index] = kept
+            else:
+                kept.release()
+
     def at_step(self, ps: "ParamState") -> Grad:
         """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo): the host copy
         `resident_norms` made of it in this step(), if it made one."""
@@ -545,10 +589,12 @@ class Gradients:
 
     def drop_staged(self) -> None:
         """Release the host copies `resident_norms` made that no update took (a skipped step, another rank's
-        parameters, a step that failed); at the end of the step() that made them."""
-        staged, self._staged = self._staged, {}
+        parameters, a step that failed), at the end of the step() that made them, and those backward's hook
+        started that no step() took (`zero_grad` between backward and ``step()``, a step that failed first)."""
+        staged = [*self._staged.values(), *(early[1] for early in self._early.values())]
+        self._staged, self._early = {}, {}
         error = None
-        for grad in staged.values():
+        for grad in staged:
             try:
                 grad.release()
             except BaseException as exc:  # noqa: BLE001 - every copy is released; the first error is raised
@@ -563,7 +609,8 @@ class Gradients:
     def resident_norms(self, params: list["ParamState"], inv_scale: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """The norms of the resident gradients at ``step()`` (a streamed one's was taken as it was kept), on the
         host: those the norm kernel reads all at once, shared out among the calling thread's intra-op threads (torch's
-        norm of one tensor is one thread's).
+        norm of one tensor is one thread's). A copy backward's hook started (`copy_ahead`) serves where the
+        gradient is unchanged since.
 
         A gradient on an accelerator whose update runs on the host is copied to the host once: every such copy is
         started first, its norm taken from it, and the copy kept for the update (`at_step`; `drop_staged` releases
@@ -572,6 +619,7 @@ class Gradients:
         alone, one at a time, and again for its update: a copy kept for a later update could otherwise hold the
         room an earlier update's copy waits for. A device-tier gradient's norm is taken on its device, those of one
         device and dtype in one call (`device_norms`)."""
+        self._take_early()
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
         copied = {ps.index for ps in resident if read_on_host(ps.param.grad) and not self.updates_on_device(ps)}
         every = True  # whether every gradient the host updates found room for its copy

@@ -675,6 +675,7 @@ class Exact:
             sharding.agree(None, "the end of the accumulation window")  # a rank that cannot step stops the others
         except BaseException as exc:
             window.forget()
+            p.gradients.drop_staged()  # the copies backward's hook started
             sharding.agree_on_failure(exc, "the end of the accumulation window")
             raise
         norms, _late = window.take()
