@@ -173,11 +173,12 @@ def test_an_exact_step_copies_each_device_gradient_to_the_host_once_for_its_norm
     assert len(copies) == 2 * 3 * gradients, "copied for its norm, then for its update"
 
 
-def _exact_window(tmp_path, *, backwards=1, change=None, discard=False):
+def _exact_window(tmp_path, *, backwards=1, change=None, discard=False, room=True):
     """A tiny Llama's weights after 2 exact (``next_forward``) steps with clipping, each window ``backwards``
     backwards (no `no_update`: each backward may end it), then ``change(model)`` (in place on the gradients) or, with
     ``discard``, a `zero_grad` and one backward more before the second step; and the pool's lent bytes before the
-    first backward, after the first backward (before its step) and after the first step."""
+    first backward, after the first backward (before its step) and after the first step. ``room=False``: a copy
+    ahead must leave the whole pool free (none fits)."""
     from fuyou_strategy import FuyouAdamW
 
     model = tiny_causal_lm("llama")
@@ -187,6 +188,11 @@ def _exact_window(tmp_path, *, backwards=1, change=None, discard=False):
     lent = []
     with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
         pool = opt.adam_state.store.pool
+        # a copy ahead holds its buffer until step(): it leaves the transfers' reserved share free, as the
+        # optimizer's read-ahead does
+        assert opt.gradients.ahead_keep_free == opt.adam_state.spare_from > 0
+        if not room:
+            opt.gradients.ahead_keep_free = pool.budget
         for step in range(2):
             for micro in range(backwards):
                 if step == 0 and micro == 0:
@@ -210,7 +216,7 @@ def _exact_window(tmp_path, *, backwards=1, change=None, discard=False):
     return {name: p.detach().clone() for name, p in model.named_parameters()}, lent
 
 
-@pytest.mark.parametrize("case", ["plain", "accumulated", "changed", "discarded"])
+@pytest.mark.parametrize("case", ["plain", "accumulated", "changed", "discarded", "no-room"])
 def test_an_exact_steps_gradients_are_copied_during_backward_and_one_changed_since_is_copied_again(tmp_path,
                                                                                                    monkeypatch, case):
     """Under ``next_forward`` backward's hook starts each device gradient's copy to the host
@@ -219,9 +225,10 @@ def test_an_exact_steps_gradients_are_copied_during_backward_and_one_changed_sin
     torch) when the window's gradients are accumulated over two backwards (the first's copies given back and made
     again), changed in place after backward (the copy no longer the gradient: made again at step()), or discarded
     by `zero_grad` between backward and step() (its copies given back); every copy goes back to the pool by the end
-    of the step."""
+    of the step. A copy ahead leaves the transfers' reserved share of the pool free: where nothing fits beside it,
+    none is made ahead and step() copies each gradient, as before."""
     monkeypatch.setattr(device, "_late", None)  # normal copies here, also in CI's FUYOU_ASYNC_DEVICE pass
-    kw = {"plain": {}, "accumulated": {"backwards": 2}, "discarded": {"discard": True},
+    kw = {"plain": {}, "accumulated": {"backwards": 2}, "discarded": {"discard": True}, "no-room": {"room": False},
           "changed": {"change": lambda model: [p.grad.mul_(3.0) for p in model.parameters()]}}[case]
     reference, _ = _exact_window(tmp_path / "normal", **kw)
     copies = _count_copies(monkeypatch)
@@ -229,9 +236,12 @@ def test_an_exact_steps_gradients_are_copied_during_backward_and_one_changed_sin
         weights, lent = _exact_window(tmp_path / "late", **kw)
     assert _equal(weights, reference)
     gradients = len(reference)
-    assert lent[1] > lent[0], "the first backward started its gradients' copies"
+    if case == "no-room":
+        assert lent[1] == lent[0], "no copy ahead where none fits beside the reserved share"
+    else:
+        assert lent[1] > lent[0], "the first backward started its gradients' copies"
     assert lent[2] == lent[0], "the step gave every copy back"
-    made = {"plain": 2, "accumulated": 2 * 2, "changed": 2 * 2, "discarded": 3}[case] * gradients
+    made = {"plain": 2, "accumulated": 2 * 2, "changed": 2 * 2, "discarded": 3, "no-room": 2}[case] * gradients
     assert len(copies) == made, f"{len(copies)} copies of {gradients} gradients"
 
 

@@ -211,7 +211,8 @@ class FuyouAdamW(torch.optim.Optimizer):
                                    release_grads=release_grads and max_grad_norm is None and shards is None,
                                    clipping=max_grad_norm is not None, scaler=self.scaler, one_pass=kernel[0])
             self.gradients = Gradients(streamed, self.window, sharded=shards is not None,
-                                       updates_on_device=self.adam_state.updates_on_device, norm_kernel=kernel[0])
+                                       updates_on_device=self.adam_state.updates_on_device, norm_kernel=kernel[0],
+                                       ahead_keep_free=shares.reserved)
             self._order = Order(self._params)
             parts = Parts(self.adam_state, self.updates, self.gradients, self.sharding, self.window, self._order,
                           self.landing, self._stats, max_grad_norm, self._counts)

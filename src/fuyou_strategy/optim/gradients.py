@@ -465,15 +465,17 @@ class StreamedGradients:
         self.state.run(ChunkJob(None, ps.nchunks, keep))
         return None
 
-    def copy_out(self, tensor: torch.Tensor, *, wait: bool = True) -> tuple[HostBuffer, Copy] | None:
+    def copy_out(self, tensor: torch.Tensor, *, wait: bool = True,
+                 keep_free: int | None = None) -> tuple[HostBuffer, Copy] | None:
         """Start copying ``tensor`` (a gradient, on any device) into a host pool buffer lent for it, leaving the
-        worker room to read ahead (``keep_free``); the buffer (``tensor``'s bytes at its head once the copy
-        landed) and the copy. ``wait=False``: ``None`` if the pool has no room for it now. A copy that cannot
-        start gives the buffer back."""
+        worker room to read ahead (``self.keep_free``, or ``keep_free`` when given); the buffer (``tensor``'s bytes
+        at its head once the copy landed) and the copy. ``wait=False``: ``None`` if the pool has no room for it
+        now. A copy that cannot start gives the buffer back."""
         nbytes = tensor.numel() * tensor.element_size()
+        keep_free = self.keep_free if keep_free is None else keep_free
         if wait:
-            host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=self.keep_free)
-        elif (host := self.state.pool.try_acquire(nbytes, keep_free=self.keep_free)) is None:
+            host = self.state.pool.acquire(nbytes, timeout=self.timeout, keep_free=keep_free)
+        elif (host := self.state.pool.try_acquire(nbytes, keep_free=keep_free)) is None:
             return None
         try:
             return host, start_copy(host.view(tensor.dtype)[: tensor.numel()], tensor.detach().reshape(-1))
@@ -495,8 +497,13 @@ class Gradients:
     update with: DDP's comm hook hands over the ranks' average as its bucket lands, or ``step()`` sums it."""
 
     def __init__(self, streamed: StreamedGradients, window: "Window", *, sharded: bool,
-                 updates_on_device: Callable[["ParamState"], bool], norm_kernel: "OnePass | None" = None) -> None:
+                 updates_on_device: Callable[["ParamState"], bool], norm_kernel: "OnePass | None" = None,
+                 ahead_keep_free: int = 0) -> None:
         self.streamed, self.window, self.sharded = streamed, window, sharded
+        # What a copy made ahead of step() leaves free of the pool: it holds its buffer until step(), so it is
+        # admitted, as host-policy activations and the optimizer's read-ahead are, only while the transfers'
+        # reserved share stays free (`HostShares.reserved`).
+        self.ahead_keep_free = ahead_keep_free
         self.norm_kernel = norm_kernel  # takes the resident gradients' norms it reads (`resident_norms`)
         # Whether a parameter's update runs on its device (`OptimizerState.updates_on_device`): its gradient stays.
         self.updates_on_device = updates_on_device
@@ -534,16 +541,16 @@ class Gradients:
         return self.staged(ps, ps.param.grad)
 
     def staged(self, ps: "ParamState", tensor: torch.Tensor, kind: str = "resident", *,
-               wait: bool = True) -> Grad | None:
+               wait: bool = True, keep_free: int | None = None) -> Grad | None:
         """A `Grad` of ``tensor`` that the host can read: ``tensor`` itself on the CPU; from an accelerator,
         a host pool buffer that a copy started now fills (ordered after the kernels the calling thread's
         stream queued, which computed the gradient), waited for at the update's first read. The buffer
         is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
         Grad. A gradient whose update runs on its device is never copied. ``wait=False``: ``None`` where the
-        pool has no room for the copy now."""
+        pool has no room for the copy now (``keep_free``: what it must leave free, else the worker's read-ahead)."""
         if not read_on_host(tensor) or self.updates_on_device(ps):
             return Grad(ps, tensor, kind=kind)
-        copy = self.streamed.copy_out(tensor, wait=wait)
+        copy = self.streamed.copy_out(tensor, wait=wait, keep_free=keep_free)
         if copy is None:
             return None
         host, landing = copy
@@ -553,8 +560,10 @@ class Gradients:
         """Under ``next_forward``, in the backward that ends the window: start copying ``ps``'s resident gradient to
         the host now, so that the copy runs beside the rest of backward rather than at ``step()`` (the device idles
         there until the next forward), for `resident_norms` to take. Only a gradient the host updates and can read
-        once copied (an accelerator's; `staged`), and only where the pool has room now beyond ``keep_free``; a model
-        with streamed weights copies none ahead (their gradients take the pool during backward). A copy made
+        once copied (an accelerator's; `staged`), and only where the pool has room now beyond `ahead_keep_free`
+        (the copy holds its buffer until step(): the transfers' reserved share stays theirs, for the activations
+        read back in this backward); a model with streamed weights copies none ahead (their gradients take the pool
+        during backward). A copy made
         earlier in this window is released first: the gradient was accumulated again since (the window's micro-
         batches ran without `FuyouAdamW.no_update`)."""
         old = self._early.pop(ps.index, None)
@@ -564,7 +573,7 @@ class Gradients:
         if (grad is None or self.streamed.streamer is not None or not read_on_host(grad)
                 or self.updates_on_device(ps)):
             return
-        kept = self.staged(ps, grad, wait=False)
+        kept = self.staged(ps, grad, wait=False, keep_free=self.ahead_keep_free)
         if kept is not None:
             self._early[ps.index] = (ps, kept, grad, version(grad))
 
