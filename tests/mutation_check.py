@@ -203,8 +203,8 @@ MUTANTS = [
            "                finally:  # the last chunk's weight is in the parameter before the update is done "
            "(or fails)\n                    pass\n", ("test_on_device.py",)),
     Mutant("device-staged", "a device-tier gradient is copied to the host like the others",
-           "optim/gradients.py", "if not read_on_host(tensor) or self.updates_on_device(ps):",
-           "if not read_on_host(tensor):", ("test_device_state.py",)),
+           "optim/gradients.py", "        return read_on_host(tensor) and not self.updates_on_device(ps)\n",
+           "        return read_on_host(tensor)\n", ("test_device_state.py",)),
     Mutant("device-shadow", "a shadow chunk lent unfilled to a device-tier update is not filled from the active one",
            "optim/state.py", "                    buf.view().copy_(source)  # update's that cannot run on this gradient",
            "                    pass", ("test_device_state.py",)),

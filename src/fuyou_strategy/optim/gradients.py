@@ -548,13 +548,18 @@ class Gradients:
         is lent like a streamed gradient's (leaving the worker room to read ahead) and released with the
         Grad. A gradient whose update runs on its device is never copied. ``wait=False``: ``None`` where the
         pool has no room for the copy now (``keep_free``: what it must leave free, else the worker's read-ahead)."""
-        if not read_on_host(tensor) or self.updates_on_device(ps):
+        if not self.through_copy(ps, tensor):
             return Grad(ps, tensor, kind=kind)
         copy = self.streamed.copy_out(tensor, wait=wait, keep_free=keep_free)
         if copy is None:
             return None
         host, landing = copy
         return Grad(ps, host.view(tensor.dtype)[: tensor.numel()], kind=kind, staging=host, landing=landing)
+
+    def through_copy(self, ps: "ParamState", tensor: torch.Tensor) -> bool:
+        """Whether the host reads ``ps``'s gradient ``tensor`` through a copy (`staged`): it is on an accelerator
+        (`device.read_on_host`) and its update runs on the host."""
+        return read_on_host(tensor) and not self.updates_on_device(ps)
 
     def copy_ahead(self, ps: "ParamState") -> None:
         """Under ``next_forward``, in the backward that ends the window: start copying ``ps``'s resident gradient to
@@ -563,15 +568,13 @@ class Gradients:
         once copied (an accelerator's; `staged`), and only where the pool has room now beyond `ahead_keep_free`
         (the copy holds its buffer until step(): the transfers' reserved share stays theirs, for the activations
         read back in this backward); a model with streamed weights copies none ahead (their gradients take the pool
-        during backward). A copy made
-        earlier in this window is released first: the gradient was accumulated again since (the window's micro-
-        batches ran without `FuyouAdamW.no_update`)."""
+        during backward). A copy made earlier in this window is released first: the gradient was accumulated again
+        since (the window's micro-batches ran without `FuyouAdamW.no_update`)."""
         old = self._early.pop(ps.index, None)
         if old is not None:
             old[1].release()
         grad = ps.param.grad
-        if (grad is None or self.streamed.streamer is not None or not read_on_host(grad)
-                or self.updates_on_device(ps)):
+        if grad is None or self.streamed.streamer is not None or not self.through_copy(ps, grad):
             return
         kept = self.staged(ps, grad, wait=False, keep_free=self.ahead_keep_free)
         if kept is not None:
@@ -630,7 +633,7 @@ class Gradients:
         device and dtype in one call (`device_norms`)."""
         self._take_early()
         resident = [ps for ps in params if ps.grads is None and ps.param.grad is not None]
-        copied = {ps.index for ps in resident if read_on_host(ps.param.grad) and not self.updates_on_device(ps)}
+        copied = {ps.index for ps in resident if self.through_copy(ps, ps.param.grad)}
         every = True  # whether every gradient the host updates found room for its copy
         for ps in resident:
             grad = ps.param.grad
