@@ -90,25 +90,39 @@ inline bool streams(const void* out, const void* in) {
 #endif
 }
 
+// The hyperparameters as torch's adam_math makes its vectors of them, made once per call of the pass (`Consts`) rather
+// than at every vector: the same float values, and the lerp's mask the same in every lane.
+struct Consts {
+  fVec inv_scale, coef, decay, coeff, beta2, sq_coef, bias_correction2_sqrt, eps, neg_step_size;
+  fVec mask;  // lerp's: all lanes set where |1 - beta1| < 0.5
+  bool has_inv_scale, has_coef, has_decay;
+
+  explicit Consts(const Hyper& h)
+      : inv_scale(h.inv_scale), coef(h.coef), decay(float(1 - h.lr * h.weight_decay)), beta2(float(h.beta2)),
+        sq_coef(float(h.exp_avg_sq_grad_coefficient)), bias_correction2_sqrt(float(h.bias_correction2_sqrt)),
+        eps(float(h.eps)), neg_step_size(float(-h.step_size)), has_inv_scale(h.has_inv_scale), has_coef(h.has_coef),
+        has_decay(h.weight_decay != 0.f) {
+    const fVec lerp_weight = fVec(float(h.exp_avg_grad_coefficient));
+    mask = lerp_weight.abs() < fVec(0.5);
+    coeff = fVec::blendv(lerp_weight - fVec(1), lerp_weight, mask);
+  }
+};
+
 // torch's fp32 adam_math body (ADAMW, amsgrad=false, maximize=false), one vector.
-inline void adamw_vec(fVec& param_vec, fVec grad_vec, fVec& exp_avg_vec, fVec& exp_avg_sq_vec, const Hyper& h) {
-  if (h.has_inv_scale) grad_vec = grad_vec * fVec(h.inv_scale);  // GradScaler.unscale_, in fp32
-  if (h.has_coef) grad_vec = grad_vec * fVec(h.coef);              // clip_grad_norm_'s multiply, in fp32
-  if (h.weight_decay != 0.f) {
-    param_vec = param_vec * fVec(float(1 - h.lr * h.weight_decay));
+inline void adamw_vec(fVec& param_vec, fVec grad_vec, fVec& exp_avg_vec, fVec& exp_avg_sq_vec, const Consts& k) {
+  if (k.has_inv_scale) grad_vec = grad_vec * k.inv_scale;  // GradScaler.unscale_, in fp32
+  if (k.has_coef) grad_vec = grad_vec * k.coef;            // clip_grad_norm_'s multiply, in fp32
+  if (k.has_decay) {
+    param_vec = param_vec * k.decay;
   }
   // exp_avg.lerp_(grad, 1 - beta1)
-  const fVec lerp_weight = fVec(float(h.exp_avg_grad_coefficient));
-  auto mask = lerp_weight.abs() < fVec(0.5);
-  auto coeff = fVec::blendv(lerp_weight - fVec(1), lerp_weight, mask);
-  auto base = fVec::blendv(grad_vec, exp_avg_vec, mask);
-  exp_avg_vec = at::vec::fmadd(coeff, grad_vec - exp_avg_vec, base);
+  auto base = fVec::blendv(grad_vec, exp_avg_vec, k.mask);
+  exp_avg_vec = at::vec::fmadd(k.coeff, grad_vec - exp_avg_vec, base);
 
-  exp_avg_sq_vec = exp_avg_sq_vec * fVec(float(h.beta2)) +
-      fVec(float(h.exp_avg_sq_grad_coefficient)) * grad_vec * grad_vec;
+  exp_avg_sq_vec = exp_avg_sq_vec * k.beta2 + k.sq_coef * grad_vec * grad_vec;
 
-  fVec denom_vec = (exp_avg_sq_vec.sqrt() / fVec(float(h.bias_correction2_sqrt))) + fVec(float(h.eps));
-  param_vec = param_vec + fVec(float(-h.step_size)) * exp_avg_vec / denom_vec;
+  fVec denom_vec = (exp_avg_sq_vec.sqrt() / k.bias_correction2_sqrt) + k.eps;
+  param_vec = param_vec + k.neg_step_size * exp_avg_vec / denom_vec;
 }
 
 // One chunk's pass as the threads share it: its pointers, the gradient's and the weight's dtype (none: no weight
@@ -124,6 +138,14 @@ struct Chunk {
   Hyper h;
 };
 
+// Blocks a tile holds (`blocks_of`): its new masters, kept on the stack for the weight's loop, stay in L1.
+constexpr int64_t kTileBlocks = 16;
+
+// The pass over blocks [b0, b1) of `c`, a tile of kTileBlocks at a time: the arithmetic of every block of the tile,
+// its state written out, then the tile's new weights from the masters kept in L1. Each block's weight written in the
+// same loop as its state made that loop long enough (with the weight's rounding) that the core overlapped fewer
+// blocks' arithmetic: slower where the pass is bound by the core, not the memory (docs/one-pass-update.md). The
+// same values either way.
 template <typename G, typename W>
 void blocks_of(const Chunk& c, int64_t b0, int64_t b1) {
   const float *master_in = c.master_in, *exp_avg_in = c.exp_avg_in, *exp_avg_sq_in = c.exp_avg_sq_in;
@@ -132,22 +154,31 @@ void blocks_of(const Chunk& c, int64_t b0, int64_t b1) {
   W* weight_out = static_cast<W*>(c.weight_out);
   const bool sm = streams(master_out, master_in), sa = streams(exp_avg_out, exp_avg_in),
              ss = streams(exp_avg_sq_out, exp_avg_sq_in), sw = streams(weight_out, master_in);
-  // A copy the stores below cannot alias (`c.h` could be written through a float*, for all the compiler knows),
-  // so its constants are loaded and converted once, not at every block.
-  const Hyper hl = c.h;
-  for (int64_t d = b0 * kBlock; d < b1 * kBlock; d += kBlock) {
-    fVec g1, g2;
-    load2(grad + d, g1, g2);
-    fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
-    fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
-    fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
-    adamw_vec(p1, g1, m1, v1, hl);
-    adamw_vec(p2, g2, m2, v2, hl);
-    store2(master_out + d, p1, p2, sm);
-    store2(exp_avg_out + d, m1, m2, sa);
-    store2(exp_avg_sq_out + d, v1, v2, ss);
+  const Consts k(c.h);
+  alignas(64) float kept[kTileBlocks * kBlock];  // the tile's new masters
+  for (int64_t t0 = b0 * kBlock, end = b1 * kBlock; t0 < end; t0 += kTileBlocks * kBlock) {
+    const int64_t t1 = std::min(t0 + kTileBlocks * kBlock, end);
+    for (int64_t d = t0; d < t1; d += kBlock) {
+      fVec g1, g2;
+      load2(grad + d, g1, g2);
+      fVec p1 = fVec::loadu(master_in + d), p2 = fVec::loadu(master_in + d + fVec::size());
+      fVec m1 = fVec::loadu(exp_avg_in + d), m2 = fVec::loadu(exp_avg_in + d + fVec::size());
+      fVec v1 = fVec::loadu(exp_avg_sq_in + d), v2 = fVec::loadu(exp_avg_sq_in + d + fVec::size());
+      adamw_vec(p1, g1, m1, v1, k);
+      adamw_vec(p2, g2, m2, v2, k);
+      store2(master_out + d, p1, p2, sm);
+      store2(exp_avg_out + d, m1, m2, sa);
+      store2(exp_avg_sq_out + d, v1, v2, ss);
+      if constexpr (!std::is_same_v<W, void>) {
+        p1.store(kept + (d - t0));
+        p2.store(kept + (d - t0) + fVec::size());
+      }
+    }
     if constexpr (!std::is_same_v<W, void>) {
-      store2(weight_out + d, p1, p2, sw);
+      for (int64_t d = t0; d < t1; d += kBlock) {
+        const fVec p1 = fVec::loadu(kept + (d - t0)), p2 = fVec::loadu(kept + (d - t0) + fVec::size());
+        store2(weight_out + d, p1, p2, sw);
+      }
     }
   }
 }
