@@ -5,10 +5,10 @@
 // The arithmetic is torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, fp32, ADAMW mode,
 // no amsgrad, no maximize) statement for statement, on at::vec::Vectorized<float> of the same CPU capability
 // torch dispatches to, so that each element comes out bit for bit as torch.optim.AdamW(fused=True) computes
-// it. Two differences, neither in the arithmetic: the inputs and outputs are separate pointers (they may be
-// the same: in place), and the gradient is read in its own dtype (fp32, bf16 or fp16; widening is exact),
+// it. Three differences, none in the arithmetic: the inputs and outputs are separate pointers (they may be
+// the same: in place); the gradient is read in its own dtype (fp32, bf16 or fp16; widening is exact),
 // multiplied by the unscale and clip factors first when given, as fuyou's update does in fp32 before the
-// kernel. Only whole blocks of 2 x Vectorized<float>::size() elements are updated here: the caller runs
+// kernel; and the hyperparameters' vectors are made once per call (`Consts`), not at every vector. Only whole blocks of 2 x Vectorized<float>::size() elements are updated here: the caller runs
 // torch's own kernel on the rest (torch's scalar tail), and checks at load that both agree bitwise.
 #include <torch/extension.h>
 
