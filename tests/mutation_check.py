@@ -251,6 +251,10 @@ MUTANTS = [
     Mutant("tile-weight-last-block", "the pass leaves each tile's last block's weight unwritten",
            "optim/csrc/adamw_pass.cpp", "      for (int64_t d = t0; d < t1; d += kBlock) {\n        const fVec p1",
            "      for (int64_t d = t0; d + kBlock < t1; d += kBlock) {\n        const fVec p1", ("test_onepass.py",)),
+    Mutant("tile-weight-first-tile", "the pass writes the weights of each grain's first tile only, leaving the later "
+           "tiles' as they were (the check at load, on fewer blocks than a tile, cannot see it)",
+           "optim/csrc/adamw_pass.cpp", "    if constexpr (!std::is_same_v<W, void>) {\n      for (int64_t d = t0;",
+           "    if constexpr (!std::is_same_v<W, void>) {\n      if (t0 == b0 * kBlock) for (int64_t d = t0;", ("test_onepass.py",)),
     Mutant("norm-resume-sums", "a norm carried on from an earlier call starts its sums afresh",
            "optim/csrc/adamw_pass.cpp", "  Lanes acc;\n  std::memcpy(&acc, p.acc, sizeof(Lanes));\n",
            "  Lanes acc = {};\n", ("test_onepass.py",)),
