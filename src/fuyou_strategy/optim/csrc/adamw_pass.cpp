@@ -8,8 +8,9 @@
 // it. Three differences, none in the arithmetic: the inputs and outputs are separate pointers (they may be
 // the same: in place); the gradient is read in its own dtype (fp32, bf16 or fp16; widening is exact),
 // multiplied by the unscale and clip factors first when given, as fuyou's update does in fp32 before the
-// kernel; and the hyperparameters' vectors are made once per call (`Consts`), not at every vector. Only whole blocks of 2 x Vectorized<float>::size() elements are updated here: the caller runs
-// torch's own kernel on the rest (torch's scalar tail), and checks at load that both agree bitwise.
+// kernel; and the hyperparameters' vectors are made once per call (`Consts`), not at every vector. Only whole
+// blocks of 2 x Vectorized<float>::size() elements are updated here: the caller runs torch's own kernel on the
+// rest (torch's scalar tail), and checks at load that both agree bitwise.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -90,8 +91,8 @@ inline bool streams(const void* out, const void* in) {
 #endif
 }
 
-// The hyperparameters as torch's adam_math makes its vectors of them, made once per call of the pass (`Consts`) rather
-// than at every vector: the same float values, and the lerp's mask the same in every lane.
+// The hyperparameters as torch's adam_math makes its vectors of them, made once per call of the pass rather than
+// at every vector: the same float values, and the lerp's mask the same in every lane.
 struct Consts {
   fVec inv_scale, coef, decay, coeff, beta2, sq_coef, bias_correction2_sqrt, eps, neg_step_size;
   fVec mask;  // lerp's: all lanes set where |1 - beta1| < 0.5
