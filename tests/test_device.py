@@ -99,19 +99,26 @@ def test_late_copies_catch_an_update_that_reads_its_device_gradient_before_the_c
     assert not _equal(mutant, reference), "the update read the poisoned host copy"
 
 
-def _exact_steps(tmp_path, update_kernel, *, skip_at=None):
-    """A tiny Llama's weights after 3 exact (``next_forward``) `FuyouAdamW` steps with clipping that bites, and
-    the pool's lent bytes before each backward and after its step() (``skip_at``: the step whose gradients hold an
-    inf, set in place after backward, skipped). Before the backward, not the step(): backward's hook starts the
-    copies (`Gradients.copy_ahead`)."""
+def _exact_optimizer(tmp_path, **config):
+    """A tiny Llama and an exact (``next_forward``) `FuyouAdamW` over it, clipping at 0.5, its small pool and swap
+    folder in ``tmp_path`` (made here); ``config``: more `FuyouConfig` fields."""
     from fuyou_strategy import FuyouAdamW
 
     model = tiny_causal_lm("llama")
     tmp_path.mkdir()
     config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB",
-                         optimizer_schedule="next_forward", update_kernel=update_kernel)
+                         optimizer_schedule="next_forward", **config)
+    return model, FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config)
+
+
+def _exact_steps(tmp_path, update_kernel, *, skip_at=None):
+    """A tiny Llama's weights after 3 exact (``next_forward``) `FuyouAdamW` steps with clipping that bites, and
+    the pool's lent bytes before each backward and after its step() (``skip_at``: the step whose gradients hold an
+    inf, set in place after backward, skipped). Before the backward, not the step(): backward's hook starts the
+    copies (`Gradients.copy_ahead`)."""
+    model, opt = _exact_optimizer(tmp_path, update_kernel=update_kernel)
     lent = []
-    with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
+    with opt:
         for step in range(3):
             ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
             before = opt.adam_state.store.pool.lent
@@ -179,14 +186,9 @@ def _exact_window(tmp_path, *, backwards=1, change=None, discard=False, room=Tru
     ``discard``, a `zero_grad` and one backward more before the second step; and the pool's lent bytes before the
     first backward, after the first backward (before its step) and after the first step. ``room=False``: a copy
     ahead must leave the whole pool free (none fits)."""
-    from fuyou_strategy import FuyouAdamW
-
-    model = tiny_causal_lm("llama")
-    tmp_path.mkdir()
-    config = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", host_memory_budget="2MiB",
-                         optimizer_schedule="next_forward")
+    model, opt = _exact_optimizer(tmp_path)
     lent = []
-    with FuyouAdamW(model.parameters(), lr=3e-3, max_grad_norm=0.5, config=config) as opt:
+    with opt:
         pool = opt.adam_state.store.pool
         # a copy ahead holds its buffer until step(): it leaves the transfers' reserved share free, as the
         # optimizer's read-ahead does
