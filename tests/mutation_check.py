@@ -120,8 +120,8 @@ MUTANTS = [
            "engine.py", "            self.optimizer.updates_enabled = update\n",
            "            self.optimizer.updates_enabled = True\n", ("test_hf.py", "test_lightning.py")),
     Mutant("onepass-tail", "the one pass leaves the ragged end of a chunk (past its last whole block) un-updated",
-           "optim/onepass.py", "arguments).\"\"\"\n        src = out if source is None else source\n",
-           "arguments).\"\"\"\n        return\n",
+           "optim/onepass.py", "``masters_in_place``).\"\"\"\n        src = out if source is None else source\n",
+           "``masters_in_place``).\"\"\"\n        return\n",
            ("test_onepass.py",)),
     Mutant("onepass-unscale", "the compiled pass divides by the unscale factor instead of multiplying (rebuilt; "
            "its bitwise check at load must refuse it)", "optim/csrc/adamw_pass.cpp",

@@ -163,6 +163,57 @@ def test_the_list_form_gives_each_chunks_bits_in_one_call(factors):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_a_master_updated_in_place_in_its_parameter_gets_torchs_bits_and_leaves_the_chunks_master(threads):
+    """`OnePass.update_chunks`' ``masters_in_place`` (an fp32 parameter that is its own master, state in RAM): the
+    master is read from the parameter and the new one written back there only (torch's kernel's bits, a ragged end's
+    too), the moments into the chunk, whose master keeps its old bytes; beside chunks updated as before in the same
+    call, and a parameter given whole (shaped) as a one-chunk parameter is."""
+    one = one_pass()
+    gen = torch.Generator().manual_seed(17)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+    lengths = (one.block, 7 * one.block + 5, 1, one.module.grain_blocks() * one.block + 3, 12)
+    outs, masters, grads, weights, owns, counts, wants, olds = [], [], [], [], [], [], [], []
+    for t, n in enumerate(lengths):
+        state = torch.cat([torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
+                           torch.rand(n, generator=gen) * 1e-4])
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(DTYPES[t % 3])
+        step = torch.tensor(float(1 + t))
+        want = [x.clone() for x in state.split(n)]
+        torch_update(*want, grad, step=step, inv_scale=None, coef=None, **hyper)
+        own = t != 2
+        param = state[:n].clone().view(3, 4) if n == 12 else state[:n].clone()  # shaped: given whole
+        if own:
+            state[:n] = float("nan")  # older than the parameter: never read
+        olds.append(state[:n].clone())
+        outs.append(state)
+        masters.append(param if own else None)
+        weights.append(None if own else param)
+        owns.append(own)
+        grads.append(grad)
+        counts.append(onepass.step_count(step))
+        wants.append(want)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one.update_chunks(outs, [None] * len(outs), grads, weights, list(lengths), counts=counts, inv_scale=None,
+                          coef=None, master_ins=masters, masters_in_place=owns, **hyper)
+    finally:
+        torch.set_num_threads(before)
+    for t, (n, out, want, own) in enumerate(zip(lengths, outs, wants, owns)):
+        param = (masters[t] if own else weights[t]).reshape(-1)
+        assert torch.equal(param.view(torch.int32), want[0].view(torch.int32)), (t, "the parameter's new master")
+        assert torch.equal(out[n:].view(torch.int32), torch.cat(want[1:]).view(torch.int32)), (t, "the moments")
+        if own:
+            assert torch.equal(out[:n].view(torch.int32), olds[t].view(torch.int32)), (t, "the chunk's master left")
+        else:
+            assert torch.equal(out[:n].view(torch.int32), want[0].view(torch.int32)), (t, "the chunk's master")
+    n = one.block
+    with pytest.raises(RuntimeError, match="a master updated in place needs its master_in and no weight"):
+        one.update_chunks([torch.zeros(3 * n)], [None], [torch.zeros(n)], [torch.zeros(n)], [n], counts=[1.0],
+                          inv_scale=None, coef=None, master_ins=[torch.zeros(n)], masters_in_place=[True], **hyper)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_run_of_small_chunks_is_shared_among_the_threads_each_chunk_updated_once(threads, monkeypatch):
     """`OnePass.update_chunks` over a run of many small chunks (each one thread's in its own pass, so shared out among
     the threads a chunk at a time) with large ones among them (each shared by its own pass): every chunk gets torch's

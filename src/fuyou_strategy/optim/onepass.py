@@ -145,7 +145,8 @@ class OnePass:
                       weights: list[torch.Tensor], ns: list[int], *, counts: list[float],
                       inv_scale: torch.Tensor | None, coef: torch.Tensor | None, lr: float, beta1: float,
                       beta2: float, weight_decay: float, eps: float, master_ins: list[torch.Tensor | None] | None = None,
-                      beside: Beside | None = None, last: bool = True) -> list[torch.Tensor]:
+                      masters_in_place: list[bool] | None = None, beside: Beside | None = None,
+                      last: bool = True) -> list[torch.Tensor]:
         """`update_chunk` of each chunk of the lists (the master read from each ``source``, or in place, or from
         ``master_ins``; each new weight into ``weights``), in one call of the compiled pass without the GIL: a run of
         parameters (`state.OptimizerState.group_job`), whose small chunks would each pay more for a call than for
@@ -162,7 +163,12 @@ class OnePass:
         last one finishing them; they are returned by the call that finished the last of them (``[]`` before): a job
         whose chunks come one call each (`state.OptimizerState.update_job`) takes a large gradient's norm beside all
         of its passes, not only beside the first chunk's, where it would outlast that pass with the other threads
-        waiting. The same bits: each norm is summed in one order, wherever it pauses."""
+        waiting. The same bits: each norm is summed in one order, wherever it pauses.
+
+        ``masters_in_place[i]`` (with ``master_ins[i]``, an fp32 parameter that is its own master, and no weight):
+        the new master is written back into ``master_ins[i]`` only; the chunk's master is left as it was (older
+        than the parameter: `state.OptimizerState`'s ``masters_behind``). 28 bytes per element, as torch's kernel
+        moves on an fp32 parameter, where writing the master into the chunk and the parameter both takes 32."""
         scalars = _scalars(lr, beta1, beta2, weight_decay, eps, 0.0, inv_scale, coef)
         if beside is not None:
             lanes, group = self.norm_layout
@@ -172,26 +178,33 @@ class OnePass:
             progress = beside.progress
         else:
             lanes, group, norm_grads, norm_scale, progress = 8, 1, [], None, []
-        done, norms = self.module.adamw_chunks(outs, sources, master_ins or [], grads, weights, ns, counts,
+        done, norms = self.module.adamw_chunks(outs, sources, master_ins or [], masters_in_place or [], grads,
+                                               weights, ns, counts,
                                                *scalars[:5], *scalars[6:], norm_grads, norm_scale, lanes, group,
                                                progress, last)
         for i, n in enumerate(ns):
             if done[i] < n:
                 weight = weights[i].detach().view(-1) if weights[i] is not None else None  # the tail's slices: flat
+                master_in = master_ins[i] if master_ins else None  # likewise: a parameter may be given whole
+                master_in = master_in.detach().view(-1) if master_in is not None else None
                 step = torch.tensor(counts[i] - 1.0, dtype=torch.float32)
-                self._chunk_tail(done[i], outs[i], sources[i], master_ins[i] if master_ins else None, grads[i], weight,
+                self._chunk_tail(done[i], outs[i], sources[i], master_in, grads[i], weight,
                                  n, step=step, inv_scale=inv_scale, coef=coef, lr=lr, beta1=beta1, beta2=beta2,
-                                 weight_decay=weight_decay, eps=eps)
+                                 weight_decay=weight_decay, eps=eps,
+                                 master_in_place=bool(masters_in_place and masters_in_place[i]))
         if not norm_grads or not (last or all(p.done for p in progress)):
             return []
         return list(norms.unbind())
 
     def _chunk_tail(self, done: int, out: torch.Tensor, source: torch.Tensor | None, master_in: torch.Tensor | None,
-                    grad: torch.Tensor, weight: torch.Tensor | None, n: int, **kwargs: Any) -> None:
-        """`_tail` of a chunk as the store holds it (`update_chunk`'s arguments)."""
+                    grad: torch.Tensor, weight: torch.Tensor | None, n: int, *, master_in_place: bool = False,
+                    **kwargs: Any) -> None:
+        """`_tail` of a chunk as the store holds it (`update_chunk`'s arguments; ``master_in_place``:
+        `update_chunks`' ``masters_in_place``)."""
         src = out if source is None else source
-        self._tail(done, src[:n] if master_in is None else master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
-                   out[:n], out[n : 2 * n], out[2 * n : 3 * n], weight, **kwargs)
+        master_in = src[:n] if master_in is None else master_in
+        self._tail(done, master_in, src[n : 2 * n], src[2 * n : 3 * n], grad,
+                   master_in[:n] if master_in_place else out[:n], out[n : 2 * n], out[2 * n : 3 * n], weight, **kwargs)
 
     @staticmethod
     def _tail(done: int, master_in: torch.Tensor, exp_avg_in: torch.Tensor, exp_avg_sq_in: torch.Tensor,

@@ -503,17 +503,24 @@ int64_t pass_over(const float* a, const float* b, const float* c, const at::Tens
 // One state chunk as the store holds it (`formats.Layout("fp32")`), checked: `out` is the chunk's fp32 values,
 // master, exp_avg and exp_avg_sq of `n` elements each, one after the other, written from `source` (the same
 // layout; none: `out` itself, in place), the master read from `master_in` when given (a parameter holding it).
+// `master_in_place`: the new master is written back into `master_in` (an fp32 parameter that is its own master)
+// and not into `out`, whose master is left as it was, and no weight is written: the 4 bytes per element an fp32
+// parameter would otherwise take twice.
 Chunk state_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& source,
                   const c10::optional<at::Tensor>& master_in, const at::Tensor& grad,
-                  const c10::optional<at::Tensor>& weight_out, int64_t n, const Hyper& h) {
+                  const c10::optional<at::Tensor>& weight_out, int64_t n, const Hyper& h,
+                  bool master_in_place = false) {
   const at::Tensor& in = source.has_value() ? *source : out;
   check(out, "out", 3 * n, true);
   check(in, "source", 3 * n, true);
   if (master_in.has_value()) check(*master_in, "master_in", n, true);
+  TORCH_CHECK(!master_in_place || (master_in.has_value() && !weight_out.has_value()),
+              "adamw_chunks: a master updated in place needs its master_in and no weight");
   const float* i = in.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  return make_chunk(master_in.has_value() ? master_in->data_ptr<float>() : i, i + n, i + 2 * n, grad, o, o + n,
-                    o + 2 * n, weight_out, n, h);
+  float* master_out = master_in_place ? master_in->data_ptr<float>() : o;
+  return make_chunk(master_in.has_value() ? master_in->data_ptr<float>() : i, i + n, i + 2 * n, grad, master_out,
+                    o + n, o + 2 * n, weight_out, n, h);
 }
 
 }  // namespace
@@ -552,30 +559,33 @@ int64_t adamw_chunk(const at::Tensor& out, const c10::optional<at::Tensor>& sour
 // `lanes`, `tail_group`: `grad_norms`), all in one parallel region (`run`): a run of parameters
 // (`OptimizerState.group_job`), whose many small chunks would each pay for a call from Python, and the norms a
 // speculative update takes before it, which would otherwise hold one thread while the others wait. Every chunk has
-// its own length and step count, the same hyperparameters and factors; `master_ins` is empty or one per chunk.
+// its own length and step count, the same hyperparameters and factors; `master_ins` and `masters_in_place`
+// (`state_chunk`) are each empty or one per chunk.
 // Each norm goes on from its `norm_progress` (one per gradient); `finish_norms` false: only while the chunks' blocks
 // last, for a job whose chunks come one call each (`OptimizerState.update_job`), the last call finishing them.
 // Returns each chunk's elements done (its ragged end is the caller's, as above) and the norms (NaN: not done yet).
 std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
     const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
-    const std::vector<c10::optional<at::Tensor>>& master_ins, const std::vector<at::Tensor>& grads,
-    const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& ns,
-    const std::vector<double>& steps, double lr, double beta1, double beta2, double weight_decay, double eps,
+    const std::vector<c10::optional<at::Tensor>>& master_ins, const std::vector<bool>& masters_in_place,
+    const std::vector<at::Tensor>& grads, const std::vector<c10::optional<at::Tensor>>& weights,
+    const std::vector<int64_t>& ns, const std::vector<double>& steps, double lr, double beta1, double beta2, double weight_decay, double eps,
     c10::optional<double> inv_scale, c10::optional<double> coef, const std::vector<at::Tensor>& norm_grads,
     c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group,
     const std::vector<NormProgress*>& norm_progress, bool finish_norms) {
   const size_t n = outs.size();
   TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n &&
-                  (master_ins.empty() || master_ins.size() == n),
-              "adamw_chunks: outs, sources, grads, weights, ns, steps (and master_ins, unless empty) must be lists of "
-              "one length");
+                  (master_ins.empty() || master_ins.size() == n) &&
+                  (masters_in_place.empty() || masters_in_place.size() == n),
+              "adamw_chunks: outs, sources, grads, weights, ns, steps (and master_ins, masters_in_place, unless "
+              "empty) must be lists of one length");
   std::vector<Chunk> chunks;
   chunks.reserve(n);
   std::vector<int64_t> done(n);
   for (size_t i = 0; i < n; i++) {
     chunks.push_back(state_chunk(outs[i], sources[i], master_ins.empty() ? c10::nullopt : master_ins[i], grads[i],
                                  weights[i], ns[i],
-                                 make_hyper(lr, beta1, beta2, weight_decay, eps, steps[i], inv_scale, coef)));
+                                 make_hyper(lr, beta1, beta2, weight_decay, eps, steps[i], inv_scale, coef),
+                                 !masters_in_place.empty() && masters_in_place[i]));
     done[i] = chunks.back().blocks * kBlock;
   }
   const Norms norms(norm_grads, norm_inv_scale, lanes, tail_group, norm_progress, finish_norms);
