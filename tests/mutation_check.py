@@ -314,6 +314,21 @@ MUTANTS = [
     Mutant("metrics-unread", "metrics() gives a step decided on the device as it was at its end, unread",
            "run_report.py", "            _ = self._optimizer.stats  # reads it", "            pass  # reads it",
            ("test_metrics.py",)),
+    Mutant("master-heal-speculate", "a window that speculates starts with masters kept only in the parameters (its "
+           "rollback would restore older ones; the guard in its first update refuses it)", "optim/control.py",
+           "        if self.window.schedule.speculates:\n            self.state.heal_masters()\n",
+           "        if False:\n            self.state.heal_masters()\n", ("test_host_state.py",)),
+    Mutant("master-heal-export", "a checkpoint saves the chunks' older masters of parameters updated in place",
+           "optim/state.py", "        self.heal_masters(params)\n        for ps in params:\n\n            def write_chunk",
+           "        for ps in params:\n\n            def write_chunk", ("test_host_state.py", "test_optimizer_checkpoint.py")),
+    Mutant("master-heal-device", "state moved onto the device tier takes its chunks' older masters", "optim/state.py",
+           "        self.heal_masters([ps for ps in owned if ps.index in keep])",
+           "        self.heal_masters([])", ("test_device_state.py",)),
+    Mutant("master-heal-stream", "the engine streams weights without writing the masters only they held into the "
+           "state first", "engine.py", "        self.optimizer.control.heal_masters()\n", "", ("test_planner_weights.py",)),
+    Mutant("master-in-place-tail", "a master updated in place has its ragged end written into the chunk, not the "
+           "parameter", "optim/onepass.py", "master_in[:n] if master_in_place else out[:n]", "out[:n]",
+           ("test_onepass.py",)),
     Mutant("metrics-every-step", "the Lightning strategy reads the metrics in steps its loggers do not write",
            "integrations/lightning.py", " or not _logs_this_step(trainer)):", "):", ("test_metrics.py",)),
 ]

@@ -55,10 +55,10 @@ def assert_torchs(model, ref_model, losses, ref_losses):
         assert torch.equal(p, q), name
 
 
-def in_ram_with_no_device_tier(tmp_path, model):
+def in_ram_with_no_device_tier(tmp_path, model, schedule="backward"):
     """`FuyouAdamW` (``backward``, clipping) with no device tier yet and 96 KiB of host tier, for a test to move."""
     return FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM, fused=True,
-                      config=config(tmp_path, "backward", device_state=0, host_state="96KiB"))
+                      config=config(tmp_path, schedule, device_state=0, host_state="96KiB"))
 
 
 @pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
@@ -214,11 +214,14 @@ def test_a_save_resumes_into_another_split_with_a_device_tier_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_device_tier_grows_and_shrinks_between_steps_and_changes_no_bit(tmp_path):
+@pytest.mark.parametrize("schedule", ["backward", "next_forward"])
+def test_the_device_tier_grows_and_shrinks_between_steps_and_changes_no_bit(tmp_path, schedule):
     """`OptimizerControl.hold_state_on_device` (what the engine does with the plan's device tier): the state moves
-    onto the device from the SSD and from host RAM, and back off it, between steps of one run, bitwise torch's."""
+    onto the device from the SSD and from host RAM, and back off it, between steps of one run, bitwise torch's.
+    Under ``next_forward`` the state in RAM of the fp32 weights leaves its masters in the parameters
+    (`OptimizerState.masters_behind`) until it moves."""
     model, ref_model, ref_losses = beside_torch()
-    opt = in_ram_with_no_device_tier(tmp_path, model)
+    opt = in_ram_with_no_device_tier(tmp_path, model, schedule)
     control, seen = opt.control, []
     sizes = iter([10**9, 96 * 1024, 0, 200 * 1024, 10**9])
 

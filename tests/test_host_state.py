@@ -226,6 +226,42 @@ def resumed_across_splits(tmp_path, splits, check=None):
     return straight, model, expected, got
 
 
+def test_masters_kept_only_in_the_parameters_go_into_their_chunks_before_a_window_speculates(tmp_path):
+    """fp32 on the CPU, the whole state in RAM: an exact one-pass update writes the new master into the parameter
+    only (`OptimizerState.masters_behind`), and before a window whose updates speculate (their rollback restores from
+    the chunks) or a read of the state those masters go into their chunks. Schedules forced to alternate, with
+    clipping that bites, a non-finite step rolled back under ``backward`` and three micro-batches accumulated: the
+    run is torch's, bit for bit, and its state read back is the straight run's."""
+    model = tiny_causal_lm("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref_losses = reference(ref_model)
+    order = iter(["next_forward", "next_forward", "backward", "next_forward", "backward", "next_forward", "next_forward"])
+    behind_at_switch = []  # parameters whose chunks' masters were older as each speculating window was chosen
+    with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
+                    config=config(tmp_path, "auto", host_state=SPLITS["all"])) as opt:
+        state = opt.adam_state
+
+        def forced():
+            name = next(order)
+            if name == "backward":
+                behind_at_switch.append(len(state.masters_behind))
+            return name, "forced by the test"
+
+        opt.chooser.choose = forced
+        opt.control.choose()  # the first window's schedule, as the optimizer chose it when built
+        losses, _ = train(model, opt)
+        stats = opt.stats
+        assert state.masters_behind, "the last window's exact updates kept their masters in the parameters"
+        got = {name: opt.read_state(p) for name, p in model.named_parameters()}
+        assert not state.masters_behind, "read_state wrote every master into its chunk"
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(got[name]["master"], q), name
+    assert behind_at_switch[0] > 0 and behind_at_switch[1] > 0, behind_at_switch
+    assert stats.skips == 1 and stats.clipped >= 1 and stats.rollbacks >= 1 and stats.deferred >= 1, stats
+
+
 def test_a_save_resumes_into_another_split_exactly(tmp_path):
     """Checkpoints do not depend on where the state lived: saved with it all on the SSD, resumed with a mixed
     split (and back), the run goes on bitwise as if uninterrupted."""

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from fuyou_strategy import ConfigError, FuyouConfig
+from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
+from fuyou_strategy.optim.control import OptimizerControl
 from fuyou_strategy.config import resolve
 from fuyou_strategy.activations import Policy
 from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, predict, solve
@@ -232,6 +233,33 @@ def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
     resident_model, reference, resident, streamed = roomy_full_fine_tune(tmp_path)
     streams_the_full_fine_tune_exactly(auto(tmp_path, device_memory_budget=(streamed + resident) // 2),
                                        resident_model, reference)
+
+
+def test_weights_streamed_after_a_warm_up_that_kept_their_masters_in_them_change_no_number(tmp_path, monkeypatch):
+    """fp32 on the CPU, fused AdamW, ``next_forward`` pinned, the state in RAM: the warm-up's updates keep each new
+    master in its parameter only (`OptimizerState.masters_behind`); the plan then streams every block's weights,
+    read from those masters, which go into their chunks first. The run is the resident one's, bit for bit."""
+    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    behind = []  # parameters whose chunks' masters were older as the engine was about to stream the weights
+    real = OptimizerControl.heal_masters
+    monkeypatch.setattr(OptimizerControl, "heal_masters",
+                        lambda self: behind.append(len(self.state.masters_behind)) or real(self))
+    runs = {}
+    for name, budget in (("resident", None), ("streamed", (streamed + resident) // 2)):
+        model = tiny_causal_lm("gpt2")
+        fields = dict(optimizer_schedule="next_forward", **({"device_memory_budget": budget} if budget else {}))
+        (tmp_path / name).mkdir()
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                             config=auto(tmp_path / name, **fields))
+        try:
+            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)], model, engine.plan
+        finally:
+            engine.close()
+    (losses, model, plan), (ref_losses, ref_model, _) = runs["streamed"], runs["resident"]
+    assert set(plan.weights.values()) == {"ssd"} and behind and behind[-1] > 0, (plan.weights, behind)
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_budget_is_tight(tmp_path):

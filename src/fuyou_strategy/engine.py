@@ -371,8 +371,10 @@ class FuyouEngine:
                     "fuyou_strategy.ignore_streamed_in_ddp(model, config) before wrapping the model (the Lightning "
                     "strategy and FuyouCallback do it)")
         # The last step's updates land first (after a warm-up, `next_forward` leaves them for the next
-        # forward): the tier copies are made from the weights, whose device storage is then released.
+        # forward): the tier copies are made from the weights, whose device storage is then released, and the
+        # masters only they held go into the optimizer's state first (streamed weights are read from there).
         self.optimizer.flush()
+        self.optimizer.control.heal_masters()
         self.streamer = WeightStreamer(self.model, self.config, memory=self.memory, weights=weights,
                                        trainable=self.optimizer.control.chunk_elements(), device=self.device,
                                        init_weights=self.init_weights)

@@ -106,11 +106,15 @@ class OptimizerControl:
 
     # -- the schedule ----------------------------------------------------------------------------------
     def choose(self, *, agree: bool = False) -> str:
-        """Set the next window's schedule (``agree``: rank 0's, on every rank, a collective); returns why."""
+        """Set the next window's schedule (``agree``: rank 0's, on every rank, a collective); returns why. Before a
+        window that speculates, the masters kept only in the parameters go into their chunks (`OptimizerState.
+        heal_masters`: a rollback restores from there), after the updates queued so far."""
         name, reason = self.chooser.choose()
         if agree:
             name, reason = self.sharding.same_choice([name, reason])
         self.window.schedule = self._schedules[name]
+        if self.window.schedule.speculates:
+            self.state.heal_masters()
         return reason
 
     @property
@@ -185,6 +189,12 @@ class OptimizerControl:
         self.state.drain()
         return self.state.hold_in_ram(self.sharding.owned(self.params), nbytes)
 
+    def heal_masters(self) -> None:
+        """Write the masters that only the parameters hold into the state's chunks (`OptimizerState.heal_masters`),
+        after the updates queued so far: before anything frees a parameter's memory (a `WeightStreamer`'s
+        ``install``, which `attach_weights` follows). Between steps."""
+        self.state.heal_masters()
+
     def hold_state_on_device(self, nbytes: int) -> int:
         """Let the state's device tier hold ``nbytes`` of the device's memory and move this rank's first parameters'
         state that fits onto it, or off it to the SSD when the tier shrinks (`OptimizerState.hold_on_device`;
@@ -243,6 +253,8 @@ class OptimizerControl:
         and each new weight goes from its owner's copy into the others' on a sender thread; the updates
         then run under ``next_forward`` only."""
         self.check_idle("attach_weights")
+        # a streamed weight is read from its chunks' masters (`_stream_from_masters`), its parameter's memory freed
+        self.state.require_current([ps for ps in self.params if streamer.streams(ps.param)], "streaming the weight")
         if self.sharding.world > 1 and streamer.streamed():
             self._summed_at_step("weights streamed under data parallelism")
         self.updates.weights = streamer

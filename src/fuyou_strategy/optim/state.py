@@ -33,7 +33,16 @@ bit for bit (``param_holds``: fp32 compute on the CPU, every update published in
 its update leaves the chunk's master bytes unread on the SSD and copies them from the parameter (8 of 12 bytes
 per parameter read); the new master is still written, so the active slot stays the whole state. A parameter
 written outside the optimizer between steps (a misuse: weights load with the optimizer's state, which restores
-them) is then the master its next update starts from, as in torch's AdamW, where the state is on the SSD.
+them) is then the master its next update starts from, as in torch's AdamW, where the state is on the SSD (and in
+host RAM under the one pass, below).
+
+The parameter as the master's only copy: an exact one-pass update of such a parameter whose state is in host RAM
+updates the master where the parameter holds it, in place, and leaves the chunk's master as it was
+(``masters_behind``): 28 bytes per element, as torch's kernel moves, not 32 (the master written into the chunk and
+the parameter). Whatever reads a chunk's master otherwise first writes the parameter's into it (`heal_masters`):
+a checkpoint, a read of the state, a restore of the weights, a move to another tier or to streamed weights, and a
+window whose updates speculate (their rollback restores from the chunk, and their publish overwrites the
+parameter).
 
 Threads: the pipeline's worker runs every job function; the training thread submits jobs, drains,
 commits and rolls back — the last two only after a drain, when no job runs.
@@ -280,6 +289,12 @@ class OptimizerState:
         # `restore_weights`. Under ``_holds_lock``: the threads that queue updates (autograd's, DDP's) and the
         # training thread between steps each change only the parameters they hold at the time.
         self.param_holds: set[int] = set()
+        # The parameters (indices) whose active chunks' masters are older than the parameter, which holds the active
+        # master (an exact one-pass update in host RAM updated it there, in place: `group_job`). A subset of
+        # ``param_holds``, empty while a window's updates speculate (`heal_masters` before any does); every reader
+        # of a chunk's master heals it first. Under ``_holds_lock``; changed by the threads that queue updates and
+        # by the training thread between steps, each for the parameters it holds at the time.
+        self.masters_behind: set[int] = set()
         self._holds_lock = threading.Lock()
         self.store = store
         # The parameters whose state lives in their device's memory, then those in host RAM (indices): the first
@@ -313,6 +328,46 @@ class OptimizerState:
                 else:
                     self.param_holds.discard(ps.index)
 
+    def heal_masters(self, params: Iterable[ParamState] | None = None) -> None:
+        """Write each of these parameters' master (default: every parameter's) into its active chunks where those
+        are older (``masters_behind``), and wait: before anything reads a chunk's master other than the exact
+        one-pass update that keeps it in the parameter. On the worker, after the jobs queued before (the updates that
+        made them older); on the thread that queues jobs, between steps or before a window's first update."""
+        with self._holds_lock:
+            todo = [ps for ps in (self.owned if params is None else params) if ps.index in self.masters_behind]
+        if not todo:
+            return
+        store = self.store
+        chunks = [(ps, k) for ps in todo for k in range(ps.nchunks)]
+
+        def heal(_k: int) -> Future:
+            bufs = store.lend_chunks([(ps.entry, k) for ps, k in chunks], slot=ACTIVE, lend=ACTIVE, fill=False)
+            try:
+                for (ps, k), buf in zip(chunks, bufs):
+                    n = ps.span(k)[1]
+                    buf.view(torch.float32)[:n].copy_(ps.of_chunk(ps.flat_weight(), k))  # fp32: the layout's head
+                store.give_back(bufs)  # written in place
+            except BaseException:
+                for buf in bufs:  # no-op for a chunk already given back
+                    buf.release()
+                raise
+            return DONE
+
+        self.pipeline.submit(ChunkJob(None, 1, heal))
+        self.drain()
+        with self._holds_lock:
+            self.masters_behind.difference_update(ps.index for ps in todo)
+
+    def require_current(self, params: Iterable[ParamState], why: str) -> None:
+        """Raise if the chunks' master of one of these parameters is older than the parameter (``masters_behind``),
+        which `why` would read (or whose memory it frees) before `heal_masters` ran: it would start from an older
+        master."""
+        with self._holds_lock:
+            behind = [ps.describe() for ps in params if ps.index in self.masters_behind]
+        if behind:
+            raise RuntimeError(f"fuyou internal error: {why} of {', '.join(behind[:3])} would read a master older "
+                               "than the parameter's (heal_masters was not called first); please report it")
+
     def _tier(self, owned: list[ParamState], nbytes: int, chosen: set[int] | None = None, *,
               device: bool = False) -> set[int]:
         """The parameters (indices) whose state ``nbytes`` of a tier holds beside ``chosen`` (those there already,
@@ -342,6 +397,7 @@ class OptimizerState:
         nothing changes. Only between steps, with nothing in flight (after `drain`)."""
         if nbytes < self.store.bytes_in_memory:
             keep = self._tier(owned, nbytes)
+            self.heal_masters([ps for ps in owned if ps.index in self.in_memory and ps.index not in keep])
             for ps in owned:
                 if ps.index in self.in_memory and ps.index not in keep:
                     self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
@@ -363,6 +419,7 @@ class OptimizerState:
         stops the tier's growth there, with a warning: the entry that did not fit stays where it was, whole.
         Bitwise nothing changes on the CPU. Only between steps, with nothing in flight (after `drain`)."""
         keep = self._tier(owned, nbytes, device=True)
+        self.heal_masters([ps for ps in owned if ps.index in keep])  # their masters leave the parameters
         self.leave_device([ps for ps in owned if ps.index not in keep])
         self.store.allow_on_device(nbytes)
         for ps in owned:
@@ -421,6 +478,9 @@ class OptimizerState:
     def initialise(self, params: Iterable[ParamState], weight: Callable[[ParamState], torch.Tensor]) -> None:
         """Write ``[master = weight in fp32 | 0 | 0]`` into each entry's active slot, one parameter's
         weight (``weight(ps)``) in memory at a time (zero bytes are zero moments in every format)."""
+        params = list(params)
+        with self._holds_lock:
+            self.masters_behind.difference_update(ps.index for ps in params)
         for ps in params:
             flat = weight(ps).reshape(-1)
             writes = []
@@ -464,8 +524,12 @@ class OptimizerState:
         # it holds the new one only once an exact update lands (a speculative one is ahead until `commit`).
         on_device = ps.index in self.on_device
         _device_flag(found_inf, on_device, "update_job")
-        with self._holds_lock:
-            from_param = ps.index in self.param_holds and ps.index not in self.in_memory and not on_device
+        if not exact:  # its rollback restores the chunk's master, its publish overwrites the parameter's
+            self.require_current([ps], "a speculative update")
+        with self._holds_lock:  # in host RAM too where the chunk's master is older (its update writes it afresh)
+            from_param = ps.index in self.param_holds and not on_device and (
+                ps.index not in self.in_memory or ps.index in self.masters_behind)
+            self.masters_behind.discard(ps.index)
         self._hold([ps], exact)
         flat = ps.flat_weight() if from_param else None
         if on_device or not (fused and ps.layout.kernel == "torch" and ps.layout.moments == "fp32"):
@@ -661,6 +725,14 @@ class OptimizerState:
         store, meter, slot = self.store, self.meter, ACTIVE if exact else SHADOW
         on_device = pss[0].index in self.on_device
         _device_flag(found_inf, on_device, "group_job")
+        if not exact:  # a speculative update or a redo: its rollback restores the chunk's master
+            self.require_current(pss, "a speculative update")
+        # Exact in host RAM, a parameter that holds its active master (``param_holds``) is updated where it is, in
+        # place, and its chunk's master left older (``masters_behind``), until something else reads it
+        # (`heal_masters`): 4 bytes per element fewer written.
+        with self._holds_lock:
+            in_place = [exact and not on_device and ps.index in self.param_holds for ps in pss]
+            self.masters_behind.update(ps.index for ps, own in zip(pss, in_place) if own)
         self._hold(pss, exact)
         elems = sum(ps.numel for ps in pss)
         # each count the update completes: the count now (the caller advances them next) plus one, in one op
@@ -709,18 +781,22 @@ class OptimizerState:
             return DONE if exact else Later(None, DONE)
 
         def host_pass(lent: list[tuple[int, int, LentChunk]], beside: Beside | None) -> None:
-            outs, sources, grads, weights, ns, chunk_counts = [], [], [], [], [], []
+            outs, sources, grads, weights, ns, chunk_counts, masters, owns = [], [], [], [], [], [], [], []
             for i, k, buf in lent:
                 ps, grad = members[i]
                 outs.append(buf.view(torch.float32))
                 sources.append(buf.source_as(torch.float32) if buf.source is not None else None)
                 start, n = ps.span(k)
                 grads.append(grad.chunk(start, n, None))
-                weights.append(ps.of_chunk(into[i], k))
+                own = in_place[i]  # the master read and written where the parameter holds it, no weight besides
+                weights.append(None if own else ps.of_chunk(into[i], k))
+                masters.append(ps.of_chunk(into[i], k) if own else None)
+                owns.append(own)
                 ns.append(n)
                 chunk_counts.append(counts[i])
-            taken = one_pass.update_chunks(outs, sources, grads, weights, ns, counts=chunk_counts,
-                                           inv_scale=inv_scale, coef=coef, beside=beside, **hyper)
+            taken = one_pass.update_chunks(outs, sources, grads, weights, ns, counts=chunk_counts, master_ins=masters,
+                                           masters_in_place=owns, inv_scale=inv_scale, coef=coef, beside=beside,
+                                           **hyper)
             if beside is not None:
                 beside.record(taken)
 
@@ -789,6 +865,7 @@ class OptimizerState:
                         publish: Publish) -> None:
         """Publish the active masters again (after a skip or a failure, or a checkpoint load)."""
         params = list(params)
+        self.heal_masters(params)
         for ps in params:
 
             def restore(k: int, buf: HostBuffer, ps: ParamState = ps) -> Future | None:
@@ -803,6 +880,7 @@ class OptimizerState:
     def read(self, ps: ParamState) -> dict[str, torch.Tensor]:
         """The committed master and moments of one parameter, in RAM, shaped like it (fp32; compact
         moments dequantised)."""
+        self.heal_masters([ps])
         out = {kind: torch.empty(ps.numel, dtype=torch.float32) for kind in KINDS}
 
         def gather_chunk(k: int, buf: HostBuffer) -> None:
@@ -820,6 +898,7 @@ class OptimizerState:
         """Stream the committed state of ``params`` in order: ``write(ps, {kind: bytes})`` per chunk (the
         layout's pieces), on the worker thread, chunks in element order (a checkpoint's files do not
         depend on the chunk size)."""
+        self.heal_masters(params)
         for ps in params:
 
             def write_chunk(k: int, buf: HostBuffer, ps: ParamState = ps) -> None:
@@ -850,7 +929,9 @@ class OptimizerState:
                 self.store.rollback()
                 raise
         self.commit(params)
-        self._hold(params, False)  # the parameters hold the masters only once `restore_weights` published them
+        with self._holds_lock:  # the chunks hold the loaded masters; the parameters only once `restore_weights` ran
+            self.masters_behind.difference_update(ps.index for ps in params)
+        self._hold(params, False)
 
     def _load_pass(self, params: list[ParamState], read: Callable, finish: Callable, *, write: bool, what: str,
                    progress: bool) -> None:
