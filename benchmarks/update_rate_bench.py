@@ -45,7 +45,8 @@ For fuyou the table gives the whole ``step()`` and, apart, its update alone: the
 and gradients (the masters stay fp32); the bare kernel and DeepSpeed run on fp32 either way. The share of
 bandwidth counts the bytes one fused pass must move per parameter: read the gradient and the three state values,
 write the three state values and the compute weight (fp32 weights are their own master: 28 B; bf16: 2 + 12 +
-12 + 2 = 28 B). fuyou's fp32 path writes the new master twice, into the state and into the parameter (32 B).
+12 + 2 = 28 B). fuyou's exact fp32 path updates the master in the parameter, which holds it, from the second step
+on (28 B); its speculative one writes the new master twice, into the shadow slot and into the parameter (32 B).
 
     python benchmarks/update_rate_bench.py --dtype fp32 --deepspeed-python /path/to/venv/bin/python
 """

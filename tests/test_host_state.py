@@ -235,7 +235,8 @@ def test_masters_kept_only_in_the_parameters_go_into_their_chunks_before_a_windo
     model = tiny_causal_lm("gpt2")
     ref_model = copy.deepcopy(model)
     ref_losses = reference(ref_model)
-    order = iter(["next_forward", "next_forward", "backward", "next_forward", "backward", "next_forward", "next_forward"])
+    order = iter(["next_forward", "next_forward", "backward", "next_forward", "backward", "next_forward",
+                  "next_forward"])
     behind_at_switch = []  # parameters whose chunks' masters were older as each speculating window was chosen
     with FuyouAdamW(decay_groups(model), lr=3e-3, max_grad_norm=MAX_NORM,
                     config=config(tmp_path, "auto", host_state=SPLITS["all"])) as opt:

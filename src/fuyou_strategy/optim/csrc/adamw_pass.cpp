@@ -568,9 +568,9 @@ std::tuple<std::vector<int64_t>, at::Tensor> adamw_chunks(
     const std::vector<at::Tensor>& outs, const std::vector<c10::optional<at::Tensor>>& sources,
     const std::vector<c10::optional<at::Tensor>>& master_ins, const std::vector<bool>& masters_in_place,
     const std::vector<at::Tensor>& grads, const std::vector<c10::optional<at::Tensor>>& weights,
-    const std::vector<int64_t>& ns, const std::vector<double>& steps, double lr, double beta1, double beta2, double weight_decay, double eps,
-    c10::optional<double> inv_scale, c10::optional<double> coef, const std::vector<at::Tensor>& norm_grads,
-    c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group,
+    const std::vector<int64_t>& ns, const std::vector<double>& steps, double lr, double beta1, double beta2,
+    double weight_decay, double eps, c10::optional<double> inv_scale, c10::optional<double> coef,
+    const std::vector<at::Tensor>& norm_grads, c10::optional<double> norm_inv_scale, int64_t lanes, int64_t tail_group,
     const std::vector<NormProgress*>& norm_progress, bool finish_norms) {
   const size_t n = outs.size();
   TORCH_CHECK(sources.size() == n && grads.size() == n && weights.size() == n && ns.size() == n && steps.size() == n &&
