@@ -333,8 +333,9 @@ class OptimizerState:
         are older (``masters_behind``), and wait: before anything reads a chunk's master other than the exact
         one-pass update that keeps it in the parameter. On the worker, after the jobs queued before (the updates that
         made them older); on the thread that queues jobs, between steps or before a window's first update."""
-        with self._holds_lock:
-            todo = [ps for ps in (self.owned if params is None else params) if ps.index in self.masters_behind]
+        with self._holds_lock:  # none behind (every step of a speculating window): no walk over the parameters
+            behind = set(self.masters_behind)
+        todo = [ps for ps in (self.owned if params is None else params) if ps.index in behind] if behind else []
         if not todo:
             return
         store = self.store
