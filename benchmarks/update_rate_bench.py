@@ -26,7 +26,13 @@ threads (torch's count; fuyou's ``optimizer_threads`` set to it, what ``"auto"``
   what fuyou's path adds around it (norms, chunking, the shadow copy). Their "update alone" is empty: the
   worker's meter counts host updates only;
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``--deepspeed-python``: a Python with the ``peers``
-  extra; its CPU Adam op is built on first use), fp32 parameters only.
+  extra; its CPU Adam op is built on first use), fp32 parameters only: its kernel alone;
+- ``deepspeed-offload``: the host's share of a DeepSpeed ZeRO-2 Offload step with gradient clipping on
+  (``stage_1_and_2.py``, ``step()`` with ``cpu_offload``), on its one flat fp32 partition: the gradient multiplied
+  by ``1 / combined_scale`` (``unscale_and_clip_grads``: every step while clipping is on, 1 when the norm is
+  under the limit), ``DeepSpeedCPUAdam.step()``, and the partition copied into the buffer in the model's dtype
+  (``--dtype``) that then goes to the device. Its norms are not here: the engine takes them on the accelerator in
+  backward (``set_norm_for_param_grad_in_gpu``); fuyou's exact step takes them on the host, in its time.
 
 ``--param-elems N`` cuts the parameters of fuyou, ``torch-adamw`` and DeepSpeed into ``N`` elements each (default
 8 chunks of ``--chunk``): many small parameters show each system's cost per parameter (GPT-2 350M has 292 parameter tensors).
@@ -64,8 +70,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import allocator, fresh_env  # noqa: E402
 
-SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "torch-adamw", "fuyou-exact", "fuyou-speculative", "fuyou-exact-torch",
-           "fuyou-speculative-torch", "fuyou-exact-device", "fuyou-speculative-device", "deepspeed")
+SYSTEMS = ("bandwidth", "torch-bare", "torch-norm+bare", "torch-adamw", "fuyou-exact", "fuyou-speculative",
+           "fuyou-exact-torch", "fuyou-speculative-torch", "fuyou-exact-device", "fuyou-speculative-device", "deepspeed",
+           "deepspeed-offload")
 BYTES_PER_PARAM = 28  # one fused pass: gradient and state read once, state and compute weight written once
 
 
@@ -189,18 +196,29 @@ def worker(args: argparse.Namespace) -> dict:
             opt.step()
             opt.flush()
             updates.append(opt.control.figures().update_total[0] - began)
-    elif args.worker == "deepspeed":
+    elif args.worker in ("deepspeed", "deepspeed-offload"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        params = [torch.nn.Parameter(torch.randn(min(each, n - i))) for i in range(0, n, each)]
+        offload = args.worker == "deepspeed-offload"
+        spans = [(0, n)] if offload else [(i, min(each, n - i)) for i in range(0, n, each)]  # ZeRO's flat partition
+        params = [torch.nn.Parameter(torch.randn(size)) for _, size in spans]
         grads = [(torch.randn_like(p) * 1e-3) for p in params]
         opt = DeepSpeedCPUAdam(params, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], adamw_mode=True)
+        model_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        sent = torch.zeros(n, dtype=model_dtype) if offload else None  # param_buffer_of_bit16_for_cpu_offload_groups
+        norm, clip_grad, loss_scale = torch.tensor(0.5), 1.0, 1.0  # the accelerator's norm, under the limit
 
         def run() -> None:
             for p, grad in zip(params, grads):
                 p.grad = grad
+            if offload:  # unscale_and_clip_grads, as DeepSpeed writes it
+                clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_grad, min=1.0)
+                for p in params:
+                    p.grad.data.mul_(1. / (clip * loss_scale))
             opt.step()
+            if offload:
+                sent.copy_(params[0].data)
     else:
         raise SystemExit(f"unknown system {args.worker!r}")
     beside: dict = {}
@@ -209,7 +227,7 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         times = timed(run, args.warmup, args.steps)
     out = {"step_s": times, "threads": torch.get_num_threads(), **beside}
-    if args.worker == "torch-adamw" or args.worker.startswith("fuyou") or args.worker == "deepspeed":
+    if args.worker == "torch-adamw" or args.worker.startswith(("fuyou", "deepspeed")):
         out["parameters"] = len(params)
     if args.worker.startswith("fuyou"):
         figures = opt.control.figures()
@@ -254,7 +272,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems:
-            python = args.deepspeed_python if system == "deepspeed" and args.deepspeed_python else sys.executable
+            python = args.deepspeed_python if system.startswith("deepspeed") and args.deepspeed_python else sys.executable
             env = fresh_env(not args.no_jemalloc)
             env["PYTHONPATH"] = args.before_src if system.endswith("@before") else src
             argv = [python, __file__, "--worker", system.removesuffix("@before"), f"--params={args.params}",

@@ -263,6 +263,34 @@ def test_update_rate_bench_runs_fuyou_with_the_state_on_the_device_tier(tmp_path
     assert "median_update_s" not in summary["fuyou-exact-device"], "the host's meter counts no device-tier update"
 
 
+def test_update_rate_bench_runs_deepspeeds_rows_in_the_python_it_is_given(tmp_path):
+    """``deepspeed`` (the kernel alone, on parameters cut as fuyou's) and ``deepspeed-offload`` (ZeRO-2 Offload's host
+    step, on one flat partition) run in ``--deepspeed-python``'s process: here a Python that alone finds a stand-in
+    ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (torch's AdamW), so a row the bench ran in its own Python would fail."""
+    adam = tmp_path / "stub" / "deepspeed" / "ops" / "adam.py"
+    adam.parent.mkdir(parents=True)
+    for package in (adam.parent, adam.parent.parent):
+        (package / "__init__.py").write_text("")
+    adam.write_text("import torch\n\n\nclass DeepSpeedCPUAdam(torch.optim.AdamW):\n"
+                    "    def __init__(self, params, *, adamw_mode, **hyper):\n"
+                    "        assert adamw_mode\n        super().__init__(params, **hyper)\n")
+    python = tmp_path / "dspython"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'stub'}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "update_rate_bench.py"), "--params", "2e6",
+                           "--rounds", "1", "--steps", "1", "--swap-dir", str(tmp_path), "--param-elems", "65536",
+                           "--dtype", "bf16", "--deepspeed-python", str(python),
+                           "--systems", "torch-bare,deepspeed,deepspeed-offload", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"torch-bare", "deepspeed", "deepspeed-offload"}, result["runs"]
+    assert result["runs"]["deepspeed"][0]["parameters"] == 31
+    assert result["runs"]["deepspeed-offload"][0]["parameters"] == 1
+    assert "| deepspeed-offload |" in proc.stdout
+
+
 def test_update_rate_bench_runs_a_python_loop_beside_the_steps_with_small_state_chunks_and_parameters(tmp_path):
     """``--beside-python``: the loop's rate during each system's steps, as a share of its rate alone; ``--state-chunk``,
     ``--threads`` and ``--param-elems`` reach fuyou's worker (its chunks, its threads, its parameters) and
