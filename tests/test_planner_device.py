@@ -261,6 +261,39 @@ def test_fuyou_plan_on_an_h200_gives_the_device_tier_and_the_step_against_torchs
     assert without["state_on_device"] == 0 and without["step_s"] > ours["step_s"]
 
 
+def test_fuyou_plan_with_one_slot_holds_half_the_state_and_models_the_exact_schedule(tmp_path, capsys):
+    """``--state-slots 1`` (``FuyouConfig.state_slots=1``, which implies ``next_forward``): every tier holds half the
+    state's bytes and the exact schedule is modelled; the ZeRO-Infinity-like row does not change. On an H200 with
+    128 GB of host RAM, GPT-3 13B (which torch cannot hold) spills state to the SSD with two slots and none with one;
+    Llama 7B's state, which two slots spill off the device, fits there whole with one, and the step is torch's."""
+    runs = {}
+    for model in ("gpt3-13b", "llama-7b"):
+        for slots in (2, 1):
+            out = tmp_path / f"{model}-{slots}.json"
+            assert fuyou(["plan", model, "--gpu", "h200", "--host-memory", "128GB", "--batch", "8", "--seq", "1024",
+                          "--host-state", "auto", "--state-slots", str(slots), "--json", str(out)]) == 0
+            runs[model, slots] = capsys.readouterr().out, json.loads(out.read_text())
+    printed, saved = runs["gpt3-13b", 1]
+    assert saved["state_slots"] == 1 and "bytes per parameter and slot, 1 slot (" in printed
+    assert saved["results"]["fuyou"]["schedule"] == "next_forward" and saved["results"]["fuyou"]["state_slots"] == 1
+    assert runs["gpt3-13b", 2][1]["results"]["fuyou"]["schedule"] == "backward"
+    assert "(optimizer overlapped with the next forward, one slot of state;" in printed
+    assert "2 slots (" in runs["gpt3-13b", 2][0] and "(optimizer overlapped with backward;" in runs["gpt3-13b", 2][0]
+    for model in ("gpt3-13b", "llama-7b"):
+        two, one = (runs[model, slots][1]["results"] for slots in (2, 1))
+        assert one["zero-infinity-like"] == two["zero-infinity-like"]
+        assert one["fuyou"]["step_s"] < two["fuyou"]["step_s"]
+        held = one["fuyou"]["state_on_device"] + one["fuyou"]["state_in_ram"]
+        assert one["fuyou"]["ssd_peak"] == 0 and held >= MODEL_PRESETS[model].params * PER_PARAM // 2
+        assert held < MODEL_PRESETS[model].params * PER_PARAM // 2 + 2**30  # one slot, not two
+    big = (runs["gpt3-13b", 2][1]["results"], runs["gpt3-13b", 1][1]["results"])
+    assert not big[1]["torch"]["fits"] and big[0]["fuyou"]["ssd_peak"] > 0
+    small = runs["llama-7b", 1][1]["results"]
+    assert small["fuyou"]["state_on_device"] >= MODEL_PRESETS["llama-7b"].params * PER_PARAM // 2
+    assert small["fuyou"]["step_s"] == pytest.approx(small["torch"]["step_s"], rel=0.01)
+    assert runs["llama-7b", 2][1]["results"]["fuyou"]["state_on_device"] < MODEL_PRESETS["llama-7b"].params * PER_PARAM
+
+
 def test_fuyou_plan_says_when_torch_does_not_fit_and_leaves_the_papers_runtime_without_the_device_tier(capsys):
     assert fuyou(["plan", "gpt3-13b", "--gpu", "h200", "--batch", "8", "--seq", "1024"]) == 0
     printed = capsys.readouterr().out

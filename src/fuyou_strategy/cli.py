@@ -149,17 +149,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # The device tier is this library's: not the paper's design, not modelled per rank with several GPUs.
     why_no_device = "--paper-runtime" if args.paper_runtime else "--gpus > 1" if args.gpus > 1 else None
     state_bytes = bytes_per_param(args.state_format)
-    print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot "
-          "(ZeRO-Infinity keeps fp32)")
+    print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot, "
+          f"{args.state_slots} slot{'s' if args.state_slots > 1 else ''} (ZeRO-Infinity keeps fp32)")
+    # One slot: no rollback, so no speculative update; each lands before its block's next forward (as the runtime).
+    slot_fields = {"state_slots": 1, "schedule": "next_forward"} if args.state_slots == 1 else {}
+    ours = f" (optimizer overlapped with {'the next forward, one slot of state' if slot_fields else 'backward'}; " \
+        "keep / host / ssd / recompute)"
     results = {}
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
         print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
-                                 if kwargs else " (optimizer overlapped with backward; keep / host / ssd / recompute)"))
-        try:  # the host tier and the compact state formats are fuyou's; ZeRO-Infinity keeps fp32 state on NVMe
+                                 if kwargs else ours))
+        try:  # the host tier, compact state formats and one slot are fuyou's; ZeRO-Infinity keeps fp32 on NVMe
             plan = solve(dataclasses.replace(profile, host_state=0 if kwargs else host_state,
                                              device_state=0 if kwargs or why_no_device else device_state,
-                                             state_bytes=bytes_per_param("fp32") if kwargs else state_bytes), **kwargs)
+                                             state_bytes=bytes_per_param("fp32") if kwargs else state_bytes,
+                                             **({} if kwargs else slot_fields)), **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
@@ -180,6 +185,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          "device_peak": plan.device_peak, "host_peak": plan.host_peak, "ssd_peak": plan.ssd_peak,
                          "policies": plan.policies, "state_in_ram": plan.state_in_ram,
                          "state_on_device": plan.state_on_device, "ssd_drives_needed": drives}
+        if name == "fuyou":  # the optimizer schedule and state slots its prediction modelled
+            results[name].update(schedule=plan.profile["schedule"], state_slots=plan.profile["state_slots"])
         if name == "fuyou" and args.save:
             plan.save(args.save)
             print(f"plan written to {args.save}")
@@ -200,7 +207,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw), "batch": args.batch,
-                       "seq": args.seq, "state_format": args.state_format, "results": results}, f, indent=1)
+                       "seq": args.seq, "state_format": args.state_format, "state_slots": args.state_slots,
+                       "results": results}, f, indent=1)
     return 0 if results["fuyou"]["fits"] else 1
 
 
@@ -270,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "memory leaves beside the plan's weights and activations); 0: none")
     plan.add_argument("--state-format", default="fp32", choices=list(STATE_FORMATS),
                       help="optimizer state format (FuyouConfig.state_format; default fp32, exact)")
+    plan.add_argument("--state-slots", type=int, default=2, choices=(1, 2),
+                      help="copies of the optimizer state (FuyouConfig.state_slots): 2 (default), updates overlapped "
+                           "with backward with a rollback slot; 1, half the state, each update landing before its "
+                           "block's next forward (optimizer_schedule='next_forward')")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs on the machine, data parallel (default 1)")
     plan.add_argument("--paper-runtime", action="store_true",
                       help="model Fuyou's paper rather than this library's runtime: each update reads its state when "
