@@ -163,13 +163,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return dataclasses.replace(profile, host_state=host_state, device_state=0 if why_no_device else device_state,
                                    state_bytes=state_bytes, **fields)
 
-    ours = f" (optimizer overlapped with {'the next forward, one slot of state' if slot_fields else 'backward'}; " \
+    heading = f" (optimizer overlapped with {'the next forward, one slot of state' if slot_fields else 'backward'}; " \
         "keep / host / ssd / recompute)"
     results = {}
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
         print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
-                                 if kwargs else ours))
+                                 if kwargs else heading))
         try:  # the host tier, compact state formats and one slot are fuyou's; ZeRO-Infinity keeps fp32 on NVMe
             plan = solve(dataclasses.replace(profile, host_state=0, device_state=0, state_bytes=bytes_per_param("fp32"))
                          if kwargs else ours_with(**slot_fields), **kwargs)
