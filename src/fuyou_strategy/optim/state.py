@@ -398,11 +398,11 @@ class OptimizerState:
         nothing changes. Only between steps, with nothing in flight (after `drain`)."""
         if nbytes < self.store.bytes_in_memory:
             keep = self._tier(owned, nbytes)
-            self.heal_masters([ps for ps in owned if ps.index in self.in_memory and ps.index not in keep])
-            for ps in owned:
-                if ps.index in self.in_memory and ps.index not in keep:
-                    self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
-                    self.in_memory.discard(ps.index)
+            leaving = [ps for ps in owned if ps.index in self.in_memory and ps.index not in keep]
+            self.heal_masters(leaving)
+            for ps in leaving:
+                self.store.to_ssd(ps.entry, timeout=self.config.io_timeout)
+                self.in_memory.discard(ps.index)
         self.store.allow_in_memory(nbytes)
         chosen = self._tier(owned, self.store.memory_limit, self.in_memory)
         for ps in owned:
