@@ -267,7 +267,8 @@ def test_fuyou_plan_with_one_slot_holds_half_the_state_and_models_the_exact_sche
     128 GB of host RAM, GPT-3 13B (which torch cannot hold) spills state to the SSD with two slots and none with one;
     Llama 7B's state, which two slots spill off the device, fits there whole with one, and the step is torch's. The
     two-slot plan names one slot and its step where it is faster, and not where it is slower (GPT-3 13B on an RTX
-    4090 with 12 drives, its state on them either way)."""
+    4090 with 12 drives, its state on them either way), unless one slot's swap files fit the drives and two slots'
+    do not (182B on one drive)."""
     runs = {}
     for model in ("gpt3-13b", "llama-7b"):
         for slots in (2, 1):
@@ -297,6 +298,23 @@ def test_fuyou_plan_with_one_slot_holds_half_the_state_and_models_the_exact_sche
                   "--json", str(out)]) == 0
     assert "--state-slots 1" not in capsys.readouterr().out
     assert "one_slot_step_s" not in json.loads(out.read_text())["results"]["fuyou"]
+    # A 182B GPT-2 of 14 wide blocks (quick to solve) on an H200 and one 3.84 TB drive: two slots' swap files need two
+    # drives, one slot's fit on one, so one slot is named though it is slower; with two drives it is not.
+    wide = tmp_path / "config.json"
+    wide.write_text(json.dumps({"model_type": "gpt2", "n_layer": 14, "n_embd": 32768, "n_head": 64,
+                                "vocab_size": 50257, "n_positions": 1024}))
+    for ssds in (1, 2):
+        out = tmp_path / f"wide-{ssds}.json"
+        assert fuyou(["plan", str(wide), "--gpu", "h200", "--ssds", str(ssds), "--host-memory", "768GB", "--seq", "128",
+                      "--batch", "1", "--json", str(out)]) == 0
+        printed, ours = capsys.readouterr().out, json.loads(out.read_text())["results"]["fuyou"]
+        assert ours["ssd_drives_needed"] == 2
+        if ssds == 1:
+            assert ours["one_slot_step_s"] > ours["step_s"]
+            assert (f"{ours['one_slot_step_s'] / ours['step_s']:.2f}x slower, its swap files within the 1 drive, where "
+                    "two slots' need 2 drives") in printed
+        else:
+            assert "one_slot_step_s" not in ours and "--state-slots 1" not in printed
     big = (runs["gpt3-13b", 2][1]["results"], runs["gpt3-13b", 1][1]["results"])
     assert not big[1]["torch"]["fits"] and big[0]["fuyou"]["ssd_peak"] > 0
     small = runs["llama-7b", 1][1]["results"]

@@ -201,14 +201,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not slot_fields and not args.paper_runtime:  # one slot, said where it would be faster or fit where two do not
         ours = results["fuyou"]
         try:
-            one = solve(ours_with(**one_slot)).predicted_step_s
+            one_plan = solve(ours_with(**one_slot))
         except PlanError:
-            one = None
-        if one is not None and (not ours["fits"] or one < ONE_SLOT_HINT * ours["step_s"]):
+            one_plan = None
+        one = one_plan and one_plan.predicted_step_s
+        # Where two slots' swap files need more drives than the machine has and one slot's do not, one slot is what
+        # runs there, faster or not.
+        held = one_plan is not None and ours["fits"] and ours["ssd_drives_needed"] > hw.ssds \
+            >= -(-one_plan.ssd_peak // hw.ssd_capacity)
+        if one is not None and (not ours["fits"] or held or one < ONE_SLOT_HINT * ours["step_s"]):
             ours["one_slot_step_s"] = one
+            why = "where two slots do not fit" if not ours["fits"] else (
+                f"its swap files within the {_drives(hw.ssds)}, where two slots' need {_drives(ours['ssd_drives_needed'])}"
+                if held else "")
+            faster = (f"{ours['step_s'] / one:.2f}x faster" if one < ours["step_s"] else
+                      f"{one / ours['step_s']:.2f}x slower") if ours["fits"] else ""
             print(f"\none slot of state (--state-slots 1; FuyouConfig(state_slots=1), half the state, updates before "
-                  f"each block's next forward): predicted step {one:.3f} s" + (
-                      f", {ours['step_s'] / one:.2f}x faster" if ours["fits"] else ", where two slots do not fit"))
+                  f"each block's next forward): predicted step {one:.3f} s" + "".join(f", {x}" for x in (faster, why) if x))
     if all(r["fits"] for r in results.values()):
         print(f"\nfuyou vs zero-infinity-like: {results['zero-infinity-like']['step_s'] / results['fuyou']['step_s']:.2f}x "
               "faster (predicted)")
