@@ -118,12 +118,12 @@ class Grad:
     """
 
     # One is made per parameter per step: slots make it smaller and quicker to make than a dict-backed object.
-    __slots__ = ("shape", "dtype", "kind", "flat", "host", "entry", "staging", "landing", "final")
+    __slots__ = ("param", "kind", "flat", "host", "entry", "staging", "landing", "final")
 
     def __init__(self, ps: "ParamState", tensor: torch.Tensor | None = None, *, host: HostBuffer | None = None,
                  entry: str | None = None, kind: str = "resident", staging: HostBuffer | None = None,
                  landing: Copy | None = None, final: bool = True) -> None:
-        self.shape, self.dtype, self.kind = ps.param.shape, ps.param.dtype, kind
+        self.param, self.kind = ps.param, kind  # its shape and dtype are the gradient's, asked only where needed
         self.flat = tensor if tensor is None or tensor.dim() == 1 else tensor.reshape(-1)
         self.host, self.entry = host, entry
         # ``staging``: the host copy of a device gradient (``tensor`` is a view of it), released with the
@@ -134,6 +134,14 @@ class Grad:
         # False: a job queued on the worker before the update still adds to the bytes (a streamed gradient's
         # partial sum), so that only the update's own job may read them (`ready`).
         self.final = final
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
 
     @classmethod
     def stored(cls, ps: "ParamState") -> "Grad":
@@ -594,9 +602,10 @@ class Gradients:
     def at_step(self, ps: "ParamState") -> Grad:
         """``ps``'s gradient of the whole window, at ``step()`` (an exact update, or a redo): the host copy
         `resident_norms` made of it in this step(), if it made one."""
-        kept = self._staged.pop(ps.index, None)
-        if kept is not None:
-            return kept
+        if self._staged:
+            kept = self._staged.pop(ps.index, None)
+            if kept is not None:
+                return kept
         return Grad.stored(ps) if ps.grads is not None else self.staged(ps, ps.param.grad)
 
     def drop_staged(self) -> None:
@@ -673,8 +682,9 @@ class Gradients:
                 grad.release()
         return norms
 
-    def handed_over(self, ps: "ParamState") -> None:
-        """An exact update now holds ``ps``'s gradient: a resident ``.grad`` is dropped, so that the next
+    def handed_over(self, params: list["ParamState"]) -> None:
+        """Exact updates now hold these parameters' gradients: a resident ``.grad`` is dropped, so that the next
         backward accumulates afresh and ``zero_grad`` has nothing to do."""
-        if ps.grads is None:
-            ps.param.grad = None
+        for ps in params:
+            if ps.grads is None:
+                ps.param.grad = None

@@ -81,6 +81,10 @@ class PendingUpdates:
         """``param`` waits for ``job``; ``what`` names the update in errors (a callable: made only for one)."""
         self.jobs[param] = (job, what)
 
+    def add_many(self, params: list["ParamState"], job: ChunkJob) -> None:
+        """`add` of each of ``params`` with ``job`` (their grouped update), named by ``ParamState.update_name``."""
+        self.jobs.update((ps.param, (job, ps.update_name)) for ps in params)
+
     def pending(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Whether any of ``params`` still waits for its update (never blocks)."""
         jobs = self.jobs
@@ -697,9 +701,9 @@ class Exact:
                     return Outcome("skip")  # nothing was written: state and weights are as they were
                 coef = p.clip_coef(total)
 
-            def queued(ps: "ParamState", job: ChunkJob) -> None:
-                p.landing.add(ps.param, job, lambda: f"the update of {ps.describe()}")
-                p.gradients.handed_over(ps)
+            def queued(members: list["ParamState"], job: ChunkJob) -> None:
+                p.landing.add_many(members, job)
+                p.gradients.handed_over(members)
 
             try:
                 owned = [ps for ps in stepped if sharding.owns(ps)]  # the others' owners update them

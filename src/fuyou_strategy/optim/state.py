@@ -167,6 +167,10 @@ class ParamState:
     def describe(self) -> str:
         return f"parameter {self.index} {tuple(self.param.shape)}"
 
+    def update_name(self) -> str:
+        """What errors call this parameter's update (`schedule.PendingUpdates`)."""
+        return f"the update of {self.describe()}"
+
 
 def apply_update(layout: Layout, state: dict[str, Any], grad: torch.Tensor, step: torch.Tensor, *, fused: bool,
                  found_inf: torch.Tensor | None = None, **hyper: Any) -> None:

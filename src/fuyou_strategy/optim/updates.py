@@ -149,7 +149,7 @@ class Updater:
         for _ps, grad, _norm in run:
             grad.release()
 
-    def _join(self, kind: tuple | None, queued: Callable[[ParamState, ChunkJob], None] | None = None, *,
+    def _join(self, kind: tuple | None, queued: Callable[[list[ParamState], ChunkJob], None] | None = None, *,
               coef: torch.Tensor | None = None, exact: bool = False, found_inf: torch.Tensor | None = None) -> None:
         """Before an update of `OptimizerState.group_kind` ``kind`` (None: one of a job of its own) joins the held
         run: queue the run first where the update cannot join it (another kind, or the run is full). Under
@@ -158,7 +158,8 @@ class Updater:
             self._flush_run(queued, coef=coef, exact=exact, found_inf=found_inf)
             self._run_kind = kind
 
-    def _flush_run(self, queued: Callable[[ParamState, ChunkJob], None] | None, *, coef: torch.Tensor | None = None,
+    def _flush_run(self, queued: Callable[[list[ParamState], ChunkJob], None] | None, *,
+                   coef: torch.Tensor | None = None,
                    exact: bool = False, found_inf: torch.Tensor | None = None) -> None:
         """Queue the held run (`speculate`'s, or `queue_many`'s) as one job, and empty it."""
         run, self._run, self._run_elems = self._run, [], 0
@@ -169,15 +170,15 @@ class Updater:
                                                   one_pass=self.one_pass, norms=[member[2] for member in run],
                                                   found_inf=found_inf))
         if queued is not None:
-            for ps, *_rest in run:
-                queued(ps, job)
+            queued([member[0] for member in run], job)
 
     def queue_many(self, params: Iterable[ParamState], grad_of: Callable[[ParamState], "Grad"], *,
                    coef: torch.Tensor | None, exact: bool,
-                   queued: Callable[[ParamState, ChunkJob], None] | None = None,
+                   queued: Callable[[list[ParamState], ChunkJob], None] | None = None,
                    found_inf: torch.Tensor | None = None) -> None:
         """Queue the updates of ``params``, in this order, with the clip coefficient known (``coef``: a redo, or
-        ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(ps, job)`` once its job is.
+        ``exact``), each with ``grad_of(ps)`` taken just before it is queued; ``queued(members, job)`` once a job is
+        queued, with the parameters it updates.
         Consecutive parameters of one `OptimizerState.group_kind` share a job (`OptimizerState.group_job`) until it
         holds `GROUP_ELEMENTS` elements; the others take a job each (`queue`). The same bits either way.
         ``found_inf``: the device's flag of a step decided there (`OptimizerState.group_job`, `update_job`), for
@@ -194,7 +195,7 @@ class Updater:
                     if kind is None:
                         job = self.queue(ps, grad, coef=coef, exact=exact, found_inf=found_inf)
                         if queued is not None:
-                            queued(ps, job)
+                            queued([ps], job)
                         continue
                     self._run.append((ps, grad, None))  # its count is read as its job is built
                     self._run_elems += ps.numel
