@@ -314,3 +314,46 @@ def test_a_pinned_plan_with_weight_tiers_streams_from_the_first_step(tmp_path):
         engine.close()
     assert losses == reference
 
+
+
+def test_the_warm_up_names_one_slot_of_state_where_only_one_fits_and_one_slot_then_runs(tmp_path, monkeypatch):
+    """At the end of the warm-up the engine solves again with one slot of state (``FuyouConfig(state_slots=1)``,
+    `planner.one_slot`). Where the drive's free space holds one slot of the state but not two, the plan's error names
+    the field and one slot's predicted step, and a run with ``state_slots=1`` then plans and trains as torch does.
+    Where one slot is predicted faster (here any one-slot plan counts: `ONE_SLOT_HINT` raised), a line says so."""
+    import types
+    import fuyou_strategy.planner.profile as profile_module
+    import fuyou_strategy.planner.solver as solver
+
+    def config(folder, **fields):
+        (tmp_path / folder).mkdir()
+        return FuyouConfig(swap_dirs=[str(tmp_path / folder)], activations="auto", planner_warmup_steps=2,
+                           chunk_size="8KiB", host_state=0, activation_min_bytes=0, **fields)
+
+    said = []
+    reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=4)
+    model = lora_model()
+    with monkeypatch.context() as patch:
+        patch.setattr(solver, "ONE_SLOT_HINT", 1e9)
+        engine = engine_for(model, config("roomy"), report=said.append)
+        try:
+            run_steps(engine, model, 3)
+            two_slots = engine.optimizer.control.figures().state_ssd_bytes  # every slot, on the drive
+            assert engine.plan.ssd_peak >= two_slots > 0
+        finally:
+            engine.close()
+    assert [m for m in said if m.startswith("fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the "
+                                            "predicted step is ")], said
+    free = two_slots * 3 // 4  # one slot's half, not two's whole
+    monkeypatch.setattr(profile_module, "shutil", types.SimpleNamespace(
+        disk_usage=lambda _path: types.SimpleNamespace(free=free)))
+    with pytest.raises(ConfigError, match=r"activations='auto', weights='auto': does not fit: ssd needs .*\. With "
+                                          r"one slot of state it fits: FuyouConfig\(state_slots=1\) .*\(predicted "
+                                          r"[0-9.]+ s/step\)"):
+        run(lora_model(), config("two"), steps=3)
+    engine, losses = run(lora_model(), config("one", state_slots=1), steps=4)
+    try:
+        assert engine.plan is not None and engine.plan.ssd_peak <= free
+    finally:
+        engine.close()
+    assert losses == reference

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Sequence
+from typing import Sequence
 
 from .config import PAGE, STATE_FORMATS, ConfigError, format_bytes, parse_bytes
 
@@ -106,7 +106,6 @@ def _drives(count: int) -> str:
     return f"{count} drive{'s' if count != 1 else ''}"
 
 
-ONE_SLOT_HINT = 0.95  # `fuyou plan` names one slot of state where its predicted step is below this share of two's
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -114,7 +113,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import os
 
     from .optim.formats import bytes_per_param
-    from .planner import HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, solve, torch_step
+    from .planner import (HARDWARE_PRESETS, MODEL_PRESETS, ModelSpec, PlanError, analytic_profile, one_slot, solve,
+                          torch_step, with_one_slot, worth_one_slot)
 
     if args.model in MODEL_PRESETS:
         model = MODEL_PRESETS[args.model]
@@ -154,25 +154,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     state_bytes = bytes_per_param(args.state_format)
     print(f"optimizer state: state_format={args.state_format!r}, {state_bytes:.2f} bytes per parameter and slot, "
           f"{args.state_slots} slot{'s' if args.state_slots > 1 else ''} (ZeRO-Infinity keeps fp32)")
-    # One slot: no rollback, so no speculative update; each lands before its block's next forward (as the runtime).
-    one_slot = {"state_slots": 1, "schedule": "next_forward"}
-    slot_fields = one_slot if args.state_slots == 1 else {}
-
-    def ours_with(**fields: Any) -> Any:
-        """The profile fuyou's plan is solved on (the host and device tiers, the state format), with ``fields``."""
-        return dataclasses.replace(profile, host_state=host_state, device_state=0 if why_no_device else device_state,
-                                   state_bytes=state_bytes, **fields)
-
-    heading = f" (optimizer overlapped with {'the next forward, one slot of state' if slot_fields else 'backward'}; " \
-        "keep / host / ssd / recompute)"
-    results = {}
+    # The profile fuyou's plan is solved on: the host and device tiers, the state format, the slots.
+    ours = dataclasses.replace(profile, host_state=host_state, device_state=0 if why_no_device else device_state,
+                               state_bytes=state_bytes)
+    ours = with_one_slot(ours) if args.state_slots == 1 else ours
+    overlap = "the next forward, one slot of state" if args.state_slots == 1 else "backward"
+    heading = f" (optimizer overlapped with {overlap}; keep / host / ssd / recompute)"
+    results, two = {}, None
     for name, kwargs in (("fuyou", {}),
                          ("zero-infinity-like", {"allowed": ("keep", "host", "recompute"), "overlap_optimizer": False})):
         print(f"\n== {name}" + (" (optimizer after backward; activations kept, recomputed or on host, never SSD)"
                                  if kwargs else heading))
         try:  # the host tier, compact state formats and one slot are fuyou's; ZeRO-Infinity keeps fp32 on NVMe
             plan = solve(dataclasses.replace(profile, host_state=0, device_state=0, state_bytes=bytes_per_param("fp32"))
-                         if kwargs else ours_with(**slot_fields), **kwargs)
+                         if kwargs else ours, **kwargs)
         except PlanError as exc:
             print(f"does not fit: {str(exc).removeprefix('does not fit: ')}")
             results[name] = {"fits": False, "error": str(exc)}
@@ -195,27 +190,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          "state_on_device": plan.state_on_device, "ssd_drives_needed": drives}
         if name == "fuyou":  # the optimizer schedule and state slots its prediction modelled
             results[name].update(schedule=plan.profile["schedule"], state_slots=plan.profile["state_slots"])
+            two = plan
         if name == "fuyou" and args.save:
             plan.save(args.save)
             print(f"plan written to {args.save}")
-    if not slot_fields and not args.paper_runtime:  # one slot, said where it would be faster or fit where two do not
-        ours = results["fuyou"]
-        try:
-            one_plan = solve(ours_with(**one_slot))
-        except PlanError:
-            one_plan = None
-        one = one_plan and one_plan.predicted_step_s
+    if args.state_slots == 2 and not args.paper_runtime:  # one slot, where faster, or fitting where two do not
+        mine, one_plan = results["fuyou"], one_slot(ours)
         # Where two slots' swap files need more drives than the machine has and one slot's do not, one slot is what
         # runs there, faster or not.
-        held = one_plan is not None and ours["fits"] and ours["ssd_drives_needed"] > hw.ssds \
+        held = one_plan is not None and two is not None and mine["ssd_drives_needed"] > hw.ssds \
             >= -(-one_plan.ssd_peak // hw.ssd_capacity)
-        if one is not None and (not ours["fits"] or held or one < ONE_SLOT_HINT * ours["step_s"]):
-            ours["one_slot_step_s"] = one
-            why = "where two slots do not fit" if not ours["fits"] else (
-                f"its swap files within the {_drives(hw.ssds)}, where two slots' need {_drives(ours['ssd_drives_needed'])}"
+        if one_plan is not None and (held or worth_one_slot(two, one_plan)):
+            one = mine["one_slot_step_s"] = one_plan.predicted_step_s
+            why = "where two slots do not fit" if two is None else (
+                f"its swap files within the {_drives(hw.ssds)}, where two slots' need {_drives(mine['ssd_drives_needed'])}"
                 if held else "")
-            faster = (f"{ours['step_s'] / one:.2f}x faster" if one < ours["step_s"] else
-                      f"{one / ours['step_s']:.2f}x slower") if ours["fits"] else ""
+            faster = (f"{mine['step_s'] / one:.2f}x faster" if one < mine["step_s"] else
+                      f"{one / mine['step_s']:.2f}x slower") if two is not None else ""
             print(f"\none slot of state (--state-slots 1; FuyouConfig(state_slots=1), half the state, updates before "
                   f"each block's next forward): predicted step {one:.3f} s" + "".join(f", {x}" for x in (faster, why) if x))
     if all(r["fits"] for r in results.values()):

@@ -44,7 +44,7 @@ from .optim.distributed import sync_module_states
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .params.streaming import streamed_parameter_names
-from .planner import WEIGHT_TIERS, Plan, PlanError, solve
+from .planner import WEIGHT_TIERS, Plan, PlanError, one_slot, solve, worth_one_slot
 from .planner.profile import WarmupProfiler
 from .run_report import RunReport
 from .storage import MemoryTiers
@@ -482,13 +482,18 @@ class FuyouEngine:
         allowed = [p for p in Policy if not (p is Policy.HOST and cpu)]
         tiers = [t for t in WEIGHT_TIERS if not (t == "host" and cpu)] if self.config.weights == "auto" else None
         error = None
+        how = {"allowed": allowed, "weight_tiers": tiers, "write_tolerance": self.config.ssd_write_tolerance}
         try:
-            self.plan = solve(profile, allowed=allowed, weight_tiers=tiers,
-                              write_tolerance=self.config.ssd_write_tolerance)
+            self.plan = solve(profile, **how)
         except PlanError as exc:
             fields = "activations='auto', weights='auto'" if tiers else "activations='auto'"
             error = ConfigError(f"{fields}: {exc}")
         shards = self.optimizer.shards
+        one = self._one_slot(profile, None if error else self.plan, how) if shards is None else None
+        if one is not None and error is not None:
+            error = ConfigError(f"{error}. With one slot of state it fits: FuyouConfig(state_slots=1) holds half the "
+                                f"optimizer state, each update landing before its block's next forward (predicted "
+                                f"{one.predicted_step_s:.3f} s/step)")
         if shards is not None:  # data parallel: every rank applies rank 0's plan (the same tiers and collectives)
             chosen = [self.plan, error]
             shards.broadcast_object(chosen)
@@ -497,6 +502,12 @@ class FuyouEngine:
             raise error
         self.report(f"fuyou planner: plan (predicted {self.plan.predicted_step_s:.3f} s/step)\n"
                     f"{self.plan.table(compact=True)}")
+        if one is not None:
+            self.report(f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the predicted step is "
+                        f"{one.predicted_step_s:.3f} s, {self.plan.predicted_step_s / one.predicted_step_s:.2f}x "
+                        "faster: "
+                        "half the optimizer state in every tier, each update landing before its block's next forward "
+                        "instead of during backward")
         self._hold_state_on_device(self.plan)
         self._hold_state_in_ram(self.plan)
         if tiers and self.plan.weights:
@@ -506,6 +517,15 @@ class FuyouEngine:
         # the warm-up's windows cost what the plan no longer does
         self.optimizer.control.expect(self.plan.predicted_by_schedule(), forget_measured=True)
         self.reporting.plan_applied()
+
+    def _one_slot(self, profile: Any, two: Plan | None, how: dict[str, Any]) -> Plan | None:
+        """The plan with one slot of state, where this run has two and one is worth naming (`worth_one_slot`: it
+        fits where two do not, or is predicted faster); None otherwise, or where the schedule is pinned to
+        ``backward``, which one slot cannot run. One more solve, at the end of the warm-up."""
+        if self.config.state_slots != 2 or self.config.optimizer_schedule == "backward":
+            return None
+        one = one_slot(profile, **how)
+        return one if one is not None and worth_one_slot(two, one) else None
 
     def rebind_schedulers(self, schedulers: Iterable[Any]) -> None:
         """Point the framework's LR schedulers at the converted optimizer."""

@@ -17,6 +17,7 @@ plateau such as the prefetch window yields to no single change). That keeps a 96
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,11 @@ from ..config import format_bytes
 from ..planfile import PlanError, read
 from .cost import WEIGHT_TIERS, Prediction, Profile, predict
 
-__all__ = ["Plan", "PlanError", "solve", "fixed_plan"]
+__all__ = ["ONE_SLOT_HINT", "Plan", "PlanError", "solve", "fixed_plan", "one_slot", "with_one_slot",
+           "worth_one_slot"]
+
+# One slot of state is named beside a two-slot plan (`one_slot`) where its predicted step is below this share of two's.
+ONE_SLOT_HINT = 0.95
 
 _TOLERANCE = 1e-9
 
@@ -328,3 +333,26 @@ def _plan(profile: Profile, state: _State, pred: Prediction, reasons: list[str],
 def _counts(values: Sequence[str], order: Iterable[str]) -> str:
     """``"6 keep, 2 ssd"``: how many of ``values`` are each of ``order`` (those that occur)."""
     return ", ".join(f"{values.count(v)} {getattr(v, 'value', v)}" for v in order if values.count(v))
+
+
+def with_one_slot(profile: Profile) -> Profile:
+    """``profile`` with one slot of state (``FuyouConfig(state_slots=1)``): half the state's bytes in every tier, and
+    the ``next_forward`` schedule, since without a rollback slot no update runs during backward."""
+    return dataclasses.replace(profile, state_slots=1, schedule="next_forward")
+
+
+def one_slot(profile: Profile, **solve_args) -> Plan | None:
+    """The plan with one slot of state (`with_one_slot`, solved with ``solve_args``), or None where it does not fit
+    or ``profile`` has one slot already."""
+    if profile.state_slots == 1:
+        return None
+    try:
+        return solve(with_one_slot(profile), **solve_args)
+    except PlanError:
+        return None
+
+
+def worth_one_slot(two: Plan | None, one: Plan) -> bool:
+    """Whether ``one`` (`one_slot`) is worth naming beside ``two``, the plan with two slots (None: two do not fit):
+    one slot fits where two do not, or its predicted step is below `ONE_SLOT_HINT` of two's."""
+    return two is None or one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s
