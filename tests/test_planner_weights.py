@@ -11,7 +11,7 @@ from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.control import OptimizerControl
 from fuyou_strategy.config import resolve
 from fuyou_strategy.activations import Policy
-from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, predict, solve
+from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, one_slot, predict, solve
 from test_planner import MiB, assert_within_budgets, synthetic
 from conftest import tiny_causal_lm
 from test_weights import engine_for, frozen, lora_model, run_steps
@@ -316,44 +316,78 @@ def test_a_pinned_plan_with_weight_tiers_streams_from_the_first_step(tmp_path):
 
 
 
-def test_the_warm_up_names_one_slot_of_state_where_only_one_fits_and_one_slot_then_runs(tmp_path, monkeypatch):
-    """At the end of the warm-up the engine solves again with one slot of state (``FuyouConfig(state_slots=1)``,
-    `planner.one_slot`). Where the drive's free space holds one slot of the state but not two, the plan's error names
-    the field and one slot's predicted step, and a run with ``state_slots=1`` then plans and trains as torch does.
-    Where one slot is predicted faster (here any one-slot plan counts: `ONE_SLOT_HINT` raised), a line says so."""
+class _Profiled:
+    """Stands in for the warm-up's profiler at its end (`FuyouEngine._plan_from_warmup`): ``profile`` measured."""
+
+    def __init__(self, profile):
+        self.steps, self.device, self._profile = 2, torch.device("cpu"), profile
+
+    def remove(self):
+        pass
+
+    def profile(self):
+        return self._profile
+
+
+def test_the_warm_up_names_one_slot_of_state_where_it_is_faster_or_fits_where_two_do_not(tmp_path):
+    """At the end of the warm-up the engine solves its profile again with one slot of state
+    (``FuyouConfig(state_slots=1)``, `planner.one_slot`): a line after the plan names it where its predicted step is
+    under `ONE_SLOT_HINT` of two slots' (here over 2x faster: one slot's state fits the host tier, two slots' spill
+    to a slow drive), nothing where it is not, and where two slots do not fit the drive and one does, the plan's
+    `ConfigError` says so with one slot's predicted step."""
+    said = []
+    cases = {"faster": synthetic(host_state=120 * MiB, ssd_bw=2e7), "as fast": synthetic(host_state=120 * MiB),
+             "drive": synthetic(host_state=0, ssd=150 * MiB)}
+    for name, profile in cases.items():
+        said.clear()
+        (tmp_path / name).mkdir()
+        engine = engine_for(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path / name)], activations="auto",
+                                                      weights="device"), report=said.append)
+        one = one_slot(profile).predicted_step_s
+        try:
+            engine.profiler.remove()
+            engine.profiler = _Profiled(profile)
+            if name == "drive":
+                with pytest.raises(ConfigError, match=r"activations='auto': does not fit: ssd needs .*\. With one slot "
+                                                      r"of state it fits: FuyouConfig\(state_slots=1\) holds half the "
+                                                      rf"optimizer state.*\(predicted {one:.3f} s/step\)"):
+                    engine._plan_from_warmup()
+                continue
+            engine._plan_from_warmup()
+        finally:
+            engine.close()
+        named = [m for m in said if "one slot" in m]
+        if name == "faster":
+            faster = solve(profile).predicted_step_s / one
+            assert faster > 2 and named == [
+                f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the predicted step is {one:.3f} s, "
+                f"{faster:.2f}x faster: half the optimizer state in every tier, each update landing before its "
+                "block's next forward instead of during backward"], said
+        else:
+            assert not named and any(m.startswith("fuyou planner: plan") for m in said), said
+
+
+def test_a_drive_its_own_swap_files_filled_still_holds_the_plan_and_one_slot_trains_as_torch(tmp_path, monkeypatch):
+    """The plan's drive budget is its free space and what the run's swap files hold already: a warm-up whose
+    state filled the drive to the last byte still plans with that state there. A run with one slot of state
+    (``state_slots=1``, what the planner names where two do not fit) plans and trains as torch does."""
     import types
     import fuyou_strategy.planner.profile as profile_module
-    import fuyou_strategy.planner.solver as solver
 
     def config(folder, **fields):
         (tmp_path / folder).mkdir()
         return FuyouConfig(swap_dirs=[str(tmp_path / folder)], activations="auto", planner_warmup_steps=2,
                            chunk_size="8KiB", host_state=0, activation_min_bytes=0, **fields)
 
-    said = []
     reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=4)
-    model = lora_model()
-    with monkeypatch.context() as patch:
-        patch.setattr(solver, "ONE_SLOT_HINT", 1e9)
-        engine = engine_for(model, config("roomy"), report=said.append)
+    monkeypatch.setattr(profile_module, "shutil", types.SimpleNamespace(  # the drive full once the warm-up began
+        disk_usage=lambda _path: types.SimpleNamespace(free=0)))
+    for slots in (2, 1):
+        engine, losses = run(lora_model(), config(f"slots{slots}", state_slots=slots), steps=4)
         try:
-            run_steps(engine, model, 3)
-            two_slots = engine.optimizer.control.figures().state_ssd_bytes  # every slot, on the drive
-            assert engine.plan.ssd_peak >= two_slots > 0
+            on_drive = engine.optimizer.control.figures().state_ssd_bytes
+            assert engine.plan is not None and engine.plan.ssd_peak >= on_drive > 0
+            assert engine.plan.budgets["ssd"] == engine.memory.store.bytes_on_disk
         finally:
             engine.close()
-    assert [m for m in said if m.startswith("fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the "
-                                            "predicted step is ")], said
-    free = two_slots * 3 // 4  # one slot's half, not two's whole
-    monkeypatch.setattr(profile_module, "shutil", types.SimpleNamespace(
-        disk_usage=lambda _path: types.SimpleNamespace(free=free)))
-    with pytest.raises(ConfigError, match=r"activations='auto', weights='auto': does not fit: ssd needs .*\. With "
-                                          r"one slot of state it fits: FuyouConfig\(state_slots=1\) .*\(predicted "
-                                          r"[0-9.]+ s/step\)"):
-        run(lora_model(), config("two"), steps=3)
-    engine, losses = run(lora_model(), config("one", state_slots=1), steps=4)
-    try:
-        assert engine.plan is not None and engine.plan.ssd_peak <= free
-    finally:
-        engine.close()
-    assert losses == reference
+        assert losses == reference

@@ -233,7 +233,8 @@ class WarmupProfiler:
             masters_in_weights=on_host and all(
                 p.dtype == torch.float32 for p in self.model.parameters() if p.requires_grad),
             device_budget=device_budget, host_budget=store.pool.budget,
-            ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs),
+            # The drive's free space, and what the run's swap files hold already (the state the plan counts again).
+            ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs) + store.bytes_on_disk,
             source="measured",
             notes={"device": str(self.device), "measured_step_s": self.step_times[1:] or self.step_times},
         )
