@@ -334,7 +334,7 @@ def test_the_warm_up_names_one_slot_of_state_where_it_is_faster_or_fits_where_tw
     (``FuyouConfig(state_slots=1)``, `planner.one_slot`): a line after the plan names it where its predicted step is
     under `ONE_SLOT_HINT` of two slots' (here over 2x faster: one slot's state fits the host tier, two slots' spill
     to a slow drive), nothing where it is not, and where two slots do not fit the drive and one does, the plan's
-    `ConfigError` says so with one slot's predicted step."""
+    `ConfigError` says so with one slot's predicted step; ``state_slots="auto"`` takes one slot there."""
     said = []
     cases = {"faster": synthetic(host_state=120 * MiB, ssd_bw=2e7), "as fast": synthetic(host_state=120 * MiB),
              "drive": synthetic(host_state=0, ssd=150 * MiB)}
@@ -365,6 +365,17 @@ def test_the_warm_up_names_one_slot_of_state_where_it_is_faster_or_fits_where_tw
                 "block's next forward instead of during backward"], said
         else:
             assert not named and any(m.startswith("fuyou planner: plan") for m in said), said
+    (tmp_path / "auto").mkdir()  # state_slots="auto" takes one slot where two do not fit: no error
+    engine = engine_for(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path / "auto")], activations="auto",
+                                                  weights="device", state_slots="auto"), report=said.append)
+    try:
+        engine.profiler.remove()
+        engine.profiler = _Profiled(cases["drive"])
+        engine._plan_from_warmup()
+        assert engine.plan.profile["state_slots"] == 1 and engine.optimizer.control.state_slots == 1
+        assert engine.choices["state_slots"][1].startswith("two slots do not fit and one does")
+    finally:
+        engine.close()
 
 
 def test_a_drive_its_own_swap_files_filled_still_holds_the_plan_and_one_slot_trains_as_torch(tmp_path, monkeypatch):
@@ -391,3 +402,58 @@ def test_a_drive_its_own_swap_files_filled_still_holds_the_plan_and_one_slot_tra
         finally:
             engine.close()
         assert losses == reference
+
+
+def test_state_slots_auto_takes_one_slot_where_the_plan_names_it_and_resumes_into_two(tmp_path):
+    """``state_slots="auto"``: where the warm-up's plan with one slot is predicted faster (a synthetic profile's,
+    over 2x), the engine keeps one slot from then on: every state entry drops its shadow slot (half the state's bytes
+    on the drive), no update is speculative, and summary()['choices'] says why. Training goes on as the default run's
+    (torch's bits), and a save made after the switch resumes into an optimizer of two slots as the run goes on."""
+    from test_weights import ids
+
+    def config(folder, **fields):
+        (tmp_path / folder).mkdir()
+        return FuyouConfig(swap_dirs=[str(tmp_path / folder)], chunk_size="8KiB", host_state=0, **fields)
+
+    def steps(engine, model, which):
+        losses = []
+        for step in which:
+            x = ids(step)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=6)
+    said, model = [], lora_model()
+    engine = engine_for(model, config("auto", state_slots="auto", activations="auto", weights="device",
+                                      planner_warmup_steps=2), report=said.append)
+    try:
+        engine.profiler.profile = lambda: synthetic(host_state=120 * MiB, ssd_bw=2e7)  # what the warm-up measured
+        losses = steps(engine, model, range(1))
+        control = engine.optimizer.control
+        two = control.figures().state_ssd_bytes
+        assert control.state_slots == 2 and control.can_speculate and engine.config.state_slots == "auto"
+        losses += steps(engine, model, range(1, 4))  # the warm-up ends at the second step
+        assert engine.config.state_slots == 1 and control.state_slots == 1 and not control.can_speculate
+        assert all(engine.memory.store.entry(ps.entry).slots == 1 for ps in control.state.owned)
+        assert control.figures().state_ssd_bytes == two // 2
+        value, why = engine.choices["state_slots"]
+        assert value == 1 and why.startswith("the plan with one slot is predicted 2."), why
+        assert [m for m in said if m.startswith("fuyou planner: state_slots='auto' took 1: ")], said
+        assert [s for s, _outcome in engine.optimizer.stats.history] == ["backward"] * 2 + ["next_forward"] * 2
+        engine.save(str(tmp_path / "save"))
+        losses += steps(engine, model, range(4, 6))
+    finally:
+        engine.close()
+    assert losses == reference
+    model = lora_model()
+    engine = engine_for(model, config("two"))
+    try:
+        engine.load(str(tmp_path / "save"))
+        assert engine.optimizer.control.state_slots == 2
+        assert steps(engine, model, range(4, 6)) == losses[4:]
+    finally:
+        engine.close()

@@ -375,6 +375,22 @@ def test_backward_with_one_state_slot_is_refused():
         FuyouConfig(optimizer_schedule="later")
 
 
+def test_state_slots_takes_two_one_or_auto_and_a_lone_optimizer_starts_auto_with_two(tmp_path):
+    """``state_slots="auto"`` is the engine's to settle after its warm-up (`FuyouEngine`); an optimizer on its own
+    keeps the two slots it starts with, and may speculate. Any other value is refused, naming the three."""
+    from fuyou_strategy import ConfigError
+
+    for bad in (3, 0, True, "two"):
+        with pytest.raises(ConfigError, match=r"state_slots: got .*; expected 2 .*, 1 .* or 'auto'"):
+            FuyouConfig(state_slots=bad)
+    opt = FuyouAdamW([torch.nn.Parameter(torch.zeros(8))], lr=1e-3,
+                     config=FuyouConfig(swap_dirs=[str(tmp_path)], state_slots="auto"))
+    try:
+        assert opt.control.state_slots == 2 and opt.control.can_speculate
+    finally:
+        opt.close()
+
+
 # -- through the integrations --------------------------------------------------------------------------------
 class Validated:
     """Mixed into the Lightning test module: validation_step records the weights it sees (before its forward)."""

@@ -135,6 +135,49 @@ def test_shadow_slot_commit_and_rollback(small_config):
         assert store.commit() == 0, "nothing pending: commit is a no-op"
 
 
+@pytest.mark.parametrize("where", ["ssd", "memory", "device"])
+@pytest.mark.parametrize("active", [0, 1])
+def test_dropping_the_shadow_slot_keeps_the_active_bytes_and_frees_the_other(tmp_path, where, active):
+    """`drop_shadow`, whichever physical slot is active (1: after a commit) and wherever the entry lives (striped
+    over two swap directories, host RAM, a device's memory: here the CPU's): the active bytes read back unchanged,
+    the entry has no shadow slot from then on, writes and reads go on, and the other slot's room is given back (the
+    next entries take the swap files' freed regions, and the entry's bytes stay its own; the RAM and device limits
+    count half)."""
+    config = FuyouConfig(swap_dirs=[str(tmp_path / "a"), str(tmp_path / "b")], chunk_size="8KiB",
+                         io_block_size="4KiB", host_memory_budget="1MiB", io_threads=3)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    place = {"ssd": {}, "memory": {"in_memory": True}, "device": {"device": torch.device("cpu")}}[where]
+    with TensorStore(config, memory_limit=2**20, device_limit=2**20) as store:
+        old, new, later = torch.randn(5000), torch.randn(5000), torch.randn(5000)  # 3 chunks of 8 KiB
+        entry = store.create("w", old.shape, old.dtype, **place)
+        store.write("w", old).result()
+        store.write("w", new, slot="shadow").result()
+        if active:
+            assert store.commit() == 1
+        footprint = entry.footprint
+        held = {"ssd": lambda: store.bytes_on_disk, "memory": lambda: store.bytes_in_memory,
+                "device": lambda: store.bytes_on_device}[where]
+        before = held()
+        assert store.drop_shadow("w") == footprint // 2 and store.drop_shadow("w") == 0
+        assert entry.slots == 1 and entry.footprint == footprint // 2
+        assert torch.equal(store.read("w").result(), new if active else old)
+        with pytest.raises(StorageError, match="no shadow slot"):
+            store.read("w", slot="shadow").result()
+        store.write("w", later).result()
+        assert torch.equal(store.read("w").result(), later)
+        if where == "ssd":  # the freed regions (a chunk in each directory at least) hold the next entries' chunks
+            one = [torch.randn(2048), torch.randn(2048)]  # a chunk each, one in each directory
+            for i, x in enumerate(one):
+                store.create(f"v{i}", x.shape, x.dtype, slots=1)
+                store.write(f"v{i}", x).result()
+            assert store.bytes_on_disk == before
+            assert all(torch.equal(store.read(f"v{i}").result(), x) for i, x in enumerate(one))
+            assert torch.equal(store.read("w").result(), later)
+        else:
+            assert held() == before - footprint // 2
+
+
 def test_commit_refuses_a_partial_shadow(small_config):
     with TensorStore(small_config) as store:
         x = torch.randn(5000)

@@ -254,7 +254,9 @@ class FuyouConfig:
             planner, with ``activations="auto"`` or a ``plan``). Unset: decided for the device and ranks.
         weight_prefetch_blocks: streamed blocks read ahead and kept from forward into backward. Default 2.
         state_slots: 2 (speculative updates with a rollback slot, 24 B per parameter) or 1 (12 B; updates in
-            ``step()``, ``next_forward`` only).
+            ``step()``, ``next_forward`` only). ``"auto"``: two, and one from the end of the planner's warm-up where
+            its plan with one slot is predicted at least 5% faster or fits where two do not (``activations="auto"``,
+            one process; `planner.one_slot`).
         host_state: bytes of ``host_memory_budget`` holding optimizer state in RAM instead of on the SSD (exact);
             ``"auto"``: what the transfers and the plan leave (`storage.host_state_bytes`); 0: all on the SSD.
         device_state: bytes of the compute device's memory holding optimizer state, updated there by torch's fused
@@ -300,7 +302,7 @@ class FuyouConfig:
     activation_prefetch_blocks: int = 2
     weights: str | dict | None = None
     weight_prefetch_blocks: int = 2
-    state_slots: int = 2
+    state_slots: int | str = 2
     host_state: int | str = "auto"
     device_state: int | str = "auto"
     state_format: str = "fp32"
@@ -386,9 +388,10 @@ class FuyouConfig:
         if not isinstance(self.weight_prefetch_blocks, int) or isinstance(self.weight_prefetch_blocks, bool) \
                 or self.weight_prefetch_blocks < 0:
             raise ConfigError(f"weight_prefetch_blocks: got {self.weight_prefetch_blocks!r}; expected an int >= 0")
-        if self.state_slots not in (1, 2) or isinstance(self.state_slots, bool):
+        if self.state_slots not in (1, 2, "auto") or isinstance(self.state_slots, bool):
             raise ConfigError(f"state_slots: got {self.state_slots!r}; expected 2 (overlapped updates with a rollback "
-                              "slot) or 1 (updates in step(), half the SSD state)")
+                              "slot), 1 (updates in step(), half the state) or 'auto' (two, one where the warm-up's "
+                              "plan names one)")
         if self.host_state != "auto":
             raw_state = self.host_state
             _set(self, "host_state", parse_bytes(raw_state, name="host_state"))

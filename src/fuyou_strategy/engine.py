@@ -490,7 +490,17 @@ class FuyouEngine:
             error = ConfigError(f"{fields}: {exc}")
         shards = self.optimizer.shards
         one = self._one_slot(profile, None if error else self.plan, how) if shards is None else None
-        if one is not None and error is not None:
+        if one is not None and self.config.state_slots == "auto":  # taken: the state keeps one slot from now on
+            why = ("two slots do not fit and one does" if error is not None else
+                   f"the plan with one slot is predicted {self.plan.predicted_step_s / one.predicted_step_s:.2f}x "
+                   "faster")
+            self.plan, error, one = one, None, None
+            freed = self.optimizer.control.keep_one_slot()
+            self.config = self.config.replace(state_slots=1)  # the settings as applied, as the summary reports them
+            self._chose("state_slots", 1, f"{why}; the state's shadow slots freed ({format_bytes(freed)})")
+            self.report(f"fuyou planner: state_slots='auto' took 1: {why}; the optimizer state keeps one slot "
+                        f"({format_bytes(freed)} freed), each update landing before its block's next forward")
+        elif one is not None and error is not None:
             error = ConfigError(f"{error}. With one slot of state it fits: FuyouConfig(state_slots=1) holds half the "
                                 f"optimizer state, each update landing before its block's next forward (predicted "
                                 f"{one.predicted_step_s:.3f} s/step)")
@@ -519,10 +529,11 @@ class FuyouEngine:
         self.reporting.plan_applied()
 
     def _one_slot(self, profile: Any, two: Plan | None, how: dict[str, Any]) -> Plan | None:
-        """The plan with one slot of state, where this run has two and one is worth naming (`worth_one_slot`: it
-        fits where two do not, or is predicted faster); None otherwise, or where the schedule is pinned to
-        ``backward``, which one slot cannot run. One more solve, at the end of the warm-up."""
-        if self.config.state_slots != 2 or self.config.optimizer_schedule == "backward":
+        """The plan with one slot of state, where this run has two (``state_slots`` 2 or "auto") and one is worth
+        naming or taking (`worth_one_slot`: it fits where two do not, or is predicted faster); None otherwise, or
+        where the schedule is pinned to ``backward``, which one slot cannot run. One more solve, at the end of the
+        warm-up."""
+        if self.config.state_slots == 1 or self.config.optimizer_schedule == "backward":
             return None
         one = one_slot(profile, **how)
         return one if one is not None and worth_one_slot(two, one) else None

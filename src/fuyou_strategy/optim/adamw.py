@@ -219,7 +219,7 @@ class FuyouAdamW(torch.optim.Optimizer):
             self._parts = parts
             # The engine's and the planner's handle (`OptimizerControl`): it chooses the first window's schedule
             # and writes the masters of the parameters that have memory.
-            self.control = OptimizerControl(self._params, parts, config, can_speculate=config.state_slots == 2 and (
+            self.control = OptimizerControl(self._params, parts, config, can_speculate=config.state_slots != 1 and (
                 shards is None or gradients_averaged), gradients_averaged=gradients_averaged,
                 threads=threads, kernel=kernel, finalizer=self._finalizer)
             self.chooser = self.control.chooser

@@ -20,7 +20,7 @@ import torch
 from ..config import ConfigError, FuyouConfig
 from ..device import computes_on_host, read_on_host
 from ..storage import TensorStore
-from .schedule import BACKWARD, Exact, Parts, ScheduleChooser, Speculative
+from .schedule import BACKWARD, ONE_SLOT_WHY, Exact, Parts, ScheduleChooser, Speculative
 from .state import ParamState
 from .weights import StreamedWeights
 
@@ -123,6 +123,11 @@ class OptimizerControl:
         summed at ``step()``): the schedules the planner may count."""
         return self.chooser.can_speculate
 
+    @property
+    def state_slots(self) -> int:
+        """Copies of the state each entry keeps now: 2, or 1 (``state_slots=1``, or "auto" after `keep_one_slot`)."""
+        return self.state.slots
+
     def expect(self, predicted: Mapping[str, float], *, forget_measured: bool = False) -> None:
         """Give the chooser the planner's predicted step (seconds) under each schedule (`ScheduleChooser.expect`);
         ``forget_measured``: the windows measured so far cost what a new plan no longer does."""
@@ -203,6 +208,19 @@ class OptimizerControl:
         self.sharding.land()
         self.state.drain()
         return self.state.hold_on_device(self.sharding.owned(self.params), nbytes)
+
+    def keep_one_slot(self) -> int:
+        """One slot of state from now on (``state_slots="auto"``, where the warm-up's plan names one): every state
+        entry keeps its active slot only (`OptimizerState.drop_shadows`), half the state's bytes in every tier, and
+        every window runs ``next_forward``, since no shadow slot is left to speculate into. Between steps: the
+        updates left for the next forward land first. Returns the bytes freed; nothing changes bitwise."""
+        self.sharding.land()
+        self.state.drain()
+        freed = self.state.drop_shadows()
+        self.chooser.can_speculate = False
+        self.chooser.why_not = ONE_SLOT_WHY
+        self.stats.last_reason = self.choose()
+        return freed
 
     def figures(self) -> OptimizerFigures:
         """The optimizer's counters now; reading them waits for nothing (the training thread)."""

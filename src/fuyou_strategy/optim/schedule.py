@@ -53,6 +53,7 @@ TAIL_SHARE = 0.1  # the last tenth of a window's gradient arrivals: the tail who
 # `ScheduleChooser`: how much slower than ``backward`` the planner's cost model must predict ``next_forward``'s
 # step before ``next_forward`` is not measured early (see `ScheduleChooser.expect`)
 PREDICTED_SLOWER = 1.2
+ONE_SLOT_WHY = "one state slot: no shadow slot to speculate into"  # why ``backward`` cannot run with one slot
 
 
 class PendingUpdates:
@@ -171,7 +172,7 @@ class ScheduleChooser:
         self.exact_first = exact_first
         self.backward_first = backward_first
         self.can_speculate = can_speculate
-        self.why_not = "one state slot: no shadow slot to speculate into"  # when it cannot
+        self.why_not = ONE_SLOT_WHY  # when it cannot
         self.rolled: deque[bool] = deque(maxlen=history)
         self.rollback_s: float | None = None
         self.window_s: dict[str, deque[float]] = {BACKWARD: deque(maxlen=samples), NEXT_FORWARD: deque(maxlen=samples)}

@@ -281,7 +281,8 @@ class OptimizerState:
 
     def __init__(self, owned: list[ParamState], config: FuyouConfig, store: TensorStore, depth: int, *,
                  spare_from: int = 0, threads: int | None = None) -> None:
-        self.config, self.slots, self.owned = config, config.state_slots, owned
+        self.config, self.owned = config, owned
+        self.slots = 1 if config.state_slots == 1 else 2  # "auto" starts with two (`drop_shadows`)
         # the largest chunk's elements: a staged weight's host buffer holds one chunk of any parameter (`update_job`)
         self.most_elems = max((ps.elems_per_chunk for ps in owned), default=0)
         self.spare_from = spare_from  # pool bytes the read-ahead of `read_ahead` leaves to the pool's other users
@@ -444,6 +445,16 @@ class OptimizerState:
             self.param_holds -= self.on_device
         self.hold_in_ram(owned, self.store.memory_limit)
         return self.store.bytes_on_device
+
+    def drop_shadows(self) -> int:
+        """Keep one slot of state from now on: every entry's active slot only (`TensorStore.drop_shadow`), so the
+        tiers hold half the bytes each and no update may be speculative. Only between steps, with nothing in flight
+        (after `drain`). Returns the bytes freed."""
+        if self.slots == 1:
+            return 0
+        freed = sum(self.store.drop_shadow(ps.entry) for ps in self.owned)
+        self.slots = 1
+        return freed
 
     def leave_device(self, params: Iterable[ParamState]) -> None:
         """Move the state of these parameters that is on the device tier out to the SSD (a parameter about to be

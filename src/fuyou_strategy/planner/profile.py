@@ -223,7 +223,7 @@ class WarmupProfiler:
             # stream on CUDA), not on the compute thread.
             blocking_weight_copy=False,
             # The optimizer state's host tier: what the budget leaves (auto), or the bytes host_state gives it.
-            state_slots=config.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
+            state_slots=control.state_slots, host_state=None if config.host_state == "auto" else config.host_state,
             state_bytes=control.state_bytes_per_param(),
             # The device tier: what the budget leaves (auto, on an accelerator), or the bytes device_state gives it.
             device_state=device_state_bytes(config.device_state, self.device),

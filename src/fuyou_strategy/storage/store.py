@@ -585,6 +585,39 @@ class TensorStore:
             os.ftruncate(self._files[d].fd, space.tail)
             space.size = space.tail
 
+    def drop_shadow(self, name: str) -> int:
+        """Keep only the active slot of entry ``name``, which has one slot from then on (`create`'s ``slots=1``): the
+        shadow slot's memory goes back (host RAM, a device), or its region of the swap files is given back for later
+        entries. No byte is copied: where the second slot is the active one, the entry's first slot becomes where it
+        lies. Nothing may be in flight or lent for it. Returns the bytes freed (0 if it had one slot)."""
+        entry = self.entry(name)
+        with self._lock:
+            if entry.slots == 1:
+                return 0
+            self._wait_all_behind(entry)
+            if any(entry.inflight) or entry.lent:
+                raise StorageError(f"cannot drop entry {name!r}'s shadow slot while a write to it is in flight")
+            keep, freed = entry.active, entry.footprint // 2
+            dropped = None
+            if entry.memory is not None:
+                dropped, entry.memory = entry.memory[1 - keep], [entry.memory[keep]]
+                self._room(entry).held -= freed
+            for d, offset in entry.base.items():
+                region = entry.count[d] * entry.stride  # one slot's chunks in this directory, slot 0's first
+                entry.base[d] = offset + keep * region
+                self._space[d].give(offset + (1 - keep) * region, region)
+            # The kept slot's records become slot 0's; every version token taken before names a slot that no
+            # longer holds what it did (`slot_version`), so both counts move past every earlier one.
+            version = entry.version[0] + entry.version[1] + 1
+            for records, empty in ((entry.written, set()), (entry.failed, None), (entry.inflight, 0),
+                                   (entry.writing, {}), (entry.behind, set())):
+                records[0], records[1] = records[keep], empty
+            entry.version[0] = entry.version[1] = version
+            entry.slots, entry.active = 1, 0
+        if dropped is not None:
+            dropped.release()
+        return freed
+
     def delete(self, name: str) -> None:
         """Forget an entry; later entries reuse its space (see the module docstring)."""
         with self._lock:
