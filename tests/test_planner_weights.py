@@ -362,7 +362,7 @@ def test_the_warm_up_names_one_slot_of_state_where_it_is_faster_or_fits_where_tw
             assert faster > 2 and named == [
                 f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the predicted step is {one:.3f} s, "
                 f"{faster:.2f}x faster: half the optimizer state in every tier, each update landing before its "
-                "block's next forward instead of during backward"], said
+                "block's next forward instead of during backward (state_slots='auto' takes it)"], said
         else:
             assert not named and any(m.startswith("fuyou planner: plan") for m in said), said
     (tmp_path / "auto").mkdir()  # state_slots="auto" takes one slot where two do not fit: no error

@@ -106,8 +106,6 @@ def _drives(count: int) -> str:
     return f"{count} drive{'s' if count != 1 else ''}"
 
 
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import os
