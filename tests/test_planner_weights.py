@@ -409,22 +409,12 @@ def test_state_slots_auto_takes_one_slot_where_the_plan_names_it_and_resumes_int
     over 2x), the engine keeps one slot from then on: every state entry drops its shadow slot (half the state's bytes
     on the drive), no update is speculative, and summary()['choices'] says why. Training goes on as the default run's
     (torch's bits), and a save made after the switch resumes into an optimizer of two slots as the run goes on."""
-    from test_weights import ids
-
     def config(folder, **fields):
         (tmp_path / folder).mkdir()
         return FuyouConfig(swap_dirs=[str(tmp_path / folder)], chunk_size="8KiB", host_state=0, **fields)
 
     def steps(engine, model, which):
-        losses = []
-        for step in which:
-            x = ids(step)
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            engine.optimizer.step()
-            engine.optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return [loss.item() for loss in run_steps(engine, model, len(which), start=which.start)]
 
     reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=6)
     said, model = [], lora_model()

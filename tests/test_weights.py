@@ -38,10 +38,10 @@ def engine_for(model, cfg, **kwargs):
                        config=cfg, **kwargs)
 
 
-def run_steps(engine, model, n):
-    """``n`` engine steps on a fixed batch schedule; the losses."""
+def run_steps(engine, model, n, start=0):
+    """``n`` engine steps on a fixed batch schedule, from its step ``start``; the losses."""
     losses = []
-    for step in range(n):
+    for step in range(start, start + n):
         engine.begin_micro_batch(update=True)
         x = ids(step).to(next(model.parameters()).device)  # compute_device's, where a test asks for it
         loss = model(input_ids=x, labels=x).loss
