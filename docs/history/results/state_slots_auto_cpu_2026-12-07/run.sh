@@ -10,3 +10,6 @@ for r in 1 2; do
       | grep "fuyou planner: plan\|one-slot plan\|state_slots=\|took 1\|predicted .* measured"
   done
 done
+# The switch itself on this model (the decision forced to one slot in a copy of probe.py), once:
+LD_PRELOAD=$J PYTHONPATH=src /work/main/.venv/bin/python docs/history/results/state_slots_auto_cpu_2026-12-07/probe_forced.py 1792MiB auto 2>&1 \
+  | grep "fuyou planner: plan\|one-slot plan\|state_slots=\|took 1\|predicted .* measured"  # out_forced.txt
