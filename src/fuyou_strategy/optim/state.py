@@ -12,7 +12,8 @@ Everything that touches the state runs as a `ChunkJob` on one worker thread (`pi
 ahead: the AdamW update (`update_job`; of a run of parameters in RAM or on the device tier, `group_job`),
 restoring weights from the masters, reading a parameter's state back, checkpoints. ``state_slots=2`` gives
 every entry a second (*shadow*) slot that speculative updates write into; `commit` flips it in, `rollback`
-drops it.
+drops it. ``state_slots="auto"`` starts with two, and `drop_shadows` keeps one from the end of the engine's warm-up
+where its plan says so.
 
 Tiers: with ``FuyouConfig.host_state`` the entries of the first parameters that fit live in host RAM
 (`TensorStore` ``in_memory`` entries, same chunks, same slots), the rest on the SSD; `hold_in_ram`
