@@ -11,5 +11,7 @@ for r in 1 2; do
   done
 done
 # The switch itself on this model (the decision forced to one slot in a copy of probe.py), once:
-LD_PRELOAD=$J PYTHONPATH=src /work/main/.venv/bin/python docs/history/results/state_slots_auto_cpu_2026-12-07/probe_forced.py 1792MiB auto 2>&1 \
+LD_PRELOAD=$J PYTHONPATH=src /work/main/.venv/bin/python docs/history/results/state_slots_auto_cpu_2026-12-07/probe.py 1792MiB auto --force 2>&1 \
   | grep "fuyou planner: plan\|one-slot plan\|state_slots=\|took 1\|predicted .* measured"  # out_forced.txt
+# The rates each warm-up measured (out_rates.txt, first part): probe.py 1792MiB {1,2} --detail; and with
+# rates_split.diff applied to the src (second part): probe.py 1792MiB auto --detail, twice.
