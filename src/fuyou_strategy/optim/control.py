@@ -167,8 +167,13 @@ class OptimizerControl:
             raise ConfigError(f"optimizer_schedule: got 'backward' with {which}; their gradients are summed over the "
                               "ranks at step(), so their updates cannot run during backward: use 'next_forward' or "
                               "'auto'")
+        self._stop_speculating(f"data parallel with {which}: their gradients are summed at step()")
+
+    def _stop_speculating(self, why: str) -> None:
+        """No speculative update from now on (``why``, the chooser's reason): the next window and every later one run
+        ``next_forward``."""
         self.chooser.can_speculate = False
-        self.chooser.why_not = f"data parallel with {which}: their gradients are summed at step()"
+        self.chooser.why_not = why
         self.stats.last_reason = self.choose()
 
     # -- between steps ---------------------------------------------------------------------------------
@@ -217,9 +222,7 @@ class OptimizerControl:
         self.sharding.land()
         self.state.drain()
         freed = self.state.drop_shadows()
-        self.chooser.can_speculate = False
-        self.chooser.why_not = ONE_SLOT_WHY
-        self.stats.last_reason = self.choose()
+        self._stop_speculating(ONE_SLOT_WHY)
         return freed
 
     def figures(self) -> OptimizerFigures:
