@@ -526,3 +526,40 @@ def test_the_next_forward_schedule_is_modelled_updates_first_and_no_redo():
     # without a redo to avoid and with a light optimizer, backward's overlap is as good or better
     light = synthetic(n=4, act=10 * MiB, params=10**3)
     assert predict(light, policies, schedule="auto").step_s <= predict(light, policies, schedule="next_forward").step_s
+
+
+class _Gated(torch.nn.Module):
+    """A block whose forward first waits ``wait`` seconds for its weights' update (counted where `PendingUpdates`
+    counts it), then computes for ``compute`` seconds, on the profiler's clock."""
+
+    def __init__(self, clock, landing, wait, compute):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.clock, self.landing, self.wait, self.compute = clock, landing, wait, compute
+
+    def forward(self, x):
+        self.clock[0] += self.wait
+        self.landing.waited_s += self.wait
+        self.clock[0] += self.compute
+        return self.linear(x)
+
+
+def test_the_warm_up_times_a_blocks_forward_without_its_wait_for_updates(monkeypatch):
+    """Under ``next_forward`` a block's forward first waits for its weights' updates (`PendingUpdates.waited_s`); the
+    cost model adds that wait itself (each block's forward after its update), so the forward the profiler records
+    leaves it out: only the compute."""
+    import types
+    from fuyou_strategy.planner import profile
+
+    clock = [0.0]
+    monkeypatch.setattr(profile, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    landing = types.SimpleNamespace(waited_s=0.0)
+    blocks = [_Gated(clock, landing, wait=2.0, compute=3.0), _Gated(clock, landing, wait=0.0, compute=0.5)]
+    profiler = profile.WarmupProfiler(torch.nn.Sequential(*blocks), blocks, FuyouConfig(),
+                                      optimizer=types.SimpleNamespace(landing=landing), steps=2)
+    try:
+        profiler.begin_micro_batch()
+        torch.nn.Sequential(*blocks)(torch.randn(4, 8, requires_grad=True))
+        assert profiler._micro[-1]["fwd"] == [3.0, 0.5]
+    finally:
+        profiler.remove()

@@ -11,7 +11,8 @@ from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.control import OptimizerControl
 from fuyou_strategy.config import resolve
 from fuyou_strategy.activations import Policy
-from fuyou_strategy.planner import WEIGHT_TIERS, Plan, PlanError, Profile, fixed_plan, one_slot, predict, solve
+from fuyou_strategy.planner import (WEIGHT_TIERS, Plan, PlanError, Profile, Timings, fixed_plan, one_slot, predict, solve,
+                                    with_one_slot)
 from test_planner import MiB, assert_within_budgets, synthetic
 from conftest import tiny_causal_lm
 from test_weights import engine_for, frozen, lora_model, run_steps
@@ -447,3 +448,67 @@ def test_state_slots_auto_takes_one_slot_where_the_plan_names_it_and_resumes_int
         assert steps(engine, model, range(4, 6)) == losses[4:]
     finally:
         engine.close()
+
+
+def test_one_slot_is_solved_on_the_next_forward_windows_timings_where_the_warm_up_measured_them():
+    """`with_one_slot` takes `Profile.next_forward_timings` (what the warm-up's ``next_forward`` windows measured:
+    compute and update rate without speculative updates beside backward) in place of the profile's own figures, and
+    the profile's without them; the plan with two slots keeps its own; a plan file keeps them (`Profile.to_dict`)."""
+    profile = synthetic(host_state=120 * MiB)
+    timed = Timings(fwd_s=[0.05] * 8, bwd_s=[0.1] * 8, other_fwd_s=0.02, other_bwd_s=0.04, adam_params_per_s=2e9)
+    measured = dataclasses.replace(profile, next_forward_timings=timed)
+    one = with_one_slot(measured)
+    assert [b.fwd_s for b in one.blocks] == timed.fwd_s and [b.bwd_s for b in one.blocks] == timed.bwd_s
+    assert (one.other_fwd_s, one.other_bwd_s, one.adam_params_per_s) == (0.02, 0.04, 2e9)
+    assert [dataclasses.replace(b, fwd_s=0.1, bwd_s=0.2) for b in one.blocks] == profile.blocks
+    assert with_one_slot(profile).blocks == profile.blocks and with_one_slot(profile).adam_params_per_s == 1e9
+    assert one_slot(measured).predicted_step_s < one_slot(profile).predicted_step_s
+    assert solve(measured).predicted_step_s == solve(profile).predicted_step_s
+    assert Profile.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
+def test_state_slots_auto_times_two_next_forward_windows_after_speculative_ones(tmp_path):
+    """``state_slots="auto"``: where the warm-up's steps speculated, two more windows run ``next_forward`` (the first
+    a transition) before the plan, and the second's compute and update rate are the profile's
+    `next_forward_timings`, what the plan with one slot is solved on; the figures of the first steps leave them
+    out. A run of two slots, and one whose state stays in RAM on the CPU (never speculating), take no more steps.
+    None changes a number."""
+    def config(folder, **fields):
+        (tmp_path / folder).mkdir()
+        return FuyouConfig(swap_dirs=[str(tmp_path / folder)], chunk_size="8KiB", activations="auto",
+                           weights="device", planner_warmup_steps=2, **fields)
+
+    reference = losses_of(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path)]), steps=5)
+    runs = {"auto": ({"state_slots": "auto", "host_state": 0}, ["backward"] * 2 + ["next_forward"] * 2),
+            "two": ({"state_slots": 2, "host_state": 0}, ["backward"] * 2),
+            "in RAM": ({"state_slots": "auto"}, ["next_forward"] * 2)}
+    for name, (fields, warm_up) in runs.items():
+        said, model, profiles = [], lora_model(), []
+        engine = engine_for(model, config(name, **fields), report=said.append)
+        profiler = engine.profiler
+        measure = profiler.profile
+        profiler.profile = lambda: profiles.append(measure()) or profiles[-1]
+        try:
+            losses = []
+            for step in range(5):
+                losses += [loss.item() for loss in run_steps(engine, model, 1, start=step)]
+                assert (engine.profiler is None) == (step + 1 >= len(warm_up)), (name, step)
+            history = [schedule for schedule, _outcome in engine.optimizer.stats.history]
+        finally:
+            engine.close()
+        assert history[:len(warm_up)] == warm_up, name
+        assert losses == reference, name
+        (profile,) = profiles
+        assert len(profile.notes["measured_step_s"]) == 1, "the first steps' figures: the second step's"
+        recorded = {r["step"]: r for r in profiler._micro}  # one micro-batch a step: its figures are the medians
+        assert [b.fwd_s for b in profile.blocks] == recorded[1]["fwd"]
+        timed = profile.next_forward_timings
+        if name != "auto":
+            assert timed is None and "next_forward_step_s" not in profile.notes
+            assert not [m for m in said if "more under next_forward" in m], said
+            continue
+        assert len(profile.notes["next_forward_step_s"]) == 1
+        assert len(timed.fwd_s) == len(timed.bwd_s) == len(profile.blocks) and timed.fwd_s == recorded[3]["fwd"]
+        assert all(t > 0 for t in timed.fwd_s + timed.bwd_s[1:]) and timed.adam_params_per_s > 0
+        assert "fuyou planner: warm-up step 2/4 profiled; 2 more under next_forward, to time a run that never " \
+               "speculates (state_slots='auto')" in said

@@ -646,3 +646,33 @@ def test_after_a_failed_update_a_later_wait_raises_at_once_and_names_the_first_f
         failed.wait([second])
     assert excinfo.value.__cause__ is failed.failed
     assert not failed.jobs
+
+
+class _Slow:
+    """A pipeline whose job lands after ``seconds``."""
+
+    def __init__(self, seconds):
+        self.seconds, self.waits = seconds, 0
+
+    def wait_job(self, job, what):
+        self.waits += 1
+        time.sleep(self.seconds)
+
+
+def test_a_wait_for_an_update_counts_its_seconds():
+    """`PendingUpdates.waited_s` adds the seconds each wait for a job took (the planner's warm-up takes them out of
+    the forward it times); a parameter whose update landed already adds nothing."""
+    from fuyou_strategy.optim.schedule import PendingUpdates
+
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    pipeline = _Slow(0.05)
+    landing = PendingUpdates(pipeline)
+    job = object()
+    landing.add(first, job, "the update of parameter 0 (2,)")
+    landing.add(second, job, "the update of parameter 1 (3,)")  # the same job: waited for once
+    assert landing.waited_s == 0.0
+    landing.wait([first, second])
+    waited = landing.waited_s
+    assert waited >= 0.05 and pipeline.waits == 1
+    landing.wait([first, second])
+    assert landing.waited_s == waited and pipeline.waits == 1

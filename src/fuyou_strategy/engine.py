@@ -11,7 +11,8 @@ its framework's events into four calls:
 - `begin_micro_batch` (before each forward) says whether this micro-batch ends the
   accumulation window — only then do the overlapped updates run during backward — and starts
   a new activation pass;
-- with ``activations="auto"`` the first ``planner_warmup_steps`` steps are profiled, then the
+- with ``activations="auto"`` the first ``planner_warmup_steps`` steps are profiled (two more under
+  ``next_forward`` with ``state_slots="auto"``, where those speculated), then the
   planner's `Plan` is applied (and logged, with predicted vs measured step time a few steps
   later), with ``weights="auto"`` its weight tiers too (the streamer is installed then);
   ``plan="plan.json"`` applies a pinned plan, policies and weight tiers, from the first step;
@@ -345,8 +346,10 @@ class FuyouEngine:
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
                 blocks = discover_blocks(model, config.blocks)
+                # state_slots="auto" compares a run that speculates with one that never does: both timed
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps,
-                                               memory=self.memory)
+                                               memory=self.memory, next_forward_windows=config.state_slots == "auto"
+                                               and config.optimizer_schedule == "auto" and self.optimizer.shards is None)
                 if config.host_state == "auto":
                     self._report_state_split("for the warm-up (what the transfers leave); the plan then says how "
                                              "much stays")
@@ -462,11 +465,15 @@ class FuyouEngine:
             self.swapper.release()  # every backward of the window is done: anything left is garbage
         self.reporting.after_step()
         if self.profiler is not None:
+            steps = self.profiler.steps
             self.profiler.after_step()
             if self.profiler.done:
                 self._plan_from_warmup()
             else:  # the warm-up's progress, through the framework's channel
-                self.report(f"fuyou planner: warm-up step {self.profiler.steps_seen}/{self.profiler.steps} profiled")
+                more = self.profiler.steps - steps
+                self.report(f"fuyou planner: warm-up step {self.profiler.steps_seen}/{self.profiler.steps} profiled" + (
+                    f"; {more} more under next_forward, to time a run that never speculates (state_slots='auto')"
+                    if more else ""))
         else:
             self.reporting.report_plan()
 

@@ -20,7 +20,7 @@ import torch
 from ..config import ConfigError, FuyouConfig
 from ..device import computes_on_host, read_on_host
 from ..storage import TensorStore
-from .schedule import BACKWARD, ONE_SLOT_WHY, Exact, Parts, ScheduleChooser, Speculative
+from .schedule import BACKWARD, NEXT_FORWARD, ONE_SLOT_WHY, Exact, Parts, ScheduleChooser, Speculative
 from .state import ParamState
 from .weights import StreamedWeights
 
@@ -213,6 +213,15 @@ class OptimizerControl:
         self.sharding.land()
         self.state.drain()
         return self.state.hold_on_device(self.sharding.owned(self.params), nbytes)
+
+    def measure_next_forward(self, why: str) -> None:
+        """Run ``next_forward`` until a window of it is measured (`ScheduleChooser.probe`: the next two windows where
+        this one speculated), then choose as before; ``why`` is the reason the logs and `stats` give. The planner's
+        warm-up asks it (``state_slots="auto"``) to time the compute and updates of a run that never speculates.
+        Between steps; bitwise nothing changes."""
+        self.chooser.probe(NEXT_FORWARD, why)
+        self.choose()
+        self.stats.last_reason = why
 
     def keep_one_slot(self) -> int:
         """One slot of state from now on (``state_slots="auto"``, where the warm-up's plan names one): every state

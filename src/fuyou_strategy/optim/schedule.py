@@ -77,6 +77,10 @@ class PendingUpdates:
         # The first failure (a wait's, or `Exact.finish` queueing half a step), set once by the thread that saw it
         # (one attribute store) and only read after.
         self.failed: BaseException | None = None
+        # Seconds spent in `wait` for the jobs it waited for, ever (the planner's warm-up takes them out of the forward
+        # it times); every waiting thread adds under the lock.
+        self.waited_s = 0.0
+        self._waited_lock = threading.Lock()
 
     def add(self, param: torch.nn.Parameter, job: ChunkJob, what: str | Callable[[], str]) -> None:
         """``param`` waits for ``job``; ``what`` names the update in errors (a callable: made only for one)."""
@@ -107,6 +111,7 @@ class PendingUpdates:
             if self.failed is not None:
                 raise RuntimeError(f"FuyouAdamW: {named(what)} cannot land, because an earlier update failed "
                                    f"({self.failed}); resume from the last checkpoint") from self.failed
+            began = time.perf_counter()
             try:
                 self.pipeline.wait_job(job, what)
             except Exception as exc:  # a KeyboardInterrupt stays one
@@ -114,6 +119,9 @@ class PendingUpdates:
                 raise RuntimeError(
                     f"FuyouAdamW: {named(what)} failed, so the optimizer state on SSD is partly updated; resume from "
                     f"the last checkpoint (the cause: {type(exc).__name__}: {exc})") from exc
+            finally:
+                with self._waited_lock:
+                    self.waited_s += time.perf_counter() - began
             landed = job
 
     def wait_all(self) -> None:
@@ -222,11 +230,11 @@ class ScheduleChooser:
         cost_b, cost_n = self.cost(BACKWARD), self.cost(NEXT_FORWARD)
         if cost_n is None:
             if rate > 0.0 and self.rollback_s is not None:
-                return self._probe(NEXT_FORWARD, f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: "
+                return self.probe(NEXT_FORWARD, f"rollback rate {rate:.2f} x {self.rollback_s:.3g} s a rollback: "
                                                  "trying next_forward to measure its window")
             ruled_out = self._ruled_out()
             if cost_b is not None and self.windows >= (self.probe_every if ruled_out else self.probe_after):
-                return self._probe(NEXT_FORWARD, f"backward measured at {cost_b:.3g} s a window: trying next_forward "
+                return self.probe(NEXT_FORWARD, f"backward measured at {cost_b:.3g} s a window: trying next_forward "
                                                  "to measure its window")
             return BACKWARD, ruled_out or f"no rollback in the last {len(self.rolled)} steps"
         expected = (cost_b or 0.0) + rate * (self.rollback_s or 0.0)
@@ -235,10 +243,13 @@ class ScheduleChooser:
         why = (f"backward expected {expected:.3g} s (window {cost_b or 0.0:.3g} s + rollback rate {rate:.2f} x "
                f"{self.rollback_s or 0.0:.3g} s) vs next_forward {cost_n:.3g} s")
         if self.windows - self.last_probe >= self.probe_every and (other == NEXT_FORWARD or rate == 0.0):
-            return self._probe(other, f"{why}; measuring {other} again")
+            return self.probe(other, f"{why}; measuring {other} again")
         return best, why
 
-    def _probe(self, schedule: str, why: str) -> tuple[str, str]:
+    def probe(self, schedule: str, why: str) -> tuple[str, str]:
+        """Measure ``schedule``: `choose` gives it until a window of it is measured (two windows where the one
+        before ran the other schedule: the first is a transition), unless ``next_forward`` is all there is.
+        Returns ``(schedule, why)``, the choice."""
         self.probing = (schedule, self.measured[schedule])
         return schedule, why
 

@@ -52,7 +52,7 @@ from ..config import STATE_BYTES_PER_PARAM
 from ..optim.schedule import TAIL_SHARE
 from ..planfile import WEIGHT_TIERS
 
-__all__ = ["BlockProfile", "Profile", "Prediction", "predict", "torch_step", "WEIGHT_TIERS"]
+__all__ = ["BlockProfile", "Profile", "Prediction", "Timings", "predict", "torch_step", "WEIGHT_TIERS"]
 
 # FuyouAdamW reads and writes [master | exp_avg | exp_avg_sq] in fp32 per parameter, and keeps two slots.
 OPTIMIZER_SSD_SLOTS = 2  # active + shadow (`Profile.state_slots`' default)
@@ -92,6 +92,21 @@ class BlockProfile:
     def grad_bytes(self) -> int:
         """The gradients of the block's trainable weights."""
         return self.weight_bytes - self.frozen_weight_bytes
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The compute and update figures a warm-up measured in its ``next_forward`` windows (`Profile.
+    next_forward_timings`): each block's forward and backward seconds, the rest of the model's, and the CPU AdamW
+    rate (parameters per second). Where the warm-up speculated, its own figures carry the speculative updates
+    that ran beside backward on the same cores; these are what a run that never speculates (one slot of state)
+    computes and updates at."""
+
+    fwd_s: list[float]
+    bwd_s: list[float]
+    other_fwd_s: float
+    other_bwd_s: float
+    adam_params_per_s: float
 
 
 @dataclass
@@ -152,6 +167,9 @@ class Profile:
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
+    # What a warm-up measured in next_forward windows where its own figures are speculative windows' (the warm-up of
+    # FuyouConfig(state_slots="auto")); None: not measured apart. `planner.with_one_slot` takes them.
+    next_forward_timings: Timings | None = None
     source: str = "synthetic"  # "measured", "analytic", "synthetic"
     notes: dict = field(default_factory=dict)
 
@@ -181,6 +199,8 @@ class Profile:
     def from_dict(cls, values: dict) -> "Profile":
         values = dict(values)
         values["blocks"] = [BlockProfile(**b) for b in values["blocks"]]
+        if values.get("next_forward_timings") is not None:
+            values["next_forward_timings"] = Timings(**values["next_forward_timings"])
         return cls(**values)
 
 

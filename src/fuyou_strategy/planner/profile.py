@@ -2,7 +2,8 @@
 
 `WarmupProfiler` watches the steps the training loop runs anyway (it never runs its own):
 
-- per block, forward time (forward pre/post hooks, the device synchronised on CUDA), the
+- per block, forward time (forward pre/post hooks, the device synchronised on CUDA; less any wait for its
+  weights' updates under ``next_forward``, `PendingUpdates.waited_s`, which the cost model adds itself), the
   bytes of saved activations a host/ssd policy would move (a counting saved-tensor hook with
   the swapper's own rules), and backward time — the interval between backward entering the
   block and entering the one before it (a hook on the block's output gradient); its weights'
@@ -18,7 +19,10 @@
   directories' free space). Both bandwidth probes move their bytes through a buffer of the
   optimizer's host pool, idle between steps, so they stay within ``host_memory_budget``.
 
-The first step is discarded (allocator and cache warm-up); medians of the rest are used.
+The first step is discarded (allocator and cache warm-up); medians of the rest are used. With
+``next_forward_windows`` (``state_slots="auto"``), where those steps speculated, the optimizer then runs two
+windows under ``next_forward`` (`OptimizerControl.measure_next_forward`; the first is a transition) and the second's
+compute and update rate are `Profile.next_forward_timings`: what the plan with one slot of state is solved on.
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ from ..storage import MemoryTiers
 from ..device import device_memory_bytes, synchronize
 from ..optim import onepass
 from ..optim.formats import Layout
+from ..optim.schedule import BACKWARD
 from ..optim.kernels import adamw_kernel
 from ..optim.state import apply_update
 from ..params.streaming import Tier
 from ..progress import Progress
 from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
-from .cost import BlockProfile, Profile
+from .cost import BlockProfile, Profile, Timings
 
 __all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput", "device_adam_throughput",
            "device_state_bytes"]
@@ -56,19 +61,25 @@ log = logging.getLogger("fuyou_strategy")
 
 
 class WarmupProfiler:
-    """Hooks on the blocks that record one `Profile` over the first ``steps`` optimizer steps."""
+    """Hooks on the blocks that record one `Profile` over the first ``steps`` optimizer steps, and two more where
+    ``next_forward_windows`` asks for them (module docstring): `steps` counts them once asked."""
 
     def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], config: FuyouConfig,
-                 optimizer: Any, steps: int, memory: MemoryTiers | None = None) -> None:
+                 optimizer: Any, steps: int, memory: MemoryTiers | None = None, *,
+                 next_forward_windows: bool = False) -> None:
         self.model, self.blocks, self.config, self.optimizer = model, blocks, config, optimizer
         self.memory = memory  # the run's memory tiers: their store's drives and pool, the budget's split
-        self.steps = steps
+        self.steps = self._main_steps = steps
+        self._next_forward_windows = next_forward_windows
+        self._main_end: tuple[tuple[float, int], int, int] | None = None  # update meter, redos, steps: the main end
+        self._measured_from: tuple[float, int] | None = None  # the update meter where the measured window began
         self.device = next(model.parameters()).device
         self._param_storages = {storage_id(p) for p in model.parameters()}
         self._micro: list[dict] = []  # one record per micro-batch
         self._steps_seen = 0
         self._first_redos = self._first_steps = 0
         self._first_update: tuple[float, int] = (0.0, 0)  # the update meter after the first step (`adam_rate`)
+        self._first_speculative = 0  # the optimizer's windows under backward, after the first step
         self._step_start: float | None = None
         self.step_times: list[float] = []
         self._counting: torch.autograd.graph.saved_tensors_hooks | None = None  # entered while a block runs
@@ -93,7 +104,7 @@ class WarmupProfiler:
             self._step_start = now
         n = len(self.blocks)
         self._micro.append({"step": self._steps_seen, "fwd": [0.0] * n, "act": [0] * n, "start": [0.0] * n,
-                            "end": [0.0] * n, "enter": [None] * n, "seen": set()})
+                            "waited": [0.0] * n, "end": [0.0] * n, "enter": [None] * n, "seen": set()})
 
     def _pre(self, i: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -111,8 +122,14 @@ class WarmupProfiler:
             self._stop_counting()  # left open by a forward that a KeyboardInterrupt ended
             self._counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             self._counting.__enter__()
+            rec["waited"][i] = self._waited()
             rec["start"][i] = self._now()
         return hook
+
+    def _waited(self) -> float:
+        """Seconds the forwards have waited for updates so far (`PendingUpdates.waited_s`; 0 without an optimizer)."""
+        landing = getattr(self.optimizer, "landing", None)
+        return 0.0 if landing is None else landing.waited_s
 
     def _stop_counting(self) -> None:
         if self._counting is not None:
@@ -126,7 +143,8 @@ class WarmupProfiler:
             self._stop_counting()
             rec = self._micro[-1]
             rec["end"][i] = self._now()
-            rec["fwd"][i] += rec["end"][i] - rec["start"][i]
+            # the block's compute: a wait for its weights' updates (``next_forward``) is the cost model's to add
+            rec["fwd"][i] += rec["end"][i] - rec["start"][i] - (self._waited() - rec["waited"][i])
             first = first_tensor(out)
             if first is not None and first.requires_grad:
                 def entered(grad: torch.Tensor) -> None:
@@ -136,14 +154,25 @@ class WarmupProfiler:
         return hook
 
     def after_step(self) -> None:
+        """An optimizer step ended: its time, the counters at the first steps' end, and there (module docstring)
+        the ``next_forward`` windows asked for."""
         now = self._now()
         if self._step_start is not None:
             self.step_times.append(now - self._step_start)
         self._step_start = now
         self._steps_seen += 1
+        stats, control = self.optimizer.stats, self.optimizer.control
         if self._steps_seen == 1:
-            self._first_redos, self._first_steps = self.optimizer.stats.redos, self.optimizer.stats.steps
-            self._first_update = self.optimizer.control.figures().update_total
+            self._first_redos, self._first_steps = stats.redos, stats.steps
+            self._first_update = control.figures().update_total
+            self._first_speculative = stats.schedules[BACKWARD]
+        if self._steps_seen == self._main_steps:
+            self._main_end = (control.figures().update_total, stats.redos, stats.steps)
+            if self._next_forward_windows and stats.schedules[BACKWARD] > self._first_speculative:
+                control.measure_next_forward("the planner's warm-up measures next_forward for state_slots='auto'")
+                self.steps += 2
+        elif self._steps_seen == self._main_steps + 1:
+            self._measured_from = control.figures().update_total
 
     @property
     def done(self) -> bool:
@@ -160,12 +189,12 @@ class WarmupProfiler:
             handle.remove()
         self._handles = []
 
-    def adam_rate(self) -> float:
-        """Parameters/s of the CPU AdamW update, as the warm-up's steps after the first ran it on their own
-        chunks (`UpdateMeter`); a micro-benchmark (`adam_throughput`) only when they updated nothing (e.g.
-        a data-parallel rank that owns no state)."""
+    def adam_rate(self, since: tuple[float, int] | None = None, until: tuple[float, int] | None = None) -> float:
+        """Parameters/s of the CPU AdamW update, as the warm-up's steps ran it on their own chunks (`UpdateMeter`)
+        from ``since`` (default: the first step's end) to ``until`` (default: now); a micro-benchmark
+        (`adam_throughput`) only when they updated nothing (e.g. a data-parallel rank that owns no state)."""
         figures = self.optimizer.control.figures()
-        (seconds, params), (seconds0, params0) = figures.update_total, self._first_update
+        (seconds, params), (seconds0, params0) = until or figures.update_total, since or self._first_update
         seconds, params = seconds - seconds0, params - params0
         if params > 0 and seconds > 0:
             return params / seconds
@@ -173,26 +202,51 @@ class WarmupProfiler:
                                kernel=figures.update_kernel)
 
     # -- the profile ------------------------------------------------------------------------------
-    def profile(self) -> Profile:
-        """The measured profile (medians over the micro-batches after the first step)."""
-        records = [r for r in self._micro if r["step"] >= 1 and all(e is not None for e in r["enter"])] or \
-                  [r for r in self._micro if all(e is not None for e in r["enter"])]
+    def _main_records(self) -> list[dict]:
+        """The micro-batches of the first ``steps`` steps (not the ``next_forward`` windows measured after them)."""
+        return [r for r in self._micro if r["step"] < self._main_steps]
+
+    @staticmethod
+    def _complete(records: list[dict]) -> list[dict]:
+        """``records``' micro-batches with a whole forward and backward through the blocks, after the first step
+        (all whole ones if none is): what the medians are taken over."""
+        whole = [r for r in records if all(e is not None for e in r["enter"])]
+        records = [r for r in whole if r["step"] >= 1] or whole
         if not records:
             raise RuntimeError("the warm-up recorded no complete forward and backward through the blocks")
-        n = len(self.blocks)
-        med = statistics.median
+        return records
+
+    def _timings(self, records: list[dict]) -> tuple[list[float], list[float], float]:
+        """Each block's forward and backward seconds, and the rest of the model's (forward and backward together):
+        medians over ``records`` (`_complete`)."""
+        n, med = len(self.blocks), statistics.median
         fwd = [med(r["fwd"][i] for r in records) for i in range(n)]
-        act = [int(med(r["act"][i] for r in records)) for i in range(n)]
         # Backward enters block n-1 first: block i's backward lasts until backward enters block i-1.
         bwd = [med(r["enter"][i - 1] - r["enter"][i] for r in records) if i else 0.0 for i in range(n)]
         bwd[0] = bwd[1] * fwd[0] / fwd[1] if n > 1 and fwd[1] > 0 else 2 * fwd[0]
-        other = med(r["enter"][n - 1] - r["end"][n - 1] for r in records)
+        return fwd, bwd, med(r["enter"][n - 1] - r["end"][n - 1] for r in records)
+
+    def next_forward_timings(self) -> Timings | None:
+        """What the ``next_forward`` window measured after the first ``steps`` (module docstring), or None where
+        none ran."""
+        if self.steps == self._main_steps or self._steps_seen < self.steps:
+            return None
+        fwd, bwd, other = self._timings(self._complete([r for r in self._micro if r["step"] == self._main_steps + 1]))
+        return Timings(fwd, bwd, other / 3, 2 * other / 3, self.adam_rate(since=self._measured_from))
+
+    def profile(self) -> Profile:
+        """The measured profile (medians over the micro-batches after the first step)."""
+        records = self._complete(self._main_records())
+        fwd, bwd, other = self._timings(records)
+        n = len(self.blocks)
+        act = [int(statistics.median(r["act"][i] for r in records)) for i in range(n)]
         params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         packed = [_packed_weight_bytes(b) for b in self.blocks]
         tiers = ["device"] * n if self.config.weights == "auto" else \
             [t.value for t in resolve_per_block("weights", self.config.weights, n, Tier, Tier.DEVICE)]
-        micro_batches = max(1, round(sum(1 for r in self._micro if r["step"] >= 1) / max(1, self._steps_seen - 1)))
+        main = min(self._steps_seen, self._main_steps)
+        micro_batches = max(1, round(sum(1 for r in self._main_records() if r["step"] >= 1) / max(1, main - 1)))
         store = self.memory.store
         config = self.config
         device_budget = config.device_memory_budget or device_memory_bytes(self.device)
@@ -202,15 +256,16 @@ class WarmupProfiler:
         outside = weights + grads - sum(_nbytes(p) * (1 + p.requires_grad) for p in in_blocks)
         rd, wr = ssd_bandwidth(store.run_dirs, store.pool, io_timeout=config.io_timeout, progress=config.progress)
         control = self.optimizer.control  # what the cost model counts of the optimizer
-        stats = self.optimizer.stats  # steps after the first: how often clipping made the optimizer redo
-        redo_fraction = (stats.redos - self._first_redos) / max(1, stats.steps - self._first_steps)
+        # The first steps' end: the update meter, and how often clipping made the optimizer redo after the first.
+        update, redos, steps = self._main_end or (None, self.optimizer.stats.redos, self.optimizer.stats.steps)
+        redo_fraction = (redos - self._first_redos) / max(1, steps - self._first_steps)
         on_host = self.device.type == "cpu"
         return Profile(
             blocks=[BlockProfile(f, b, a, p, weight_bytes=w, weight_tier=tier, frozen_weight_bytes=frozen)
                     for f, b, a, p, (w, frozen), tier in zip(fwd, bwd, act, params, packed, tiers)],
             other_fwd_s=other / 3, other_bwd_s=2 * other / 3, other_params=trainable - sum(params),
             link_bytes_per_s=link_bandwidth(self.device, store.pool, io_timeout=config.io_timeout), ssd_read_bytes_per_s=rd, ssd_write_bytes_per_s=wr,
-            adam_params_per_s=self.adam_rate(),
+            adam_params_per_s=self.adam_rate(until=update), next_forward_timings=self.next_forward_timings(),
             weight_upload_bytes_per_param=0.0 if self.device.type == "cpu" else 2.0,
             device_base_bytes=outside,  # the blocks' weights and gradients count per tier (`cost.predict`)
             # All that host-policy activations must leave free: the optimizer's read-ahead and SSD staging.
@@ -236,7 +291,8 @@ class WarmupProfiler:
             # The drive's free space, and what the run's swap files hold already (the state the plan counts again).
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs) + store.bytes_on_disk,
             source="measured",
-            notes={"device": str(self.device), "measured_step_s": self.step_times[1:] or self.step_times},
+            notes={"device": str(self.device), "measured_step_s": self.step_times[1:main] or self.step_times[:main],
+                   **({"next_forward_step_s": self.step_times[main + 1:]} if self.steps > self._main_steps else {})},
         )
 
 

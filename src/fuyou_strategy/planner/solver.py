@@ -337,8 +337,16 @@ def _counts(values: Sequence[str], order: Iterable[str]) -> str:
 
 def with_one_slot(profile: Profile) -> Profile:
     """``profile`` with one slot of state (``FuyouConfig(state_slots=1)``): half the state's bytes in every tier, and
-    the ``next_forward`` schedule, since without a rollback slot no update runs during backward."""
-    return dataclasses.replace(profile, state_slots=1, schedule="next_forward")
+    the ``next_forward`` schedule, since without a rollback slot no update runs during backward. Where the warm-up
+    measured its ``next_forward`` windows apart (`Profile.next_forward_timings`), their compute and update rate
+    replace the profile's, which speculative updates beside backward slowed."""
+    timed = profile.next_forward_timings
+    measured = {} if timed is None else {
+        "blocks": [dataclasses.replace(b, fwd_s=fwd, bwd_s=bwd)
+                   for b, fwd, bwd in zip(profile.blocks, timed.fwd_s, timed.bwd_s)],
+        "other_fwd_s": timed.other_fwd_s, "other_bwd_s": timed.other_bwd_s,
+        "adam_params_per_s": timed.adam_params_per_s}
+    return dataclasses.replace(profile, state_slots=1, schedule="next_forward", **measured)
 
 
 def one_slot(profile: Profile, **solve_args) -> Plan | None:
