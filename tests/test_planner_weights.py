@@ -3,16 +3,17 @@ profiles, in plan files, in the config, and in training (a LoRA GPT-2 streaming 
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
 from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.control import OptimizerControl
-from fuyou_strategy.config import resolve
+from fuyou_strategy.config import format_bytes, resolve
 from fuyou_strategy.activations import Policy
-from fuyou_strategy.planner import (WEIGHT_TIERS, Plan, PlanError, Profile, Timings, fixed_plan, one_slot, predict, solve,
-                                    with_one_slot)
+from fuyou_strategy.planner import (ONE_SLOT_HINT, WEIGHT_TIERS, Plan, PlanError, Profile, Timings, fixed_plan, one_slot,
+                                    predict, solve, with_one_slot, worth_one_slot)
 from test_planner import MiB, assert_within_budgets, synthetic
 from conftest import tiny_causal_lm
 from test_weights import engine_for, frozen, lora_model, run_steps
@@ -499,6 +500,7 @@ def test_state_slots_auto_times_two_next_forward_windows_after_speculative_ones(
         assert history[:len(warm_up)] == warm_up, name
         assert losses == reference, name
         (profile,) = profiles
+        assert profile.host_compute, "the model computes on the CPU"
         assert len(profile.notes["measured_step_s"]) == 1, "the first steps' figures: the second step's"
         recorded = {r["step"]: r for r in profiler._micro}  # one micro-batch a step: its figures are the medians
         assert [b.fwd_s for b in profile.blocks] == recorded[1]["fwd"]
@@ -512,3 +514,58 @@ def test_state_slots_auto_times_two_next_forward_windows_after_speculative_ones(
         assert all(t > 0 for t in timed.fwd_s + timed.bwd_s[1:]) and timed.adam_params_per_s > 0
         assert "fuyou planner: warm-up step 2/4 profiled; 2 more under next_forward, to time a run that never " \
                "speculates (state_slots='auto')" in said
+
+
+def test_on_the_cpu_one_slot_is_worth_it_where_it_holds_the_whole_state_in_ram_and_two_do_not():
+    """Where the model computes on the CPU (`Profile.host_compute`) its updates share the compute's cores, which the
+    cost model does not see: one slot is worth naming (`worth_one_slot`) where it holds the whole optimizer state off
+    the SSD and two slots leave some there, unless it is predicted slower than two's step over 1/`ONE_SLOT_HINT`
+    times. On an accelerator, or where two slots hold it all too, only the predicted step counts."""
+    cpu = synthetic(host_state=120 * MiB, host_compute=True)  # one slot's state (108 MB) fits, two slots' do not
+    two, one = solve(cpu), one_slot(cpu)
+    assert one.state_on_ssd == 0 < two.state_on_ssd
+    assert two.state_on_ssd == math.ceil(cpu.params * 2 * cpu.state_bytes) - two.state_in_ram
+    assert one.predicted_step_s >= ONE_SLOT_HINT * two.predicted_step_s, "not named for its predicted step"
+    assert worth_one_slot(two, one)
+    accelerator = dataclasses.replace(cpu, host_compute=False)
+    assert not worth_one_slot(solve(accelerator), one_slot(accelerator))
+    roomy = dataclasses.replace(cpu, host_state=None)  # no host budget: both hold all of it in RAM
+    assert solve(roomy).state_on_ssd == 0 and not worth_one_slot(solve(roomy), one_slot(roomy))
+    split = dataclasses.replace(cpu, host_state=48 * MiB, device_state=72 * MiB)  # the device tier holds some
+    two, one = solve(split), one_slot(split)
+    assert two.state_on_device > 0 and two.state_in_ram > 0 and one.state_on_ssd == 0 and worth_one_slot(two, one)
+    assert two.state_on_ssd == math.ceil(split.params * 2 * split.state_bytes) - two.state_in_ram - two.state_on_device
+    limit = two.predicted_step_s / ONE_SLOT_HINT
+    assert worth_one_slot(two, dataclasses.replace(one, predicted_step_s=limit * 0.99))
+    assert not worth_one_slot(two, dataclasses.replace(one, predicted_step_s=limit * 1.01))
+
+
+def test_on_the_cpu_the_warm_up_names_one_slot_that_holds_the_state_in_ram_and_auto_takes_it(tmp_path):
+    """A warm-up on the CPU whose plan with one slot holds the whole state in RAM, where two slots leave some on the
+    SSD, names one slot after the plan, saying why, with both predicted steps; ``state_slots="auto"`` takes it and
+    ``summary()["choices"]`` says why."""
+    profile = synthetic(host_state=120 * MiB, host_compute=True)
+    two, one = solve(profile), one_slot(profile)
+    why = ("the model computes on the CPU, whose cores its updates share, and one slot holds the whole optimizer state "
+           f"in host RAM, where two slots leave {format_bytes(two.state_on_ssd)} on the SSD")
+    for slots in (2, "auto"):
+        said = []
+        (tmp_path / str(slots)).mkdir()
+        engine = engine_for(lora_model(), FuyouConfig(swap_dirs=[str(tmp_path / str(slots))], activations="auto",
+                                                      weights="device", state_slots=slots), report=said.append)
+        try:
+            engine.profiler.remove()
+            engine.profiler = _Profiled(profile)
+            engine._plan_from_warmup()
+            if slots == 2:
+                assert engine.optimizer.control.state_slots == 2 and [m for m in said if "one slot" in m] == [
+                    f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), {why} (predicted "
+                    f"{one.predicted_step_s:.3f} s against {two.predicted_step_s:.3f} s): half the optimizer state "
+                    "in every tier, each update landing before its block's next forward instead of during backward "
+                    "(state_slots='auto' takes it)"], said
+            else:
+                assert engine.optimizer.control.state_slots == 1 and engine.plan.state_on_ssd == 0
+                assert engine.choices["state_slots"][1].startswith(f"{why}; the state's shadow slots freed"), \
+                    engine.choices["state_slots"]
+        finally:
+            engine.close()

@@ -255,9 +255,10 @@ class FuyouConfig:
         weight_prefetch_blocks: streamed blocks read ahead and kept from forward into backward. Default 2.
         state_slots: 2 (speculative updates with a rollback slot, 24 B per parameter) or 1 (12 B; updates in
             ``step()``, ``next_forward`` only). ``"auto"``: two, and one from the end of the planner's warm-up where
-            its plan with one slot is predicted at least 5% faster or fits where two do not (``activations="auto"``,
-            one process; `planner.one_slot`). Where the warm-up's steps speculated, it runs two more under
-            ``next_forward``, which that plan is solved on.
+            its plan with one slot is predicted at least 5% faster, fits where two do not, or on the CPU holds the
+            whole state in RAM where two do not (``activations="auto"``, one process; `planner.worth_one_slot`).
+            Where the warm-up's steps speculated, it runs two more under ``next_forward``, which that plan is
+            solved on.
         host_state: bytes of ``host_memory_budget`` holding optimizer state in RAM instead of on the SSD (exact);
             ``"auto"``: what the transfers and the plan leave (`storage.host_state_bytes`); 0: all on the SSD.
         device_state: bytes of the compute device's memory holding optimizer state, updated there by torch's fused

@@ -45,7 +45,7 @@ from .optim.distributed import sync_module_states
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .params.streaming import streamed_parameter_names
-from .planner import WEIGHT_TIERS, Plan, PlanError, one_slot, solve, worth_one_slot
+from .planner import ONE_SLOT_HINT, WEIGHT_TIERS, Plan, PlanError, one_slot, solve, worth_one_slot
 from .planner.profile import WarmupProfiler
 from .run_report import RunReport
 from .storage import MemoryTiers
@@ -157,6 +157,17 @@ def weight_tiers(config: FuyouConfig, plan: Plan | None) -> str | dict:
     """The weight tiers to start with: a pinned plan's when ``weights`` leaves them to it (``"device"`` or
     ``"auto"``), else ``weights``."""
     return plan.weights if plan is not None and config.weights in ("device", "auto", None) else config.weights
+
+
+def _one_slot_why(two: Plan | None, one: Plan) -> str:
+    """Why the plan with one slot of state, ``one``, is worth taking or naming beside ``two``, the plan with two (None:
+    two do not fit; `worth_one_slot`): one clause, for the report and ``summary()["choices"]``."""
+    if two is None:
+        return "two slots do not fit and one does"
+    if one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s:
+        return f"the plan with one slot is predicted {two.predicted_step_s / one.predicted_step_s:.2f}x faster"
+    return ("the model computes on the CPU, whose cores its updates share, and one slot holds the whole optimizer "
+            f"state in host RAM, where two slots leave {format_bytes(two.state_on_ssd)} on the SSD")
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -496,11 +507,10 @@ class FuyouEngine:
             fields = "activations='auto', weights='auto'" if tiers else "activations='auto'"
             error = ConfigError(f"{fields}: {exc}")
         shards = self.optimizer.shards
-        one = self._one_slot(profile, None if error else self.plan, how) if shards is None else None
+        two = None if error else self.plan
+        one = self._one_slot(profile, two, how) if shards is None else None
         if one is not None and self.config.state_slots == "auto":  # taken: the state keeps one slot from now on
-            why = ("two slots do not fit and one does" if error is not None else
-                   f"the plan with one slot is predicted {self.plan.predicted_step_s / one.predicted_step_s:.2f}x "
-                   "faster")
+            why = _one_slot_why(two, one)
             self.plan, error, one = one, None, None
             freed = self.optimizer.control.keep_one_slot()
             self.config = self.config.replace(state_slots=1)  # the settings as applied, as the summary reports them
@@ -521,10 +531,13 @@ class FuyouEngine:
                     f"{self.plan.table(compact=True)}")
         if one is not None:
             faster = self.plan.predicted_step_s / one.predicted_step_s
-            self.report(f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), the predicted step is "
-                        f"{one.predicted_step_s:.3f} s, {faster:.2f}x faster: half the optimizer state in every tier, "
-                        "each update landing before its block's next forward instead of during backward "
-                        "(state_slots='auto' takes it)")
+            said = (f"the predicted step is {one.predicted_step_s:.3f} s, {faster:.2f}x faster"
+                    if one.predicted_step_s < ONE_SLOT_HINT * self.plan.predicted_step_s else
+                    f"{_one_slot_why(self.plan, one)} (predicted {one.predicted_step_s:.3f} s against "
+                    f"{self.plan.predicted_step_s:.3f} s)")
+            self.report(f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), {said}: half the "
+                        "optimizer state in every tier, each update landing before its block's next forward instead "
+                        "of during backward (state_slots='auto' takes it)")
         self._hold_state_on_device(self.plan)
         self._hold_state_in_ram(self.plan)
         if tiers and self.plan.weights:
@@ -537,9 +550,9 @@ class FuyouEngine:
 
     def _one_slot(self, profile: Any, two: Plan | None, how: dict[str, Any]) -> Plan | None:
         """The plan with one slot of state, where this run has two (``state_slots`` 2 or "auto") and one is worth
-        naming or taking (`worth_one_slot`: it fits where two do not, or is predicted faster); None otherwise, or
-        where the schedule is pinned to ``backward``, which one slot cannot run. One more solve, at the end of the
-        warm-up."""
+        naming or taking (`worth_one_slot`: it fits where two do not, or is predicted faster, or on the CPU holds the
+        whole state in RAM where two do not); None otherwise, or where the schedule is pinned to ``backward``, which
+        one slot cannot run. One more solve, at the end of the warm-up."""
         if self.config.state_slots == 1 or self.config.optimizer_schedule == "backward":
             return None
         one = one_slot(profile, **how)

@@ -167,6 +167,9 @@ class Profile:
     device_budget: int | None = None
     host_budget: int | None = None
     ssd_budget: int | None = None
+    # The model computes on the host (a warm-up on the CPU): the CPU updates run on the compute's cores, which the
+    # cost model, counting them on a resource of their own, does not see (`planner.holds_state_in_ram`).
+    host_compute: bool = False
     # What a warm-up measured in next_forward windows where its own figures are speculative windows' (the warm-up of
     # FuyouConfig(state_slots="auto")); None: not measured apart. `planner.with_one_slot` takes them.
     next_forward_timings: Timings | None = None

@@ -287,7 +287,7 @@ class WarmupProfiler:
                                     for b in self.blocks for p in b.parameters() if p.requires_grad),
             masters_in_weights=on_host and all(
                 p.dtype == torch.float32 for p in self.model.parameters() if p.requires_grad),
-            device_budget=device_budget, host_budget=store.pool.budget,
+            device_budget=device_budget, host_budget=store.pool.budget, host_compute=on_host,
             # The drive's free space, and what the run's swap files hold already (the state the plan counts again).
             ssd_budget=sum(shutil.disk_usage(d).free for d in store.run_dirs) + store.bytes_on_disk,
             source="measured",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
@@ -28,8 +29,8 @@ from ..config import format_bytes
 from ..planfile import PlanError, read
 from .cost import WEIGHT_TIERS, Prediction, Profile, predict
 
-__all__ = ["ONE_SLOT_HINT", "Plan", "PlanError", "solve", "fixed_plan", "one_slot", "with_one_slot",
-           "worth_one_slot"]
+__all__ = ["ONE_SLOT_HINT", "Plan", "PlanError", "solve", "fixed_plan", "holds_state_in_ram", "one_slot",
+           "with_one_slot", "worth_one_slot"]
 
 # One slot of state is named beside a two-slot plan (`one_slot`) where its predicted step is below this share of two's.
 ONE_SLOT_HINT = 0.95
@@ -107,13 +108,22 @@ class Plan:
             [f"optimizer state in host RAM: {format_bytes(self.state_in_ram)} (in the host peak; the rest on the SSD)"]
             if self.state_in_ram else []) + ([self.note] if self.note else [])
 
+    def _state_bytes(self) -> float:
+        """The optimizer state's bytes (every slot), from the saved profile; 0 without one."""
+        p = self.profile
+        return (p["other_params"] + sum(b["params"] for b in p["blocks"])) * p["state_slots"] * p["state_bytes"] \
+            if p else 0.0
+
     def _share(self, nbytes: int) -> str:
         """``", 42% of it"``: ``nbytes`` against the optimizer state's bytes (every slot), from the saved profile."""
-        if not self.profile:
-            return ""
-        p = self.profile
-        total = (p["other_params"] + sum(b["params"] for b in p["blocks"])) * p["state_slots"] * p["state_bytes"]
+        total = self._state_bytes()
         return f", {nbytes / total:.0%} of it" if total else ""
+
+    @property
+    def state_on_ssd(self) -> int:
+        """Bytes of optimizer state (every slot) the plan leaves on the SSD: neither in host RAM nor on the device
+        (0 for a plan file saved without its profile)."""
+        return max(0, math.ceil(self._state_bytes()) - self.state_in_ram - self.state_on_device)
 
     def __str__(self) -> str:
         return self.table(compact=True)
@@ -362,5 +372,19 @@ def one_slot(profile: Profile, **solve_args) -> Plan | None:
 
 def worth_one_slot(two: Plan | None, one: Plan) -> bool:
     """Whether ``one`` (`one_slot`) is worth naming beside ``two``, the plan with two slots (None: two do not fit):
-    one slot fits where two do not, or its predicted step is below `ONE_SLOT_HINT` of two's."""
-    return two is None or one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s
+    one slot fits where two do not, or its predicted step is below `ONE_SLOT_HINT` of two's, or the model computes on
+    the CPU and one slot holds the whole state off the SSD where two do not (`holds_state_in_ram`)."""
+    return two is None or one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s or holds_state_in_ram(two, one)
+
+
+def holds_state_in_ram(two: Plan, one: Plan) -> bool:
+    """Whether the model computes on the CPU (`Profile.host_compute`) and ``one`` holds the whole optimizer state off
+    the SSD where ``two`` leaves some there, and is not predicted slower than ``two`` by more than `ONE_SLOT_HINT`
+    allows. Where the model computes on the CPU its
+    updates run on the compute's cores, so speculation (two slots) overlaps no arithmetic: it only hides the state's
+    SSD traffic under backward, and costs a shadow copy. With no SSD traffic left, one slot does the same work with
+    less (the case where the schedule chooser runs ``next_forward`` with two slots too,
+    `OptimizerControl._exact_first`); the cost model does not see it, since it counts those updates on cores of their
+    own."""
+    return bool(one.profile.get("host_compute")) and one.state_on_ssd == 0 < two.state_on_ssd and \
+        one.predicted_step_s * ONE_SLOT_HINT <= two.predicted_step_s
