@@ -54,6 +54,7 @@ history = [s for s, _ in engine.optimizer.stats.history]
 after = [t for t, s in zip(ts[4:], history[4:])]
 print(json.dumps({
     "state_slots": slots, "kept": engine.optimizer.control.state_slots, "budget": budget,
+    "why": (getattr(engine, "choices", {}).get("state_slots") or [None, None])[1],
     "warm_up": figures([b["fwd_s"] for b in p["blocks"]], [b["bwd_s"] for b in p["blocks"]],
                        p["other_fwd_s"] + p["other_bwd_s"], p["adam_params_per_s"]) | {
         "step_s": [round(x, 3) for x in p["notes"]["measured_step_s"]]},
