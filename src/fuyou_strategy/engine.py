@@ -45,7 +45,7 @@ from .optim.distributed import sync_module_states
 from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .params.streaming import streamed_parameter_names
-from .planner import ONE_SLOT_HINT, WEIGHT_TIERS, Plan, PlanError, one_slot, solve, worth_one_slot
+from .planner import WEIGHT_TIERS, Plan, PlanError, one_slot, one_slot_faster, solve, worth_one_slot
 from .planner.profile import WarmupProfiler
 from .run_report import RunReport
 from .storage import MemoryTiers
@@ -164,7 +164,7 @@ def _one_slot_why(two: Plan | None, one: Plan) -> str:
     two do not fit; `worth_one_slot`): one clause, for the report and ``summary()["choices"]``."""
     if two is None:
         return "two slots do not fit and one does"
-    if one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s:
+    if one_slot_faster(two, one):
         return f"the plan with one slot is predicted {two.predicted_step_s / one.predicted_step_s:.2f}x faster"
     return ("the model computes on the CPU, whose cores its updates share, and one slot holds the whole optimizer "
             f"state in host RAM, where two slots leave {format_bytes(two.state_on_ssd)} on the SSD")
@@ -532,7 +532,7 @@ class FuyouEngine:
         if one is not None:
             faster = self.plan.predicted_step_s / one.predicted_step_s
             said = (f"the predicted step is {one.predicted_step_s:.3f} s, {faster:.2f}x faster"
-                    if one.predicted_step_s < ONE_SLOT_HINT * self.plan.predicted_step_s else
+                    if one_slot_faster(self.plan, one) else
                     f"{_one_slot_why(self.plan, one)} (predicted {one.predicted_step_s:.3f} s against "
                     f"{self.plan.predicted_step_s:.3f} s)")
             self.report(f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), {said}: half the "

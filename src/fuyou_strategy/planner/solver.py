@@ -30,7 +30,7 @@ from ..planfile import PlanError, read
 from .cost import WEIGHT_TIERS, Prediction, Profile, predict
 
 __all__ = ["ONE_SLOT_HINT", "Plan", "PlanError", "solve", "fixed_plan", "holds_state_in_ram", "one_slot",
-           "with_one_slot", "worth_one_slot"]
+           "one_slot_faster", "with_one_slot", "worth_one_slot"]
 
 # One slot of state is named beside a two-slot plan (`one_slot`) where its predicted step is below this share of two's.
 ONE_SLOT_HINT = 0.95
@@ -372,9 +372,14 @@ def one_slot(profile: Profile, **solve_args) -> Plan | None:
 
 def worth_one_slot(two: Plan | None, one: Plan) -> bool:
     """Whether ``one`` (`one_slot`) is worth naming beside ``two``, the plan with two slots (None: two do not fit):
-    one slot fits where two do not, or its predicted step is below `ONE_SLOT_HINT` of two's, or the model computes on
-    the CPU and one slot holds the whole state off the SSD where two do not (`holds_state_in_ram`)."""
-    return two is None or one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s or holds_state_in_ram(two, one)
+    one slot fits where two do not, or is predicted faster (`one_slot_faster`), or the model computes on the CPU and
+    one slot holds the whole state off the SSD where two do not (`holds_state_in_ram`)."""
+    return two is None or one_slot_faster(two, one) or holds_state_in_ram(two, one)
+
+
+def one_slot_faster(two: Plan, one: Plan) -> bool:
+    """Whether ``one``'s predicted step is below `ONE_SLOT_HINT` of ``two``'s."""
+    return one.predicted_step_s < ONE_SLOT_HINT * two.predicted_step_s
 
 
 def holds_state_in_ram(two: Plan, one: Plan) -> bool:
