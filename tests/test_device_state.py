@@ -312,7 +312,7 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
     plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
                 budgets={}, state_on_device=10**9)
-    engine._hold_state_on_device(plan)  # what the engine does once the warm-up's plan is solved
+    engine._place_state(plan)  # what the engine does once the warm-up's plan is solved
     engine.device = torch.device("cpu")
     held = opt.store.bytes_on_device
     losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))

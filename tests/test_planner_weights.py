@@ -12,6 +12,7 @@ from fuyou_strategy import ConfigError, FuyouConfig, FuyouEngine
 from fuyou_strategy.optim.control import OptimizerControl
 from fuyou_strategy.config import format_bytes, resolve
 from fuyou_strategy.activations import Policy
+from fuyou_strategy.storage.store import TensorStore
 from fuyou_strategy.planner import (ONE_SLOT_HINT, WEIGHT_TIERS, Plan, PlanError, Profile, Timings, fixed_plan, one_slot,
                                     predict, solve, with_one_slot, worth_one_slot)
 from test_planner import MiB, assert_within_budgets, synthetic
@@ -262,6 +263,101 @@ def test_weights_streamed_after_a_warm_up_that_kept_their_masters_in_them_change
     assert losses == ref_losses
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "backward"])
+def test_weights_streamed_after_a_warm_up_whose_parameters_held_their_masters_read_them_from_the_ssd(
+        tmp_path, monkeypatch, schedule):
+    """fp32 on the CPU, fused AdamW, the state on the SSD (``host_state=0``): the warm-up's updates leave each
+    parameter holding its master (`OptimizerState.param_holds`: an update reads only the moments from the SSD).
+    The plan then streams every block's weights, whose parameters' memory the streamer frees: their updates read
+    the masters from the SSD again (`OptimizerState.stream`), and the run is the resident one's, bit for bit.
+    (Reading the freed parameter failed every update after the plan.)"""
+    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    held = []  # parameters holding their masters as the engine was about to stream the weights
+    real = OptimizerControl.heal_masters
+    monkeypatch.setattr(OptimizerControl, "heal_masters",
+                        lambda self: held.append(len(self.state.param_holds)) or real(self))
+    runs = {}
+    for name, budget in (("resident", None), ("streamed", (streamed + resident) // 2)):
+        model = tiny_causal_lm("gpt2")
+        fields = dict(optimizer_schedule=schedule, host_state=0,
+                      **({"device_memory_budget": budget} if budget else {}))
+        (tmp_path / name).mkdir()
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                             config=auto(tmp_path / name, **fields))
+        try:
+            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)], model, engine.plan
+            assert engine.summary()["host_bytes_optimizer_state"] == 0, "the state on the SSD"
+            state = engine.optimizer.control.state
+            assert not state.param_holds & {ps.index for ps in state.owned if ps.grads is not None}, \
+                "no streamed parameter holds its master"
+        finally:
+            engine.close()
+    (losses, model, plan), (ref_losses, ref_model, _) = runs["streamed"], runs["resident"]
+    assert set(plan.weights.values()) == {"ssd"} and held and held[-1] > 0, (plan.weights, held)
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("device_state", [120_000, 4 * MiB], ids=["some", "all"])
+def test_a_streamed_blocks_state_leaves_the_device_tier_to_the_next_parameters_and_the_host_tier_takes_its_share(
+        tmp_path, device_state):
+    """The device tier holds the first parameters' state that fits (``device_state``: some, or all of it), a block's
+    among them; the plan then streams every block. Their state leaves the device (their weights and gradients do), and the room it
+    leaves goes to the next resident parameters in order (`OptimizerState.stream`, then `hold_on_device`): the
+    placement the planner predicts (`planner.cost._state_on_device`). The host tier (``host_state="auto"``) takes
+    what the plan leaves it of the rest; the summary and the config say what each tier took; nothing changes a
+    number. (The state once left the device for the SSD whatever room the tiers had, and the report of the host
+    tier's share came before it moved.)"""
+    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    state_bytes = lambda ps: TensorStore.footprint(ps.nbytes, ps.stride, 2)  # noqa: E731
+    runs, total = {}, 0
+    for name in ("resident", "streamed"):
+        # the device's budget: what streams every block, beside the state's device tier (``total``: all of it)
+        fields = {} if name == "resident" else dict(
+            device_state=device_state, device_memory_budget=(streamed + resident) // 2 + min(device_state, total))
+        model = tiny_causal_lm("gpt2")
+        (tmp_path / name).mkdir()
+        said = []
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                             config=auto(tmp_path / name, **fields), report=said.append)
+        state = engine.optimizer.control.state
+        try:
+            if name == "streamed":
+                block = {i for i, (n, _p) in enumerate(model.named_parameters()) if ".h." in n}
+                assert block & state.on_device, "a block's state starts on the device tier"
+            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)]
+            if name == "resident":
+                total = sum(state_bytes(ps) for ps in state.owned)
+                continue
+            assert set(engine.plan.weights.values()) == {"ssd"}
+            streamed_ = {ps.index for ps in state.owned if ps.grads is not None}
+            assert streamed_ and not streamed_ & state.on_device, "no streamed parameter's state on the device"
+            store = state.store
+            # The device tier full, in order: a resident parameter left off it does not fit; nor does one on the SSD
+            # in the host tier. (Sizes as numbers: pytest's report of an expression holding a streamed parameter
+            # would print its freed memory.)
+            off_device = [(state_bytes(ps), ps.describe()) for ps in state.owned
+                          if ps.index not in streamed_ and ps.index not in state.on_device]
+            on_ssd = [(state_bytes(ps), ps.describe()) for ps in state.owned
+                      if ps.index not in state.on_device and ps.index not in state.in_memory]
+            device_room = store.device_limit - store.bytes_on_device
+            ram_room = engine.plan.state_in_ram - store.bytes_in_memory
+            assert all(need > device_room for need, _what in off_device), (off_device, device_room)
+            assert all(need > ram_room for need, _what in on_ssd), (on_ssd, ram_room)
+            assert max(state.on_device) > max(block), "a parameter after the blocks took their room"
+            summary = engine.summary()
+            assert summary["device_bytes_optimizer_state"] == store.bytes_on_device > 0
+            assert summary["host_bytes_optimizer_state"] == store.bytes_in_memory == engine.config.host_state > 0
+            assert store.bytes_in_memory <= engine.plan.state_in_ram
+            line = [m for m in said if m.startswith("fuyou planner: host_state='auto'") and "the rest on" in m]
+            assert line and line[-1].startswith(
+                f"fuyou planner: host_state='auto': {format_bytes(store.bytes_in_memory)} of"), said
+        finally:
+            engine.close()
+    assert runs["streamed"] == runs["resident"]
 
 
 def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_budget_is_tight(tmp_path):

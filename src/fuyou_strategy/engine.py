@@ -351,8 +351,7 @@ class FuyouEngine:
             self.optimizer.control.initialise_materialized()
             if self.plan is not None:
                 self.optimizer.control.expect(self.plan.predicted_by_schedule())
-                self._hold_state_on_device(self.plan)
-                self._hold_state_in_ram(self.plan)
+                self._place_state(self.plan)  # its weights are streamed already
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
@@ -395,41 +394,56 @@ class FuyouEngine:
         self.streamer.install()
         self.optimizer.control.attach_weights(self.streamer)
 
-    def _hold_state_on_device(self, plan: Plan) -> None:
+    def _place_state(self, plan: Plan, weights: dict | None = None) -> None:
+        """Hold the optimizer state ``plan`` leaves the device and host RAM (``device_state`` and ``host_state``
+        "auto"), then stream ``weights`` (the plan's, where the streamer is not installed yet): a streamed
+        parameter's state leaves the device tier, whose room goes to the next parameters (`OptimizerState.stream`),
+        as the plan predicts. From then on the engine's config says what each tier took, and the host budget's
+        split counts the state's share (the streamer's and the swapper's derive from it); both are said."""
+        device_why = self._hold_state_on_device(plan)
+        in_ram = self._hold_state_in_ram(plan)
+        if weights:
+            self._install_streamer(weights)
+        figures = self.optimizer.control.figures()
+        total = figures.state_ssd_bytes + figures.state_ram_bytes + figures.state_device_bytes
+        if device_why is not None:
+            self.config = self.config.replace(device_state=figures.state_device_bytes)
+            self.report(f"fuyou planner: device_state='auto': {format_bytes(figures.state_device_bytes)} of the "
+                        f"optimizer state's {format_bytes(total)} on the device ({device_why}), updated there")
+        if in_ram:
+            self.memory.state_in_ram = figures.state_ram_bytes  # the budget's split from now on
+            self.config = self.config.replace(host_state=figures.state_ram_bytes)  # as applied, as summary() says
+            self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
+                                     "leaves beside the plan's activations and weights), the rest on the SSD")
+
+    def _hold_state_on_device(self, plan: Plan) -> str | None:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
         leaves it (`Plan.state_on_device`: the first parameters' state, updated there), before the host tier
-        takes its share of the rest; from then on the engine's config says what the device took. On the CPU
-        the device is host RAM, which ``host_state`` holds already: nothing moves."""
+        takes its share of the rest; returns why that much (None: nothing held). On the CPU the device is host
+        RAM, which ``host_state`` holds already: nothing moves."""
         if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
-            return
+            return None
         # The plan counts weights, gradients, activations and the streaming window, not the runtime's context, the
         # logits or the allocator's slack: no more than the warm-up's measured peak leaves.
         room = device_memory_headroom(self.device)
         want = plan.state_on_device if room is None else min(plan.state_on_device, room)
-        held = self.optimizer.control.hold_state_on_device(want)
-        self.config = self.config.replace(device_state=held)
-        figures = self.optimizer.control.figures()
-        total = figures.state_ssd_bytes + figures.state_ram_bytes + figures.state_device_bytes
-        why = "what the plan leaves of its memory" if want == plan.state_on_device else \
+        self.optimizer.control.hold_state_on_device(want)
+        return "what the plan leaves of its memory" if want == plan.state_on_device else \
             f"the plan left {format_bytes(plan.state_on_device)}, the warm-up's measured peak {format_bytes(room)}"
-        self.report(f"fuyou planner: device_state='auto': {format_bytes(held)} of the optimizer state's "
-                    f"{format_bytes(total)} on the device ({why}), updated there")
 
-    def _hold_state_in_ram(self, plan: Plan) -> None:
-        """With ``host_state="auto"``, hold as much optimizer state in host RAM as ``plan`` leaves it
-        (`Plan.state_in_ram`): moved in from the SSD, or (what the warm-up held beyond it) out to the SSD,
-        before the plan's other host users start; from then on the engine's config (which the streamer's
-        and the swapper's derive from) says what the state took."""
+    def _hold_state_in_ram(self, plan: Plan) -> bool:
+        """With ``host_state="auto"``, let the state's host tier hold what ``plan`` leaves it (`Plan.state_in_ram`):
+        moved in from the SSD, or (what the warm-up held beyond it) out to the SSD, before the plan's other host
+        users start, which until `_place_state` records what it took count the tier's whole room as the state's.
+        Returns whether ``host_state`` is "auto"."""
         if self.config.host_state != "auto":
-            return
+            return False
         # Rank 0's plan: on another rank (its own budget) no more than its budget leaves beside the plan's other users.
         room = self.config.host_memory_budget - (plan.host_peak - plan.state_in_ram)
         want = max(0, min(plan.state_in_ram, room))
-        held = self.optimizer.control.hold_state_in_ram(want) if want or self.memory.store.bytes_in_memory else 0
-        self.memory.state_in_ram = held  # the budget's split from now on (the streamer's and the swapper's)
-        self.config = self.config.replace(host_state=held)  # the settings as applied, as the summary reports them
-        self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} leaves "
-                                 "beside the plan's activations and weights), the rest on the SSD")
+        self.optimizer.control.hold_state_in_ram(want)  # its limit too, which a streamed block's state may fill
+        self.memory.state_in_ram = want
+        return True
 
     def _report_state_split(self, why: str) -> None:
         """Say how much of the optimizer state is in host RAM (``host_state="auto"``), and ``why``."""
@@ -538,10 +552,7 @@ class FuyouEngine:
             self.report(f"fuyou planner: with one slot of state, FuyouConfig(state_slots=1), {said}: half the "
                         "optimizer state in every tier, each update landing before its block's next forward instead "
                         "of during backward (state_slots='auto' takes it)")
-        self._hold_state_on_device(self.plan)
-        self._hold_state_in_ram(self.plan)
-        if tiers and self.plan.weights:
-            self._install_streamer(self.plan.weights)
+        self._place_state(self.plan, self.plan.weights if tiers else None)
         if any(p != Policy.KEEP.value for p in self.plan.policies):
             self._install_swapper(self.plan.activations)
         # the warm-up's windows cost what the plan no longer does

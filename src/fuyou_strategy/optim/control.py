@@ -284,19 +284,23 @@ class OptimizerControl:
         then run under ``next_forward`` only."""
         self.check_idle("attach_weights")
         # a streamed weight is read from its chunks' masters (`_stream_from_masters`), its parameter's memory freed
-        self.state.require_current([ps for ps in self.params if streamer.streams(ps.param)], "streaming the weight")
+        streamed = [ps for ps in self.params if streamer.streams(ps.param)]
+        self.state.require_current(streamed, "streaming the weight")
         if self.sharding.world > 1 and streamer.streamed():
             self._summed_at_step("weights streamed under data parallelism")
         self.updates.weights = streamer
         streamer.updates = self.sharding.updates_gate()  # it reads a tier copy only once its update landed
-        # A streamed parameter's weight and gradient leave the device: its state leaves the device tier.
-        self.state.leave_device([ps for ps in self.params if streamer.streams(ps.param)])
+        # A streamed parameter's weight and gradient leave the device, and its memory is freed: its state leaves the
+        # device tier (before the streamer reads masters from it), and its master is read from its chunks.
+        left_device = self.state.stream(streamed)
         changed = set(self.sharding.attach_weights(streamer))  # an owner whose master came from another value
         self.state.initialise([ps for ps in self.sharding.owned(self.params)
                                if ps.param in changed and ps not in self._pending], self._weight)
         self._stream_from_masters()
         # After the copies that masters replace are gone: the gradient entries take their space.
         self.gradients.streamed.attach(streamer, self.params)
+        if left_device:  # the room there goes to the next resident parameters, in order, as the planner predicts
+            self.state.hold_on_device(self.sharding.owned(self.params))
 
     def _stream_from_masters(self) -> None:
         """One process: the streamer reads each streamed fp32 weight from its master (`WeightStreamer.use_master`)

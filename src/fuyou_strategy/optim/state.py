@@ -417,14 +417,16 @@ class OptimizerState:
                 self.in_memory.add(ps.index)
         return self.store.bytes_in_memory
 
-    def hold_on_device(self, owned: list[ParamState], nbytes: int) -> int:
-        """Let the device tier hold ``nbytes`` of state: move the first parameters' state that fits (in order,
+    def hold_on_device(self, owned: list[ParamState], nbytes: int | None = None) -> int:
+        """Let the device tier hold ``nbytes`` of state (None: its present size): move the first parameters' state
+        that fits (in order,
         whole, `_tier` afresh) onto their devices, from the SSD or the host tier, and the state of those it no
         longer takes (a smaller tier; a parameter now streamed) out to the SSD; then the host tier takes what
         it has room for of the rest (`hold_in_ram` at its present size). Returns the bytes on the device now.
         A device that runs out of memory part-way (``torch.OutOfMemoryError``: memory the plan counted is taken)
         stops the tier's growth there, with a warning: the entry that did not fit stays where it was, whole.
         Bitwise nothing changes on the CPU. Only between steps, with nothing in flight (after `drain`)."""
+        nbytes = self.store.device_limit if nbytes is None else nbytes
         keep = self._tier(owned, nbytes, device=True)
         self.heal_masters([ps for ps in owned if ps.index in keep])  # their masters leave the parameters
         self.leave_device([ps for ps in owned if ps.index not in keep])
@@ -456,6 +458,18 @@ class OptimizerState:
         freed = sum(self.store.drop_shadow(ps.entry) for ps in self.owned)
         self.slots = 1
         return freed
+
+    def stream(self, params: Iterable[ParamState]) -> bool:
+        """These parameters' weights are about to be streamed (`OptimizerControl.attach_weights`): their tensors,
+        whose memory the streamer frees, hold no master any more (``param_holds``: each update reads its master from
+        its chunks, which `require_current` found current), and their state leaves the device tier (`leave_device`).
+        Returns whether any did: the room it leaves there is then the next parameters' (`hold_on_device` at the
+        tier's present size, once the parameters are streamed). Only between steps, with nothing in flight."""
+        params = list(params)
+        self._hold(params, False)
+        left = any(ps.index in self.on_device for ps in params)
+        self.leave_device(params)
+        return left
 
     def leave_device(self, params: Iterable[ParamState]) -> None:
         """Move the state of these parameters that is on the device tier out to the SSD (a parameter about to be
