@@ -360,6 +360,32 @@ def test_a_streamed_blocks_state_leaves_the_device_tier_to_the_next_parameters_a
     assert runs["streamed"] == runs["resident"]
 
 
+def test_a_run_whose_plan_streams_blocks_beside_a_device_tier_resumes_from_its_checkpoint_exactly(tmp_path):
+    """HF Trainer with ``FuyouCallback``, fused AdamW, some state on the device tier and the rest on the SSD: the plan
+    streams every block after the warm-up (their state leaves the device tier, `OptimizerState.stream`), a checkpoint
+    is taken at step 5, and a run resumed from it in a fresh model reaches the uninterrupted run's weights bit for
+    bit (its own warm-up plans again: streaming and the device tier from the checkpoint's state)."""
+    from test_hf import swap_config, train as hf_train
+
+    from fuyou_strategy import FuyouCallback
+
+    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    fields = swap_config(tmp_path, activations="auto", weights="auto", planner_warmup_steps=2,
+                         weight_prefetch_blocks=0, host_memory_budget="4MiB", activation_min_bytes=0,
+                         device_state=40_000, host_state=0, device_memory_budget=(streamed + resident) // 2 + 40_000)
+    run = dict(steps=8, optim="adamw_torch_fused")
+    uninterrupted, _ = hf_train(tmp_path / "a", FuyouCallback(**fields), **run)
+    saving = FuyouCallback(**fields)
+    hf_train(tmp_path / "b", saving, save_strategy="steps", save_steps=5, **run)
+    assert set(saving.summary["weight_tiers"].values()) == {"ssd"} and saving.summary["device_bytes_optimizer_state"]
+    resuming = FuyouCallback(**fields)
+    resumed, _ = hf_train(tmp_path / "b", resuming, model=tiny_causal_lm("gpt2", seed=1),
+                          resume=str(tmp_path / "b" / "out" / "checkpoint-5"), **run)
+    assert resuming.summary["optimizer_steps"] == 8 and resuming.summary["weight_tiers"]
+    for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_left_unset_activations_and_weights_go_to_the_planner_when_the_device_budget_is_tight(tmp_path):
     """Issue 27, defaults that fit the machine: ``activations`` and ``weights`` left unset plan nothing on the CPU
     without a device budget (every tier is host RAM: the run is the plain one, said once with the reason); with a
