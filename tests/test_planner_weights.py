@@ -238,31 +238,45 @@ def test_auto_streams_a_full_fine_tune_when_its_weights_do_not_fit(tmp_path):
                                        resident_model, reference)
 
 
+def streamed_after_a_warm_up(tmp_path, monkeypatch, counted, **fields):
+    """A tiny GPT-2 (fp32 on the CPU, fused AdamW, ``fields`` set) run 5 steps twice: resident, and under a device
+    budget whose plan streams every block after the warm-up. Asserts the plan streamed every block and that the
+    second run is the first's, losses and weights bit for bit, and that no streamed parameter holds its master
+    (`OptimizerState.param_holds`). Returns ``counted(state)`` as the engine was about to stream the weights (each
+    time it healed the masters; `OptimizerControl.heal_masters`)."""
+    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
+    seen = []
+    real = OptimizerControl.heal_masters
+    monkeypatch.setattr(OptimizerControl, "heal_masters", lambda self: seen.append(counted(self.state)) or real(self))
+    runs = {}
+    for name, budget in (("resident", None), ("streamed", (streamed + resident) // 2)):
+        model = tiny_causal_lm("gpt2")
+        (tmp_path / name).mkdir()
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), config=auto(
+            tmp_path / name, **fields, **({"device_memory_budget": budget} if budget else {})))
+        try:
+            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)], model, engine.plan
+            state = engine.optimizer.control.state
+            assert not state.param_holds & {ps.index for ps in state.owned if ps.grads is not None}, \
+                "no streamed parameter holds its master"
+        finally:
+            engine.close()
+    (losses, model, plan), (ref_losses, ref_model, _) = runs["streamed"], runs["resident"]
+    assert set(plan.weights.values()) == {"ssd"} and seen, (plan.weights, seen)
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    return seen
+
+
 def test_weights_streamed_after_a_warm_up_that_kept_their_masters_in_them_change_no_number(tmp_path, monkeypatch):
     """fp32 on the CPU, fused AdamW, ``next_forward`` pinned, the state in RAM: the warm-up's updates keep each new
     master in its parameter only (`OptimizerState.masters_behind`); the plan then streams every block's weights,
     read from those masters, which go into their chunks first. The run is the resident one's, bit for bit."""
-    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
-    behind = []  # parameters whose chunks' masters were older as the engine was about to stream the weights
-    real = OptimizerControl.heal_masters
-    monkeypatch.setattr(OptimizerControl, "heal_masters",
-                        lambda self: behind.append(len(self.state.masters_behind)) or real(self))
-    runs = {}
-    for name, budget in (("resident", None), ("streamed", (streamed + resident) // 2)):
-        model = tiny_causal_lm("gpt2")
-        fields = dict(optimizer_schedule="next_forward", **({"device_memory_budget": budget} if budget else {}))
-        (tmp_path / name).mkdir()
-        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
-                             config=auto(tmp_path / name, **fields))
-        try:
-            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)], model, engine.plan
-        finally:
-            engine.close()
-    (losses, model, plan), (ref_losses, ref_model, _) = runs["streamed"], runs["resident"]
-    assert set(plan.weights.values()) == {"ssd"} and behind and behind[-1] > 0, (plan.weights, behind)
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    # parameters whose chunks' masters were older as the engine was about to stream the weights
+    behind = streamed_after_a_warm_up(tmp_path, monkeypatch, lambda state: len(state.masters_behind),
+                                      optimizer_schedule="next_forward")
+    assert behind[-1] > 0, behind
 
 
 @pytest.mark.parametrize("schedule", ["next_forward", "backward"])
@@ -273,32 +287,11 @@ def test_weights_streamed_after_a_warm_up_whose_parameters_held_their_masters_re
     The plan then streams every block's weights, whose parameters' memory the streamer frees: their updates read
     the masters from the SSD again (`OptimizerState.stream`), and the run is the resident one's, bit for bit.
     (Reading the freed parameter failed every update after the plan.)"""
-    _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
-    held = []  # parameters holding their masters as the engine was about to stream the weights
-    real = OptimizerControl.heal_masters
-    monkeypatch.setattr(OptimizerControl, "heal_masters",
-                        lambda self: held.append(len(self.state.param_holds)) or real(self))
-    runs = {}
-    for name, budget in (("resident", None), ("streamed", (streamed + resident) // 2)):
-        model = tiny_causal_lm("gpt2")
-        fields = dict(optimizer_schedule=schedule, host_state=0,
-                      **({"device_memory_budget": budget} if budget else {}))
-        (tmp_path / name).mkdir()
-        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
-                             config=auto(tmp_path / name, **fields))
-        try:
-            runs[name] = [loss.item() for loss in run_steps(engine, model, 5)], model, engine.plan
-            assert engine.summary()["host_bytes_optimizer_state"] == 0, "the state on the SSD"
-            state = engine.optimizer.control.state
-            assert not state.param_holds & {ps.index for ps in state.owned if ps.grads is not None}, \
-                "no streamed parameter holds its master"
-        finally:
-            engine.close()
-    (losses, model, plan), (ref_losses, ref_model, _) = runs["streamed"], runs["resident"]
-    assert set(plan.weights.values()) == {"ssd"} and held and held[-1] > 0, (plan.weights, held)
-    assert losses == ref_losses
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    # parameters holding their masters, and the state in RAM, as the engine was about to stream the weights
+    seen = streamed_after_a_warm_up(tmp_path, monkeypatch,
+                                    lambda state: (len(state.param_holds), state.store.bytes_in_memory),
+                                    optimizer_schedule=schedule, host_state=0)
+    assert seen[-1][0] > 0 and seen[-1][1] == 0, seen
 
 
 @pytest.mark.parametrize("device_state", [120_000, 4 * MiB], ids=["some", "all"])
