@@ -322,6 +322,42 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     assert_torchs(model, ref_model, losses, ref_losses)
 
 
+def test_auto_on_an_accelerator_leaves_the_state_of_the_parameters_about_to_be_streamed_off_the_device(
+        tmp_path, monkeypatch):
+    """``device_state="auto"`` with a plan that streams block 0: the engine's device tier takes the first parameters'
+    state that fits but not that block's (`FuyouEngine._place_state` names them to `hold_state_on_device` before it
+    installs the streamer), so that no state moves onto the device only to leave it again with its weights; the
+    planner leaves it off the device too. The CPU stands in for the accelerator (as above); the streamer's install is
+    recorded, not run."""
+    import fuyou_strategy.engine as engine_module
+    from fuyou_strategy.params.streaming import streamed_parameter_names
+    from fuyou_strategy.planner import Plan
+
+    model, _ref_model, _ref_losses = beside_torch()
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=0))
+    opt = engine.optimizer
+    moved = []
+    real = opt.control.hold_state_on_device
+    monkeypatch.setattr(opt.control, "hold_state_on_device", lambda *a, **k: moved.append("state") or real(*a, **k))
+    monkeypatch.setattr(engine, "_install_streamer", lambda weights: moved.append(("streamer", weights)))
+    monkeypatch.setattr(engine_module, "device_memory_headroom", lambda device: None)
+    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
+    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
+                budgets={}, state_on_device=10**9)
+    try:
+        engine._place_state(plan, {0: "ssd"})
+        engine.device = torch.device("cpu")
+        names = set(streamed_parameter_names(model, engine.config, {0: "ssd"}))
+        at = dict(zip((id(ps.param) for ps in opt.adam_state.owned), placement(opt)))  # the optimizer's order
+        where = {name: at[id(p)] for name, p in model.named_parameters()}
+        assert moved == ["state", ("streamer", {0: "ssd"})]
+        assert names and all(where[name] != "device" for name in names), where
+        assert all(where[name] == "device" for name in where if name not in names), where
+    finally:
+        engine.close()
+
+
 def test_a_device_that_runs_out_of_memory_stops_the_tiers_growth_and_loses_nothing(tmp_path, monkeypatch, caplog):
     """Memory the plan counted can be taken by the time the tier moves (``torch.OutOfMemoryError``): the tier stops
     at what fit, with a warning naming the parameter and the bytes; the entry that did not fit stays off the device,

@@ -400,7 +400,9 @@ class FuyouEngine:
         parameter's state leaves the device tier, whose room goes to the next parameters (`OptimizerState.stream`),
         as the plan predicts. From then on the engine's config says what each tier took, and the host budget's
         split counts the state's share (the streamer's and the swapper's derive from it); both are said."""
-        device_why = self._hold_state_on_device(plan)
+        named = dict(self.model.named_parameters())
+        leaving = [named[name] for name in streamed_parameter_names(self.model, self.config, weights)] if weights else []
+        device_why = self._hold_state_on_device(plan, leaving)
         in_ram = self._hold_state_in_ram(plan)
         if weights:
             self._install_streamer(weights)
@@ -416,18 +418,19 @@ class FuyouEngine:
             self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
                                      "leaves beside the plan's activations and weights), the rest on the SSD")
 
-    def _hold_state_on_device(self, plan: Plan) -> str | None:
+    def _hold_state_on_device(self, plan: Plan, leaving: list[torch.nn.Parameter]) -> str | None:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
         leaves it (`Plan.state_on_device`: the first parameters' state, updated there), before the host tier
-        takes its share of the rest; returns why that much (None: nothing held). On the CPU the device is host
-        RAM, which ``host_state`` holds already: nothing moves."""
+        takes its share of the rest; not the state of ``leaving``, the parameters the plan is about to stream, whose
+        state the planner leaves off the device. Returns why that much (None: nothing held). On the CPU the device
+        is host RAM, which ``host_state`` holds already: nothing moves."""
         if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
             return None
         # The plan counts weights, gradients, activations and the streaming window, not the runtime's context, the
         # logits or the allocator's slack: no more than the warm-up's measured peak leaves.
         room = device_memory_headroom(self.device)
         want = plan.state_on_device if room is None else min(plan.state_on_device, room)
-        self.optimizer.control.hold_state_on_device(want)
+        self.optimizer.control.hold_state_on_device(want, leaving)
         return "what the plan leaves of its memory" if want == plan.state_on_device else \
             f"the plan left {format_bytes(plan.state_on_device)}, the warm-up's measured peak {format_bytes(room)}"
 

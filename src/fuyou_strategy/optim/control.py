@@ -205,14 +205,18 @@ class OptimizerControl:
         ``install``, which `attach_weights` follows). Between steps."""
         self.state.heal_masters()
 
-    def hold_state_on_device(self, nbytes: int) -> int:
+    def hold_state_on_device(self, nbytes: int, leaving: Iterable[torch.nn.Parameter] = ()) -> int:
         """Let the state's device tier hold ``nbytes`` of the device's memory and move this rank's first parameters'
         state that fits onto it, or off it to the SSD when the tier shrinks (`OptimizerState.hold_on_device`;
-        the host tier then takes what it has room for of the rest); returns the bytes on the device.
-        Between steps: the updates left for the next forward land first. Bitwise nothing changes on the CPU."""
+        the host tier then takes what it has room for of the rest); returns the bytes on the device. ``leaving``:
+        parameters about to be streamed (`attach_weights` next), whose state the tier does not take, so that it is
+        not moved there only to leave again. Between steps: the updates left for the next forward land first.
+        Bitwise nothing changes on the CPU."""
         self.sharding.land()
         self.state.drain()
-        return self.state.hold_on_device(self.sharding.owned(self.params), nbytes)
+        leaving = {id(p) for p in leaving}  # the Parameter objects (the streamer keeps each one)
+        owned = self.sharding.owned(self.params)
+        return self.state.hold_on_device(owned, nbytes, leaving=[ps for ps in owned if id(ps.param) in leaving])
 
     def measure_next_forward(self, why: str) -> None:
         """Run ``next_forward`` until a window of it is measured (`ScheduleChooser.probe`: the next two windows where

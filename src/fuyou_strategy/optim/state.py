@@ -417,17 +417,19 @@ class OptimizerState:
                 self.in_memory.add(ps.index)
         return self.store.bytes_in_memory
 
-    def hold_on_device(self, owned: list[ParamState], nbytes: int | None = None) -> int:
+    def hold_on_device(self, owned: list[ParamState], nbytes: int | None = None, *,
+                       leaving: Iterable[ParamState] = ()) -> int:
         """Let the device tier hold ``nbytes`` of state (None: its present size): move the first parameters' state
-        that fits (in order,
-        whole, `_tier` afresh) onto their devices, from the SSD or the host tier, and the state of those it no
-        longer takes (a smaller tier; a parameter now streamed) out to the SSD; then the host tier takes what
-        it has room for of the rest (`hold_in_ram` at its present size). Returns the bytes on the device now.
+        that fits (in order, whole, `_tier` afresh) onto their devices, from the SSD or the host tier, and the state
+        of those it no longer takes (a smaller tier; a parameter now streamed, or ``leaving``: about to be, `stream`)
+        out to the SSD; then the host tier takes what it has room for of the rest (`hold_in_ram` at its present
+        size). Returns the bytes on the device now.
         A device that runs out of memory part-way (``torch.OutOfMemoryError``: memory the plan counted is taken)
         stops the tier's growth there, with a warning: the entry that did not fit stays where it was, whole.
         Bitwise nothing changes on the CPU. Only between steps, with nothing in flight (after `drain`)."""
         nbytes = self.store.device_limit if nbytes is None else nbytes
-        keep = self._tier(owned, nbytes, device=True)
+        skip = {ps.index for ps in leaving}
+        keep = self._tier([ps for ps in owned if ps.index not in skip], nbytes, device=True)
         self.heal_masters([ps for ps in owned if ps.index in keep])  # their masters leave the parameters
         self.leave_device([ps for ps in owned if ps.index not in keep])
         self.store.allow_on_device(nbytes)
