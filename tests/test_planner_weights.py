@@ -298,12 +298,12 @@ def test_weights_streamed_after_a_warm_up_whose_parameters_held_their_masters_re
 def test_a_streamed_blocks_state_leaves_the_device_tier_to_the_next_parameters_and_the_host_tier_takes_its_share(
         tmp_path, device_state):
     """The device tier holds the first parameters' state that fits (``device_state``: some, or all of it), a block's
-    among them; the plan then streams every block. Their state leaves the device (their weights and gradients do), and the room it
-    leaves goes to the next resident parameters in order (`OptimizerState.stream`, then `hold_on_device`): the
-    placement the planner predicts (`planner.cost._state_on_device`). The host tier (``host_state="auto"``) takes
-    what the plan leaves it of the rest; the summary and the config say what each tier took; nothing changes a
-    number. (The state once left the device for the SSD whatever room the tiers had, and the report of the host
-    tier's share came before it moved.)"""
+    among them; the plan then streams every block. Their state leaves the device (their weights and gradients do),
+    and the room it leaves goes to the next resident parameters in order (`OptimizerState.stream`, then
+    `hold_on_device`): the placement the planner predicts (`planner.cost._state_on_device`). The host tier
+    (``host_state="auto"``) takes what the plan leaves it of the rest; the summary and the config say what each tier
+    took; nothing changes a number. (The state once left the device for the SSD whatever room the tiers had, and the
+    report of the host tier's share came before it moved.)"""
     _resident_model, _reference, resident, streamed = roomy_full_fine_tune(tmp_path)
     state_bytes = lambda ps: TensorStore.footprint(ps.nbytes, ps.stride, 2)  # noqa: E731
     runs, total = {}, 0

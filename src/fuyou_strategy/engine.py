@@ -400,8 +400,10 @@ class FuyouEngine:
         parameter's state leaves the device tier, whose room goes to the next parameters (`OptimizerState.stream`),
         as the plan predicts. From then on the engine's config says what each tier took, and the host budget's
         split counts the state's share (the streamer's and the swapper's derive from it); both are said."""
-        named = dict(self.model.named_parameters())
-        leaving = [named[name] for name in streamed_parameter_names(self.model, self.config, weights)] if weights else []
+        leaving = []  # the parameters the streamer is about to take
+        if weights:
+            named = dict(self.model.named_parameters())
+            leaving = [named[name] for name in streamed_parameter_names(self.model, self.config, weights)]
         device_why = self._hold_state_on_device(plan, leaving)
         in_ram = self._hold_state_in_ram(plan)
         if weights:
