@@ -385,11 +385,10 @@ def one_slot_faster(two: Plan, one: Plan) -> bool:
 def holds_state_in_ram(two: Plan, one: Plan) -> bool:
     """Whether the model computes on the CPU (`Profile.host_compute`) and ``one`` holds the whole optimizer state off
     the SSD where ``two`` leaves some there, and is not predicted slower than ``two`` by more than `ONE_SLOT_HINT`
-    allows. Where the model computes on the CPU its
-    updates run on the compute's cores, so speculation (two slots) overlaps no arithmetic: it only hides the state's
-    SSD traffic under backward, and costs a shadow copy. With no SSD traffic left, one slot does the same work with
-    less (the case where the schedule chooser runs ``next_forward`` with two slots too,
-    `OptimizerControl._exact_first`); the cost model does not see it, since it counts those updates on cores of their
-    own."""
+    allows. Where the model computes on the CPU its updates run on the compute's cores, so speculation (two slots)
+    overlaps no arithmetic: it only hides the state's SSD traffic under backward, and costs a shadow copy. With no
+    SSD traffic left, one slot does the same work with less (the case where the schedule chooser runs
+    ``next_forward`` with two slots too, `OptimizerControl._exact_first`); the cost model does not see it, since it
+    counts those updates on cores of their own."""
     return bool(one.profile.get("host_compute")) and one.state_on_ssd == 0 < two.state_on_ssd and \
         one.predicted_step_s * ONE_SLOT_HINT <= two.predicted_step_s
