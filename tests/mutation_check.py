@@ -221,12 +221,22 @@ MUTANTS = [
            "optim/control.py", "        if left_device:  # the room", "        if False:  # the room",
            ("test_planner_weights.py",)),
     Mutant("state-split-before-streaming", "the host tier's share is recorded before a streamed block's state moved",
-           "engine.py", "        if weights:\n            self._install_streamer(weights)\n        figures = "
-           "self.optimizer.control.figures()\n", "        figures = self.optimizer.control.figures()\n"
+           "engine.py", "        if weights:\n            self._install_streamer(weights)\n        self._record_state_tiers("
+           "device_why, in_ram, \"beside the plan's activations and weights\")\n",
+           "        self._record_state_tiers(device_why, in_ram, \"beside the plan's activations and weights\")\n"
            "        if weights:\n            self._install_streamer(weights)\n", ("test_planner_weights.py",)),
     Mutant("device-headroom", "the engine moves the plan's device tier whatever the warm-up's peak leaves",
            "engine.py", "want = plan.state_on_device if room is None else min(plan.state_on_device, room)",
            "want = plan.state_on_device", ("test_device_state.py",)),
+    Mutant("device-no-regrow", "the device tier stays at what the warm-up's peak left, whatever the plan frees",
+           "engine.py", "            if self._device_tier_asked is not None:", "            if False:",
+           ("test_device_state.py",)),
+    Mutant("device-cache-kept",
+           "the allocator's cache is not released at the plan: the warm-up's reserve bounds the tier",
+           "engine.py", "            release_cached_memory(self.device)\n", "", ("test_device_state.py",)),
+    Mutant("device-regrow-each-step", "the device tier is grown after every step, not once",
+           "engine.py", "asked, self._device_tier_asked = self._device_tier_asked, None",
+           "asked = self._device_tier_asked", ("test_device_state.py",)),
     Mutant("device-both-tiers", "the host tier also takes parameters the device tier holds", "optim/state.py",
            "skip = not self._device_eligible(ps) if device else ps.index in self.on_device",
            "skip = not self._device_eligible(ps) if device else False", ("test_device_state.py",)),

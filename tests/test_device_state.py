@@ -11,6 +11,7 @@ import torch
 
 from conftest import decay_groups, tiny_causal_lm
 from fuyou_strategy import FuyouAdamW, FuyouConfig, FuyouEngine, device
+from fuyou_strategy.config import format_bytes
 from fuyou_strategy.optim import updates
 from fuyou_strategy.optim.gradients import Gradients
 from fuyou_strategy.optim.state import OptimizerState
@@ -319,6 +320,57 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     engine.close()
     assert 0 < held <= headroom and engine.config.device_state == held
     assert any("device_state='auto'" in line and "measured peak" in line for line in said), said
+    assert_torchs(model, ref_model, losses, ref_losses)
+
+
+@pytest.mark.parametrize("host_state", [0, "auto"])
+def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under_the_plan_leaves(
+        tmp_path, monkeypatch, host_state):
+    """The warm-up's peak bounds the device tier at the plan, though its steps kept every activation and weight the
+    plan may not: the engine then releases the allocator's cache (`device.release_cached_memory`) and, after the
+    first step under the plan, grows the tier once to what that step left free (`device.device_memory_left`,
+    `FuyouEngine._grow_device_tier`), up to what the plan asked; the host tier (``host_state="auto"``) takes the next
+    parameters that fit; the config and the report say so, and training goes on bitwise. The CPU stands in for the
+    accelerator (as above)."""
+    import fuyou_strategy.engine as engine_module
+    from fuyou_strategy.planner import Plan
+
+    model, ref_model, ref_losses = beside_torch()
+    said, events = [], []
+    engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
+                         config=config(tmp_path, "backward", host_state=host_state, host_memory_budget="4MiB"),
+                         report=said.append)
+    opt = engine.optimizer
+    taken = lambda: opt.stats.steps + opt.stats.skips  # noqa: E731 - the optimizer steps run so far
+    # free beside the warm-up's peak at the plan; then beside what the first step under it reserved
+    monkeypatch.setattr(engine_module, "device_memory_headroom",
+                        lambda device: events.append(("peak", taken())) or 150 * 1024)
+    monkeypatch.setattr(engine_module, "device_memory_left",
+                        lambda device: events.append(("left", taken())) or 200 * 1024)
+    monkeypatch.setattr(engine_module, "release_cached_memory", lambda device: events.append(("released", taken())))
+    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
+    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
+                budgets={}, state_on_device=10**9, state_in_ram=300 * 1024)
+    engine.plan = plan
+    engine._place_state(plan)  # what the engine does once the warm-up's plan is solved
+    engine.device = torch.device("cpu")
+    at_plan = opt.store.bytes_on_device
+    in_ram_at_plan = opt.store.bytes_in_memory
+    losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
+    grown = opt.store.bytes_on_device
+    in_ram, summary = opt.store.bytes_in_memory, engine.summary()
+    room = opt.store.memory_limit - in_ram  # what the host tier has left
+    state = opt.control.state
+    on_ssd = [TensorStore.footprint(ps.nbytes, ps.stride, 2) for ps in state.owned
+              if ps.index not in state.on_device and ps.index not in state.in_memory]
+    engine.close()
+    assert events == [("peak", 0), ("released", 0), ("left", 1)], events  # the tier grew once, after one step
+    assert 0 < at_plan <= 150 * 1024 < grown <= at_plan + 200 * 1024, (at_plan, grown)
+    assert engine.config.device_state == grown == summary["device_bytes_optimizer_state"]
+    assert any("the first step under it left" in line and format_bytes(grown) in line for line in said), said
+    if host_state == "auto":  # the host tier took the next parameters that fit, and its share is recorded
+        assert in_ram_at_plan > 0 and in_ram > 0 and on_ssd and all(need > room for need in on_ssd), (room, on_ssd)
+        assert in_ram == engine.config.host_state == engine.memory.state_in_ram
     assert_torchs(model, ref_model, losses, ref_losses)
 
 

@@ -274,6 +274,48 @@ def test_the_device_tier_updates_on_the_device_bitwise_adamw_fused_there(tmp_pat
         opt.close()
 
 
+def test_the_plans_device_tier_grows_after_the_first_planned_step_to_what_that_step_left(tmp_path, compute_device,
+                                                                                         monkeypatch):
+    """``device_state="auto"`` with the planner on an accelerator: at the plan the tier is bounded by the warm-up's
+    headroom (made 150 KiB here, as a warm-up that kept every activation of a large model leaves little); the
+    allocator's cache is released, and after the first planned step the tier grows to what that step left free: here
+    the whole state. The allocator's peak statistics are kept. The CPU's device is host RAM, where the tier does not
+    move: test_device_state.py checks the engine's steps there, with the CPU standing in for the accelerator."""
+    if compute_device.type != "cuda":
+        pytest.skip("an accelerator's memory; test_device_state.py checks the engine's steps on the CPU")
+    import fuyou_strategy.engine as engine_module
+    from test_device_state import placement
+
+    monkeypatch.setattr(engine_module, "device_memory_headroom", lambda device: 150 * 1024)
+    model = tiny_causal_lm("llama").to(compute_device)
+    said, sizes = [], []  # per step: (planned, the tier's bytes after it)
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), report=said.append,
+                         config=config(tmp_path, activations="auto", planner_warmup_steps=2, host_state=0))
+    opt = engine.optimizer
+    try:
+        for step in range(6):
+            engine.begin_micro_batch(update=True)
+            x = ids(step, compute_device)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sizes.append((engine.plan is not None, opt.store.bytes_on_device))
+            if step == 0:
+                warm_up_peak = torch.cuda.max_memory_allocated(compute_device)
+            assert torch.isfinite(loss).item()
+        where = placement(opt)
+        peak = torch.cuda.max_memory_allocated(compute_device)
+    finally:
+        engine.close()
+    at = [planned for planned, _n in sizes].index(True)  # the step whose end applied the plan
+    assert all(n == 0 for _planned, n in sizes[:at]), sizes  # nothing during the warm-up
+    assert sizes[at][1] <= 150 * 1024 < sizes[at + 1][1] == sizes[-1][1], sizes
+    assert set(where) == {"device"}, where
+    assert any("the first step under it left" in line for line in said), said
+    assert peak >= warm_up_peak  # not reset
+
+
 @pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("max_norm", [MAX_NORM, None])
 def test_a_step_decided_on_the_device_tier_is_clip_grad_norm_and_adamw_fused_there_bitwise(tmp_path, compute_device,

@@ -386,6 +386,25 @@ def device_memory_headroom(device: torch.device) -> int | None:
     return max(0, free - (peak - reserved) - int(DEVICE_MARGIN * total))
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Give the blocks the caching allocator holds unused back to the accelerator (``torch.cuda.empty_cache``):
+    from here on what this process reserves is what the steps that follow take (`device_memory_left`), not what
+    the steps before took, such as the activations a warm-up kept. The allocator's peak statistics, which a user may
+    read for the whole run, are left as they are. Nothing on the CPU, or before CUDA holds anything."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def device_memory_left(device: torch.device) -> int | None:
+    """Bytes of an accelerator's memory free beside all this process reserves now, less `DEVICE_MARGIN` of the total.
+    After `release_cached_memory` and a step, that is what the step's peak left: the caching allocator keeps the
+    blocks a step reserved. ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, free - int(DEVICE_MARGIN * total))
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """Total memory of an accelerator; ``None`` for the CPU (the device tier is host RAM)."""
     if device.type == "cuda":

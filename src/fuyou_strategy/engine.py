@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
 from .config import ConfigError, FuyouConfig, Settings, format_bytes, resolve
-from .device import device_memory_headroom
+from .device import device_memory_headroom, device_memory_left, release_cached_memory
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -313,6 +313,8 @@ class FuyouEngine:
         self.streamer: WeightStreamer | None = None
         self.plan: Plan | None = None
         self.profiler: WarmupProfiler | None = None
+        # The device tier the plan asked for, until the first step under it measured what it leaves (`_grow_device_tier`).
+        self._device_tier_asked: int | None = None
         self._step_hook: Any = None
         self._step_pre_hook: Any = None
         self.reporting: RunReport | None = None  # made once the optimizer is: it reads its counters
@@ -399,7 +401,9 @@ class FuyouEngine:
         "auto"), then stream ``weights`` (the plan's, where the streamer is not installed yet): a streamed
         parameter's state leaves the device tier, whose room goes to the next parameters (`OptimizerState.stream`),
         as the plan predicts. From then on the engine's config says what each tier took, and the host budget's
-        split counts the state's share (the streamer's and the swapper's derive from it); both are said."""
+        split counts the state's share (the streamer's and the swapper's derive from it); both are said. The
+        device's cached memory is then released, so that what the first step under the plan reserves measures what
+        that step takes, and the device tier grows to what it leaves (`_grow_device_tier`)."""
         leaving = []  # the parameters the streamer is about to take
         if weights:
             named = dict(self.model.named_parameters())
@@ -408,6 +412,14 @@ class FuyouEngine:
         in_ram = self._hold_state_in_ram(plan)
         if weights:
             self._install_streamer(weights)
+        self._record_state_tiers(device_why, in_ram, "beside the plan's activations and weights")
+        if device_why is not None:
+            release_cached_memory(self.device)
+            self._device_tier_asked = plan.state_on_device
+
+    def _record_state_tiers(self, device_why: str | None, in_ram: bool, beside: str) -> None:
+        """Record what the device tier (where ``device_why`` says why it holds that much) and the host tier (where
+        ``in_ram``: ``host_state="auto"``) hold now: the engine's config, the host budget's split; and say so."""
         figures = self.optimizer.control.figures()
         total = figures.state_ssd_bytes + figures.state_ram_bytes + figures.state_device_bytes
         if device_why is not None:
@@ -418,7 +430,25 @@ class FuyouEngine:
             self.memory.state_in_ram = figures.state_ram_bytes  # the budget's split from now on
             self.config = self.config.replace(host_state=figures.state_ram_bytes)  # as applied, as summary() says
             self._report_state_split(f"(what host_memory_budget={format_bytes(self.config.host_memory_budget)} "
-                                     "leaves beside the plan's activations and weights), the rest on the SSD")
+                                     f"leaves {beside}), the rest on the SSD")
+
+    def _grow_device_tier(self) -> None:
+        """After the first step under the plan: let the device tier take what that step left free, up to what the
+        plan asked (`device_memory_left`: `_place_state` released the allocator's cache, so what is reserved now is
+        what the step took). At the plan the tier was bounded by the warm-up's peak, whose steps kept every activation
+        and weight on the device, which the plan may not. The memory that frees is measured here, not predicted: a
+        cost model that counts short cannot run the device out of memory. The host tier then takes what it has room
+        for of the rest. Every rank calls it once (data parallel: the tier lands the pending updates, a collective),
+        each within its own device's memory."""
+        asked, self._device_tier_asked = self._device_tier_asked, None
+        held = self.optimizer.control.figures().state_device_bytes
+        room = device_memory_left(self.device) or 0
+        want = max(held, min(asked, held + room))
+        if self.optimizer.control.hold_state_on_device(want) > held:
+            self._record_state_tiers(f"the plan asked {format_bytes(asked)}; the first step under it left "
+                                     f"{format_bytes(room)} of the device's memory free",
+                                     self.settings.config.host_state == "auto", "beside the plan")
+            self.reporting.plan_applied()  # its predicted step against the steps after the tier grew
 
     def _hold_state_on_device(self, plan: Plan, leaving: list[torch.nn.Parameter]) -> str | None:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
@@ -505,6 +535,8 @@ class FuyouEngine:
                     f"; {more} more under next_forward, to time a run that never speculates (state_slots='auto')"
                     if more else ""))
         else:
+            if self._device_tier_asked is not None:
+                self._grow_device_tier()
             self.reporting.report_plan()
 
     def _plan_from_warmup(self) -> None:
