@@ -323,9 +323,10 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     assert_torchs(model, ref_model, losses, ref_losses)
 
 
+@pytest.mark.parametrize("schedule", ["backward", "next_forward"])
 @pytest.mark.parametrize("host_state", [0, "auto"])
 def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under_the_plan_leaves(
-        tmp_path, monkeypatch, host_state):
+        tmp_path, monkeypatch, host_state, schedule):
     """The warm-up's peak bounds the device tier at the plan, though its steps kept every activation and weight the
     plan may not: the engine then releases the allocator's cache (`device.release_cached_memory`) and, after the
     first step under the plan, grows the tier once to what that step left free (`device.device_memory_left`,
@@ -338,7 +339,7 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
     model, ref_model, ref_losses = beside_torch()
     said, events = [], []
     engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
-                         config=config(tmp_path, "backward", host_state=host_state, host_memory_budget="4MiB"),
+                         config=config(tmp_path, schedule, host_state=host_state, host_memory_budget="4MiB"),
                          report=said.append)
     opt = engine.optimizer
     taken = lambda: opt.stats.steps + opt.stats.skips  # noqa: E731 - the optimizer steps run so far
