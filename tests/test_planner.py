@@ -563,3 +563,49 @@ def test_the_warm_up_times_a_blocks_forward_without_its_wait_for_updates(monkeyp
         assert profiler._micro[-1]["fwd"] == [3.0, 0.5]
     finally:
         profiler.remove()
+
+
+@pytest.mark.parametrize("budget", ["1GiB", None], ids=["device-budget", "no-budget"])
+def test_a_training_batch_larger_than_the_warm_ups_is_warned_of_once_where_the_device_bounds_the_plan(
+        tmp_path, budget):
+    """The plan (and the optimizer state's device tier) is sized for the warm-up's batches: after it, the first
+    training micro-batch with more tokens warns, naming both sizes and the fix; larger ones after it, batches no larger,
+    and forwards without gradients do not. Without a device budget (the CPU's default) nothing bounds the plan by the
+    device's memory, and nothing warns."""
+    import warnings
+
+    from conftest import tiny_causal_lm
+    from fuyou_strategy import FuyouEngine
+
+    model = tiny_causal_lm("llama")
+    cfg = FuyouConfig(swap_dirs=[str(tmp_path)], chunk_size="8KiB", activation_min_bytes=0, activations="auto",
+                      planner_warmup_steps=2, **({"device_memory_budget": budget} if budget else {}))
+    engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), config=cfg)
+
+    def step(seq, grad=True):
+        x = torch.randint(0, 101, (2, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            engine.begin_micro_batch(update=True)
+            loss = model(input_ids=x, labels=x).loss
+            if grad:
+                loss.backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+        return [str(w.message) for w in said if "warm-up's" in str(w.message)]
+
+    try:
+        seen = [step(seq) for seq in (12, 16, 8)]  # the warm-up: its largest has 16 tokens a row
+        assert engine.plan is not None and seen == [[], [], []]
+        assert step(16) == [] and step(24, grad=False) == [], "no larger, or no activations saved"
+        larger = step(20)
+        assert step(24) == [] and step(20) == []
+    finally:
+        engine.close()
+    if budget is None:
+        assert larger == []
+        return
+    assert len(larger) == 1 and "1.25x the largest of the warm-up's" in larger[0], larger
+    hidden = model.config.hidden_size  # the first block's input: 2 rows of 20 tokens against 2 of 16
+    assert f"{2 * 20 * hidden:,} elements into the first block against {2 * 16 * hidden:,}" in larger[0]
+    assert "device_state" in larger[0]

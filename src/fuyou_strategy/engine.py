@@ -46,7 +46,7 @@ from .params import WeightStreamer
 from .params.materialize import has_meta, materialize, model_device
 from .params.streaming import streamed_parameter_names
 from .planner import WEIGHT_TIERS, Plan, PlanError, one_slot, one_slot_faster, solve, worth_one_slot
-from .planner.profile import WarmupProfiler
+from .planner.profile import BatchGuard, WarmupProfiler
 from .run_report import RunReport
 from .storage import MemoryTiers
 from .storage.wear import Wear
@@ -313,6 +313,7 @@ class FuyouEngine:
         self.streamer: WeightStreamer | None = None
         self.plan: Plan | None = None
         self.profiler: WarmupProfiler | None = None
+        self._batch_guard: BatchGuard | None = None  # the warm-up's largest batch, then a larger one warned of
         # The device tier the plan asked for, until the first step under it measured what it leaves (`_grow_device_tier`).
         self._device_tier_asked: int | None = None
         self._step_hook: Any = None
@@ -359,6 +360,7 @@ class FuyouEngine:
             elif config.activations == "auto":
                 blocks = discover_blocks(model, config.blocks)
                 # state_slots="auto" compares a run that speculates with one that never does: both timed
+                self._batch_guard = BatchGuard(blocks[0]) if blocks else None
                 self.profiler = WarmupProfiler(model, blocks, config, self.optimizer, config.planner_warmup_steps,
                                                memory=self.memory, next_forward_windows=config.state_slots == "auto"
                                                and config.optimizer_schedule == "auto" and self.optimizer.shards is None)
@@ -595,6 +597,11 @@ class FuyouEngine:
         # the warm-up's windows cost what the plan no longer does
         self.optimizer.control.expect(self.plan.predicted_by_schedule(), forget_measured=True)
         self.reporting.plan_applied()
+        if self._batch_guard is not None:  # a larger batch is warned of where the device's memory bounds the plan
+            if self.plan.budgets.get("device") is not None:
+                self._batch_guard.arm()
+            else:
+                self._batch_guard.remove()
 
     def _one_slot(self, profile: Any, two: Plan | None, how: dict[str, Any]) -> Plan | None:
         """The plan with one slot of state, where this run has two (``state_slots`` 2 or "auto") and one is worth
@@ -746,6 +753,8 @@ class FuyouEngine:
         if self.profiler is not None:
             self.profiler.remove()
             self.profiler = None
+        if self._batch_guard is not None:
+            self._batch_guard.remove()
 
     def _close_swapper(self) -> None:
         if self.swapper is not None:

@@ -32,6 +32,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile, Timings
 
-__all__ = ["WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput", "device_adam_throughput",
+__all__ = ["BatchGuard", "WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput", "device_adam_throughput",
            "device_state_bytes"]
 
 log = logging.getLogger("fuyou_strategy")
@@ -294,6 +295,59 @@ class WarmupProfiler:
             notes={"device": str(self.device), "measured_step_s": self.step_times[1:main] or self.step_times[:main],
                    **({"next_forward_step_s": self.step_times[main + 1:]} if self.steps > self._main_steps else {})},
         )
+
+
+class BatchGuard:
+    """The largest training micro-batch a warm-up ran, as the elements of the first block's first input (its tokens
+    times the hidden size); once armed (`arm`: the plan applied), a warning at the first training forward with a
+    larger one, and no more checks: the plan's activation policies and the optimizer state's device tier
+    (`FuyouEngine._grow_device_tier`) were sized for the warm-up's batches, and a longer one needs more activation
+    memory than was measured. A forward without gradients (evaluation) saves no activations: not counted."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        self.largest = 0  # elements of the warm-up's largest first input to ``block``
+        self.armed = False
+        self._handle: Any = block.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    @staticmethod
+    def _elements(args: tuple, kwargs: dict) -> int | None:
+        """Elements of the block's input: its first positional tensor, else ``hidden_states`` or the first tensor
+        among its keyword arguments."""
+        first = first_tensor(args)
+        if first is None:
+            first = kwargs.get("hidden_states")
+            if not isinstance(first, torch.Tensor):
+                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        return None if first is None else first.numel()
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        n = self._elements(args, kwargs)
+        if n is None:
+            return
+        if not self.armed:
+            self.largest = max(self.largest, n)
+        elif n > self.largest:
+            self.remove()
+            warnings.warn(
+                f"fuyou planner: a training micro-batch {n / self.largest:.2f}x the largest of the warm-up's ({n:,} "
+                f"elements into the first block against {self.largest:,}): the plan's activation policies and the "
+                "optimizer state's device tier were sized for the warm-up's batches, and a longer one can run the "
+                "device out of memory. Pad every batch to one length (the longest the run will see), at least "
+                "during the warm-up, or give FuyouConfig's activations and device_state explicitly",
+                stacklevel=2)
+
+    def arm(self) -> None:
+        """From now on warn at the first larger batch (nothing to compare with if the warm-up saw none)."""
+        self.armed = True
+        if not self.largest:
+            self.remove()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 def _packed_weight_bytes(block: torch.nn.Module) -> tuple[int, int]:
