@@ -1,0 +1,13 @@
+# What this folder's files came from (run from the repository root, the venv at /work/main/.venv).
+PY=/work/main/.venv/bin/python
+$PY tests/mutation_check.py --new-only --no-baseline --only device-no-regrow --only device-cache-kept \
+  --only device-regrow-each-step --only device-headroom --only state-split-before-streaming \
+  --only batch-guard-unarmed --only batch-guard-every-batch --only batch-guard-eval \
+  --json docs/history/results/device_tier_growth_2026-12-07/mutants.json > docs/history/results/device_tier_growth_2026-12-07/mutants.txt 2>&1
+$PY docs/history/results/device_tier_growth_2026-12-07/pose_cuda_test.py . /tmp/posed
+(cd /tmp/posed && PYTHONPATH=/tmp/posed/src:/tmp/posed $PY -m pytest -q -p no:cacheprovider tests/test_on_device.py \
+  -k grows_after -rA) > docs/history/results/device_tier_growth_2026-12-07/posed_cuda_test.txt 2>&1
+# the same posed test with the growth removed (mutant device-no-regrow applied by hand): it must fail
+sed -i 's/            if self._device_tier_asked is not None:/            if False:/' /tmp/posed/src/fuyou_strategy/engine.py
+(cd /tmp/posed && PYTHONPATH=/tmp/posed/src:/tmp/posed $PY -m pytest -q -p no:cacheprovider tests/test_on_device.py \
+  -k grows_after 2>&1 | grep -E "^E  |passed|failed" | head -6) > docs/history/results/device_tier_growth_2026-12-07/posed_cuda_test_no_regrow.txt
