@@ -31,7 +31,7 @@ def global_batches(seed=0):
     return [[torch.randint(0, 101, (2 * PER_RANK, SEQ), generator=g) for _ in range(ACCUMULATE)] for _ in range(STEPS)]
 
 
-def _rank_main(rank, world, tmp, family, fields):
+def _rank_main(rank, world, tmp, family, fields, grow=False):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -46,6 +46,7 @@ def _rank_main(rank, world, tmp, family, fields):
         engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config=config,
                              max_grad_norm=0.5, process_group=dist.group.WORLD)
         try:
+            tier = _tier_to_grow(engine, rank) if grow else lambda: None
             state_bytes = sum(e.slots * e.nchunks * e.stride for name, e in engine.optimizer.store.entries.items()
                               if name.startswith("adamw."))
             for micro_batches in global_batches():
@@ -63,12 +64,42 @@ def _rank_main(rank, world, tmp, family, fields):
                         "norm": stats.last_grad_norm, "owned": engine.optimizer.shards.loads[rank],
                         "run_dirs": engine.optimizer.store.run_dirs, "pending": pending,
                         "params": len(list(model.parameters())), "summary": engine.summary(),
-                        "plan": dataclasses.asdict(engine.plan) if engine.plan is not None else None},
+                        "plan": dataclasses.asdict(engine.plan) if engine.plan is not None else None,
+                        "tier": tier()},
                        f"{tmp}/rank{rank}.pt")
         finally:
             engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def _tier_to_grow(engine, rank):
+    """test_device_state's growth of a plan's device tier, on each rank: the engine, told its device is an
+    accelerator, places the tier in the 48 KiB the warm-up's peak left; the first step under the plan then leaves rank
+    0 96 KiB more and rank 1 nothing. Returns a function of (the rank's tier at the plan, its tier now)."""
+    import fuyou_strategy.engine as engine_module
+    from fuyou_strategy.planner import Plan
+
+    engine_module.device_memory_headroom = lambda device: 48 * 1024  # this process's module: the rank's own device
+    engine_module.device_memory_left = lambda device: 96 * 1024 if rank == 0 else 0
+    engine_module.release_cached_memory = lambda device: None
+    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
+    engine.plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0,
+                       ssd_peak=0, budgets={}, state_on_device=10**9)
+    engine._place_state(engine.plan)  # what the engine does once rank 0's plan is solved and broadcast
+    engine.device = torch.device("cpu")
+    at_plan = engine.optimizer.store.bytes_on_device
+    return lambda: (at_plan, engine.optimizer.store.bytes_on_device)
+
+
+def assert_bitwise_the_ranks_sum(ranks, family="gpt2", **reference_args):
+    """Every rank's weights and last global norm are bitwise one process's summing the ranks' gradients alike
+    (`reference`)."""
+    same_sum, norms = reference(family, as_ranks=True, **reference_args)
+    for r in ranks:
+        assert r["norm"] == norms[-1]
+        for name, p in same_sum.state_dict().items():
+            assert torch.equal(p, r["weights"][name]), name
 
 
 def sum_as_ranks(model, micro_batches):
@@ -158,11 +189,7 @@ def test_two_ranks_with_part_of_their_state_in_host_ram_train_like_one_process(t
     spawn_ranks(_rank_main, args=(2, str(tmp_path), "gpt2", {"optimizer_schedule": "next_forward", **split}), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["host_bytes_optimizer_state"] > 0 for r in ranks), "each rank kept some of its shard in RAM"
-    same_sum, norms = reference("gpt2", as_ranks=True)
-    for r in ranks:
-        assert r["norm"] == norms[-1]
-        for name, p in same_sum.state_dict().items():
-            assert torch.equal(p, r["weights"][name]), name
+    assert_bitwise_the_ranks_sum(ranks)
 
 
 def test_two_ranks_with_a_compact_state_train_like_one_process(tmp_path):
@@ -172,11 +199,7 @@ def test_two_ranks_with_a_compact_state_train_like_one_process(tmp_path):
              nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["summary"]["state_format"] == "bf16" for r in ranks)
-    same_sum, norms = reference("gpt2", as_ranks=True, bf16_moments=True)
-    for r in ranks:
-        assert r["norm"] == norms[-1]
-        for name, p in same_sum.state_dict().items():
-            assert torch.equal(p, r["weights"][name]), name
+    assert_bitwise_the_ranks_sum(ranks, bf16_moments=True)
 
 
 # Llama's weights are 100,224 bytes: with one block on the device at a time, each rank trains in less.
@@ -257,11 +280,7 @@ def test_the_planner_chooses_the_weight_tiers_under_data_parallelism_alike_on_ev
     for r in ranks:
         assert r["summary"]["weight_tiers"] == tiers
         assert r["summary"]["device_peak_bytes"] <= budget
-    same_sum, norms = reference("llama", as_ranks=True)
-    for r in ranks:
-        assert r["norm"] == norms[-1]
-        for name, p in same_sum.state_dict().items():
-            assert torch.equal(p, r["weights"][name]), name
+    assert_bitwise_the_ranks_sum(ranks, "llama")
 
 
 def _mismatched(rank, world, tmp):
@@ -361,6 +380,22 @@ def test_lightning_fuyou_ddp_on_two_processes_trains_like_one_device_on_the_glob
     assert ranks[0]["norm"] == pytest.approx(opt.stats.last_grad_norm, rel=1e-5)
     assert max_relative_difference(module.state_dict(), ranks[0]["weights"]) <= TOLERANCE
     assert abs(ranks[0]["state_bytes"] - ranks[1]["state_bytes"]) <= 0.2 * sum(r["state_bytes"] for r in ranks)
+
+
+def test_two_ranks_grow_their_plans_device_tier_each_on_its_own_measure_and_train_like_one_process(tmp_path):
+    """``device_state="auto"`` on an accelerator (the CPU standing in, `_tier_to_grow`): after the first step under
+    rank 0's plan every rank lands its pending updates and grows its tier to what its own device left free, rank 0
+    more, rank 1 not at all; no rank waits on a collective the other did not join, and the run is bitwise one
+    process summing the ranks' gradients alike."""
+    fields = {"optimizer_schedule": "next_forward", "host_state": "64KiB"}
+    # a rank that skipped the landing would leave the other waiting in a collective: a run takes seconds
+    spawn_ranks(_rank_main, args=(2, str(tmp_path), "gpt2", fields, True), nprocs=2, timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    (at_plan, grown), (at_plan_1, kept) = ranks[0]["tier"], ranks[1]["tier"]
+    assert 0 < at_plan <= 48 * 1024 < grown <= at_plan + 96 * 1024, ranks[0]["tier"]
+    assert 0 < at_plan_1 == kept <= 48 * 1024, ranks[1]["tier"]
+    assert [r["summary"]["device_bytes_optimizer_state"] for r in ranks] == [grown, kept]
+    assert_bitwise_the_ranks_sum(ranks)
 
 
 def _states(engine) -> dict:
@@ -1035,8 +1070,4 @@ def test_two_ranks_with_part_of_their_shard_on_the_device_tier_train_like_one_pr
         s = r["summary"]
         assert s["device_bytes_optimizer_state"] > 0 and s["host_bytes_optimizer_state"] > 0, s
         assert s["ssd_bytes_optimizer_state"] > 0
-    same_sum, norms = reference("gpt2", as_ranks=True)
-    for r in ranks:
-        assert r["norm"] == norms[-1]
-        for name, p in same_sum.state_dict().items():
-            assert torch.equal(p, r["weights"][name]), name
+    assert_bitwise_the_ranks_sum(ranks)
