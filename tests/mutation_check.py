@@ -221,8 +221,8 @@ MUTANTS = [
            "optim/control.py", "        if left_device:  # the room", "        if False:  # the room",
            ("test_planner_weights.py",)),
     Mutant("state-split-before-streaming", "the host tier's share is recorded before a streamed block's state moved",
-           "engine.py", "        if weights:\n            self._install_streamer(weights)\n        self._record_state_tiers("
-           "device_why, in_ram, \"beside the plan's activations and weights\")\n",
+           "engine.py", "        if weights:\n            self._install_streamer(weights)\n"
+           "        self._record_state_tiers(device_why, in_ram, \"beside the plan's activations and weights\")\n",
            "        self._record_state_tiers(device_why, in_ram, \"beside the plan's activations and weights\")\n"
            "        if weights:\n            self._install_streamer(weights)\n", ("test_planner_weights.py",)),
     Mutant("device-headroom", "the engine moves the plan's device tier whatever the warm-up's peak leaves",

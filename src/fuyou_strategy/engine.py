@@ -314,7 +314,8 @@ class FuyouEngine:
         self.plan: Plan | None = None
         self.profiler: WarmupProfiler | None = None
         self._batch_guard: BatchGuard | None = None  # the warm-up's largest batch, then a larger one warned of
-        # The device tier the plan asked for, until the first step under it measured what it leaves (`_grow_device_tier`).
+        # The device tier the plan asked for, until the first step under it measured what it leaves
+        # (`_grow_device_tier`).
         self._device_tier_asked: int | None = None
         self._step_hook: Any = None
         self._step_pre_hook: Any = None

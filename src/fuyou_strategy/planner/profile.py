@@ -55,8 +55,8 @@ from ..storage import HostBuffer, HostBufferPool, round_up
 from ..storage.probe import measure_bandwidth
 from .cost import BlockProfile, Profile, Timings
 
-__all__ = ["BatchGuard", "WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput", "device_adam_throughput",
-           "device_state_bytes"]
+__all__ = ["BatchGuard", "WarmupProfiler", "ssd_bandwidth", "link_bandwidth", "adam_throughput",
+           "device_adam_throughput", "device_state_bytes"]
 
 log = logging.getLogger("fuyou_strategy")
 

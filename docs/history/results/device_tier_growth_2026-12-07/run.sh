@@ -11,3 +11,7 @@ $PY docs/history/results/device_tier_growth_2026-12-07/pose_cuda_test.py . /tmp/
 sed -i 's/            if self._device_tier_asked is not None:/            if False:/' /tmp/posed/src/fuyou_strategy/engine.py
 (cd /tmp/posed && PYTHONPATH=/tmp/posed/src:/tmp/posed $PY -m pytest -q -p no:cacheprovider tests/test_on_device.py \
   -k grows_after 2>&1 | grep -E "^E  |passed|failed" | head -6) > docs/history/results/device_tier_growth_2026-12-07/posed_cuda_test_no_regrow.txt
+# the data-parallel mutant (all of test_distributed.py; the growth test's ranks time out after 120 s when one rank
+# skips the growth's landing, a collective)
+$PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-where-room \
+  --json docs/history/results/device_tier_growth_2026-12-07/mutant_dp.json > docs/history/results/device_tier_growth_2026-12-07/mutant_dp.txt 2>&1
