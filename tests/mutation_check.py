@@ -241,6 +241,8 @@ MUTANTS = [
            "engine.py", "        if self.optimizer.control.hold_state_on_device(want) > held:",
            "        if want > held and self.optimizer.control.hold_state_on_device(want) > held:",
            ("test_distributed.py",)),
+    Mutant("device-regrow-compared-early", "the plan's predicted step is compared with steps that paid the tier's move",
+           "engine.py", "            self.reporting.plan_moved()", "            pass", ("test_device_state.py",)),
     Mutant("batch-guard-unarmed", "a batch larger than the warm-up's goes unremarked after the plan",
            "engine.py", "                self._batch_guard.arm()", "                self._batch_guard.remove()",
            ("test_planner.py",)),

@@ -354,6 +354,7 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
                 budgets={}, state_on_device=10**9, state_in_ram=300 * 1024)
     engine.plan = plan
     engine._place_state(plan)  # what the engine does once the warm-up's plan is solved
+    engine.reporting.plan_applied()  # and then: its predicted step is compared with the steps after it
     engine.device = torch.device("cpu")
     at_plan = opt.store.bytes_on_device
     in_ram_at_plan = opt.store.bytes_in_memory
@@ -366,6 +367,7 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
               if ps.index not in state.on_device and ps.index not in state.in_memory]
     engine.close()
     assert events == [("peak", 0), ("released", 0), ("left", 1)], events  # the tier grew once, after one step
+    assert engine.reporting._plan_applied_at == 1, "the comparison with the prediction starts after the move"
     assert 0 < at_plan <= 150 * 1024 < grown <= at_plan + 200 * 1024, (at_plan, grown)
     assert engine.config.device_state == grown == summary["device_bytes_optimizer_state"]
     assert any("the first step under it left" in line and format_bytes(grown) in line for line in said), said

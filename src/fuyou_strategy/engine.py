@@ -451,7 +451,7 @@ class FuyouEngine:
             self._record_state_tiers(f"the plan asked {format_bytes(asked)}; the first step under it left "
                                      f"{format_bytes(room)} of the device's memory free",
                                      self.settings.config.host_state == "auto", "beside the plan")
-            self.reporting.plan_applied()  # its predicted step against the steps after the tier grew
+            self.reporting.plan_moved()  # its predicted step against the steps after the tier grew
 
     def _hold_state_on_device(self, plan: Plan, leaving: list[torch.nn.Parameter]) -> str | None:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``

@@ -134,6 +134,12 @@ class RunReport:
         self._plan_applied_at = len(self.step_times)
         self._planned_at_step = self._optimizer.stats.steps
 
+    def plan_moved(self) -> None:
+        """The plan's optimizer state moved after its first step (`FuyouEngine._grow_device_tier`): where the
+        predicted step is being compared with the measured one, the comparison starts again after the move."""
+        if self._plan_applied_at is not None and not self._plan_reported:
+            self.plan_applied()
+
     def report_plan(self) -> None:
         """Once a few planned steps ran: the plan's predicted step time against the measured one."""
         plan = self.engine.plan

@@ -15,3 +15,5 @@ sed -i 's/            if self._device_tier_asked is not None:/            if Fal
 # skips the growth's landing, a collective)
 $PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-where-room \
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_dp.json > docs/history/results/device_tier_growth_2026-12-07/mutant_dp.txt 2>&1
+$PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-compared-early \
+  --json docs/history/results/device_tier_growth_2026-12-07/mutant_compared.json > docs/history/results/device_tier_growth_2026-12-07/mutant_compared.txt 2>&1
