@@ -323,16 +323,18 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     assert_torchs(model, ref_model, losses, ref_losses)
 
 
+@pytest.mark.parametrize("measured", [True, False], ids=["warm-up", "pinned"])
 @pytest.mark.parametrize("schedule", ["backward", "next_forward"])
 @pytest.mark.parametrize("host_state", [0, "auto"])
 def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under_the_plan_leaves(
-        tmp_path, monkeypatch, host_state, schedule):
+        tmp_path, monkeypatch, host_state, schedule, measured):
     """The warm-up's peak bounds the device tier at the plan, though its steps kept every activation and weight the
-    plan may not: the engine then releases the allocator's cache (`device.release_cached_memory`) and, after the
-    first step under the plan, grows the tier once to what that step left free (`device.device_memory_left`,
-    `FuyouEngine._grow_device_tier`), up to what the plan asked; the host tier (``host_state="auto"``) takes the next
-    parameters that fit; the config and the report say so, and training goes on bitwise. The CPU stands in for the
-    accelerator (as above)."""
+    plan may not; a pinned plan has no step measured at all, and its tier starts empty. The engine then releases the
+    allocator's cache (`device.release_cached_memory`) and, after the first step under the plan, grows the tier once
+    to what that step left free (`device.device_memory_left`, `FuyouEngine._grow_device_tier`), up to what the plan
+    asked; the host tier (``host_state="auto"``) takes the next parameters that fit; the config and the report say
+    so; a comparison of the plan's predicted step with the measured ones, where one was begun (not for a pinned
+    plan), restarts after the move; training goes on bitwise. The CPU stands in for the accelerator (as above)."""
     import fuyou_strategy.engine as engine_module
     from fuyou_strategy.planner import Plan
 
@@ -353,8 +355,9 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
     plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
                 budgets={}, state_on_device=10**9, state_in_ram=300 * 1024)
     engine.plan = plan
-    engine._place_state(plan)  # what the engine does once the warm-up's plan is solved
-    engine.reporting.plan_applied()  # and then: its predicted step is compared with the steps after it
+    engine._place_state(plan, measured=measured)  # the warm-up's plan solved, or a pinned plan at construction
+    if measured:
+        engine.reporting.plan_applied()  # and then: its predicted step is compared with the steps after it
     engine.device = torch.device("cpu")
     at_plan = opt.store.bytes_on_device
     in_ram_at_plan = opt.store.bytes_in_memory
@@ -366,9 +369,15 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
     on_ssd = [TensorStore.footprint(ps.nbytes, ps.stride, 2) for ps in state.owned
               if ps.index not in state.on_device and ps.index not in state.in_memory]
     engine.close()
-    assert events == [("peak", 0), ("released", 0), ("left", 1)], events  # the tier grew once, after one step
-    assert engine.reporting._plan_applied_at == 1, "the comparison with the prediction starts after the move"
-    assert 0 < at_plan <= 150 * 1024 < grown <= at_plan + 200 * 1024, (at_plan, grown)
+    grew = [("released", 0), ("left", 1)]  # the tier grew once, after one step
+    if measured:
+        assert events == [("peak", 0), *grew], events
+        assert 0 < at_plan <= 150 * 1024 < grown <= at_plan + 200 * 1024, (at_plan, grown)
+        assert engine.reporting._plan_applied_at == 1, "the comparison with the prediction starts after the move"
+    else:
+        assert events == grew, events
+        assert at_plan == 0 < grown <= 200 * 1024, (at_plan, grown)
+        assert engine.reporting._plan_applied_at is None, "a pinned plan begins no comparison"
     assert engine.config.device_state == grown == summary["device_bytes_optimizer_state"]
     assert any("the first step under it left" in line and format_bytes(grown) in line for line in said), said
     if host_state == "auto":  # the host tier took the next parameters that fit, and its share is recorded

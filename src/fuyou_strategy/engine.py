@@ -355,7 +355,7 @@ class FuyouEngine:
             self.optimizer.control.initialise_materialized()
             if self.plan is not None:
                 self.optimizer.control.expect(self.plan.predicted_by_schedule())
-                self._place_state(self.plan)  # its weights are streamed already
+                self._place_state(self.plan, measured=False)  # its weights are streamed already
                 self._install_swapper(self.plan.activations)
                 self.report(f"fuyou planner: applying the pinned plan {config.plan}")
             elif config.activations == "auto":
@@ -399,19 +399,20 @@ class FuyouEngine:
         self.streamer.install()
         self.optimizer.control.attach_weights(self.streamer)
 
-    def _place_state(self, plan: Plan, weights: dict | None = None) -> None:
+    def _place_state(self, plan: Plan, weights: dict | None = None, *, measured: bool = True) -> None:
         """Hold the optimizer state ``plan`` leaves the device and host RAM (``device_state`` and ``host_state``
         "auto"), then stream ``weights`` (the plan's, where the streamer is not installed yet): a streamed
         parameter's state leaves the device tier, whose room goes to the next parameters (`OptimizerState.stream`),
         as the plan predicts. From then on the engine's config says what each tier took, and the host budget's
         split counts the state's share (the streamer's and the swapper's derive from it); both are said. The
         device's cached memory is then released, so that what the first step under the plan reserves measures what
-        that step takes, and the device tier grows to what it leaves (`_grow_device_tier`)."""
+        that step takes, and the device tier grows to what it leaves (`_grow_device_tier`). Without a ``measured``
+        step (a pinned plan, before the first) the device tier starts empty and takes only what that step leaves."""
         leaving = []  # the parameters the streamer is about to take
         if weights:
             named = dict(self.model.named_parameters())
             leaving = [named[name] for name in streamed_parameter_names(self.model, self.config, weights)]
-        device_why = self._hold_state_on_device(plan, leaving)
+        device_why = self._hold_state_on_device(plan, leaving, measured)
         in_ram = self._hold_state_in_ram(plan)
         if weights:
             self._install_streamer(weights)
@@ -453,19 +454,23 @@ class FuyouEngine:
                                      self.settings.config.host_state == "auto", "beside the plan")
             self.reporting.plan_moved()  # its predicted step against the steps after the tier grew
 
-    def _hold_state_on_device(self, plan: Plan, leaving: list[torch.nn.Parameter]) -> str | None:
+    def _hold_state_on_device(self, plan: Plan, leaving: list[torch.nn.Parameter], measured: bool) -> str | None:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
         leaves it (`Plan.state_on_device`: the first parameters' state, updated there), before the host tier
         takes its share of the rest; not the state of ``leaving``, the parameters the plan is about to stream, whose
-        state the planner leaves off the device. Returns why that much (None: nothing held). On the CPU the device
-        is host RAM, which ``host_state`` holds already: nothing moves."""
+        state the planner leaves off the device; without a ``measured`` step (a pinned plan, before its first) none,
+        until `_grow_device_tier` reads what that step left. Returns why that much (None: the tier is not the plan's
+        to place). On the CPU the device is host RAM, which ``host_state`` holds already: nothing moves."""
         if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
             return None
         # The plan counts weights, gradients, activations and the streaming window, not the runtime's context, the
-        # logits or the allocator's slack: no more than the warm-up's measured peak leaves.
-        room = device_memory_headroom(self.device)
+        # logits or the allocator's slack: no more than the warm-up's measured peak leaves, and with no step measured
+        # yet nothing (after the first step, what it left: `_grow_device_tier`).
+        room = device_memory_headroom(self.device) if measured else 0
         want = plan.state_on_device if room is None else min(plan.state_on_device, room)
         self.optimizer.control.hold_state_on_device(want, leaving)
+        if not measured:
+            return f"the plan asks {format_bytes(plan.state_on_device)}: the first step under it measures how much fits"
         return "what the plan leaves of its memory" if want == plan.state_on_device else \
             f"the plan left {format_bytes(plan.state_on_device)}, the warm-up's measured peak {format_bytes(room)}"
 

@@ -17,3 +17,5 @@ $PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-where-
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_dp.json > docs/history/results/device_tier_growth_2026-12-07/mutant_dp.txt 2>&1
 $PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-compared-early \
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_compared.json > docs/history/results/device_tier_growth_2026-12-07/mutant_compared.txt 2>&1
+$PY tests/mutation_check.py --new-only --no-baseline --only device-pinned-unmeasured \
+  --json docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.json > docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.txt 2>&1
