@@ -609,3 +609,33 @@ def test_a_training_batch_larger_than_the_warm_ups_is_warned_of_once_where_the_d
     hidden = model.config.hidden_size  # the first block's input: 2 rows of 20 tokens against 2 of 16
     assert f"{2 * 20 * hidden:,} elements into the first block against {2 * 16 * hidden:,}" in larger[0]
     assert "device_state" in larger[0]
+
+
+def test_the_plans_activations_are_sized_for_the_warm_ups_longest_micro_batch_the_first_included(tmp_path):
+    """Where the warm-up's batch lengths vary, the profile's activation bytes are its largest micro-batch's, the
+    first step's included (a length-grouped sampler puts the longest batch first), not the median of the later
+    steps': a warm-up of one 16-token batch then two of 8 profiles what three of 16 do. Times stay medians."""
+    from conftest import tiny_causal_lm
+    from fuyou_strategy import FuyouEngine
+
+    def warm_up(lengths):
+        model = tiny_causal_lm("llama")
+        (tmp_path / str(lengths)).mkdir()
+        cfg = FuyouConfig(swap_dirs=[str(tmp_path / str(lengths))], chunk_size="8KiB", activation_min_bytes=0,
+                          activations="auto", planner_warmup_steps=3, device_memory_budget="1GiB")
+        engine = FuyouEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), config=cfg)
+        try:
+            for seq in lengths:
+                x = torch.randint(0, 101, (2, seq), generator=torch.Generator().manual_seed(seq))
+                engine.begin_micro_batch(update=True)
+                model(input_ids=x, labels=x).loss.backward()
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+            assert engine.plan is not None
+            return engine.plan.act_bytes
+        finally:
+            engine.close()
+
+    longest_first, all_long, all_short = warm_up((16, 8, 8)), warm_up((16, 16, 16)), warm_up((8, 8, 8))
+    assert longest_first == all_long and all(a > s > 0 for a, s in zip(all_long, all_short)), (longest_first,
+                                                                                               all_long, all_short)

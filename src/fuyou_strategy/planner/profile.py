@@ -19,7 +19,8 @@
   directories' free space). Both bandwidth probes move their bytes through a buffer of the
   optimizer's host pool, idle between steps, so they stay within ``host_memory_budget``.
 
-The first step is discarded (allocator and cache warm-up); medians of the rest are used. With
+The first step's times are discarded (allocator and cache warm-up); medians of the rest are used. Activation bytes
+are the largest micro-batch's, the first step's included: memory is sized for the longest batch seen. With
 ``next_forward_windows`` (``state_slots="auto"``), where those steps speculated, the optimizer then runs two
 windows under ``next_forward`` (`OptimizerControl.measure_next_forward`; the first is a transition) and the second's
 compute and update rate are `Profile.next_forward_timings`: what the plan with one slot of state is solved on.
@@ -236,11 +237,15 @@ class WarmupProfiler:
         return Timings(fwd, bwd, other / 3, 2 * other / 3, self.adam_rate(since=self._measured_from))
 
     def profile(self) -> Profile:
-        """The measured profile (medians over the micro-batches after the first step)."""
+        """The measured profile: times are medians over the micro-batches after the first step; activation bytes the
+        largest micro-batch's, the first step's included."""
         records = self._complete(self._main_records())
         fwd, bwd, other = self._timings(records)
         n = len(self.blocks)
-        act = [int(statistics.median(r["act"][i] for r in records)) for i in range(n)]
+        # Memory is sized for the largest micro-batch the warm-up ran, the first step's included (its counts are exact;
+        # only its times are not): where batch lengths vary, a plan sized for the median runs the device out of memory
+        # at the next long batch (the Trainer's length-grouped sampler puts the longest first).
+        act = [max(r["act"][i] for r in self._main_records()) for i in range(n)]
         params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         packed = [_packed_weight_bytes(b) for b in self.blocks]

@@ -19,3 +19,5 @@ $PY tests/mutation_check.py --new-only --no-baseline --only device-regrow-compar
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_compared.json > docs/history/results/device_tier_growth_2026-12-07/mutant_compared.txt 2>&1
 $PY tests/mutation_check.py --new-only --no-baseline --only device-pinned-unmeasured \
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.json > docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.txt 2>&1
+$PY tests/mutation_check.py --new-only --no-baseline --only act-median \
+  --json docs/history/results/device_tier_growth_2026-12-07/mutant_act.json > docs/history/results/device_tier_growth_2026-12-07/mutant_act.txt 2>&1
