@@ -21,3 +21,5 @@ $PY tests/mutation_check.py --new-only --no-baseline --only device-pinned-unmeas
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.json > docs/history/results/device_tier_growth_2026-12-07/mutant_pinned.txt 2>&1
 $PY tests/mutation_check.py --new-only --no-baseline --only act-median \
   --json docs/history/results/device_tier_growth_2026-12-07/mutant_act.json > docs/history/results/device_tier_growth_2026-12-07/mutant_act.txt 2>&1
+# the GPU lease's script rehearsed on the CPU at toy sizes, after every change above (torch's start-up warnings left out)
+SMOKE=1 bash benchmarks/gpu_quick.sh 2>&1 | grep -v "W1208\|torchao/_C" > docs/history/results/device_tier_growth_2026-12-07/gpu_quick_smoke.txt
