@@ -405,6 +405,14 @@ def device_memory_left(device: torch.device) -> int | None:
     return max(0, free - int(DEVICE_MARGIN * total))
 
 
+def device_memory_allocated(device: torch.device) -> int | None:
+    """Bytes of an accelerator's memory this process's tensors hold now (the caching allocator's count). ``None`` on
+    the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device)
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """Total memory of an accelerator; ``None`` for the CPU (the device tier is host RAM)."""
     if device.type == "cuda":

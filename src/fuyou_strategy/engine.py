@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .activations import ActivationSwapper, Policy, discover_blocks
 from .cleanup import close_all, undo_after
 from .config import ConfigError, FuyouConfig, Settings, format_bytes, resolve
-from .device import device_memory_headroom, device_memory_left, release_cached_memory
+from .device import device_memory_allocated, device_memory_headroom, device_memory_left, release_cached_memory
 from .optim import FuyouAdamW
 from .optim.distributed import sync_module_states
 from .params import WeightStreamer
@@ -407,7 +407,7 @@ class FuyouEngine:
         split counts the state's share (the streamer's and the swapper's derive from it); both are said. The
         device's cached memory is then released, so that what the first step under the plan reserves measures what
         that step takes, and the device tier grows to what it leaves (`_grow_device_tier`). Without a ``measured``
-        step (a pinned plan, before the first) the device tier starts empty and takes only what that step leaves."""
+        step (a pinned plan, before its first) the tier leaves free what the plan counts its steps to take."""
         leaving = []  # the parameters the streamer is about to take
         if weights:
             named = dict(self.model.named_parameters())
@@ -458,21 +458,27 @@ class FuyouEngine:
         """With ``device_state="auto"`` on an accelerator, hold as much optimizer state on the device as ``plan``
         leaves it (`Plan.state_on_device`: the first parameters' state, updated there), before the host tier
         takes its share of the rest; not the state of ``leaving``, the parameters the plan is about to stream, whose
-        state the planner leaves off the device; without a ``measured`` step (a pinned plan, before its first) none,
-        until `_grow_device_tier` reads what that step left. Returns why that much (None: the tier is not the plan's
-        to place). On the CPU the device is host RAM, which ``host_state`` holds already: nothing moves."""
+        state the planner leaves off the device; without a ``measured`` step (a pinned plan, before its first) no more
+        than leaves free what the plan counts its steps to take, until `_grow_device_tier` reads what that step left.
+        Returns why that much (None: the tier is not the plan's to place). On the CPU the device is host RAM, which
+        ``host_state`` holds already: nothing moves."""
         if self.config.device_state != "auto" or self.device.type in ("cpu", "meta") or not plan.state_on_device:
             return None
         # The plan counts weights, gradients, activations and the streaming window, not the runtime's context, the
-        # logits or the allocator's slack: no more than the warm-up's measured peak leaves, and with no step measured
-        # yet nothing (after the first step, what it left: `_grow_device_tier`).
-        room = device_memory_headroom(self.device) if measured else 0
+        # logits or the allocator's slack: no more than the warm-up's measured peak leaves free, less 5% of the device.
+        # With no step measured yet (a pinned plan), the free memory less 5% and less what the plan counts its steps
+        # to take beyond what is allocated now; after the first step, what it left (`_grow_device_tier`).
+        room = device_memory_headroom(self.device)
+        if room is not None and not measured:
+            steps_take = plan.device_peak - plan.state_on_device - (device_memory_allocated(self.device) or 0)
+            room = max(0, room - max(0, steps_take))
         want = plan.state_on_device if room is None else min(plan.state_on_device, room)
         self.optimizer.control.hold_state_on_device(want, leaving)
-        if not measured:
-            return f"the plan asks {format_bytes(plan.state_on_device)}: the first step under it measures how much fits"
-        return "what the plan leaves of its memory" if want == plan.state_on_device else \
-            f"the plan left {format_bytes(plan.state_on_device)}, the warm-up's measured peak {format_bytes(room)}"
+        if want == plan.state_on_device:
+            return "what the plan leaves of its memory"
+        return f"the plan left {format_bytes(plan.state_on_device)}, " + (
+            f"the warm-up's measured peak {format_bytes(room)}" if measured else
+            f"the device's free memory beside what the plan's steps take {format_bytes(room)}")
 
     def _hold_state_in_ram(self, plan: Plan) -> bool:
         """With ``host_state="auto"``, let the state's host tier hold what ``plan`` leaves it (`Plan.state_in_ram`):
