@@ -9,6 +9,8 @@ SIGTERM (how Slurm and Kubernetes stop jobs) kills without running atexit handle
 exist a handler removes them, then dies of SIGTERM as the default would. It is installed from the main thread
 only, in place of the default action (never of an application's handler), and the default returns with the
 last run directory. A later handler that calls ours (Lightning's) decides what SIGTERM means; ours does nothing.
+A forked child (a DataLoader worker) owns none of its parent's run directories: SIGTERM takes its default action
+there again.
 
 Other folders a killed process may leave (a checkpoint save) record their owner with `write_owner`;
 `owner_gone` and `temp_writer_gone` tell whether anyone still writes them. A zombie counts as gone.
@@ -233,10 +235,15 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _forget_parent_runs() -> None:
-    """In a forked child (a DataLoader worker): it owns none of its parent's run directories."""
+    """In a forked child (a DataLoader worker): it owns none of its parent's run directories, and SIGTERM takes its
+    default action again, as before any run: the kernel's, whatever the child is doing. Under our handler a SIGTERM
+    that arrived just before a wait for signals (``signal.pause``) stayed pending until another signal came, and the
+    child never died."""
     global _live_lock
     _live_lock = threading.RLock()  # another thread of the parent may have held it at the fork
     _live.clear()
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # never an application's handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 os.register_at_fork(after_in_child=_forget_parent_runs)
