@@ -62,6 +62,24 @@ def in_ram_with_no_device_tier(tmp_path, model, schedule="backward"):
                       config=config(tmp_path, schedule, device_state=0, host_state="96KiB"))
 
 
+def place_as_on_an_accelerator(engine, weights=None, *, measured=True, **fields):
+    """What the engine does once a plan is solved (``measured=False``: a pinned plan, at construction), with the
+    engine told its device is an accelerator (only where it decides; every tensor stays on the CPU, the tier's
+    memory host RAM) and a plan that asks a device tier larger than the state (``fields``: the plan's other figures).
+    Returns the plan."""
+    from fuyou_strategy.planner import Plan
+
+    plan = Plan(**{**dict(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0,
+                          ssd_peak=0, budgets={}, state_on_device=10**9), **fields})
+    engine.plan = plan
+    engine.device = torch.device("cuda")
+    try:
+        engine._place_state(plan, weights, measured=measured)
+    finally:
+        engine.device = torch.device("cpu")
+    return plan
+
+
 @pytest.mark.parametrize("schedule,slots", [("backward", 2), ("next_forward", 2), ("auto", 2), ("next_forward", 1)])
 @pytest.mark.parametrize("split", sorted(SPLITS))
 def test_any_split_with_a_device_tier_trains_bitwise_like_torch(tmp_path, split, schedule, slots):
@@ -300,7 +318,6 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     context or the allocator's slack), says so, and training goes on bitwise. The CPU stands in for the
     accelerator here (the engine is told its device is one; the tier's memory is then host RAM)."""
     import fuyou_strategy.engine as engine_module
-    from fuyou_strategy.planner import Plan
 
     model, ref_model, ref_losses = beside_torch()
     said = []
@@ -310,11 +327,7 @@ def test_auto_on_an_accelerator_holds_what_the_plan_leaves_within_the_warm_ups_m
     assert engine.config.device_state == "auto" and opt.store.bytes_on_device == 0, "nothing before a plan"
     headroom = 150 * 1024
     monkeypatch.setattr(engine_module, "device_memory_headroom", lambda device: headroom)
-    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
-    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
-                budgets={}, state_on_device=10**9)
-    engine._place_state(plan)  # what the engine does once the warm-up's plan is solved
-    engine.device = torch.device("cpu")
+    place_as_on_an_accelerator(engine)  # what the engine does once the warm-up's plan is solved
     held = opt.store.bytes_on_device
     losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
     engine.close()
@@ -330,13 +343,13 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
         tmp_path, monkeypatch, host_state, schedule, measured):
     """The warm-up's peak bounds the device tier at the plan, though its steps kept every activation and weight the
     plan may not; a pinned plan has no step measured at all, and its tier leaves free what the plan counts its steps
-    to take beyond what is allocated. The engine then releases the allocator's cache (`device.release_cached_memory`) and, after the first step under the plan, grows the tier once
-    to what that step left free (`device.device_memory_left`, `FuyouEngine._grow_device_tier`), up to what the plan
-    asked; the host tier (``host_state="auto"``) takes the next parameters that fit; the config and the report say
-    so; a comparison of the plan's predicted step with the measured ones, where one was begun (not for a pinned
-    plan), restarts after the move; training goes on bitwise. The CPU stands in for the accelerator (as above)."""
+    to take beyond what is allocated. The engine then releases the allocator's cache
+    (`device.release_cached_memory`) and, after the first step under the plan, grows the tier once to what that step
+    left free (`device.device_memory_left`, `FuyouEngine._grow_device_tier`), up to what the plan asked; the host
+    tier (``host_state="auto"``) takes the next parameters that fit; the config and the report say so; a comparison
+    of the plan's predicted step with the measured ones, where one was begun (not for a pinned plan), restarts after
+    the move; training goes on bitwise. The CPU stands in for the accelerator (as above)."""
     import fuyou_strategy.engine as engine_module
-    from fuyou_strategy.planner import Plan
 
     model, ref_model, ref_losses = beside_torch()
     said, events = [], []
@@ -354,14 +367,10 @@ def test_auto_on_an_accelerator_grows_the_tier_once_to_what_the_first_step_under
     # a pinned plan's steps take 100 KiB beyond its state, 40 KiB of it allocated already: 90 KiB of the 150 is left
     monkeypatch.setattr(engine_module, "device_memory_allocated",
                         lambda device: events.append(("allocated", taken())) or 40 * 1024)
-    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
-    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=10**9 + 100 * 1024,
-                host_peak=0, ssd_peak=0, budgets={}, state_on_device=10**9, state_in_ram=300 * 1024)
-    engine.plan = plan
-    engine._place_state(plan, measured=measured)  # the warm-up's plan solved, or a pinned plan at construction
+    # the warm-up's plan solved, or a pinned plan at construction
+    place_as_on_an_accelerator(engine, measured=measured, device_peak=10**9 + 100 * 1024, state_in_ram=300 * 1024)
     if measured:
         engine.reporting.plan_applied()  # and then: its predicted step is compared with the steps after it
-    engine.device = torch.device("cpu")
     at_plan = opt.store.bytes_on_device
     in_ram_at_plan = opt.store.bytes_in_memory
     losses, _ = train(model, opt, lambda last: engine.begin_micro_batch(update=last))
@@ -398,7 +407,6 @@ def test_auto_on_an_accelerator_leaves_the_state_of_the_parameters_about_to_be_s
     recorded, not run."""
     import fuyou_strategy.engine as engine_module
     from fuyou_strategy.params.streaming import streamed_parameter_names
-    from fuyou_strategy.planner import Plan
 
     model, _ref_model, _ref_losses = beside_torch()
     engine = FuyouEngine(model, torch.optim.AdamW(decay_groups(model), lr=3e-3, fused=True), max_grad_norm=MAX_NORM,
@@ -409,12 +417,8 @@ def test_auto_on_an_accelerator_leaves_the_state_of_the_parameters_about_to_be_s
     monkeypatch.setattr(opt.control, "hold_state_on_device", lambda *a, **k: moved.append("state") or real(*a, **k))
     monkeypatch.setattr(engine, "_install_streamer", lambda weights: moved.append(("streamer", weights)))
     monkeypatch.setattr(engine_module, "device_memory_headroom", lambda device: None)
-    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
-    plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0, ssd_peak=0,
-                budgets={}, state_on_device=10**9)
     try:
-        engine._place_state(plan, {0: "ssd"})
-        engine.device = torch.device("cpu")
+        place_as_on_an_accelerator(engine, {0: "ssd"})
         names = set(streamed_parameter_names(model, engine.config, {0: "ssd"}))
         at = dict(zip((id(ps.param) for ps in opt.adam_state.owned), placement(opt)))  # the optimizer's order
         where = {name: at[id(p)] for name, p in model.named_parameters()}

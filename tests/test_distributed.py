@@ -78,16 +78,12 @@ def _tier_to_grow(engine, rank):
     accelerator, places the tier in the 48 KiB the warm-up's peak left; the first step under the plan then leaves rank
     0 96 KiB more and rank 1 nothing. Returns a function of (the rank's tier at the plan, its tier now)."""
     import fuyou_strategy.engine as engine_module
-    from fuyou_strategy.planner import Plan
+    from test_device_state import place_as_on_an_accelerator
 
     engine_module.device_memory_headroom = lambda device: 48 * 1024  # this process's module: the rank's own device
     engine_module.device_memory_left = lambda device: 96 * 1024 if rank == 0 else 0
     engine_module.release_cached_memory = lambda device: None
-    engine.device = torch.device("cuda")  # only where the engine decides; every tensor stays on the CPU
-    engine.plan = Plan(policies=[], act_bytes=[], reasons=[], predicted_step_s=1.0, device_peak=0, host_peak=0,
-                       ssd_peak=0, budgets={}, state_on_device=10**9)
-    engine._place_state(engine.plan)  # what the engine does once rank 0's plan is solved and broadcast
-    engine.device = torch.device("cpu")
+    place_as_on_an_accelerator(engine)  # what the engine does once rank 0's plan is solved and broadcast
     at_plan = engine.optimizer.store.bytes_on_device
     return lambda: (at_plan, engine.optimizer.store.bytes_on_device)
 
