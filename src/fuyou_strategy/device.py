@@ -378,12 +378,12 @@ DEVICE_MARGIN = 0.05  # of an accelerator's memory left free beside the step's m
 def device_memory_headroom(device: torch.device) -> int | None:
     """Bytes of an accelerator's memory this process can still take and keep through a step like the ones so far:
     free now, less what its peak reserved beyond what it reserves now (a step's activations and workspaces, given
-    back between steps), less `DEVICE_MARGIN` of the total (the allocator's fragmentation). ``None`` on the CPU."""
-    if device.type != "cuda":
+    back between steps), less `DEVICE_MARGIN` of the total (the allocator's fragmentation): `device_memory_left`
+    less the peak's excess. ``None`` on the CPU."""
+    left = device_memory_left(device)
+    if left is None:
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
-    return max(0, free - (peak - reserved) - int(DEVICE_MARGIN * total))
+    return max(0, left - (torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)))
 
 
 def release_cached_memory(device: torch.device) -> None:
