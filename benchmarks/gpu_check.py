@@ -124,7 +124,7 @@ def plan_steps(args: argparse.Namespace) -> list[Step]:
         steps.append(Step(f"bench {tag}", f"{systems} on {tag}, {dtype}, batch {batch} x {seq}, on {device}",
                           [py, "-m", "benchmarks.peers", "--device", device, "--arch", arch, "--sizes", size,
                            "--systems", systems, "--dtype", dtype, "--batch", str(batch), "--seq", str(seq),
-                           "--steps", "3", "--warmup", "2", "--rounds", "1", "--swap-dir", swap,
+                           "--steps", "3", "--warmup", "5", "--rounds", "1", "--swap-dir", swap,
                            "--out", str(out / f"bench-{tag}")], SHARES["bench"] * per_model))
     return steps
 

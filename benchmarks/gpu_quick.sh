@@ -11,6 +11,8 @@
 #   BATCH=32 SYSTEMS=torch,fuyou-engine bash benchmarks/gpu_quick.sh  # more tokens per step (GPU memory allows)
 #   WARMUP=14 STEPS=4 SYSTEMS=torch,fuyou-hf,fuyou-hf-backward bash benchmarks/gpu_quick.sh  # auto has measured both
 #                                                     # schedules (8 windows after the plan, 2 of next_forward) by then
+#   The peers' 5 unmeasured steps (WARMUP) are the planner's 3 profiled steps and the first 2 under its plan: the
+#   device tier takes the state at the plan and grows after the first planned step, so a timed step is a planned one.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh               # on any machine, before a lease: every step on the CPU at
 #                                                     # toy sizes (tests collected, not run), so a broken call is
 #                                                     # found here rather than in the device's 15 minutes
@@ -46,7 +48,7 @@ echo "tests exit $?"; tail -25 "$OUT/tests.log"
 echo "== peers at ${SIZE:-350M} (at $(( $(date +%s) - S )) s)"
 timeout -k 5 "${T_BENCH:-270}" $PY -m benchmarks.peers --device $DEV --arch gpt2 --sizes "${SIZE:-350M}" \
   --systems "${SYSTEMS:-torch,fuyou-hf,fuyou-lightning,fuyou-lightning@device_state=12GiB,fuyou-state-ssd,fuyou-ssd}" --dtype "${DTYPE:-bf16}" \
-  --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --steps "${STEPS:-3}" --warmup "${WARMUP:-2}" --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
+  --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --steps "${STEPS:-3}" --warmup "${WARMUP:-5}" --rounds 1 --swap-dir "$WORK/swap" --out "$WORK/bench" \
   --trace "$WORK/trace" > "$OUT/bench.log" 2>&1
 echo "bench exit $?"; tail -30 "$OUT/bench.log"
 (cd "$WORK" && tar czf "$OUT/results.tgz" bench trace swap/*.log 2>/dev/null)
