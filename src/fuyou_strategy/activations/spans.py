@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import trace
-from .swap import first_tensor, in_backward
+from .swap import block_input, first_tensor, in_backward
 
 __all__ = ["BlockSpans"]
 
@@ -32,8 +32,7 @@ class BlockSpans:
             self._starts[i] = tracer.now()
             if in_backward():
                 return
-            x = first_tensor(args)
-            x = x if x is not None else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            x = block_input(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(self._backward_end(i))
         return hook

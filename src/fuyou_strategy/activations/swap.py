@@ -45,7 +45,7 @@ from ..device import Upload, transfer
 from ..storage import HostBudgetError, HostBuffer, HostShares, MemoryTiers, TensorStore, gather, host_budget_split
 from .blocks import Policy, discover_blocks, resolve_policies
 
-__all__ = ["ActivationSwapper", "SwapStats", "swappable", "first_tensor"]
+__all__ = ["ActivationSwapper", "SwapStats", "swappable", "first_tensor", "block_input"]
 
 
 @dataclass
@@ -251,6 +251,18 @@ def first_tensor(out: Any) -> torch.Tensor | None:
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     return None
+
+
+def block_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A block's input as a forward pre-hook (``with_kwargs=True``) sees it: its first positional tensor, else
+    ``hidden_states`` (how Hugging Face's decoder layers name it when passed by keyword), else the first tensor among
+    its keyword arguments."""
+    x = first_tensor(args)
+    if x is None:
+        x = kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor):
+            x = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return x
 
 
 def _is_dense(t: torch.Tensor) -> bool:

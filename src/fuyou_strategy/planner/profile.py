@@ -40,7 +40,7 @@ import torch
 
 from .. import drives
 from ..activations.blocks import resolve_per_block
-from ..activations.swap import first_tensor, storage_id, swappable
+from ..activations.swap import block_input, first_tensor, storage_id, swappable
 from ..cleanup import undo_after
 from ..config import PAGE, FuyouConfig
 from ..storage import MemoryTiers
@@ -239,13 +239,14 @@ class WarmupProfiler:
     def profile(self) -> Profile:
         """The measured profile: times are medians over the micro-batches after the first step; activation bytes the
         largest micro-batch's, the first step's included."""
-        records = self._complete(self._main_records())
+        main = self._main_records()
+        records = self._complete(main)
         fwd, bwd, other = self._timings(records)
         n = len(self.blocks)
         # Memory is sized for the largest micro-batch the warm-up ran, the first step's included (its counts are exact;
         # only its times are not): where batch lengths vary, a plan sized for the median runs the device out of memory
         # at the next long batch (the Trainer's length-grouped sampler puts the longest first).
-        act = [max(r["act"][i] for r in self._main_records()) for i in range(n)]
+        act = [max(r["act"][i] for r in main) for i in range(n)]
         params = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in self.blocks]
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         packed = [_packed_weight_bytes(b) for b in self.blocks]
@@ -314,23 +315,13 @@ class BatchGuard:
         self.armed = False
         self._handle: Any = block.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    @staticmethod
-    def _elements(args: tuple, kwargs: dict) -> int | None:
-        """Elements of the block's input: its first positional tensor, else ``hidden_states`` or the first tensor
-        among its keyword arguments."""
-        first = first_tensor(args)
-        if first is None:
-            first = kwargs.get("hidden_states")
-            if not isinstance(first, torch.Tensor):
-                first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        return None if first is None else first.numel()
-
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return
-        n = self._elements(args, kwargs)
-        if n is None:
+        x = block_input(args, kwargs)
+        if x is None:
             return
+        n = x.numel()
         if not self.armed:
             self.largest = max(self.largest, n)
         elif n > self.largest:
